@@ -1,0 +1,89 @@
+"""Process-group setup: NCCL on CUDA, gloo on CPU, then megatron-core model parallel state."""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.runtime.cpu import enable_cpu_mode
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> DistInfo:
+    """Initialise the default process group from torchrun's environment (or a 1-rank group).
+
+    On a machine without CUDA this also enters CPU mode, so callers may build megatron-core
+    models right after.
+    """
+    backend = backend or default_backend()
+    if backend == "gloo":
+        enable_cpu_mode()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # plain `python script.py`: a group of one on loopback
+            from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def init_model_parallel(
+    tp: int = 1,
+    pp: int = 1,
+    vpp: int | None = None,
+    cp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """megatron-core's parallel state and its model-parallel RNG, after :func:`init_distributed`."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    world = dist.get_world_size()
+    if world % (tp * pp * cp) != 0:
+        raise ValueError(f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp}")
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=cp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_distributed() -> None:
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()
