@@ -1,0 +1,77 @@
+"""Values derived from a config, defined once so every component agrees on them.
+
+Trainer world size: `trainer.world_size` when set; otherwise all GPUs of the job
+(`trainer.nnodes * trainer.gpus_per_node`) minus the GPUs of the SGLang servers the driver launches
+(`rollout.num_servers * rollout.server_tp`, only when `rollout.engine` is sglang and no external
+`rollout.servers` are listed). External servers and embedded (CPU / small-model) servers take no
+trainer GPUs. On CPU, `trainer.gpus_per_node` counts trainer processes.
+"""
+
+from __future__ import annotations
+
+import os
+
+from megatron_dapo.config.schema import DapoConfig
+
+
+def launched_rollout_gpus(cfg: DapoConfig) -> int:
+    """GPUs taken by SGLang servers that the driver starts itself."""
+    r = cfg.rollout
+    if r.engine == "sglang" and not r.servers:
+        return r.num_servers * r.server_tp
+    return 0
+
+
+def trainer_world_size(cfg: DapoConfig) -> int:
+    if cfg.trainer.world_size is not None:
+        return cfg.trainer.world_size
+    return cfg.trainer.nnodes * cfg.trainer.gpus_per_node - launched_rollout_gpus(cfg)
+
+
+def model_parallel_size(cfg: DapoConfig) -> int:
+    """Ranks holding one replica of the model: tp * pp * cp."""
+    p = cfg.parallel
+    return p.tp * p.pp * p.cp
+
+
+def data_parallel_size(cfg: DapoConfig) -> int:
+    """parallel.dp if set, else trainer world size / (tp * pp * cp) (validation ensures it divides)."""
+    if cfg.parallel.dp is not None:
+        return cfg.parallel.dp
+    return trainer_world_size(cfg) // model_parallel_size(cfg)
+
+
+def expert_tp_size(cfg: DapoConfig) -> int:
+    return cfg.parallel.etp if cfg.parallel.etp is not None else cfg.parallel.tp
+
+
+def expert_data_parallel_size(cfg: DapoConfig) -> int:
+    """Replicas of each expert: the (tp * cp * dp) ranks of a pipeline stage divided by ep * etp."""
+    p = cfg.parallel
+    return p.tp * p.cp * data_parallel_size(cfg) // (p.ep * expert_tp_size(cfg))
+
+
+def max_new_tokens(cfg: DapoConfig) -> int:
+    s = cfg.rollout.sampling.max_new_tokens
+    return s if s is not None else cfg.data.max_response_length
+
+
+def gen_batch_size(cfg: DapoConfig) -> int:
+    """Prompts submitted per generation batch of dynamic sampling."""
+    g = cfg.algo.gen_batch_size
+    return g if g is not None else cfg.algo.train_batch_size
+
+
+def max_tokens_per_micro_batch(cfg: DapoConfig) -> int:
+    m = cfg.algo.max_tokens_per_micro_batch
+    return m if m is not None else cfg.data.max_prompt_length + cfg.data.max_response_length
+
+
+def lr_decay_steps(cfg: DapoConfig) -> int:
+    d = cfg.optimizer.lr_decay_steps
+    return d if d is not None else cfg.trainer.total_steps
+
+
+def checkpoint_dir(cfg: DapoConfig) -> str:
+    c = cfg.checkpoint.save_dir
+    return c if c is not None else os.path.join(cfg.logging.run_dir, "checkpoints")

@@ -1,0 +1,220 @@
+"""The typed configuration of a megatron-dapo run.
+
+One dataclass per section; `DapoConfig` is the whole file. YAML files and `key.sub=value`
+overrides are loaded into these classes by `megatron_dapo.config.load`, and cross-field rules
+live in `megatron_dapo.config.validate`.
+
+Defaults are DAPO's (Yu et al. 2025, arXiv:2503.14476, and verl's `recipe/dapo/run_dapo_qwen2.5_32b.sh`):
+lr 1e-6 with 10 warm-up steps, weight decay 0.1, grad clip 1.0, clip ratios 0.2 / 0.28, token-mean
+loss, dynamic sampling on `acc` with up to 10 generation batches, overlong buffer 4096 with penalty
+1.0, 512 prompts per step in mini-batches of 32, max response 20480 tokens. The paper samples 16
+responses per prompt; the product default is 8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+Dtype = Literal["fp32", "bf16", "fp16"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+@dataclass
+class ModelConfig:
+    # HF model directory (config.json, tokenizer, initial weights). A hub id such as "Qwen/Qwen3-8B"
+    # is accepted too: validation then uses the built-in shape of that model (see config/shapes.py).
+    hf_path: str = ""
+    # Inline HF config.json fields, used for validation / planning when hf_path has no config.json
+    # yet (the tiny CPU configs, whose model directory the demo creates). When both exist they must agree.
+    hf_config: Optional[dict[str, Any]] = None
+    dtype: Dtype = "bf16"  # parameter / compute dtype of the trainer (fp32 master weights in the optimizer)
+    # local = megatron-core's torch layer spec (CPU, tests); transformer_engine = TE spec (GPU).
+    transformer_impl: Literal["local", "transformer_engine"] = "transformer_engine"
+    # Activation recompute: none, selective (attention core only), full (whole layers).
+    recompute_granularity: Literal["none", "selective", "full"] = "none"
+    recompute_method: Literal["uniform", "block"] = "uniform"  # only for full recompute
+    recompute_num_layers: int = 1  # layers per recompute chunk (uniform) or recomputed layers per stage (block)
+    moe_grouped_gemm: bool = True  # grouped GEMM for the experts (TE); ignored for dense models
+    # MoE load-balancing loss weight; None = the HF config's router_aux_loss_coef.
+    moe_aux_loss_coeff: Optional[float] = None
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline parallel size
+    vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B); None = off
+    cp: int = 1  # context parallel size
+    ep: int = 1  # expert parallel size (MoE)
+    etp: Optional[int] = None  # expert tensor parallel size; None = same as tp
+    dp: Optional[int] = None  # data parallel size; None = derived: trainer world size / (tp * pp * cp)
+    sequence_parallel: bool = False  # required for MoE with tp > 1
+    moe_token_dispatcher: Literal["alltoall", "allgather", "flex"] = "alltoall"
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = 1e-6  # DAPO
+    min_lr: float = 0.0  # floor of the decay schedule
+    weight_decay: float = 0.1  # DAPO
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global grad-norm clip; DAPO
+    lr_warmup_steps: int = 10  # linear warm-up over optimizer steps; DAPO
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # verl's DAPO: constant after warm-up
+    lr_decay_steps: Optional[int] = None  # None = trainer.total_steps
+    use_distributed_optimizer: bool = True  # shard optimizer states over data-parallel ranks
+
+
+@dataclass
+class FilterGroupsConfig:
+    """Dynamic sampling: drop groups whose metric has zero spread, generate more until the batch is full."""
+
+    enable: bool = True
+    metric: Literal["acc", "score", "seq_reward"] = "acc"
+    max_num_gen_batches: int = 10  # give up (clear error) after this many generation batches; 0 = no limit
+
+
+@dataclass
+class OverlongBufferConfig:
+    """DAPO soft overlong punishment over the last `len` tokens before max_response_length."""
+
+    enable: bool = True
+    len: int = 4096
+    penalty_factor: float = 1.0
+
+
+@dataclass
+class RolloutISConfig:
+    """Truncated importance weights pi_train / pi_rollout for off-policy (stale) samples."""
+
+    enable: bool = True
+    cap: float = 2.0  # weights are clipped to at most this value
+
+
+@dataclass
+class AlgoConfig:
+    adv_estimator: Literal["grpo"] = "grpo"  # group-normalised advantage
+    norm_adv_by_std: bool = True  # False = Dr.GRPO (r - mean) without the std division
+    clip_ratio_low: float = 0.2  # epsilon_low; DAPO clip-higher
+    clip_ratio_high: float = 0.28  # epsilon_high; DAPO clip-higher
+    clip_ratio_c: Optional[float] = None  # dual-clip bound for A < 0 (verl uses 3.0); None = off
+    loss_agg_mode: LossAggMode = "token-mean"  # DAPO token-level loss over the global batch
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    overlong_filter: bool = False  # mask truncated responses out of the loss (kept in the group baseline)
+    staleness: int = 3  # max weight versions a consumed sample may lag; 0 = synchronous on-policy
+    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    kl_coef: float = 0.0  # DAPO drops the KL term
+    entropy_coeff: float = 0.0
+    train_batch_size: int = 512  # prompts (groups) per training step; DAPO
+    ppo_mini_batch_size: int = 32  # prompts per optimizer step; DAPO
+    ppo_epochs: int = 1
+    # Prompts submitted per generation batch (verl's gen_batch_size); None = train_batch_size.
+    gen_batch_size: Optional[int] = None
+    # Token budget of one packed micro-batch per rank; None = max_prompt_length + max_response_length.
+    max_tokens_per_micro_batch: Optional[int] = None
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off (SGLang's convention)
+    max_new_tokens: Optional[int] = None  # None = data.max_response_length
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SyncConfig:
+    """Weight sync trainer -> rollout servers after each step."""
+
+    bucket_mb: int = 512  # tensors are broadcast in buckets of about this many MiB
+    pause_generation: bool = True  # pause servers during an update; False = let in-flight requests finish
+    flatten_bucket: bool = False  # broadcast one flat buffer per bucket instead of one per tensor
+    verify: bool = False  # after a sync, compare server and trainer logprobs on a probe sequence
+    verify_tolerance: float = 1e-4  # max abs logprob difference accepted by verify
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["sglang", "embedded"] = "sglang"
+    # External server URLs (http://host:port). Empty = the driver launches num_servers servers itself.
+    servers: list[str] = field(default_factory=list)
+    num_servers: int = 1  # servers the driver launches (ignored when `servers` is given)
+    server_tp: int = 1  # GPUs per launched server (SGLang --tp-size)
+    mem_fraction_static: float = 0.8  # SGLang --mem-fraction-static: weights + KV cache share of GPU memory
+    n_resp_per_prompt: int = 8  # group size
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    concurrency: int = 256  # max in-flight /generate requests per server
+    api_key: Optional[str] = None  # sent as Bearer token; launched servers require it
+    request_timeout_s: float = 3600.0  # per /generate request
+    host: str = "127.0.0.1"  # bind address of launched servers
+    extra_args: list[str] = field(default_factory=list)  # appended to the SGLang launch command
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # parquet / jsonl, DAPO-Math-17k schema
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"  # column holding the chat messages
+    max_prompt_length: int = 2048  # longer prompts are dropped (and counted); DAPO
+    max_response_length: int = 20480  # DAPO
+    shuffle: bool = True
+    seed: int = 1  # shuffling seed
+
+
+@dataclass
+class RewardConfig:
+    name: str = "dapo_math"  # registered reward function
+    timeout_s: float = 10.0  # a reward call over this time scores the sample as failed
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
+
+
+@dataclass
+class TrainerConfig:
+    backend: Literal["megatron", "fsdp2"] = "megatron"
+    launcher: Literal["ray", "torchrun"] = "ray"  # torchrun: trainer ranks from torchrun, external servers
+    total_steps: int = 100
+    seed: int = 42
+    nnodes: int = 1
+    gpus_per_node: int = 8  # on CPU: trainer processes per node
+    # Trainer world size; None = nnodes * gpus_per_node minus the GPUs of launched SGLang servers
+    # (rollout.num_servers * rollout.server_tp when engine is sglang and no external servers are given).
+    world_size: Optional[int] = None
+    ray_address: Optional[str] = None  # None = start a local Ray cluster; "auto" = join the running one
+    val_every: int = 0  # steps between validations; 0 = off
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs/default"  # TensorBoard logs, plots, the resolved config, server logs
+    tensorboard: bool = True
+    log_every: int = 1  # steps between console log lines
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    save_dir: Optional[str] = None  # None = <logging.run_dir>/checkpoints
+    save_every: int = 0  # steps between saves; 0 = only at the end
+    resume: bool = False  # continue from the latest complete checkpoint in save_dir
+    keep_last: int = 2  # older checkpoints are deleted; 0 = keep all
+
+
+@dataclass
+class DapoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -1,0 +1,279 @@
+"""Cross-field rules of a config, checked before any process starts.
+
+`validate_config` collects every broken rule and raises one ConfigError whose one-line message
+names the key(s) of each; it returns notes about checks it had to skip (no model shape known).
+Model-dependent rules use the shape resolved by `shapes.resolve_model_shape`.
+"""
+
+from __future__ import annotations
+
+from megatron_dapo.config import derived
+from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.schema import DapoConfig
+from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+
+
+def _check_parallel(cfg: DapoConfig, errors: list[str]) -> None:
+    p, t = cfg.parallel, cfg.trainer
+    for name in ("tp", "pp", "cp", "ep"):
+        if getattr(p, name) < 1:
+            errors.append(f"parallel.{name}={getattr(p, name)} must be >= 1")
+    for name in ("vpp", "etp", "dp"):
+        value = getattr(p, name)
+        if value is not None and value < 1:
+            errors.append(f"parallel.{name}={value} must be >= 1 or null")
+    if p.vpp is not None and p.vpp > 1 and p.pp < 2:
+        errors.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp})")
+    if t.nnodes < 1 or t.gpus_per_node < 1:
+        errors.append(f"trainer.nnodes={t.nnodes} and trainer.gpus_per_node={t.gpus_per_node} must be >= 1")
+    if errors:
+        return
+    world = derived.trainer_world_size(cfg)
+    if world < 1:
+        errors.append(
+            f"trainer world size is {world}: trainer.nnodes * trainer.gpus_per_node = {t.nnodes * t.gpus_per_node} "
+            f"GPUs, rollout.num_servers * rollout.server_tp = {derived.launched_rollout_gpus(cfg)} go to SGLang"
+        )
+        return
+    mp = derived.model_parallel_size(cfg)
+    if world % mp:
+        errors.append(
+            f"parallel.tp * parallel.pp * parallel.cp = {p.tp}*{p.pp}*{p.cp} = {mp} does not divide "
+            f"the trainer world size {world} ({_world_source(cfg)})"
+        )
+        return
+    if p.dp is not None and mp * p.dp != world:
+        errors.append(
+            f"parallel.tp * parallel.pp * parallel.cp * parallel.dp = {mp}*{p.dp} = {mp * p.dp} != "
+            f"trainer world size {world} ({_world_source(cfg)})"
+        )
+        return
+    etp = derived.expert_tp_size(cfg)
+    stage_ranks = world // p.pp
+    if stage_ranks % (p.ep * etp):
+        errors.append(
+            f"parallel.ep * parallel.etp = {p.ep}*{etp} must divide tp * cp * dp = {stage_ranks} "
+            f"(the ranks of one pipeline stage)"
+        )
+    if cfg.trainer.backend == "fsdp2":
+        bad = [f"parallel.{n}={getattr(p, n)}" for n in ("tp", "pp", "cp", "ep") if getattr(p, n) != 1]
+        if bad:
+            errors.append(f"trainer.backend=fsdp2 shards over data parallel only; set {', '.join(bad)} to 1")
+
+
+def _world_source(cfg: DapoConfig) -> str:
+    if cfg.trainer.world_size is not None:
+        return "trainer.world_size"
+    t, used = cfg.trainer, derived.launched_rollout_gpus(cfg)
+    text = f"trainer.nnodes * trainer.gpus_per_node = {t.nnodes}*{t.gpus_per_node}"
+    return text + (f" minus {used} SGLang GPUs (rollout.num_servers * rollout.server_tp)" if used else "")
+
+
+def _check_model(cfg: DapoConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
+    p = cfg.parallel
+    if p.tp >= 1 and shape.num_attention_heads % p.tp:
+        errors.append(f"parallel.tp={p.tp} does not divide num_attention_heads={shape.num_attention_heads} ({source})")
+    if p.tp >= 1 and shape.num_kv_heads % p.tp:
+        errors.append(f"parallel.tp={p.tp} does not divide num_key_value_heads={shape.num_kv_heads} ({source})")
+    if p.pp >= 1:
+        stages = p.pp * (p.vpp or 1)
+        if shape.num_layers % stages:
+            keys = "parallel.pp * parallel.vpp" if p.vpp else "parallel.pp"
+            errors.append(f"{keys}={stages} does not divide num_hidden_layers={shape.num_layers} ({source})")
+    if shape.is_moe:
+        if p.ep >= 1 and shape.num_experts % p.ep:
+            errors.append(f"parallel.ep={p.ep} does not divide num_experts={shape.num_experts} ({source})")
+        if p.tp > 1 and not p.sequence_parallel and cfg.trainer.backend == "megatron":
+            errors.append(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={p.tp}")
+    else:
+        if p.ep > 1:
+            errors.append(f"parallel.ep={p.ep} but the model is dense ({source}); use parallel.ep=1")
+        if p.etp is not None and p.etp > 1:
+            errors.append(f"parallel.etp={p.etp} but the model is dense ({source})")
+    r = cfg.rollout
+    if r.engine == "sglang" and r.server_tp >= 1 and shape.num_attention_heads % r.server_tp:
+        errors.append(
+            f"rollout.server_tp={r.server_tp} does not divide num_attention_heads={shape.num_attention_heads} ({source})"
+        )
+
+
+def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
+    a = cfg.algo
+    if not 0.0 <= a.clip_ratio_low < 1.0:
+        errors.append(f"algo.clip_ratio_low={a.clip_ratio_low} must be in [0, 1)")
+    if a.clip_ratio_high < 0.0:
+        errors.append(f"algo.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
+        errors.append(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip; verl uses 3.0) or null")
+    if a.train_batch_size < 1:
+        errors.append(f"algo.train_batch_size={a.train_batch_size} must be >= 1")
+    if a.ppo_mini_batch_size < 1:
+        errors.append(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must be >= 1")
+    elif a.train_batch_size >= 1 and a.train_batch_size % a.ppo_mini_batch_size:
+        errors.append(
+            f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide algo.train_batch_size={a.train_batch_size}"
+        )
+    if a.ppo_epochs < 1:
+        errors.append(f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
+    if a.gen_batch_size is not None and a.gen_batch_size < 1:
+        errors.append(f"algo.gen_batch_size={a.gen_batch_size} must be >= 1 or null")
+    if a.staleness < 0:
+        errors.append(f"algo.staleness={a.staleness} must be >= 0 (0 = synchronous)")
+    if a.kl_coef < 0 or a.entropy_coeff < 0:
+        errors.append(f"algo.kl_coef={a.kl_coef} and algo.entropy_coeff={a.entropy_coeff} must be >= 0")
+    if a.filter_groups.enable and cfg.rollout.n_resp_per_prompt < 2:
+        errors.append(
+            f"algo.filter_groups.enable needs rollout.n_resp_per_prompt >= 2 (got {cfg.rollout.n_resp_per_prompt}): "
+            f"a group of one never has spread"
+        )
+    if a.filter_groups.max_num_gen_batches < 0:
+        errors.append(f"algo.filter_groups.max_num_gen_batches={a.filter_groups.max_num_gen_batches} must be >= 0")
+    ob = a.overlong_buffer
+    if ob.enable:
+        if not 0 < ob.len < cfg.data.max_response_length:
+            errors.append(
+                f"algo.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={cfg.data.max_response_length})"
+            )
+        if ob.penalty_factor < 0:
+            errors.append(f"algo.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
+    if a.rollout_is.enable and a.rollout_is.cap < 1.0:
+        errors.append(f"algo.rollout_is.cap={a.rollout_is.cap} must be >= 1")
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if a.max_tokens_per_micro_batch is not None and a.max_tokens_per_micro_batch < seq:
+        errors.append(
+            f"algo.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is below one full sequence "
+            f"(data.max_prompt_length + data.max_response_length = {seq})"
+        )
+    if not errors:
+        dp = _dp_or_none(cfg)
+        samples = a.ppo_mini_batch_size * cfg.rollout.n_resp_per_prompt
+        if dp is not None and samples < dp:
+            errors.append(
+                f"algo.ppo_mini_batch_size * rollout.n_resp_per_prompt = {samples} sequences per optimizer step "
+                f"is fewer than the {dp} data-parallel ranks"
+            )
+
+
+def _dp_or_none(cfg: DapoConfig) -> int | None:
+    try:
+        world, mp = derived.trainer_world_size(cfg), derived.model_parallel_size(cfg)
+    except Exception:
+        return None
+    return derived.data_parallel_size(cfg) if mp >= 1 and world >= 1 and world % mp == 0 else None
+
+
+def _check_optimizer(cfg: DapoConfig, errors: list[str]) -> None:
+    o = cfg.optimizer
+    if o.lr <= 0:
+        errors.append(f"optimizer.lr={o.lr} must be > 0")
+    if not 0 <= o.min_lr <= o.lr:
+        errors.append(f"optimizer.min_lr={o.min_lr} must be in [0, optimizer.lr={o.lr}]")
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0.0 <= getattr(o, name) < 1.0:
+            errors.append(f"optimizer.{name}={getattr(o, name)} must be in [0, 1)")
+    if o.adam_eps <= 0:
+        errors.append(f"optimizer.adam_eps={o.adam_eps} must be > 0")
+    if o.weight_decay < 0:
+        errors.append(f"optimizer.weight_decay={o.weight_decay} must be >= 0")
+    if o.clip_grad < 0:
+        errors.append(f"optimizer.clip_grad={o.clip_grad} must be >= 0 (0 = off)")
+    if o.lr_warmup_steps < 0:
+        errors.append(f"optimizer.lr_warmup_steps={o.lr_warmup_steps} must be >= 0")
+    if o.lr_decay_steps is not None and o.lr_decay_steps < 1:
+        errors.append(f"optimizer.lr_decay_steps={o.lr_decay_steps} must be >= 1 or null")
+
+
+def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
+    r, s = cfg.rollout, cfg.rollout.sampling
+    for i, url in enumerate(r.servers):
+        if not url.startswith(("http://", "https://")):
+            errors.append(f"rollout.servers[{i}]={url!r} must be an http:// or https:// URL")
+    if r.num_servers < 1:
+        errors.append(f"rollout.num_servers={r.num_servers} must be >= 1")
+    if r.server_tp < 1:
+        errors.append(f"rollout.server_tp={r.server_tp} must be >= 1")
+    if r.engine == "embedded" and r.server_tp != 1:
+        errors.append(f"rollout.server_tp={r.server_tp}: the embedded engine has no tensor parallelism; use 1")
+    if cfg.trainer.launcher == "torchrun" and r.engine == "sglang" and not r.servers:
+        errors.append("trainer.launcher=torchrun starts no SGLang servers: list them in rollout.servers")
+    if not 0.0 < r.mem_fraction_static < 1.0:
+        errors.append(f"rollout.mem_fraction_static={r.mem_fraction_static} must be in (0, 1)")
+    if r.n_resp_per_prompt < 1:
+        errors.append(f"rollout.n_resp_per_prompt={r.n_resp_per_prompt} must be >= 1")
+    if r.concurrency < 1:
+        errors.append(f"rollout.concurrency={r.concurrency} must be >= 1")
+    if r.request_timeout_s <= 0:
+        errors.append(f"rollout.request_timeout_s={r.request_timeout_s} must be > 0")
+    # Training needs the logprobs of a proper sampling distribution: temperature 0 (greedy) has none.
+    if s.temperature <= 0:
+        errors.append(f"rollout.sampling.temperature={s.temperature} must be > 0")
+    if not 0.0 < s.top_p <= 1.0:
+        errors.append(f"rollout.sampling.top_p={s.top_p} must be in (0, 1]")
+    if s.top_k == 0 or s.top_k < -1:
+        errors.append(f"rollout.sampling.top_k={s.top_k} must be -1 (off) or >= 1")
+    if s.max_new_tokens is not None and not 1 <= s.max_new_tokens <= cfg.data.max_response_length:
+        errors.append(
+            f"rollout.sampling.max_new_tokens={s.max_new_tokens} must be in [1, data.max_response_length="
+            f"{cfg.data.max_response_length}]"
+        )
+    if r.sync.bucket_mb < 1:
+        errors.append(f"rollout.sync.bucket_mb={r.sync.bucket_mb} must be >= 1")
+    if r.sync.verify_tolerance <= 0:
+        errors.append(f"rollout.sync.verify_tolerance={r.sync.verify_tolerance} must be > 0")
+
+
+def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
+    if not cfg.model.hf_path:
+        errors.append("model.hf_path is required (HF model directory or hub id)")
+    d = cfg.data
+    if d.max_prompt_length < 1 or d.max_response_length < 1:
+        errors.append(
+            f"data.max_prompt_length={d.max_prompt_length} and data.max_response_length={d.max_response_length} "
+            f"must be >= 1"
+        )
+    if not d.prompt_key:
+        errors.append("data.prompt_key must not be empty")
+    if cfg.reward.timeout_s <= 0:
+        errors.append(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
+    t = cfg.trainer
+    if t.total_steps < 1:
+        errors.append(f"trainer.total_steps={t.total_steps} must be >= 1")
+    if t.val_every < 0:
+        errors.append(f"trainer.val_every={t.val_every} must be >= 0")
+    if t.world_size is not None and t.world_size < 1:
+        errors.append(f"trainer.world_size={t.world_size} must be >= 1 or null")
+    if cfg.logging.log_every < 1:
+        errors.append(f"logging.log_every={cfg.logging.log_every} must be >= 1")
+    c = cfg.checkpoint
+    if c.save_every < 0:
+        errors.append(f"checkpoint.save_every={c.save_every} must be >= 0")
+    if c.keep_last < 0:
+        errors.append(f"checkpoint.keep_last={c.keep_last} must be >= 0")
+
+
+def validate_config(cfg: DapoConfig) -> list[str]:
+    """Raise ConfigError listing every broken rule; return notes about skipped checks."""
+    errors: list[str] = []
+    notes: list[str] = []
+    _check_rest(cfg, errors)
+    # Model-shape errors first: "tp=3 does not divide 4 heads" is the root cause of a layout error.
+    if cfg.model.hf_path or cfg.model.hf_config is not None:
+        resolved = resolve_model_shape(cfg.model)
+        if resolved.shape is None:
+            notes.append(
+                f"model.hf_path={cfg.model.hf_path!r} has no config.json yet and no model.hf_config is given: "
+                f"checks against the model shape (heads, layers, experts) were skipped"
+            )
+        else:
+            _check_model(cfg, resolved.shape, resolved.source, errors)
+    layout_errors: list[str] = []
+    _check_parallel(cfg, layout_errors)
+    errors += layout_errors
+    _check_optimizer(cfg, errors)
+    _check_rollout(cfg, errors)
+    algo_errors: list[str] = []
+    _check_algo(cfg, algo_errors)
+    errors += algo_errors
+    if errors:
+        raise ConfigError("; ".join(dict.fromkeys(errors)))
+    return notes

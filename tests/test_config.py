@@ -1,0 +1,326 @@
+"""Config system: typed overrides, one-line errors naming keys, cross-field rules, round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_dapo.config import ConfigError, DapoConfig, config_from_dict, config_to_dict, dump_yaml, load_config
+from megatron_dapo.config import derived
+from megatron_dapo.config.shapes import BUILTIN_HF_CONFIGS, resolve_model_shape, shape_from_hf
+from megatron_dapo.config.validate import validate_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs" / "qwen3"
+TINY = CONFIGS / "tiny_qwen3_cpu.yaml"
+TINY_MOE = CONFIGS / "tiny_qwen3_moe_cpu.yaml"
+ALL_CONFIGS = sorted(CONFIGS.glob("*.yaml"))
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    return msg
+
+
+# ------------------------------------------------------------------------------------------ defaults
+
+
+def test_defaults_are_dapo():
+    cfg = DapoConfig()
+    a, o = cfg.algo, cfg.optimizer
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, None)
+    assert a.loss_agg_mode == "token-mean"
+    assert (a.filter_groups.enable, a.filter_groups.metric, a.filter_groups.max_num_gen_batches) == (True, "acc", 10)
+    assert (a.overlong_buffer.enable, a.overlong_buffer.len, a.overlong_buffer.penalty_factor) == (True, 4096, 1.0)
+    assert (a.train_batch_size, a.ppo_mini_batch_size, a.staleness, a.kl_coef) == (512, 32, 3, 0.0)
+    assert (o.lr, o.lr_warmup_steps, o.weight_decay, o.clip_grad) == (1e-6, 10, 0.1, 1.0)
+    assert cfg.rollout.n_resp_per_prompt == 8
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (2048, 20480)
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert validate_config(cfg) == []  # every shipped config resolves a model shape (no skipped checks)
+
+
+# ----------------------------------------------------------------------------------------- overrides
+
+
+def test_overrides_are_typed():
+    cfg = load_config(
+        TINY,
+        [
+            "algo.clip_ratio_high=0.3",
+            "optimizer.lr=2e-6",  # YAML 1.1 reads `2e-6` as a string; a float field takes it as a number
+            "algo.clip_ratio_c=3",  # int into Optional[float]
+            "parallel.vpp=null",
+            "algo.filter_groups.enable=false",
+            "rollout.servers=[http://127.0.0.1:30000,http://127.0.0.1:30001]",
+            "rollout.sampling.stop_token_ids=[1, 2]",
+            "logging.run_dir=007",  # a str field keeps the text as written
+            "rollout.api_key=secret",
+            "reward.kwargs={answer_key: final}",
+            "algo.overlong_buffer={len: 16}",  # a mapping updates the section field by field
+        ],
+        validate=False,
+    )
+    assert cfg.algo.clip_ratio_high == 0.3 and isinstance(cfg.algo.clip_ratio_high, float)
+    assert cfg.optimizer.lr == 2e-6
+    assert cfg.algo.clip_ratio_c == 3.0 and isinstance(cfg.algo.clip_ratio_c, float)
+    assert cfg.parallel.vpp is None
+    assert cfg.algo.filter_groups.enable is False
+    assert cfg.rollout.servers == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert cfg.rollout.sampling.stop_token_ids == [1, 2]
+    assert cfg.logging.run_dir == "007"
+    assert cfg.rollout.api_key == "secret"
+    assert cfg.reward.kwargs == {"answer_key": "final"}
+    assert (cfg.algo.overlong_buffer.len, cfg.algo.overlong_buffer.enable) == (16, True)
+
+
+def test_yaml_file_values_override_defaults_and_keep_the_rest():
+    raw = yaml.safe_load(TINY.read_text())
+    cfg = load_config(TINY)
+    assert cfg.parallel.tp == raw["parallel"]["tp"] == 2
+    assert cfg.rollout.engine == "embedded"
+    assert cfg.algo.clip_ratio_high == 0.28  # not in the file: the DAPO default
+    assert cfg.optimizer.lr == 1e-4
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algo.clip_ratio_hgh=0.3", "unknown key 'algo.clip_ratio_hgh' (did you mean 'algo.clip_ratio_high'?)"),
+        ("algo.filter_groups.metrc=acc", "'algo.filter_groups.metrc' (did you mean 'algo.filter_groups.metric'?)"),
+        ("trainer.lr=1e-5", "unknown key 'trainer.lr' (did you mean 'optimizer.lr'?)"),
+        ("paralel.tp=2", "unknown key 'paralel' (did you mean 'parallel'?)"),
+    ],
+)
+def test_unknown_key_names_path_and_suggestion(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert expected in _one_line(err)
+
+
+def test_unknown_key_in_yaml_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(TINY.read_text().replace("  n_resp_per_prompt: 4", "  n_resp_per_promt: 4"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "'rollout.n_resp_per_promt' (did you mean 'rollout.n_resp_per_prompt'?)" in _one_line(err)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algo.clip_ratio_high=abc", "algo.clip_ratio_high: expected float, got str 'abc'"),
+        ("parallel.tp=2.5", "parallel.tp: expected int, got float 2.5"),
+        ("parallel.tp=true", "parallel.tp: expected int, got bool True"),
+        ("parallel.sequence_parallel=1", "parallel.sequence_parallel: expected bool, got int 1"),
+        ("rollout.servers=http://a:1", "rollout.servers: expected list[str], got str"),
+        ("rollout.sampling.stop_token_ids=[1, x]", "rollout.sampling.stop_token_ids[1]: expected int, got str 'x'"),
+        ("parallel.vpp=two", "parallel.vpp: expected int | null, got str 'two'"),
+        ("rollout.engine=sglng", "rollout.engine: expected one of 'sglang' | 'embedded', got str 'sglng' "
+                                 "(did you mean 'sglang'?)"),
+        ("algo.filter_groups=3", "algo.filter_groups: expected mapping, got int 3"),
+        ("algo.staleness.x=1", "'algo.staleness' is a value, not a section"),
+        ("algo.staleness", "is not of the form key.sub=value"),
+    ],
+)
+def test_wrong_type_names_path_got_expected(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert expected in _one_line(err)
+
+
+def test_bad_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  hf_path: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(bad)
+    assert str(bad) in _one_line(err) and "invalid YAML" in str(err.value)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "missing.yaml")
+    top = tmp_path / "list.yaml"
+    top.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(top)
+
+
+# ------------------------------------------------------------------------------------ cross-field rules
+
+
+def test_tp3_with_4_heads_names_parallel_tp():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["parallel.tp=3", "trainer.gpus_per_node=3"])
+    msg = _one_line(err)
+    assert msg.startswith("parallel.tp=3 does not divide num_attention_heads=4")
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        # 4 KV heads... the tiny model has 2: tp=4 divides the 4 query heads but not the 2 query groups.
+        (["parallel.tp=4", "trainer.gpus_per_node=4"], "parallel.tp=4 does not divide num_key_value_heads=2"),
+        (["parallel.pp=3", "trainer.gpus_per_node=6"], "parallel.pp=3 does not divide num_hidden_layers=4"),
+        (["parallel.pp=2", "parallel.vpp=4", "trainer.gpus_per_node=4"],
+         "parallel.pp * parallel.vpp=8 does not divide num_hidden_layers=4"),
+        (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
+        (["trainer.gpus_per_node=3"], "parallel.tp * parallel.pp * parallel.cp = 2*1*1 = 2 does not divide "
+                                      "the trainer world size 3"),
+        (["parallel.dp=2"], "parallel.tp * parallel.pp * parallel.cp * parallel.dp = 2*2 = 4 != trainer world size 2"),
+        (["trainer.world_size=4", "parallel.dp=1"], "!= trainer world size 4 (trainer.world_size)"),
+        (["parallel.ep=2"], "parallel.ep=2 but the model is dense"),
+        (["algo.clip_ratio_low=1.2"], "algo.clip_ratio_low=1.2 must be in [0, 1)"),
+        (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5 must be > 1"),
+        (["algo.ppo_mini_batch_size=3"], "algo.ppo_mini_batch_size=3 does not divide algo.train_batch_size=8"),
+        (["rollout.n_resp_per_prompt=1"], "algo.filter_groups.enable needs rollout.n_resp_per_prompt >= 2"),
+        (["algo.staleness=-1"], "algo.staleness=-1 must be >= 0"),
+        (["algo.overlong_buffer.len=32"], "algo.overlong_buffer.len=32 must be in (0, data.max_response_length=32)"),
+        (["algo.max_tokens_per_micro_batch=50"], "algo.max_tokens_per_micro_batch=50 is below one full sequence"),
+        (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
+        (["rollout.sampling.max_new_tokens=64"], "rollout.sampling.max_new_tokens=64 must be in [1, data.max_respon"),
+        (["rollout.server_tp=2"], "rollout.server_tp=2: the embedded engine has no tensor parallelism"),
+        (["rollout.servers=[localhost:3000]"], "rollout.servers[0]='localhost:3000' must be an http://"),
+        (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be in [0, optimizer.lr=0.0001]"),
+        (["trainer.backend=fsdp2"], "trainer.backend=fsdp2 shards over data parallel only; set parallel.tp=2 to 1"),
+        (["model.hf_path="], "model.hf_path is required"),
+        (["trainer.launcher=torchrun", "rollout.engine=sglang", "trainer.world_size=2"],
+         "trainer.launcher=torchrun starts no SGLang servers: list them in rollout.servers"),
+    ],
+)
+def test_cross_field_rules_name_the_keys(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides)
+    assert expected in _one_line(err)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.ep=3", "trainer.gpus_per_node=3"], "parallel.ep=3 does not divide num_experts=4"),
+        (["parallel.ep=4"], "parallel.ep * parallel.etp = 4*1 must divide tp * cp * dp = 2"),
+        (["parallel.tp=2", "parallel.ep=1"], "parallel.sequence_parallel must be true for an MoE model with parallel.tp=2"),
+    ],
+)
+def test_moe_rules(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY_MOE, overrides)
+    assert expected in _one_line(err)
+
+
+def test_several_broken_rules_are_reported_together_on_one_line():
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["algo.staleness=-1", "optimizer.lr=-1"])
+    msg = _one_line(err)
+    assert "optimizer.lr=-1.0 must be > 0" in msg and "algo.staleness=-1" in msg
+
+
+def test_trainer_world_size_excludes_launched_sglang_gpus():
+    # 2 nodes x 8 GPUs, 4 SGLang servers of TP 2 launched by the driver -> 16 - 8 = 8 trainer ranks.
+    cfg = config_from_dict(
+        {
+            "model": {"hf_path": "Qwen/Qwen3-8B"},
+            "parallel": {"tp": 2, "pp": 2},
+            "rollout": {"engine": "sglang", "num_servers": 4, "server_tp": 2},
+            "trainer": {"nnodes": 2, "gpus_per_node": 8},
+        }
+    )
+    assert validate_config(cfg) == []
+    assert derived.launched_rollout_gpus(cfg) == 8
+    assert derived.trainer_world_size(cfg) == 8
+    assert derived.data_parallel_size(cfg) == 8 // (2 * 2) == 2
+    # External servers take no trainer GPUs.
+    cfg.rollout.servers = ["http://10.0.0.1:30000"]
+    assert derived.trainer_world_size(cfg) == 16
+
+
+# --------------------------------------------------------------------------------------- model shapes
+
+
+def test_shape_from_config_json_wins_and_must_agree_with_inline(tmp_path):
+    from megatron_dapo.models.tiny import tiny_hf_config
+
+    model_dir = tmp_path / "tiny"
+    tiny_hf_config("qwen3").save_pretrained(model_dir)  # writes config.json only
+    cfg = load_config(TINY, [f"model.hf_path={model_dir}"])
+    resolved = resolve_model_shape(cfg.model)
+    assert resolved.source == f"{model_dir}/config.json"
+    # Without the inline copy, config.json alone drives the head check.
+    with pytest.raises(ConfigError, match=r"parallel.tp=3 does not divide num_attention_heads=4 \(.*config.json\)"):
+        load_config(TINY, [f"model.hf_path={model_dir}", "model.hf_config=null", "parallel.tp=3"])
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [f"model.hf_path={model_dir}", "model.hf_config.num_attention_heads=8"])
+    assert "model.hf_config.num_attention_heads=8 disagrees with" in _one_line(err)
+
+
+def test_missing_model_dir_skips_shape_checks_with_a_note(tmp_path):
+    cfg = load_config(TINY, [f"model.hf_path={tmp_path}/not_yet", "model.hf_config=null", "parallel.tp=2"])
+    notes = validate_config(cfg)
+    assert len(notes) == 1 and "checks against the model shape" in notes[0] and "not_yet" in notes[0]
+
+
+@pytest.mark.parametrize("path, family", [(TINY, "qwen3"), (TINY_MOE, "qwen3_moe")])
+def test_tiny_inline_shapes_match_the_tiny_models(path, family):
+    from megatron_dapo.models.tiny import tiny_hf_config
+
+    cfg = load_config(path)
+    on_disk = json.loads(tiny_hf_config(family).to_json_string())
+    assert shape_from_hf(cfg.model.hf_config) == shape_from_hf(on_disk)
+
+
+def test_moe_shape_reads_both_expert_spellings():
+    hub = dict(BUILTIN_HF_CONFIGS["Qwen3-30B-A3B"])
+    tf5 = dict(hub)
+    tf5["num_local_experts"] = tf5.pop("num_experts")
+    a, b = shape_from_hf(hub), shape_from_hf(tf5)
+    assert a == b and a.num_experts == 128 and a.moe_layers == tuple(range(48))
+
+
+# ---------------------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("path", ALL_CONFIGS, ids=lambda p: p.name)
+def test_show_then_load_round_trips(path, tmp_path):
+    cfg = load_config(path, ["algo.clip_ratio_high=0.3"])
+    out = tmp_path / "resolved.yaml"
+    text = dump_yaml(cfg, out)
+    assert out.read_text() == text and not list(tmp_path.glob(".*.tmp"))
+    again = load_config(out)
+    assert again == cfg
+    assert config_to_dict(again) == config_to_dict(cfg)
+
+
+def test_cli_show_and_errors():
+    env_python = sys.executable
+    ok = subprocess.run(
+        [env_python, "-m", "megatron_dapo.cli", "config", "show", str(TINY), "algo.clip_ratio_high=0.3"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert ok.returncode == 0, ok.stderr
+    shown = yaml.safe_load(ok.stdout)
+    assert shown["algo"]["clip_ratio_high"] == 0.3
+    assert shown == config_to_dict(load_config(TINY, ["algo.clip_ratio_high=0.3"]))
+
+    from megatron_dapo.config.cli import main
+
+    for override in ("algo.clip_ratio_hgh=0.3", "parallel.tp=abc", "parallel.tp=3"):
+        assert main(["validate", str(TINY), override]) == 2
+
+
+def test_cli_error_is_one_line_on_stderr(capsys):
+    from megatron_dapo.config.cli import main
+
+    assert main(["show", str(TINY), "parallel.tp=3"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and "parallel.tp=3" in captured.err
+    assert main(["validate", str(TINY)]) == 0
+    assert capsys.readouterr().out.strip().endswith(": ok")
