@@ -1,0 +1,230 @@
+"""Async HTTP client for one SGLang server (or the embedded SGLang-compatible server).
+
+Connection failures before a request reaches the server (refused, connect timeout) and 503
+answers (server starting) are retried with exponential backoff; a 4xx answer raises
+`SGLangHTTPError` naming the endpoint and the server's message at once. A connection lost
+mid-request raises `SGLangConnectionError`, so a router can resend the request elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Sequence
+
+import httpx
+
+from megatron_dapo.rollout import payloads
+from megatron_dapo.rollout.types import Sample, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class SGLangError(RuntimeError):
+    """Base class: a request to an SGLang server failed."""
+
+    def __init__(self, endpoint: str, message: str, status: int | None = None):
+        self.endpoint, self.status, self.server_message = endpoint, status, message
+        where = f"{endpoint} answered {status}" if status is not None else endpoint
+        super().__init__(f"{where}: {message}")
+
+
+class SGLangHTTPError(SGLangError):
+    """The server answered with an error status (4xx: our request is wrong; 5xx: the server failed)."""
+
+
+class SGLangConnectionError(SGLangError):
+    """The server could not be reached, or the connection broke before an answer came."""
+
+
+def _server_message(resp: httpx.Response) -> str:
+    try:
+        body = resp.json()
+    except ValueError:
+        return resp.text.strip() or resp.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)
+    return str(body)
+
+
+class SGLangClient:
+    """One server. Use as `async with SGLangClient(url) as c:` or call `aclose()`."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        retries: int = 3,
+        backoff_s: float = 0.2,
+        event_hooks: dict | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            event_hooks=event_hooks or {},
+            trust_env=False,  # never route loopback traffic through a proxy from the environment
+        )
+
+    async def __aenter__(self) -> "SGLangClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
+                       timeout_s: float | None = None) -> httpx.Response:
+        kwargs = {}
+        if body is not None:
+            kwargs["json"] = body
+        if params:
+            kwargs["params"] = params
+        if timeout_s is not None:
+            kwargs["timeout"] = timeout_s
+        endpoint = f"{method} {self.base_url}{path}"
+        for attempt in range(self.retries + 1):
+            try:
+                resp = await self._http.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # Nothing reached the server: safe to resend, even a /generate.
+                if attempt == self.retries:
+                    raise SGLangConnectionError(endpoint, f"cannot connect ({e!r})") from e
+            except (httpx.TransportError, httpx.TimeoutException) as e:
+                raise SGLangConnectionError(endpoint, f"connection lost ({e!r})") from e
+            else:
+                if resp.status_code == 503 and attempt < self.retries:
+                    pass  # starting up or shutting down: retry after a pause
+                elif resp.status_code >= 400:
+                    raise SGLangHTTPError(endpoint, _server_message(resp), resp.status_code)
+                else:
+                    return resp
+            await asyncio.sleep(self.backoff_s * 2**attempt)
+        raise SGLangHTTPError(endpoint, "server unavailable", 503)
+
+    async def _post(self, path: str, body: dict | None = None, **kw) -> dict | list | None:
+        resp = await self._request("POST", path, body if body is not None else {}, **kw)
+        return _json_or_none(resp)
+
+    # ---- generation ----------------------------------------------------------------------------
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> list[Sample]:
+        """Generate `sampling.n` samples for one prompt; returns them all when the last one finishes."""
+        sampling = sampling or SamplingParams()
+        rid = rid or uuid.uuid4().hex
+        body = payloads.generate_body(input_ids, sampling, rid=rid if sampling.n == 1 else None,
+                                      return_logprob=return_logprob)
+        answer = await self._post("/generate", body)
+        samples = payloads.parse_generate(answer, input_ids, server=self.base_url)
+        if sampling.n == 1:
+            samples[0].rid = samples[0].rid or rid
+        return samples
+
+    async def prompt_logprobs(self, input_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
+        """Logprob of each token of `input_ids` given the ones before it (len(input_ids) - 1 values)."""
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=0)
+        body = payloads.generate_body(input_ids, sampling, rid=uuid.uuid4().hex, return_logprob=True,
+                                      logprob_start_len=0)
+        return payloads.parse_input_logprobs(await self._post("/generate", body))
+
+    # ---- control -------------------------------------------------------------------------------
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        try:
+            resp = await self._http.get("/health", timeout=timeout_s)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return False
+        return resp.status_code == 200
+
+    async def wait_healthy(self, timeout_s: float = 120.0, interval_s: float = 0.25) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.health():
+            if loop.time() > deadline:
+                raise SGLangConnectionError(f"GET {self.base_url}/health", f"not healthy after {timeout_s}s")
+            await asyncio.sleep(interval_s)
+
+    async def get_model_info(self) -> dict:
+        return (await self._request("GET", "/get_model_info")).json()
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._post("/abort_request", payloads.abort_body(rid, abort_all))
+
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        return await self._post("/pause_generation", payloads.pause_body(mode))
+
+    async def continue_generation(self, torch_empty_cache: bool = True) -> dict:
+        return await self._post("/continue_generation", payloads.continue_body(torch_empty_cache))
+
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self._post("/release_memory_occupation", payloads.memory_body(tags))
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> None:
+        await self._post("/resume_memory_occupation", payloads.memory_body(tags))
+
+    # ---- weight updates ------------------------------------------------------------------------
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str = payloads.DEFAULT_GROUP,
+                                        backend: str = "nccl") -> dict:
+        body = payloads.init_group_body(master_address, master_port, rank_offset, world_size, group_name, backend)
+        return _check_success("/init_weights_update_group", await self._post("/init_weights_update_group", body))
+
+    async def destroy_weights_update_group(self, group_name: str = payloads.DEFAULT_GROUP) -> dict:
+        body = payloads.destroy_group_body(group_name)
+        return _check_success("/destroy_weights_update_group", await self._post("/destroy_weights_update_group", body))
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = payloads.DEFAULT_GROUP,
+                                              flush_cache: bool = True, abort_all_requests: bool = False,
+                                              weight_version: str | None = None,
+                                              load_format: str | None = None) -> dict:
+        body = payloads.update_distributed_body(names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
+                                                weight_version, load_format)
+        return _check_success("/update_weights_from_distributed",
+                              await self._post("/update_weights_from_distributed", body))
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: Sequence[bytes],
+                                         load_format: str | None = None, flush_cache: bool = True,
+                                         abort_all_requests: bool = False,
+                                         weight_version: str | None = None) -> dict:
+        body = payloads.update_tensor_body(serialized_named_tensors, load_format, flush_cache, abort_all_requests,
+                                           weight_version)
+        return _check_success("/update_weights_from_tensor", await self._post("/update_weights_from_tensor", body))
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        body = payloads.update_version_body(new_version, abort_all_requests)
+        return _check_success("/update_weight_version", await self._post("/update_weight_version", body))
+
+
+def _json_or_none(resp: httpx.Response):
+    if not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError:
+        return None
+
+
+def _check_success(endpoint: str, answer) -> dict:
+    if not isinstance(answer, dict) or not answer.get("success", False):
+        msg = answer.get("message") if isinstance(answer, dict) else answer
+        raise SGLangHTTPError(endpoint, f"server reported failure: {msg}")
+    return answer

@@ -1,0 +1,336 @@
+"""The embedded server's generation engine: batched sampling with a transformers model and its KV cache.
+
+One worker thread runs the model. Requests that are waiting when a batch starts are prefilled together
+(left-padded; identical sequences, e.g. the n samples of one prompt, are prefilled once and their cache
+rows repeated), then decoded one token per step with `past_key_values`. Finished rows leave the batch at
+once (their answer is sent), so a group's samples come back as they finish; requests arriving meanwhile
+start with the next batch.
+
+Pause modes, as SGLang's `PauseGenerationReqInput` defines them:
+- in_place: the running batch stops between steps and keeps its KV cache; after continue it goes on
+  (with whatever weights are loaded by then; the sample's `weight_versions` spans record the switch).
+- retract: the running batch is dissolved; its requests keep their tokens so far and go back to the
+  front of the queue; after continue they are prefilled again (prompt + tokens so far, new weights).
+- abort: every running and waiting request finishes at once with finish_reason abort.
+While paused, new requests wait in the queue. All control methods are thread-safe.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dapo.rollout.embedded.sampling import GREEDY_EPS, effective_temperature, sample
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GenRequest:
+    rid: str
+    prompt: list[int]
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_strs: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    # state, owned by the engine
+    output: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    input_logprobs: list | None = None
+    finish: dict | None = None
+    abort_msg: str | None = None
+    version_events: list[tuple[str, int]] = field(default_factory=list)
+    num_retractions: int = 0
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class _Batch:
+    def __init__(self, reqs, cache, mask, next_pos, last_tokens):
+        self.reqs, self.cache, self.mask, self.next_pos, self.last_tokens = reqs, cache, mask, next_pos, last_tokens
+
+
+class Engine:
+    def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
+                 weight_version: str = "default", max_context: int | None = None):
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.max_batch = max_batch
+        self.weight_version = str(weight_version)
+        cfg = model.config
+        self.max_context = max_context or getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        self.vocab_size = cfg.vocab_size
+        eos = getattr(cfg, "eos_token_id", None)
+        gen_cfg = getattr(model, "generation_config", None)
+        if eos is None and gen_cfg is not None:
+            eos = gen_cfg.eos_token_id
+        self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+
+        self._qlock = threading.Condition()  # guards the waiting queue and the pause flag
+        self._waiting: deque[GenRequest] = deque()
+        self._paused = False
+        self._stop = False
+        self.step_lock = threading.RLock()  # held around every forward step and every weight load
+        self._batch: _Batch | None = None
+        self._active: dict[str, GenRequest] = {}  # rid -> request, until its answer is sent
+        self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
+        self._thread.start()
+
+    # ---- public, thread-safe -------------------------------------------------------------------
+    def submit(self, req: GenRequest) -> concurrent.futures.Future:
+        if req.rid in self._active:
+            raise ValueError(f"rid {req.rid!r} is already in flight")
+        with self._qlock:
+            self._active[req.rid] = req
+            self._waiting.append(req)
+            self._qlock.notify_all()
+        return req.future
+
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    def is_paused(self) -> bool:
+        return self._paused
+
+    def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by request") -> int:
+        """Mark requests aborted; they finish at the next step boundary (at once when idle or paused)."""
+        with self._qlock:
+            targets = list(self._active.values()) if abort_all else (
+                [self._active[rid]] if rid in self._active else
+                [r for k, r in self._active.items() if rid and k.startswith(f"{rid}_")])
+            for r in targets:
+                r.abort_msg = message
+            self._qlock.notify_all()
+        with self.step_lock:  # the worker may be mid-step; reap once it has stopped
+            self._reap_aborted()
+        return len(targets)
+
+    def pause(self, mode: str = "abort") -> None:
+        with self._qlock:
+            self._paused = True
+        with self.step_lock:  # returns once the current step is over
+            if mode == "abort":
+                with self._qlock:
+                    for r in self._active.values():
+                        r.abort_msg = "Aborted by pause_generation"
+                self._reap_aborted()
+            elif mode == "retract":
+                self._retract()
+            elif mode != "in_place":
+                raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+
+    def resume(self) -> None:
+        with self._qlock:
+            self._paused = False
+            self._qlock.notify_all()
+
+    def set_weight_version(self, version: str) -> None:
+        """Call with step_lock held, right after new weights were loaded."""
+        version = str(version)
+        if version == self.weight_version:
+            return
+        for r in list(self._active.values()):
+            if r.output:
+                r.version_events.append((self.weight_version, len(r.output)))
+        self.weight_version = version
+
+    def close(self) -> None:
+        with self._qlock:
+            self._stop = True
+            self._qlock.notify_all()
+        self._thread.join(timeout=10)
+        self.abort(abort_all=True, message="server shutting down")
+
+    # ---- worker --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._qlock:
+                while not self._stop and (self._paused or (not self._waiting and self._batch is None)):
+                    self._qlock.wait()
+                if self._stop:
+                    return
+            try:
+                with self.step_lock:
+                    if self._paused:
+                        continue
+                    self._reap_aborted()
+                    if self._batch is None:
+                        with self._qlock:
+                            reqs = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
+                        if reqs:
+                            self._prefill(reqs)
+                    else:
+                        self._decode()
+            except Exception as e:  # never let one bad step kill the server: fail the batch, go on
+                log.exception("generation step failed")
+                self._fail_batch(e)
+
+    @torch.inference_mode()
+    def _forward(self, ids, mask, pos, cache, logits_to_keep=1):
+        # transformers 5.24 names the KV cache argument `cache` (formerly past_key_values)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                         use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits.float(), out.cache
+
+    def _prefill(self, reqs: list[GenRequest]) -> None:
+        from transformers import DynamicCache
+
+        seqs = [tuple(r.prompt + r.output) for r in reqs]
+        uniq = list(dict.fromkeys(seqs))
+        row_of = {s: i for i, s in enumerate(uniq)}
+        L = max(len(s) for s in uniq)
+        ids = torch.zeros(len(uniq), L, dtype=torch.long)
+        mask = torch.zeros(len(uniq), L, dtype=torch.long)
+        for i, s in enumerate(uniq):
+            ids[i, L - len(s):] = torch.tensor(s)
+            mask[i, L - len(s):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        want_input = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output for r in reqs)
+        logits, cache = self._forward(ids, mask, pos, DynamicCache(), logits_to_keep=0 if want_input else 1)
+
+        for r, s in zip(reqs, seqs):
+            if r.return_logprob and r.logprob_start_len >= 0 and not r.output:
+                row = logits[row_of[s], L - len(s):]
+                lp = torch.log_softmax(row[:-1] / effective_temperature(r.temperature), dim=-1)
+                vals = lp.gather(-1, torch.tensor(s[1:], device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
+                full = [None] + vals
+                r.input_logprobs = [(full[t], s[t], None) for t in range(min(r.logprob_start_len, len(s)), len(s))]
+
+        index = torch.tensor([row_of[s] for s in seqs], device=self.device)
+        last = logits[:, -1][index]
+        cache.batch_select_indices(index)
+        lengths = torch.tensor([len(s) for s in seqs], device=self.device)
+        self._batch = _Batch(list(reqs), cache, mask[index], lengths, None)
+        done = [self._budget(r) <= 0 for r in reqs]
+        for r, d in zip(reqs, done):
+            if d:
+                r.finish = {"type": "length", "length": r.max_new_tokens}
+        self._sample_and_advance(last, skip=done)
+
+    def _decode(self) -> None:
+        b = self._batch
+        ids = b.last_tokens.unsqueeze(-1)
+        b.mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=-1)
+        logits, b.cache = self._forward(ids, b.mask, b.next_pos.unsqueeze(-1), b.cache)
+        b.next_pos = b.next_pos + 1
+        self._sample_and_advance(logits[:, -1])
+
+    def _budget(self, r: GenRequest) -> int:
+        return min(r.max_new_tokens - len(r.output), self.max_context - len(r.prompt) - len(r.output))
+
+    def _sample_and_advance(self, last_logits: torch.Tensor, skip: list[bool] | None = None) -> None:
+        b = self._batch
+        dev = last_logits.device
+        temp = torch.tensor([r.temperature for r in b.reqs], device=dev)
+        top_p = torch.tensor([r.top_p for r in b.reqs], device=dev)
+        top_k = torch.tensor([r.top_k for r in b.reqs], device=dev)
+        tokens, lps = sample(last_logits, temp, top_p, top_k, self.generator)
+        b.last_tokens = tokens
+        for i, (r, tok, lp) in enumerate(zip(b.reqs, tokens.tolist(), lps.tolist())):
+            if skip is not None and skip[i]:
+                continue
+            r.output.append(tok)
+            r.logprobs.append(lp)
+            r.finish = self._finish_reason(r, tok)
+        self._retire_finished()
+
+    def _finish_reason(self, r: GenRequest, tok: int) -> dict | None:
+        if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
+        if r.stop_strs and self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output)
+            for s in r.stop_strs:
+                if s in text:
+                    return {"type": "stop", "matched": s}
+        if self._budget(r) <= 0:
+            return {"type": "length", "length": r.max_new_tokens}
+        return None
+
+    def _retire_finished(self) -> None:
+        b = self._batch
+        keep = [i for i, r in enumerate(b.reqs) if r.finish is None]
+        for r in b.reqs:
+            if r.finish is not None:
+                self._send(r)
+        if not keep:
+            self._batch = None
+        elif len(keep) < len(b.reqs):
+            idx = torch.tensor(keep, device=b.mask.device)
+            b.cache.batch_select_indices(idx)
+            b.reqs = [b.reqs[i] for i in keep]
+            b.mask, b.next_pos, b.last_tokens = b.mask[idx], b.next_pos[idx], b.last_tokens[idx]
+
+    def _reap_aborted(self) -> None:
+        with self._qlock:
+            for r in [r for r in self._waiting if r.abort_msg]:
+                self._waiting.remove(r)
+                r.finish = {"type": "abort", "message": r.abort_msg, "status_code": None, "err_type": None}
+                self._send(r)
+        if self._batch is not None:
+            for r in self._batch.reqs:
+                if r.abort_msg and r.finish is None:
+                    r.finish = {"type": "abort", "message": r.abort_msg, "status_code": None, "err_type": None}
+            self._retire_finished()
+
+    def _retract(self) -> None:
+        if self._batch is None:
+            return
+        reqs, self._batch = self._batch.reqs, None
+        with self._qlock:
+            for r in reversed(reqs):
+                r.num_retractions += 1
+                self._waiting.appendleft(r)
+
+    def _fail_batch(self, e: Exception) -> None:
+        with self.step_lock:
+            reqs = self._batch.reqs if self._batch is not None else []
+            self._batch = None
+            for r in reqs:
+                self._active.pop(r.rid, None)
+                if not r.future.done():
+                    r.future.set_exception(e)
+
+    def _send(self, r: GenRequest) -> None:
+        self._active.pop(r.rid, None)
+        if not r.future.done():
+            r.future.set_result(self.answer(r))
+
+    def answer(self, r: GenRequest) -> dict:
+        """The /generate answer for a finished request, shaped as SGLang's."""
+        meta = {
+            "id": r.rid,
+            "finish_reason": r.finish,
+            "prompt_tokens": len(r.prompt),
+            "completion_tokens": len(r.output),
+            "cached_tokens": 0,
+            "weight_version": self.weight_version,
+            "num_retractions": r.num_retractions,
+        }
+        if r.version_events:
+            spans, start = [], 0
+            for version, end in r.version_events + [(self.weight_version, len(r.output))]:
+                if end > start or not spans:
+                    spans.append({"version": version, "start": start, "end": end})
+                    start = end
+            meta["weight_versions"] = spans
+        if r.return_logprob:
+            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(r.logprobs, r.output)]
+            meta["input_token_logprobs"] = r.input_logprobs or []
+        text = self.tokenizer.decode(r.output) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": list(r.output), "meta_info": meta}
+
+
+def greedy(temperature: float) -> bool:
+    return temperature < GREEDY_EPS

@@ -1,0 +1,426 @@
+"""The embedded SGLang-compatible HTTP server (FastAPI + uvicorn) around `Engine`.
+
+Same routes, request fields and answer shapes as SGLang 0.5.23 for what this project uses (see
+`megatron_dapo/rollout/protocol.py`). Binds 127.0.0.1 unless told otherwise. With an api key, every
+route requires `Authorization: Bearer <key>` and answers 401 otherwise, except `/health*`, which SGLang
+leaves open for probes. Malformed bodies answer 400 with a message naming the field.
+
+Weight updates follow SGLang's locking: while generation is paused an update proceeds at once; otherwise
+it waits for in-flight requests to finish and holds new ones back until it is done.
+
+    megatron-dapo serve --model DIR [--port P] [--api-key K] [--host H] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import logging
+import os
+import pickle
+import secrets
+import time
+import uuid
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from megatron_dapo.rollout.embedded import schemas as S
+from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+from megatron_dapo.rollout.embedded.weight_receiver import receive
+from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
+from megatron_dapo.runtime.net import LOOPBACK
+from megatron_dapo.sync import group as wgroup
+
+log = logging.getLogger("megatron_dapo.embedded")
+OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
+
+
+def _field_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        msg = err.get("msg", "invalid")
+        if err.get("type") == "extra_forbidden":
+            msg = "not a field this server accepts (unknown to SGLang or not implemented here)"
+        parts.append(f"{loc or 'body'}: {msg}")
+    return "; ".join(parts)
+
+
+class _UpdateGate:
+    """Generation holds it shared, an unpaused weight update exclusively (writer first), as SGLang's lock."""
+
+    def __init__(self):
+        self.cond = asyncio.Condition()
+        self.readers = 0
+        self.writer = False
+
+    async def acquire_read(self):
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.writer)
+            self.readers += 1
+
+    async def release_read(self):
+        async with self.cond:
+            self.readers -= 1
+            self.cond.notify_all()
+
+    async def acquire_write(self):
+        async with self.cond:
+            await self.cond.wait_for(lambda: not self.writer)
+            self.writer = True
+            await self.cond.wait_for(lambda: self.readers == 0)
+
+    async def release_write(self):
+        async with self.cond:
+            self.writer = False
+            self.cond.notify_all()
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Unpickles (name, tensor) lists only: torch's rebuild functions, nothing else executable."""
+
+    def find_class(self, module, name):
+        if module.split(".")[0] in ("torch", "collections") or (module, name) in {
+            ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"), ("builtins", "getattr"),
+            ("multiprocessing.resource_sharer", "DupFd"), ("multiprocessing.reduction", "rebuild_fd"),
+        }:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in serialized_named_tensors")
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
+    """What SGLang's MultiprocessingSerializer.serialize produces (ForkingPickler; same host only)."""
+    from torch.multiprocessing.reductions import ForkingPickler
+
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return buf.getvalue()
+
+
+class EmbeddedServer:
+    def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
+                 weight_version: str = "default", max_batch: int = 64, seed: int = 0):
+        self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version)
+        self.loader = HFWeightLoader(model)
+        self.model_path = model_path
+        self.api_key = api_key
+        self.groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self.app = self._build_app()
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _bad(self, message: str, status: int = 400) -> JSONResponse:
+        return JSONResponse({"error": {"message": message}}, status_code=status)
+
+    async def _wait_unpaused(self):
+        while self.engine.is_paused():
+            await asyncio.sleep(0.01)
+
+    async def _exclusive(self, fn, *args):
+        """Run blocking `fn` in a thread, as a weight update: at once if paused, else after draining."""
+        async with self._update_lock:
+            if self.engine.is_paused():
+                return await asyncio.to_thread(fn, *args)
+            await self.gate.acquire_write()
+            try:
+                return await asyncio.to_thread(fn, *args)
+            finally:
+                await self.gate.release_write()
+
+    def _load(self, named, weight_version):
+        with self.engine.step_lock:
+            self.loader.load(named)
+            if weight_version is not None:
+                self.engine.set_weight_version(weight_version)
+
+    def _check_known(self, names, shapes) -> str | None:
+        for name, shape in zip(names, shapes):
+            try:
+                dst, _ = self.loader.target(name)
+            except WeightLoadError as e:
+                return str(e)
+            if list(dst.shape) != list(shape):
+                return f"{name}: shape {list(shape)} != expected {list(dst.shape)}"
+        return None
+
+    def _make_requests(self, body: S.GenerateIn) -> list[GenRequest] | str:
+        eng = self.engine
+        if body.input_ids is None:
+            if body.text is None:
+                return "input_ids: required (or text, with a tokenizer)"
+            if eng.tokenizer is None:
+                return "text: this server has no tokenizer; send input_ids"
+            ids = eng.tokenizer.encode(body.text)
+        else:
+            ids = body.input_ids
+        if not ids:
+            return "input_ids: empty prompt"
+        for i, t in enumerate(ids):
+            if not 0 <= t < eng.vocab_size:
+                return f"input_ids[{i}]={t} is outside the vocabulary [0, {eng.vocab_size})"
+        sp = body.sampling_params or S.SamplingParamsIn()
+        stop_strs = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
+        if stop_strs and eng.tokenizer is None:
+            return "sampling_params.stop: stop strings need a tokenizer; use stop_token_ids"
+        if len(ids) >= eng.max_context:
+            return f"input_ids: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
+        n = sp.n or 1
+        rid = body.rid or uuid.uuid4().hex
+        rids = [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
+        for r in rids:
+            if r in eng._active:
+                return f"rid: {r!r} is already in flight"
+        return [
+            GenRequest(
+                rid=r, prompt=list(ids),
+                max_new_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,
+                temperature=1.0 if sp.temperature is None else sp.temperature,
+                top_p=1.0 if sp.top_p is None else sp.top_p,
+                top_k=-1 if sp.top_k is None else sp.top_k,
+                stop_token_ids=frozenset(sp.stop_token_ids or ()),
+                stop_strs=stop_strs, ignore_eos=bool(sp.ignore_eos),
+                return_logprob=bool(body.return_logprob),
+                logprob_start_len=-1 if body.logprob_start_len is None else body.logprob_start_len,
+            )
+            for r in rids
+        ]
+
+    # ---- app -----------------------------------------------------------------------------------
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="megatron-dapo embedded SGLang-compatible server")
+        self.gate = _UpdateGate()
+        self._update_lock = asyncio.Lock()
+        eng = self.engine
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(request: Request, exc: RequestValidationError):
+            # SGLang answers 400, not FastAPI's 422, with this shape.
+            return JSONResponse({"object": "error", "message": f"{request.url.path}: {_field_message(exc)}",
+                                 "type": "Bad Request", "param": None, "code": 400}, status_code=400)
+
+        @app.middleware("http")
+        async def _auth(request: Request, call_next):
+            if self.api_key and not request.url.path.startswith(OPEN_PATHS):
+                header = request.headers.get("Authorization", "")
+                scheme, _, token = header.partition(" ")
+                if scheme.lower() != "bearer" or not secrets.compare_digest(token, self.api_key):
+                    return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            return await call_next(request)
+
+        @app.get("/health")
+        @app.get("/health_generate")
+        async def health():
+            return Response(status_code=200)
+
+        @app.get("/get_model_info")
+        @app.get("/model_info")
+        async def model_info():
+            cfg = eng.model.config
+            return {
+                "model_path": self.model_path, "tokenizer_path": self.model_path if eng.tokenizer else None,
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": eng.weight_version, "load_format": None,
+                "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
+            }
+
+        @app.api_route("/generate", methods=["POST", "PUT"])
+        async def generate(body: S.GenerateIn):
+            reqs = self._make_requests(body)
+            if isinstance(reqs, str):
+                return self._bad(reqs)
+            await self._wait_unpaused()
+            await self.gate.acquire_read()
+            try:
+                futures = [asyncio.wrap_future(eng.submit(r)) for r in reqs]
+                answers = await asyncio.gather(*futures)
+            except ValueError as e:
+                return self._bad(str(e))
+            finally:
+                await self.gate.release_read()
+            return answers[0] if len(answers) == 1 else answers
+
+        @app.api_route("/flush_cache", methods=["GET", "POST"])
+        async def flush_cache():
+            # No prefix cache outlives a batch here; nothing to flush.
+            return PlainTextResponse("Cache flushed.\n")
+
+        @app.post("/abort_request")
+        async def abort_request(body: S.AbortIn):
+            await asyncio.to_thread(eng.abort, body.rid, body.abort_all)
+            return Response(status_code=200)
+
+        @app.post("/pause_generation")
+        async def pause_generation(body: S.PauseIn):
+            await asyncio.to_thread(eng.pause, body.mode)
+            return {"message": "Generation paused successfully.", "status": "ok"}
+
+        @app.post("/continue_generation")
+        async def continue_generation(body: S.ContinueIn):
+            eng.resume()
+            return {"message": "Generation continued successfully.", "status": "ok"}
+
+        @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+        async def release_memory(body: S.MemoryIn):
+            if eng.device.type == "cuda" and (body.tags is None or "weights" in body.tags):
+                def _off():
+                    with eng.step_lock:
+                        eng.model.to("cpu")
+                        torch.cuda.empty_cache()
+                await asyncio.to_thread(_off)
+            return Response(status_code=200)
+
+        @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+        async def resume_memory(body: S.MemoryIn):
+            if eng.device.type == "cuda" and (body.tags is None or "weights" in body.tags):
+                def _on():
+                    with eng.step_lock:
+                        eng.model.to(eng.device)
+                await asyncio.to_thread(_on)
+            return Response(status_code=200)
+
+        @app.post("/init_weights_update_group")
+        async def init_group(body: S.InitGroupIn):
+            if body.group_name in self.groups:
+                return JSONResponse({"success": False, "message": f"group_name: {body.group_name!r} exists"}, 400)
+            if body.rank_offset >= body.world_size:
+                return JSONResponse({"success": False, "message":
+                                     f"rank_offset: {body.rank_offset} >= world_size {body.world_size}"}, 400)
+            try:
+                pg = await asyncio.to_thread(
+                    wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
+                    body.world_size, body.group_name, body.backend)
+            except Exception as e:
+                return JSONResponse({"success": False, "message": f"Failed to init group: {e}"}, 400)
+            self.groups[body.group_name] = pg
+            return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+        @app.post("/destroy_weights_update_group")
+        async def destroy_group(body: S.DestroyGroupIn):
+            pg = self.groups.pop(body.group_name, None)
+            if pg is None:
+                return JSONResponse({"success": False, "message": f"group_name: no group {body.group_name!r}"}, 400)
+            await asyncio.to_thread(wgroup.destroy_weight_update_group, pg)
+            return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+        @app.post("/update_weights_from_distributed")
+        async def update_distributed(body: S.UpdateDistributedIn):
+            pg = self.groups.get(body.group_name)
+            if pg is None:
+                return JSONResponse({"success": False, "message": f"group_name: no group {body.group_name!r}; "
+                                     "call /init_weights_update_group first"}, 400)
+            if not (len(body.names) == len(body.dtypes) == len(body.shapes)) or not body.names:
+                return JSONResponse({"success": False, "message": "names/dtypes/shapes: must be non-empty lists "
+                                     f"of equal length, got {len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}"},
+                                    400)
+            if body.abort_all_requests:
+                await asyncio.to_thread(eng.abort, None, True)
+            problem = self._check_known(body.names, body.shapes)
+
+            def run():
+                named = receive(pg, body.names, body.dtypes, body.shapes, eng.device,
+                                flattened=body.load_format == "flattened_bucket")
+                if problem is None:
+                    self._load(named, body.weight_version)
+
+            try:
+                await self._exclusive(run)
+            except Exception as e:
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, 400)
+            if problem is not None:
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {problem}"}, 400)
+            msg = "Succeeded to update parameter online."
+            if body.weight_version is not None:
+                msg += f" Weight version updated to {body.weight_version}."
+            return {"success": True, "message": msg}
+
+        @app.post("/update_weights_from_tensor")
+        async def update_tensor(body: S.UpdateTensorIn):
+            if body.abort_all_requests:
+                await asyncio.to_thread(eng.abort, None, True)
+            try:
+                raw = base64.b64decode(body.serialized_named_tensors[0], validate=True)
+                payload = _SafeUnpickler(io.BytesIO(raw)).load()
+                if body.load_format == "flattened_bucket":
+                    flat, meta = payload["flattened_tensor"], payload["metadata"]
+                    named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in meta]
+                else:
+                    named = [(str(n), t) for n, t in payload]
+            except Exception as e:
+                return JSONResponse({"success": False,
+                                     "message": f"serialized_named_tensors: cannot deserialize ({e})"}, 400)
+            problem = self._check_known([n for n, _ in named], [list(t.shape) for _, t in named])
+            if problem is not None:
+                return JSONResponse({"success": False, "message": f"Failed to update weights: {problem}"}, 400)
+            await self._exclusive(self._load, named, body.weight_version)
+            return {"success": True, "message": "Success"}
+
+        @app.post("/update_weight_version")
+        async def update_version(body: S.UpdateVersionIn):
+            if body.abort_all_requests:
+                await asyncio.to_thread(eng.abort, None, True)
+
+            def run():
+                with eng.step_lock:
+                    eng.set_weight_version(body.new_version)
+            await asyncio.to_thread(run)
+            return {"success": True, "message": f"Weight version updated to {body.new_version}",
+                    "new_version": body.new_version}
+
+        @app.on_event("shutdown")
+        async def _shutdown():
+            eng.close()
+
+        return app
+
+
+def load_model(path: str, device: str = "auto", dtype: str = "auto"):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    dt = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt or (torch.bfloat16 if dev.type == "cuda"
+                                                                    else torch.float32))
+    model.to(dev)
+    tokenizer = None
+    if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-dapo serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
+    p.add_argument("--host", default=LOOPBACK)
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=os.environ.get("MEGATRON_DAPO_API_KEY"),
+                   help="require `Authorization: Bearer KEY` (default: $MEGATRON_DAPO_API_KEY)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.time()
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
+                            weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed)
+    print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
+          f"listening on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,177 @@
+"""Request bodies for SGLang's HTTP API and the parsing of its /generate answers (pure functions).
+
+Every body the client sends is built here, so the conformance test can hold each one against the
+fields of SGLang 0.5.23's request class (see `protocol.py`).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+
+from megatron_dapo.rollout.types import FINISH_REASONS, Sample, SamplingParams, WeightVersionSpan
+
+DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+
+
+def generate_body(
+    input_ids: Sequence[int],
+    sampling: SamplingParams,
+    rid: str | None = None,
+    return_logprob: bool = True,
+    logprob_start_len: int | None = None,
+) -> dict:
+    body = {
+        "input_ids": [int(t) for t in input_ids],
+        "sampling_params": sampling.to_sglang(),
+        "return_logprob": bool(return_logprob),
+    }
+    if rid is not None:
+        body["rid"] = rid
+    if logprob_start_len is not None:
+        body["logprob_start_len"] = int(logprob_start_len)
+    return body
+
+
+def abort_body(rid: str | None = None, abort_all: bool = False) -> dict:
+    return {"rid": rid or "", "abort_all": bool(abort_all)}
+
+
+def pause_body(mode: str = "abort") -> dict:
+    if mode not in ("abort", "retract", "in_place"):
+        raise ValueError(f"pause mode must be abort, retract or in_place, got {mode!r}")
+    return {"mode": mode}
+
+
+def continue_body(torch_empty_cache: bool = True) -> dict:
+    return {"torch_empty_cache": bool(torch_empty_cache)}
+
+
+def memory_body(tags: Sequence[str] | None = None) -> dict:
+    return {"tags": list(tags)} if tags else {}
+
+
+def init_group_body(
+    master_address: str, master_port: int, rank_offset: int, world_size: int,
+    group_name: str = DEFAULT_GROUP, backend: str = "nccl",
+) -> dict:
+    return {
+        "master_address": master_address,
+        "master_port": int(master_port),
+        "rank_offset": int(rank_offset),
+        "world_size": int(world_size),
+        "group_name": group_name,
+        "backend": backend,
+    }
+
+
+def destroy_group_body(group_name: str = DEFAULT_GROUP) -> dict:
+    return {"group_name": group_name}
+
+
+def update_distributed_body(
+    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
+    group_name: str = DEFAULT_GROUP, flush_cache: bool = True, abort_all_requests: bool = False,
+    weight_version: str | None = None, load_format: str | None = None,
+) -> dict:
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
+    body = {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [[int(d) for d in s] for s in shapes],
+        "group_name": group_name,
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": bool(abort_all_requests),
+    }
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    if load_format is not None:
+        body["load_format"] = load_format
+    return body
+
+
+def update_tensor_body(
+    serialized_named_tensors: Sequence[bytes], load_format: str | None = None, flush_cache: bool = True,
+    abort_all_requests: bool = False, weight_version: str | None = None,
+) -> dict:
+    # SGLang's HTTP schema takes the bytes base64-encoded (JSON has no bytes type).
+    body = {
+        "serialized_named_tensors": [base64.b64encode(b).decode("ascii") for b in serialized_named_tensors],
+        "flush_cache": bool(flush_cache),
+        "abort_all_requests": bool(abort_all_requests),
+    }
+    if load_format is not None:
+        body["load_format"] = load_format
+    if weight_version is not None:
+        body["weight_version"] = str(weight_version)
+    return body
+
+
+def update_version_body(new_version: str, abort_all_requests: bool = False) -> dict:
+    return {"new_version": str(new_version), "abort_all_requests": bool(abort_all_requests)}
+
+
+def parse_finish_reason(fr) -> tuple[str, int | str | None, str | None]:
+    """SGLang encodes finish_reason as {"type": "stop"|"length"|"abort", "matched"/"length"/"message"}."""
+    if fr is None:
+        raise ValueError("meta_info.finish_reason is null: the request did not finish")
+    if isinstance(fr, str):  # be lenient with OpenAI-style strings
+        kind, matched, message = fr, None, None
+    elif isinstance(fr, dict) and "type" in fr:
+        kind, matched, message = fr["type"], fr.get("matched"), fr.get("message")
+    else:
+        raise ValueError(f"meta_info.finish_reason has an unexpected shape: {fr!r}")
+    if kind not in FINISH_REASONS:
+        raise ValueError(f"meta_info.finish_reason.type {kind!r} is not one of {FINISH_REASONS}")
+    return kind, matched, message
+
+
+def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "") -> Sample:
+    """One /generate answer (an element of the list when n > 1) -> Sample."""
+    try:
+        meta = item["meta_info"]
+        output_ids = [int(t) for t in item["output_ids"]]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"/generate answer lacks {e} (keys: {sorted(item) if isinstance(item, dict) else item!r})")
+    kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
+    triples = meta.get("output_token_logprobs") or []
+    if triples and len(triples) != len(output_ids):
+        raise ValueError(f"/generate answer: {len(triples)} output_token_logprobs for {len(output_ids)} output_ids")
+    for (lp, tok, *_), out_tok in zip(triples, output_ids):
+        if int(tok) != out_tok:
+            raise ValueError(f"/generate answer: logprob token {tok} != output token {out_tok}")
+    spans = [WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]
+    return Sample(
+        rid=str(meta.get("id", "")),
+        prompt_ids=list(prompt_ids),
+        output_ids=output_ids,
+        logprobs=[float(t[0]) for t in triples],
+        finish_reason=kind,
+        weight_version=str(meta.get("weight_version")),
+        weight_versions=spans,
+        text=item.get("text") or "",
+        matched_stop=matched,
+        abort_message=message if kind == "abort" else None,
+        server=server,
+    )
+
+
+def parse_generate(answer, prompt_ids: Sequence[int], server: str = "") -> list[Sample]:
+    items = answer if isinstance(answer, list) else [answer]
+    samples = [parse_generate_item(it, prompt_ids, server) for it in items]
+    for i, s in enumerate(samples):
+        s.index = i
+    return samples
+
+
+def parse_input_logprobs(answer) -> list[float]:
+    """meta_info.input_token_logprobs -> logprob of prompt token t given tokens < t, for t >= 1.
+
+    SGLang's first triple is (None, token_0, text): the first token has no context.
+    """
+    item = answer[0] if isinstance(answer, list) else answer
+    triples = item["meta_info"].get("input_token_logprobs")
+    if triples is None:
+        raise ValueError("/generate answer has no meta_info.input_token_logprobs (return_logprob not honoured?)")
+    return [float(t[0]) for t in triples if t[0] is not None]

@@ -1,0 +1,75 @@
+"""What a rollout request asks for and what comes back: sampling parameters and samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass
+class SamplingParams:
+    """The sampling parameters this project sends (a subset of SGLang's `SamplingParams`).
+
+    temperature 0 means greedy; top_k -1 means the whole vocabulary; `stop` strings need a tokenizer.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+
+    def to_sglang(self) -> dict:
+        """The `sampling_params` dict of a /generate body (unset optional fields left out)."""
+        d = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "max_new_tokens": self.max_new_tokens,
+            "n": self.n,
+        }
+        if self.stop:
+            d["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            d["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        return d
+
+
+@dataclass
+class WeightVersionSpan:
+    """Output tokens [start, end) were generated with weights `version`."""
+
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
+class Sample:
+    """One finished generation: the tokens, their rollout logprobs, why it stopped, which weights made it."""
+
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float]  # logprob of output_ids[i] under the temperature-scaled distribution
+    finish_reason: str  # "stop" | "length" | "abort"
+    weight_version: str  # the server's version when the answer was built
+    weight_versions: list[WeightVersionSpan] = field(default_factory=list)  # spans; empty if one version
+    text: str = ""
+    matched_stop: int | str | None = None
+    abort_message: str | None = None
+    group_id: str | None = None
+    index: int = 0  # position of this sample within its group
+    server: str = ""  # base URL of the server that produced it
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+    @property
+    def versions(self) -> list[str]:
+        """Every weight version that produced a token of this sample, oldest first."""
+        return [s.version for s in self.weight_versions] or [self.weight_version]
