@@ -1,0 +1,179 @@
+"""Start and stop rollout server processes: SGLang (`python -m sglang.launch_server`) or the embedded one.
+
+A server runs in its own process group with stdout/stderr in a log file; `start()` returns once its
+`/health` answers 200 (or raises with the log's tail if the process died or the wait timed out);
+`stop()` sends SIGTERM to the group, then SIGKILL after a grace period. Flag names are SGLang 0.5.23's
+(`srt/arg_groups/fields/*.py`: field `tp_size` -> `--tp-size`; the unit test checks every flag against
+the snapshot of those fields).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+
+@dataclass
+class SGLangServerArgs:
+    model_path: str
+    port: int = 30000
+    host: str = LOOPBACK
+    tp_size: int = 1
+    mem_fraction_static: float | None = 0.8
+    api_key: str | None = None
+    dtype: str | None = None  # "auto" | "bfloat16" | "float16" | "float32"
+    served_model_name: str | None = None
+    weight_version: str | None = None
+    random_seed: int | None = None
+    context_length: int | None = None
+    base_gpu_id: int | None = None
+    enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
+    trust_remote_code: bool = False
+    skip_tokenizer_init: bool = False  # token ids in, token ids out
+    log_level: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, cfg, model_path: str, port: int, **overrides) -> "SGLangServerArgs":
+        """From a resolved run config (`cfg.rollout`: server_tp, mem_fraction_static, host, api_key, extra_args)."""
+        r = cfg.rollout
+        kw = dict(model_path=model_path, port=port, host=r.host, tp_size=r.server_tp,
+                  mem_fraction_static=r.mem_fraction_static, api_key=r.api_key, extra_args=list(r.extra_args))
+        kw.update(overrides)
+        return cls(**kw)
+
+
+def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(args.model_path),
+           "--host", args.host, "--port", str(args.port), "--tp-size", str(args.tp_size)]
+    optional = {
+        "--mem-fraction-static": args.mem_fraction_static, "--api-key": args.api_key, "--dtype": args.dtype,
+        "--served-model-name": args.served_model_name, "--weight-version": args.weight_version,
+        "--random-seed": args.random_seed, "--context-length": args.context_length,
+        "--base-gpu-id": args.base_gpu_id, "--log-level": args.log_level,
+    }
+    for flag, value in optional.items():
+        if value is not None:
+            cmd += [flag, str(value)]
+    for flag, on in {"--enable-memory-saver": args.enable_memory_saver,
+                     "--trust-remote-code": args.trust_remote_code,
+                     "--skip-tokenizer-init": args.skip_tokenizer_init}.items():
+        if on:
+            cmd.append(flag)
+    return cmd + list(args.extra_args)
+
+
+def embedded_command(model_dir: str, port: int, host: str = LOOPBACK, api_key: str | None = None,
+                     device: str = "auto", seed: int = 0, threads: int | None = 1,
+                     extra_args: list[str] | None = None, python: str = sys.executable) -> list[str]:
+    cmd = [python, "-m", "megatron_dapo.cli", "serve", "--model", str(model_dir), "--host", host,
+           "--port", str(port), "--device", device, "--seed", str(seed)]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return cmd + list(extra_args or [])
+
+
+class ServerProcess:
+    """One server process: start, wait for /health, log to a file, stop cleanly."""
+
+    def __init__(self, cmd: list[str], port: int, host: str = LOOPBACK, log_path: str | Path | None = None,
+                 env: dict | None = None, api_key: str | None = None):
+        self.cmd, self.port, self.host = cmd, port, host
+        self.log_path = Path(log_path) if log_path else Path(f"rollout_server_{port}.log")
+        self.env = env
+        self.api_key = api_key  # an api key secret never appears in logged commands
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host if self.host != '0.0.0.0' else LOOPBACK}:{self.port}"
+
+    def start(self, timeout_s: float = 600.0) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(self.env or {})
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+        self.wait_healthy(timeout_s)
+        return self
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(trust_env=False) as http:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode} during "
+                                       f"start-up; log {self.log_path}:\n{self.log_tail()}")
+                try:
+                    if http.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(f"server on port {self.port} not healthy after {timeout_s}s; "
+                                       f"log {self.log_path}:\n{self.log_tail()}")
+                time.sleep(0.2)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole group at once (a crash, as tests simulate it)."""
+        if self.alive():
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if not self.alive():
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def launch_sglang(args: SGLangServerArgs, log_path: str | Path, timeout_s: float = 1200.0,
+                  env: dict | None = None) -> ServerProcess:
+    """Start an SGLang server; needs the `sglang` package (GPU machines: pip install megatron-dapo[gpu])."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        raise ImportError("SGLang is not installed: `pip install sglang==0.5.23` (GPU only), "
+                          "or set rollout.engine: embedded")
+    return ServerProcess(sglang_command(args), args.port, args.host, log_path, env, args.api_key).start(timeout_s)
+
+
+def launch_embedded(model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None,
+                    timeout_s: float = 300.0, **kw) -> ServerProcess:
+    """Start an embedded SGLang-compatible server on a free loopback port (unless `port` is given)."""
+    port = port or free_port()
+    env = {"OMP_NUM_THREADS": str(kw.get("threads") or 1), "TOKENIZERS_PARALLELISM": "false"}
+    if api_key:
+        env["MEGATRON_DAPO_API_KEY"] = api_key  # through the environment, not the command line
+    cmd = embedded_command(model_dir, port, **kw)
+    return ServerProcess(cmd, port, LOOPBACK, log_path, env, api_key).start(timeout_s)

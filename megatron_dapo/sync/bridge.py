@@ -1,0 +1,267 @@
+"""The weight-sync bridge: stream a trainer's HF-named weights into running rollout servers.
+
+Every trainer rank calls `sync(named_tensors, version)` with its iterator of `(hf_name, tensor)`
+(`megatron_dapo.bridge.export_hf_weights(model)` on each rank, which yields `None` for tensors on
+ranks other than 0): the iterator is drained on every rank so that the export's gathers progress,
+and only trainer rank 0 talks to servers. On rank 0 the tensors are grouped into buckets of about
+`bucket_mb`; for each bucket, `/update_weights_from_distributed` is posted to every server at once,
+then rank 0 broadcasts the bucket's tensors (one broadcast each, or with `flatten_bucket` one flat
+uint8 buffer in SGLang's `flattened_bucket` layout) over the weight-update group, then the answers
+are awaited. The last bucket carries `weight_version` and `flush_cache`, so a server reports the new
+version only once all of it is loaded. With `pause_generation`, the servers are paused (mode
+`pause_mode`, default in_place) before the first bucket and continued after the last; without it a
+server finishes its in-flight requests before loading, as SGLang does.
+
+    bridge = WeightSyncBridge(urls, cfg.rollout.sync)        # on every trainer rank
+    bridge.connect()                                          # collective over rank 0 + servers
+    stats = bridge.sync(export_hf_weights(model), version=step)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.rollout.client import SGLangClient, SGLangError
+from megatron_dapo.rollout.protocol import FLATTENED_BUCKET
+from megatron_dapo.runtime.net import LOOPBACK, free_port
+from megatron_dapo.sync import group as wgroup
+from megatron_dapo.sync.buckets import Bucket, iter_buckets
+
+log = logging.getLogger(__name__)
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass
+class SyncStats:
+    version: str
+    num_tensors: int
+    nbytes: int
+    num_buckets: int
+    seconds: float
+    max_logprob_diff: float | None = None
+
+    @property
+    def gbps(self) -> float:
+        return self.nbytes / max(self.seconds, 1e-9) / 1e9
+
+    def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
+        m = {f"{prefix}seconds": self.seconds, f"{prefix}gbps": self.gbps, f"{prefix}bytes": float(self.nbytes),
+             f"{prefix}buckets": float(self.num_buckets)}
+        if self.max_logprob_diff is not None:
+            m[f"{prefix}max_logprob_diff"] = self.max_logprob_diff
+        return m
+
+
+class _LoopThread:
+    """An asyncio loop on its own thread, so blocking trainer code can drive async HTTP calls."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="weight-sync-http", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro, timeout: float | None = None):
+        return self.submit(coro).result(timeout)
+
+    def close(self):
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+
+def _is_sender() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class WeightSyncBridge:
+    def __init__(
+        self,
+        server_urls: Sequence[str],
+        sync_cfg=None,  # megatron_dapo.config.schema.SyncConfig (bucket_mb, pause_generation, flatten_bucket, ...)
+        api_key: str | None = None,
+        server_tp_sizes: Sequence[int] | None = None,
+        pause_mode: str = "in_place",
+        group_name: str = "megatron_dapo_weight_sync",
+        backend: str | None = None,
+        master_address: str = LOOPBACK,
+        master_port: int | None = None,
+        timeout_s: float = 600.0,
+    ):
+        from megatron_dapo.config.schema import SyncConfig
+
+        self.cfg = sync_cfg or SyncConfig()
+        self.urls = [u.rstrip("/") for u in server_urls]
+        self.tp_sizes = list(server_tp_sizes or [1] * len(self.urls))
+        if len(self.tp_sizes) != len(self.urls):
+            raise ValueError(f"server_tp_sizes has {len(self.tp_sizes)} entries for {len(self.urls)} servers")
+        if pause_mode not in ("in_place", "retract", "abort"):
+            raise ValueError(f"pause_mode must be in_place, retract or abort, got {pause_mode!r}")
+        self.pause_mode = pause_mode
+        self.group_name = group_name
+        self.backend = backend or wgroup.default_backend()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.master_address, self.master_port = master_address, master_port
+        self.timeout_s = timeout_s
+        self.api_key = api_key
+        self.sender = _is_sender()
+        self.pg = None
+        self._loop: _LoopThread | None = None
+        self.clients: list[SGLangClient] = []
+
+    @property
+    def world_size(self) -> int:
+        return 1 + sum(self.tp_sizes)
+
+    # ---- group ---------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Form the weight-update group: rank 0 here, server i at rank_offset 1 + sum(tp of servers < i)."""
+        if not self.sender:
+            return
+        self._loop = _LoopThread()
+        self.clients = [SGLangClient(u, api_key=self.api_key, timeout_s=self.timeout_s) for u in self.urls]
+        port = self.master_port or free_port(self.master_address)
+        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
+
+        async def ask_all():
+            return await asyncio.gather(*(
+                c.init_weights_update_group(self.master_address, port, off, self.world_size, self.group_name,
+                                            self.backend)
+                for c, off in zip(self.clients, offsets)))
+
+        answers = self._loop.submit(ask_all())
+        try:
+            self.pg = wgroup.init_weight_update_group(self.master_address, port, 0, self.world_size,
+                                                      self.group_name, self.backend, self.timeout_s)
+        except Exception as e:
+            raise WeightSyncError(f"weight-update group at {self.master_address}:{port} did not form: {e}; "
+                                  f"servers: {self._drain(answers)}") from e
+        answers.result(self.timeout_s)
+        log.info("weight-update group %s formed: %d servers, world size %d", self.group_name, len(self.urls),
+                 self.world_size)
+
+    @staticmethod
+    def _drain(fut) -> str:
+        try:
+            return str(fut.result(5))
+        except Exception as e:
+            return repr(e)
+
+    def close(self) -> None:
+        if self.pg is not None:
+            wgroup.destroy_weight_update_group(self.pg)
+            self.pg = None
+        if self._loop is not None:
+            async def close_clients():
+                await asyncio.gather(*(c.aclose() for c in self.clients))
+            self._loop.run(close_clients())
+            self._loop.close()
+            self._loop = None
+
+    # ---- sync ----------------------------------------------------------------------------------
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor | None]], version) -> SyncStats | None:
+        """Push one full set of weights to every server; returns stats on rank 0, None elsewhere."""
+        if not self.sender:
+            for _ in named_tensors:  # take part in the export's collectives
+                pass
+            return None
+        if self.pg is None:
+            raise WeightSyncError("sync() before connect()")
+        version = str(version)
+        bucket_bytes = int(self.cfg.bucket_mb * 1024 * 1024)
+        t0 = time.perf_counter()
+        paused = False
+        n_tensors = n_bytes = n_buckets = 0
+        try:
+            if self.cfg.pause_generation:
+                self._all("pause_generation", self.pause_mode)
+                paused = True
+            present = ((n, t) for n, t in named_tensors if t is not None)
+            pending: Bucket | None = None
+            for bucket in iter_buckets(present, bucket_bytes, aligned=self.cfg.flatten_bucket):
+                if pending is not None:  # one bucket of look-ahead: the last one carries the version
+                    self._send_bucket(pending, None)
+                    n_buckets += 1
+                pending = bucket
+                n_tensors += len(bucket.tensors)
+                n_bytes += bucket.nbytes
+            if pending is None:
+                raise WeightSyncError("sync(): the weight iterator yielded no tensors")
+            self._send_bucket(pending, version)
+            n_buckets += 1
+        finally:
+            if paused:
+                self._all("continue_generation")
+        stats = SyncStats(version, n_tensors, n_bytes, n_buckets, time.perf_counter() - t0)
+        log.info("synced %d tensors (%.1f MB, %d buckets) to %d servers in %.2fs (%.2f GB/s), version %s",
+                 n_tensors, n_bytes / 1e6, n_buckets, len(self.urls), stats.seconds, stats.gbps, version)
+        return stats
+
+    def _all(self, method: str, *args, **kwargs) -> list:
+        async def go():
+            return await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients))
+        return self._loop.run(go(), self.timeout_s)
+
+    def _send_bucket(self, bucket: Bucket, version: str | None) -> None:
+        last = version is not None
+
+        async def post_all():
+            return await asyncio.gather(*(
+                c.update_weights_from_distributed(
+                    bucket.names, bucket.dtypes, bucket.shapes, group_name=self.group_name, flush_cache=last,
+                    weight_version=version, load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None)
+                for c in self.clients))
+
+        answers = self._loop.submit(post_all())
+        if self.cfg.flatten_bucket:
+            works = [wgroup.broadcast(bucket.flatten().to(self.device), self.pg, async_op=True)]
+        else:
+            works = [wgroup.broadcast(t.to(self.device).contiguous(), self.pg, async_op=True)
+                     for _, t in bucket.tensors]
+        # Watch the HTTP answers while the broadcasts run: a server that refused the update will never
+        # join the broadcast, and waiting on it would hang until the group's timeout.
+        deadline = time.monotonic() + self.timeout_s
+        while not all(w.is_completed() for w in works):
+            if answers.done() and answers.exception() is not None:
+                raise WeightSyncError(f"a server refused a weight update: {answers.exception()}")
+            if time.monotonic() > deadline:
+                raise WeightSyncError(f"weight broadcast did not complete in {self.timeout_s}s")
+            time.sleep(0.0005)
+        for w in works:
+            w.wait()
+        try:
+            answers.result(self.timeout_s)
+        except SGLangError as e:
+            raise WeightSyncError(f"weight update failed: {e}") from e
+
+    # ---- verification --------------------------------------------------------------------------
+    def server_logprobs(self, probe_ids: Sequence[int]) -> list[list[float]]:
+        """Each server's logprobs of probe token t given tokens < t (t >= 1), rank 0 only."""
+        return self._all("prompt_logprobs", list(probe_ids))
+
+    def verify(self, probe_ids: Sequence[int], trainer_logprobs, tolerance: float | None = None) -> float:
+        """Max |server - trainer| logprob over the probe, worst server; raises past the tolerance."""
+        tol = self.cfg.verify_tolerance if tolerance is None else tolerance
+        ref = torch.as_tensor(trainer_logprobs, dtype=torch.float64).reshape(-1)
+        worst = 0.0
+        for url, lps in zip(self.urls, self.server_logprobs(probe_ids)):
+            got = torch.tensor(lps, dtype=torch.float64)
+            if got.shape != ref.shape:
+                raise WeightSyncError(f"{url}: {got.numel()} probe logprobs, trainer has {ref.numel()}")
+            worst = max(worst, float((got - ref).abs().max()))
+        if worst > tol:
+            raise WeightSyncError(f"after sync, server logprobs differ from the trainer's by {worst:.3g} > {tol:g}")
+        return worst

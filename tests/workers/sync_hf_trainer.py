@@ -1,0 +1,67 @@
+"""A plain torch trainer process holding an HF model; syncs its weights into embedded servers.
+
+usage: sync_hf_trainer.py OUT_JSON CKPT_DIR URL [URL ...] [--flatten] [--bucket-mb X] [--version V]
+       [--api-key K] [--pause | --no-pause]
+Reads the checkpoint's tensors (HF on-disk names, per-expert for MoE) as the named-tensor stream,
+syncs them, then writes its own logprobs of a probe (from transformers' model of the same checkpoint,
+the independent reference) and the servers' to OUT_JSON.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from safetensors import safe_open
+
+from megatron_dapo.config.schema import SyncConfig
+from megatron_dapo.sync.bridge import WeightSyncBridge
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("ckpt")
+    p.add_argument("urls", nargs="+")
+    p.add_argument("--flatten", action="store_true")
+    p.add_argument("--bucket-mb", type=float, default=0.05)
+    p.add_argument("--versions", default="1")
+    p.add_argument("--api-key")
+    p.add_argument("--no-pause", action="store_true")
+    a = p.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32).eval()
+    probe = [int(x) for x in torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))]
+    with torch.no_grad():
+        logits = model(torch.tensor([probe])).logits[0].double()
+    ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
+
+    def named():
+        files = sorted(f for f in os.listdir(a.ckpt) if f.endswith(".safetensors"))
+        for f in files:
+            with safe_open(os.path.join(a.ckpt, f), "pt") as s:
+                for k in s.keys():
+                    yield k, s.get_tensor(k)
+
+    cfg = SyncConfig(bucket_mb=a.bucket_mb, flatten_bucket=a.flatten, pause_generation=not a.no_pause)
+    bridge = WeightSyncBridge(a.urls, cfg, api_key=a.api_key)
+    bridge.connect()
+    stats = []
+    for v in a.versions.split(","):
+        s = bridge.sync(named(), version=v)
+        stats.append({"version": s.version, "tensors": s.num_tensors, "bytes": s.nbytes, "buckets": s.num_buckets,
+                      "gbps": s.gbps})
+    diff = bridge.verify(probe, ref.tolist(), tolerance=1e-4)
+    server_lps = bridge.server_logprobs(probe)
+    bridge.close()
+    with open(a.out, "w") as f:
+        json.dump({"stats": stats, "max_diff": diff, "probe": probe, "trainer": ref.tolist(), "servers": server_lps}, f)
+    print("sync worker done", stats, diff)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
