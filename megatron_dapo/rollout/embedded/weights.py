@@ -28,7 +28,6 @@ class HFWeightLoader:
     def __init__(self, model: torch.nn.Module):
         self.model = model
         self.params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
-        self.params.update(dict(model.named_buffers()))
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
 
     def target(self, name: str) -> tuple[torch.Tensor, str]:

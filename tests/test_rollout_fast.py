@@ -1,0 +1,353 @@
+"""Fast tests of the rollout side: SGLang protocol conformance, sampling semantics, the embedded engine
+(in-process, tiny models), the HF weight loader, buckets, and the launcher's command lines."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_dapo.rollout import payloads, protocol
+from megatron_dapo.rollout.types import SamplingParams
+
+SNAPSHOT = protocol.load_snapshot()
+
+
+def _sglang_source_root() -> Path | None:
+    """A directory holding SGLang's `sglang/` sources: the unpacked download, or an installed package."""
+    for cand in [Path("/tmp/sglang_src")]:
+        if (cand / protocol.IO_STRUCT).is_file():
+            return cand
+    spec = importlib.util.find_spec("sglang")
+    if spec is not None and spec.origin:
+        root = Path(spec.origin).parent.parent
+        if (root / protocol.IO_STRUCT).is_file():
+            return root
+    return None
+
+
+def test_snapshot_matches_sglang_source_when_present():
+    root = _sglang_source_root()
+    if root is None:
+        pytest.skip("no SGLang source here; the committed snapshot is the reference")
+    fresh = protocol.extract_sglang_fields(root)
+    assert fresh["classes"] == SNAPSHOT["classes"]
+    assert fresh["SamplingParams"] == SNAPSHOT["SamplingParams"]
+    assert fresh["server_args"] == SNAPSHOT["server_args"]
+
+
+def test_snapshot_has_the_fields_the_issue_names():
+    # Independent of the extractor's own logic: the field names SGLang 0.5.23 documents for these routes.
+    c = SNAPSHOT["classes"]
+    assert {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"} <= set(
+        c["InitWeightsUpdateGroupReqInput"]["fields"])
+    assert {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+            "load_format"} <= set(c["UpdateWeightsFromDistributedReqInput"]["fields"])
+    assert set(c["UpdateWeightsFromDistributedReqInput"]["required"]) == {"names", "dtypes", "shapes"}
+    assert {"input_ids", "sampling_params", "return_logprob", "rid"} <= set(c["GenerateReqInput"]["fields"])
+    assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "n"} <= set(
+        SNAPSHOT["SamplingParams"]["fields"])
+
+
+def _all_client_bodies() -> dict[str, list[dict]]:
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8, stop=["x"], stop_token_ids=[3], n=4)
+    return {
+        "/generate": [payloads.generate_body([1, 2], sp, rid="r"),
+                      payloads.generate_body([1, 2], SamplingParams(max_new_tokens=0), rid="p", logprob_start_len=0)],
+        "/abort_request": [payloads.abort_body("r"), payloads.abort_body(abort_all=True)],
+        "/pause_generation": [payloads.pause_body(m) for m in ("abort", "retract", "in_place")],
+        "/continue_generation": [payloads.continue_body()],
+        "/release_memory_occupation": [payloads.memory_body(), payloads.memory_body(["weights"])],
+        "/resume_memory_occupation": [payloads.memory_body(["kv_cache"])],
+        "/init_weights_update_group": [payloads.init_group_body("127.0.0.1", 1234, 1, 3, "g", "gloo")],
+        "/destroy_weights_update_group": [payloads.destroy_group_body("g")],
+        "/update_weights_from_distributed": [
+            payloads.update_distributed_body(["a"], ["float32"], [[2, 3]], "g", True, False, "7", "flattened_bucket"),
+            payloads.update_distributed_body(["a"], ["bfloat16"], [[2]])],
+        "/update_weights_from_tensor": [payloads.update_tensor_body([b"abc"], weight_version="3")],
+        "/update_weight_version": [payloads.update_version_body("9")],
+    }
+
+
+def test_every_client_body_has_exactly_sglang_fields():
+    bodies = _all_client_bodies()
+    assert set(bodies) == set(protocol.ROUTE_CLASSES)
+    for route, items in bodies.items():
+        for body in items:
+            assert protocol.check_request(SNAPSHOT, route, body) == [], (route, body)
+
+
+def test_conformance_checker_catches_wrong_bodies():
+    assert protocol.check_request(SNAPSHOT, "/init_weights_update_group", {"master_address": "h"})  # missing
+    assert protocol.check_request(SNAPSHOT, "/generate", {"input_ids": [1], "prompt_ids": [1]})  # unknown field
+    bad_sp = {"input_ids": [1], "sampling_params": {"temperature": 1.0, "max_tokens": 3}}
+    assert any("max_tokens" in p for p in protocol.check_request(SNAPSHOT, "/generate", bad_sp))
+
+
+def test_embedded_server_accepts_only_sglang_field_names():
+    from megatron_dapo.rollout.embedded import schemas as S
+
+    pairs = {S.GenerateIn: "GenerateReqInput", S.AbortIn: "AbortReq", S.PauseIn: "PauseGenerationReqInput",
+             S.ContinueIn: "ContinueGenerationReqInput", S.MemoryIn: "ReleaseMemoryOccupationReqInput",
+             S.InitGroupIn: "InitWeightsUpdateGroupReqInput", S.DestroyGroupIn: "DestroyWeightsUpdateGroupReqInput",
+             S.UpdateDistributedIn: "UpdateWeightsFromDistributedReqInput",
+             S.UpdateTensorIn: "UpdateWeightsFromTensorReqInput", S.UpdateVersionIn: "UpdateWeightVersionReqInput"}
+    for model, cls in pairs.items():
+        assert set(model.model_fields) <= set(SNAPSHOT["classes"][cls]["fields"]), cls
+    assert set(S.SamplingParamsIn.model_fields) <= set(SNAPSHOT["SamplingParams"]["fields"])
+
+
+def test_parse_generate_answer_shapes():
+    item = {"text": "", "output_ids": [5, 6], "meta_info": {
+        "id": "r", "finish_reason": {"type": "stop", "matched": 6}, "weight_version": "3",
+        "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]],
+        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]}}
+    (s,) = payloads.parse_generate(item, [1])
+    assert (s.output_ids, s.logprobs, s.finish_reason, s.matched_stop) == ([5, 6], [-0.5, -1.5], "stop", 6)
+    assert s.versions == ["2", "3"]
+    two = payloads.parse_generate([item, item], [1])
+    assert [x.index for x in two] == [0, 1]
+    bad = json.loads(json.dumps(item))
+    bad["meta_info"]["output_token_logprobs"][1][1] = 9
+    with pytest.raises(ValueError, match="logprob token"):
+        payloads.parse_generate(bad, [1])
+    bad["meta_info"]["finish_reason"] = {"type": "eos"}
+    with pytest.raises(ValueError, match="finish_reason"):
+        payloads.parse_generate(bad, [1])
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+def test_sampled_logprob_is_temperature_scaled_before_filtering():
+    from megatron_dapo.rollout.embedded.sampling import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50, dtype=torch.float32) * 3
+    temp = torch.tensor([0.0, 0.5, 1.0, 1.3, 0.7, 2.0])
+    top_p = torch.tensor([1.0, 0.8, 1.0, 0.5, 1.0, 0.9])
+    top_k = torch.tensor([-1, -1, 5, -1, 1, 10])
+    g = torch.Generator().manual_seed(1)
+    tokens, lps = sample(logits, temp, top_p, top_k, g)
+    ref_t = torch.where(temp < 1e-6, torch.ones_like(temp), temp).double().unsqueeze(-1)
+    ref = torch.log_softmax(logits.double() / ref_t, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(lps.double(), ref, atol=1e-5, rtol=0)
+    assert tokens[0] == logits[0].argmax() and tokens[4] == logits[4].argmax()  # greedy and top_k=1
+
+
+def test_top_k_top_p_keep_exactly_the_nucleus():
+    from megatron_dapo.rollout.embedded.sampling import filter_top_k_top_p
+
+    probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
+    keep = lambda k, p: (filter_top_k_top_p(probs, torch.tensor([k]), torch.tensor([p])) > 0)[0].tolist()
+    assert keep(-1, 1.0) == [True] * 5
+    assert keep(2, 1.0) == [True, True, False, False, False]
+    assert keep(-1, 0.7) == [True, True, False, False, False]  # 0.5 + 0.2 reaches 0.7
+    assert keep(-1, 0.71) == [True, True, True, False, False]
+    assert keep(-1, 0.01) == [True, False, False, False, False]
+    g = torch.Generator().manual_seed(0)
+    from megatron_dapo.rollout.embedded.sampling import sample
+
+    logits = probs.log().repeat(400, 1)
+    tok, _ = sample(logits, torch.ones(400), torch.full((400,), 0.7), torch.full((400,), -1), g)
+    assert set(tok.tolist()) == {0, 1}
+
+
+# ---- engine (in-process) ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_qwen3(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    d = save_tiny_hf_model("qwen3", tmp_path_factory.mktemp("q3"))
+    return AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval(), d
+
+
+def _teacher_forced(model, prompt, output, temperature):
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].double()
+    t = 1.0 if temperature < 1e-6 else temperature
+    lp = torch.log_softmax(logits / t, -1)
+    return [float(lp[len(prompt) - 1 + i, tok]) for i, tok in enumerate(output)]
+
+
+def test_engine_batched_samples_have_reference_logprobs(tiny_qwen3):
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+
+    model, _ = tiny_qwen3
+    eng = Engine(model, seed=3)
+    try:
+        reqs = [GenRequest(rid=f"r{i}", prompt=p, max_new_tokens=m, temperature=t, top_p=tp, top_k=k,
+                           return_logprob=True)
+                for i, (p, m, t, tp, k) in enumerate([
+                    ([1, 2, 3], 12, 1.0, 1.0, -1), ([4, 5, 6, 7, 8, 9], 7, 0.6, 0.9, -1),
+                    ([1, 2, 3], 12, 1.0, 1.0, -1), ([10], 9, 0.0, 1.0, -1), ([11, 12], 5, 1.2, 1.0, 8)])]
+        futs = [eng.submit(r) for r in reqs]
+        answers = [f.result(60) for f in futs]
+    finally:
+        eng.close()
+    for r, a in zip(reqs, answers):
+        out = a["output_ids"]
+        assert len(out) == r.max_new_tokens and a["meta_info"]["finish_reason"] == {"type": "length",
+                                                                                   "length": r.max_new_tokens}
+        got = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        ref = _teacher_forced(model, r.prompt, out, r.temperature)
+        assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-4, r.rid
+    greedy = answers[3]["output_ids"]
+    hf = model.generate(torch.tensor([[10]]), max_new_tokens=9, do_sample=False)[0, 1:].tolist()
+    assert greedy == hf
+    assert answers[0]["output_ids"] != answers[2]["output_ids"]  # same prompt, independent samples
+
+
+def test_engine_stop_tokens_input_logprobs_and_abort(tiny_qwen3):
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+
+    model, _ = tiny_qwen3
+    eng = Engine(model, seed=0)
+    try:
+        greedy = eng.submit(GenRequest(rid="g", prompt=[3, 4], max_new_tokens=6, temperature=0.0)).result(30)
+        stop_tok = greedy["output_ids"][2]
+        stopped = eng.submit(GenRequest(rid="s", prompt=[3, 4], max_new_tokens=6, temperature=0.0,
+                                        stop_token_ids=frozenset([stop_tok]))).result(30)
+        first = greedy["output_ids"].index(stop_tok)
+        assert stopped["output_ids"] == greedy["output_ids"][:first + 1]
+        assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+
+        probe = [5, 9, 2, 7, 7, 1]
+        a = eng.submit(GenRequest(rid="p", prompt=probe, max_new_tokens=0, return_logprob=True,
+                                  logprob_start_len=0)).result(30)
+        got = a["meta_info"]["input_token_logprobs"]
+        assert got[0][0] is None and [t[1] for t in got] == probe
+        ref = _teacher_forced(model, probe[:1], probe[1:], 1.0)
+        assert max(abs(x[0] - y) for x, y in zip(got[1:], ref)) < 1e-5
+        assert a["output_ids"] == [] and a["meta_info"]["finish_reason"]["type"] == "length"
+
+        eng.pause("in_place")
+        fut = eng.submit(GenRequest(rid="long", prompt=[1], max_new_tokens=400, ignore_eos=True))
+        assert eng.abort("long") == 1
+        ab = fut.result(30)
+        assert ab["meta_info"]["finish_reason"]["type"] == "abort"
+        eng.resume()
+    finally:
+        eng.close()
+
+
+def test_engine_retract_resumes_with_new_weights_and_spans(tiny_qwen3):
+    import time
+
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+
+    model, _ = tiny_qwen3
+    eng = Engine(model, seed=0, weight_version="1")
+    try:
+        fut = eng.submit(GenRequest(rid="x", prompt=[1, 2], max_new_tokens=300, ignore_eos=True, temperature=0.0))
+        deadline = time.time() + 20
+        while not eng._batch and time.time() < deadline:
+            time.sleep(0.001)
+        eng.pause("retract")
+        with eng.step_lock:
+            n_before = len(eng._active["x"].output)
+            eng.set_weight_version("2")
+        assert not fut.done() and n_before < 300
+        eng.resume()
+        a = fut.result(60)
+    finally:
+        eng.close()
+    m = a["meta_info"]
+    assert len(a["output_ids"]) == 300 and m["num_retractions"] == 1 and m["weight_version"] == "2"
+    assert m["weight_versions"] == [{"version": "1", "start": 0, "end": n_before},
+                                    {"version": "2", "start": n_before, "end": 300}]
+
+
+# ---- weights -----------------------------------------------------------------------------------
+
+def test_loader_maps_per_expert_checkpoint_names_onto_fused_moe(tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import save_tiny_hf_model, tiny_hf_config
+    from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
+
+    d = save_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=5)
+    on_disk = load_file(str(d / "model.safetensors"))
+    assert any(".mlp.experts.3.up_proj.weight" in k for k in on_disk)  # per-expert on disk
+    reference = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)  # transformers' own conversion
+    torch.manual_seed(99)
+    fresh = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3_moe"), dtype=torch.float32)
+    loader = HFWeightLoader(fresh)
+    assert set(loader.checkpoint_shapes()) == set(on_disk)
+    loader.load(on_disk.items())
+    ref_sd = reference.state_dict()
+    for k, v in fresh.state_dict().items():
+        torch.testing.assert_close(v, ref_sd[k], atol=0, rtol=0, msg=k)
+    with pytest.raises(WeightLoadError, match="model.layers.1.mlp.experts.9.gate_proj.weight"):
+        loader.load([("model.layers.1.mlp.experts.9.gate_proj.weight", torch.zeros(32, 64))])
+    with pytest.raises(WeightLoadError, match="model.norm.weight: shape"):
+        loader.load([("model.norm.weight", torch.zeros(3))])
+    with pytest.raises(WeightLoadError, match="no such tensor"):
+        loader.load([("model.layers.0.mlp.bogus.weight", torch.zeros(3))])
+
+
+# ---- buckets ------------------------------------------------------------------------------------
+
+def test_buckets_bound_size_and_flat_layout_round_trips():
+    from megatron_dapo.sync.buckets import bucket_layout, iter_buckets
+
+    g = torch.Generator().manual_seed(0)
+    named = [(f"t{i}", torch.randn(s, generator=g).to(dt)) for i, (s, dt) in enumerate(
+        [((10, 10), torch.float32), ((7,), torch.bfloat16), ((3, 5), torch.float32), ((300,), torch.float32),
+         ((1,), torch.bfloat16), ((2, 2), torch.float32)])]
+    buckets = list(iter_buckets(iter(named), bucket_bytes=500, aligned=True))
+    assert [n for b in buckets for n in b.names] == [n for n, _ in named]  # order kept, nothing lost
+    for b in buckets:
+        assert b.nbytes <= 500 or len(b.tensors) == 1
+        layout = bucket_layout(b.names, [t.dtype for _, t in b.tensors], b.shapes)
+        assert layout.nbytes == b.nbytes
+        for (n, t), (n2, u) in zip(b.tensors, layout.unflatten(b.flatten())):
+            assert n == n2 and u.dtype == t.dtype and torch.equal(u, t)
+    with pytest.raises(ValueError, match="not aligned"):
+        bucket_layout(["a", "b"], [torch.bfloat16, torch.float32], [[1], [1]])
+
+
+# ---- launcher -----------------------------------------------------------------------------------
+
+def test_sglang_command_uses_sglang_flag_names():
+    from megatron_dapo.rollout.launcher import SGLangServerArgs, sglang_command
+
+    args = SGLangServerArgs(model_path="/m", port=31000, tp_size=4, mem_fraction_static=0.7, api_key="k",
+                            dtype="bfloat16", weight_version="0", random_seed=1, context_length=4096,
+                            base_gpu_id=2, enable_memory_saver=True, skip_tokenizer_init=True,
+                            trust_remote_code=True, served_model_name="q", log_level="info")
+    cmd = sglang_command(args, python="py")
+    assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
+    flags = [c for c in cmd if c.startswith("--")]
+    known = set(SNAPSHOT["server_args"])
+    assert [f for f in flags if f[2:].replace("-", "_") not in known] == []
+    as_dict = dict(zip(cmd[3::1], cmd[4::1]))
+    assert as_dict["--tp-size"] == "4" and as_dict["--model-path"] == "/m" and as_dict["--port"] == "31000"
+    assert as_dict["--mem-fraction-static"] == "0.7" and as_dict["--api-key"] == "k"
+    assert "--host" in cmd and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+
+
+def test_sglang_args_from_config():
+    from megatron_dapo.config.schema import DapoConfig
+    from megatron_dapo.rollout.launcher import SGLangServerArgs
+
+    cfg = DapoConfig()
+    cfg.rollout.server_tp, cfg.rollout.mem_fraction_static, cfg.rollout.extra_args = 2, 0.6, ["--foo"]
+    a = SGLangServerArgs.from_config(cfg, "/m", 1234)
+    assert (a.tp_size, a.mem_fraction_static, a.port, a.extra_args) == (2, 0.6, 1234, ["--foo"])
+
+
+def test_launch_sglang_says_what_is_missing(tmp_path):
+    from megatron_dapo.rollout.launcher import SGLangServerArgs, launch_sglang
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed")
+    with pytest.raises(ImportError, match="sglang"):
+        launch_sglang(SGLangServerArgs(model_path="/m"), tmp_path / "log")
