@@ -97,14 +97,15 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host if self.host != '0.0.0.0' else LOOPBACK}:{self.port}"
 
-    def start(self, timeout_s: float = 600.0) -> "ServerProcess":
+    def start(self, timeout_s: float = 600.0, wait: bool = True) -> "ServerProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(self.env or {})
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                          start_new_session=True)
-        self.wait_healthy(timeout_s)
+        if wait:
+            self.wait_healthy(timeout_s)
         return self
 
     def wait_healthy(self, timeout_s: float) -> None:
@@ -168,12 +169,34 @@ def launch_sglang(args: SGLangServerArgs, log_path: str | Path, timeout_s: float
     return ServerProcess(sglang_command(args), args.port, args.host, log_path, env, args.api_key).start(timeout_s)
 
 
-def launch_embedded(model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None,
-                    timeout_s: float = 300.0, **kw) -> ServerProcess:
-    """Start an embedded SGLang-compatible server on a free loopback port (unless `port` is given)."""
+def embedded_server(model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None,
+                    **kw) -> ServerProcess:
+    """An embedded SGLang-compatible server process (not started) on a free loopback port by default."""
     port = port or free_port()
     env = {"OMP_NUM_THREADS": str(kw.get("threads") or 1), "TOKENIZERS_PARALLELISM": "false"}
     if api_key:
         env["MEGATRON_DAPO_API_KEY"] = api_key  # through the environment, not the command line
-    cmd = embedded_command(model_dir, port, **kw)
-    return ServerProcess(cmd, port, LOOPBACK, log_path, env, api_key).start(timeout_s)
+    return ServerProcess(embedded_command(model_dir, port, **kw), port, LOOPBACK, log_path, env, api_key)
+
+
+def launch_embedded(model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None,
+                    timeout_s: float = 300.0, **kw) -> ServerProcess:
+    """Start one embedded server and wait until it is healthy."""
+    return embedded_server(model_dir, log_path, port, api_key, **kw).start(timeout_s)
+
+
+def launch_embedded_servers(model_dir: str, count: int, log_dir: str | Path, api_key: str | None = None,
+                            timeout_s: float = 300.0, **kw) -> list[ServerProcess]:
+    """Start `count` embedded servers at once (their start-ups overlap); all healthy, or all stopped."""
+    servers = [embedded_server(model_dir, Path(log_dir) / f"server_{i}.log", api_key=api_key, seed=i, **kw)
+               for i in range(count)]
+    try:
+        for s in servers:
+            s.start(wait=False)
+        for s in servers:
+            s.wait_healthy(timeout_s)
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
