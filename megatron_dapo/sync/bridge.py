@@ -161,7 +161,12 @@ class WeightSyncBridge:
             return repr(e)
 
     def close(self) -> None:
+        """Leave the group on both sides (servers first, so a later bridge may reuse the group name)."""
         if self.pg is not None:
+            try:
+                self._all("destroy_weights_update_group", self.group_name)
+            except Exception as e:  # a dead server cannot answer; the trainer side still goes
+                log.warning("destroy_weights_update_group failed: %s", e)
             wgroup.destroy_weight_update_group(self.pg)
             self.pg = None
         if self._loop is not None:

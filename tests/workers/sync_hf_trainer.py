@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 
 import torch
 from safetensors import safe_open
@@ -29,6 +30,8 @@ def main():
     p.add_argument("--versions", default="1")
     p.add_argument("--api-key")
     p.add_argument("--no-pause", action="store_true")
+    p.add_argument("--ready-file", help="touched once the group is formed")
+    p.add_argument("--go-file", help="sync only once this file exists")
     a = p.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -49,6 +52,14 @@ def main():
     cfg = SyncConfig(bucket_mb=a.bucket_mb, flatten_bucket=a.flatten, pause_generation=not a.no_pause)
     bridge = WeightSyncBridge(a.urls, cfg, api_key=a.api_key)
     bridge.connect()
+    if a.ready_file:
+        open(a.ready_file, "w").close()
+    if a.go_file:
+        deadline = time.time() + 120
+        while not os.path.exists(a.go_file):
+            if time.time() > deadline:
+                raise TimeoutError(f"{a.go_file} never appeared")
+            time.sleep(0.01)
     stats = []
     for v in a.versions.split(","):
         s = bridge.sync(named(), version=v)
