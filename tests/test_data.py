@@ -27,6 +27,9 @@ def test_char_tokenizer_round_trip_and_chat_template(tokenizer):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "2+2=?"}], add_generation_prompt=True, tokenize=False)
     assert ids == "<|im_start|>user\n2+2=?<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<|im_end|>"
+    from megatron_dapo.models.tiny import tiny_hf_config
+
+    assert len(tokenizer) == tiny_hf_config("qwen3").vocab_size == 256  # model rows == tokenizer size
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])

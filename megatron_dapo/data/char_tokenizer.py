@@ -13,6 +13,10 @@ from pathlib import Path
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+# Padded with reserved special tokens (as Qwen's vocabulary is) to the tiny models' 256 rows, so the
+# model's vocab_size, megatron-core's padded vocabulary and the tokenizer all agree.
+VOCAB_SIZE = 256
+RESERVED = tuple(f"<|reserved_{i}|>" for i in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(CHARS)))
 
 # Qwen's template, minus tool calls and system defaults: short prompts keep the demo fast.
 CHAT_TEMPLATE = (
@@ -24,7 +28,7 @@ CHAT_TEMPLATE = (
 
 
 def build_char_tokenizer(out_dir: str | Path) -> Path:
-    """Write the tokenizer files to `out_dir`; return it. Vocabulary: specials first, then CHARS."""
+    """Write the tokenizer files to `out_dir`; return it. Vocabulary: specials, CHARS, reserved."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from tokenizers import AddedToken
 
@@ -33,11 +37,13 @@ def build_char_tokenizer(out_dir: str | Path) -> Path:
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for ch in CHARS:
         vocab[ch] = len(vocab)
+    for t in RESERVED:
+        vocab[t] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<|endoftext|>"))
     # Every character is its own piece ("." would leave newlines out).
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS + RESERVED])
     tok.save(str(out_dir / "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -55,4 +61,4 @@ def build_char_tokenizer(out_dir: str | Path) -> Path:
 
 
 def vocab_size() -> int:
-    return len(SPECIAL_TOKENS) + len(CHARS)
+    return VOCAB_SIZE

@@ -1,7 +1,7 @@
 """Reward functions by name, and a runner that never lets one crash or stall the run.
 
 A reward function is `fn(response: str, ground_truth: str, **extra) -> float | dict`; a dict has
-"score" and optionally "acc". Built-ins: `math_dapo` (the DAPO rule) and `math_verify` (needs
+"score" and optionally "acc". Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs
 the math-verify package). A custom function is registered with `@register_reward("name")` or
 named in the config as `"package.module:function"`.
 
@@ -35,7 +35,7 @@ def register_reward(name: str):
 
 
 def _builtin(name: str) -> RewardFn | None:
-    if name == "math_dapo":
+    if name in ("math_dapo", "dapo_math"):
         from megatron_dapo.rewards.math_dapo import compute_score
     elif name == "math_verify":
         from megatron_dapo.rewards.math_verify_backend import compute_score
@@ -60,7 +60,7 @@ def get_reward(name: str) -> RewardFn:
         if not callable(fn):
             raise ValueError(f"reward function {name!r} is not callable")
         return fn
-    known = sorted(set(_REGISTRY) | {"math_dapo", "math_verify"})
+    known = sorted(set(_REGISTRY) | {"math_dapo", "dapo_math", "math_verify"})
     raise ValueError(f"unknown reward function {name!r}; known: {known}, or give 'package.module:function'")
 
 
