@@ -62,7 +62,7 @@ class _Batch:
 class Engine:
     def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
                  weight_version: str = "default", max_context: int | None = None):
-        self.model = model.eval()
+        self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch = max_batch

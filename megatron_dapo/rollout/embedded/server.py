@@ -320,9 +320,17 @@ class EmbeddedServer:
                 await asyncio.to_thread(eng.abort, None, True)
             problem = self._check_known(body.names, body.shapes)
 
+            def into(name, dtype, shape):
+                # Receive straight into the parameter: nothing is generating now (paused, or drained
+                # by the update gate), and it saves a copy of every byte.
+                dst, _ = self.loader.target(name)
+                ok = dst.dtype == dtype and dst.is_contiguous() and dst.device == eng.device
+                return dst if ok else None
+
             def run():
                 named = receive(pg, body.names, body.dtypes, body.shapes, eng.device,
-                                flattened=body.load_format == "flattened_bucket")
+                                flattened=body.load_format == "flattened_bucket",
+                                into=into if problem is None else None)
                 if problem is None:
                     self._load(named, body.weight_version)
 

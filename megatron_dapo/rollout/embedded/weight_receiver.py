@@ -21,7 +21,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def receive(pg, names, dtypes, shapes, device, flattened: bool) -> list[tuple[str, torch.Tensor]]:
+def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None) -> list[tuple[str, torch.Tensor]]:
+    """Receive the announced tensors; returns those still to be loaded.
+
+    `into(name, dtype, shape)` may return the model's own tensor to receive straight into (same dtype,
+    contiguous): such tensors are loaded by the broadcast itself and not returned.
+    """
     dts = [torch_dtype(d) for d in dtypes]
     if flattened:
         layout = bucket_layout(names, dts, shapes)
@@ -30,9 +35,11 @@ def receive(pg, names, dtypes, shapes, device, flattened: bool) -> list[tuple[st
         return layout.unflatten(flat)
     out, works = [], []
     for name, dt, shape in zip(names, dts, shapes):
-        t = torch.empty(shape, dtype=dt, device=device)
+        t = into(name, dt, shape) if into is not None else None
+        if t is None:
+            t = torch.empty(shape, dtype=dt, device=device)
+            out.append((name, t))
         works.append(wgroup.broadcast(t, pg, async_op=True))
-        out.append((name, t))
     for w in works:
         w.wait()
     return out

@@ -1,0 +1,137 @@
+"""Weight-sync throughput: the bridge end to end vs one raw broadcast of the same bytes on the same group.
+
+Starts `--servers` embedded servers holding a Qwen3-shaped model of the requested size, forms the
+weight-update group with the bridge, then times
+  * bridge (per-tensor / flattened): `WeightSyncBridge.sync()` of the trainer's full state, including
+    pause/continue, the HTTP calls, every broadcast and the servers' loads into their models;
+  * raw: one `broadcast` of a flat uint8 buffer of the same total bytes over the same process group,
+    received by the same server processes (an update announcing one tensor the model does not have:
+    the server receives the whole buffer, as it must to keep the group in step, and loads nothing).
+ratio = bridge GB/s / raw GB/s (goal >= 0.8 on CPU gloo). Per-tensor mode can beat the raw broadcast:
+the embedded server receives each tensor straight into its (already resident) parameter, while one big
+fresh buffer pays first-touch page faults and cannot overlap transfers. After the syncs the servers' logprobs on a
+probe are compared with the trainer's (max abs difference reported).
+
+    python benchmarks/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--servers 2] [--bucket-mb 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_dapo.config.schema import SyncConfig  # noqa: E402
+from megatron_dapo.rollout.launcher import launch_embedded_servers  # noqa: E402
+from megatron_dapo.sync import group as wgroup  # noqa: E402
+from megatron_dapo.sync.bridge import WeightSyncBridge  # noqa: E402
+
+RAW_NAME = "__raw_broadcast_baseline__"
+
+
+def build_models(args, out_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import tiny_hf_config
+
+    cfg = tiny_hf_config("qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                         num_hidden_layers=args.layers, vocab_size=args.vocab, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=args.hidden // 8)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
+    torch.manual_seed(1)
+    trainer = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    return trainer
+
+
+def raw_broadcast_seconds(bridge: WeightSyncBridge, flat: torch.Tensor) -> float:
+    nbytes = flat.numel()
+
+    async def announce():
+        return await asyncio.gather(*(
+            c._request("POST", "/update_weights_from_distributed", {
+                "names": [RAW_NAME], "dtypes": ["uint8"], "shapes": [[nbytes]], "group_name": bridge.group_name,
+                "flush_cache": False, "abort_all_requests": False, "load_format": "flattened_bucket"})
+            for c in bridge.clients), return_exceptions=True)
+
+    t0 = time.perf_counter()
+    answers = bridge._loop.submit(announce())
+    wgroup.broadcast(flat, bridge.pg)
+    seconds = time.perf_counter() - t0
+    for a in answers.result(600):  # the servers refuse to *load* it, after receiving every byte
+        assert RAW_NAME in str(a), f"unexpected answer to the raw baseline: {a!r}"
+    return seconds
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--servers", type=int, default=2)
+    p.add_argument("--bucket-mb", type=float, default=512)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", help="also write the results here")
+    args = p.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        trainer = build_models(args, tmp / "model")
+        named = list(trainer.state_dict().items())
+        nbytes = sum(t.numel() * t.element_size() for _, t in named)
+        # the raw baseline sends the weights' own bytes, already flat (its flattening is not timed)
+        flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
+        print(f"model: {sum(t.numel() for _, t in named) / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB fp32; "
+              f"{args.servers} embedded servers, gloo, bucket {args.bucket_mb} MiB", flush=True)
+        servers = launch_embedded_servers(str(tmp / "model"), args.servers, tmp / "logs", timeout_s=600)
+        rows = []
+        try:
+            results = {}
+            for mode in ("per_tensor", "flattened"):
+                cfg = SyncConfig(bucket_mb=args.bucket_mb, flatten_bucket=mode == "flattened", pause_generation=True)
+                bridge = WeightSyncBridge([s.url for s in servers], cfg, group_name=f"bench_{mode}")
+                bridge.connect()
+                try:
+                    raw = [raw_broadcast_seconds(bridge, flat) for _ in range(args.repeats)]
+                    bridge.sync(named, version=f"{mode}-warmup")
+                    times = [bridge.sync(named, version=f"{mode}-{i}").seconds for i in range(args.repeats)]
+                    raw += [raw_broadcast_seconds(bridge, flat) for _ in range(args.repeats)]
+                    probe = list(range(1, 33))
+                    with torch.no_grad():
+                        lp = torch.log_softmax(trainer(torch.tensor([probe])).logits[0, :-1].double(), -1)
+                    ref = lp.gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
+                    diff = bridge.verify(probe, ref.tolist(), tolerance=1e-3)
+                finally:
+                    bridge.close()
+                bridge_s, raw_s = min(times), min(raw)
+                results[mode] = dict(bridge_s=bridge_s, raw_s=raw_s, bridge_gbps=nbytes / bridge_s / 1e9,
+                                     raw_gbps=nbytes / raw_s / 1e9, ratio=raw_s / bridge_s, max_logprob_diff=diff)
+                rows.append((mode, results[mode]))
+        finally:
+            for s in servers:
+                s.stop()
+
+    print(f"\n| mode | bytes | bridge s | bridge GB/s | raw broadcast s | raw GB/s | ratio | max logprob diff |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mode, r in rows:
+        print(f"| {mode} | {nbytes / 2**20:.0f} MiB | {r['bridge_s']:.3f} | {r['bridge_gbps']:.3f} | {r['raw_s']:.3f} | "
+              f"{r['raw_gbps']:.3f} | {r['ratio']:.2f} | {r['max_logprob_diff']:.1e} |")
+    print("(best of repeats; ratio = bridge GB/s / raw GB/s; bytes counted once, each of the servers receives them)")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"bytes": nbytes, "servers": args.servers,
+                                               "bucket_mb": args.bucket_mb, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
