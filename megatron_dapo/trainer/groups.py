@@ -1,0 +1,125 @@
+"""A judged prompt group: its n samples with rewards, the dynamic-sampling verdict, and versions.
+
+Pure functions over rollout samples: scoring order, overlong shaping and the spread test follow
+DAPO (task reward +-1, plus the soft overlong penalty, then group-normalised advantages).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_dapo.algo import dynamic_sampling_filter, group_advantages, overlong_reward
+from megatron_dapo.rollout.types import Sample
+
+
+def version_number(v: str | int | None) -> int:
+    """Weight versions travel as strings (SGLang); ours are step counts. "default" = the initial 0."""
+    if isinstance(v, int):
+        return v
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+def token_versions(sample: Sample) -> list[int]:
+    """The weight version that produced each output token (spans when a response crossed an update)."""
+    n = len(sample.output_ids)
+    if not sample.weight_versions:
+        return [version_number(sample.weight_version)] * n
+    out = [version_number(sample.weight_version)] * n
+    for span in sample.weight_versions:
+        for i in range(max(0, span.start), min(n, span.end)):
+            out[i] = version_number(span.version)
+    return out
+
+
+@dataclass
+class JudgedGroup:
+    """The n samples of one prompt, scored."""
+
+    prompt_index: int  # PromptRecord.index
+    samples: list[Sample]
+    scores: list[float]  # task reward (+-1 for the math rule; failed reward calls score failure_score)
+    accs: list[bool]
+    overlong: list[float]  # soft overlong penalty (<= 0), 0 when disabled
+    reward_failures: int = 0
+    kept: bool = True
+    token_versions: list[list[int]] = field(default_factory=list)
+
+    @property
+    def seq_rewards(self) -> list[float]:
+        return [s + o for s, o in zip(self.scores, self.overlong)]
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version behind any token of the group (its staleness is measured from this)."""
+        return min((min(v) for v in self.token_versions if v), default=min(
+            version_number(s.weight_version) for s in self.samples))
+
+    def metric(self, name: str) -> list[float]:
+        if name == "acc":
+            return [float(a) for a in self.accs]
+        if name == "score":
+            return list(self.scores)
+        if name == "seq_reward":
+            return self.seq_rewards
+        raise ValueError(f"unknown dynamic-sampling metric {name!r} (acc, score, seq_reward)")
+
+    def to_state(self) -> dict:
+        """Plain data (JSON-able) for checkpoints of the rollout buffer."""
+        from dataclasses import asdict
+
+        d = asdict(self)
+        d["samples"] = [asdict(s) for s in self.samples]
+        return d
+
+    @classmethod
+    def from_state(cls, d: dict) -> "JudgedGroup":
+        from megatron_dapo.rollout.types import WeightVersionSpan
+
+        samples = []
+        for s in d["samples"]:
+            s = dict(s)
+            s["weight_versions"] = [WeightVersionSpan(**w) for w in s.get("weight_versions") or []]
+            samples.append(Sample(**s))
+        return cls(**{**d, "samples": samples})
+
+
+def judge_group(
+    prompt_index: int,
+    samples: list[Sample],
+    rewards,  # list[RewardResult], same order as samples
+    max_response_length: int,
+    overlong_cfg=None,  # OverlongBufferConfig or None
+    filter_metric: str | None = "acc",  # None = dynamic sampling off (every group kept)
+) -> JudgedGroup:
+    lengths = torch.tensor([len(s.output_ids) for s in samples])
+    if overlong_cfg is not None and overlong_cfg.enable:
+        pen = overlong_reward(lengths, max_response_length, overlong_cfg.len, overlong_cfg.penalty_factor).tolist()
+    else:
+        pen = [0.0] * len(samples)
+    g = JudgedGroup(
+        prompt_index,
+        samples,
+        scores=[r.score for r in rewards],
+        accs=[r.acc for r in rewards],
+        overlong=pen,
+        reward_failures=sum(r.failed for r in rewards),
+        token_versions=[token_versions(s) for s in samples],
+    )
+    if filter_metric is not None:
+        res = dynamic_sampling_filter(torch.tensor(g.metric(filter_metric), dtype=torch.float64),
+                                      torch.zeros(len(samples), dtype=torch.long),
+                                      correct_threshold=0.5 if filter_metric == "acc" else 0.0)
+        g.kept = res.num_kept == 1
+    return g
+
+
+def batch_advantages(groups: list[JudgedGroup], norm_by_std: bool = True) -> torch.Tensor:
+    """Group-normalised advantage per sample, groups concatenated in order (float32 [sum n])."""
+    rewards = torch.tensor([r for g in groups for r in g.seq_rewards], dtype=torch.float32)
+    ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long)
+    return group_advantages(rewards, ids, norm_by_std=norm_by_std)

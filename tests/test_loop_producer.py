@@ -1,0 +1,113 @@
+"""The rollout side of a step against two real embedded servers: staleness budget, dynamic
+sampling (uninformative groups never reach a batch), the generation-batch limit, checkpoint state."""
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
+    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.launcher import launch_embedded_servers
+
+    root = tmp_path_factory.mktemp("producer")
+    model = save_tiny_hf_model("qwen3", root / "model")
+    build_char_tokenizer(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    train, _ = write_task(root / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
+    ds = PromptDataset(train, tok, max_prompt_length=64)
+    servers = launch_embedded_servers(str(model), 2, root / "logs", timeout_s=240)
+    try:
+        yield ds, [s.url for s in servers]
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def _set_server_version(urls, version):
+    import asyncio
+
+    from megatron_dapo.rollout.client import SGLangClient
+
+    async def go():
+        for u in urls:
+            async with SGLangClient(u) as c:
+                await c.update_weight_version(str(version))
+
+    asyncio.run(go())
+
+
+def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0):
+    from megatron_dapo.config.schema import OverlongBufferConfig
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rewards import RewardRunner
+    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
+
+    settings = ProducerSettings(
+        train_batch_size=B, n=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=6), max_response_length=6,
+        staleness=staleness, gen_batch_size=B, max_num_gen_batches=max_gen, filter_metric="acc",
+        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5),
+    )
+    return RolloutProducer(lambda: Router(urls), ds, PromptSampler(len(ds), seed=seed),
+                           RewardRunner(default=reward, timeout_s=5), settings)
+
+
+def test_dynamic_sampling_staleness_and_state(setup):
+    ds, urls = setup
+
+    # Prompts with an even ground truth are all-correct (uninformative); the others are judged on
+    # the first output token's parity, so they are mixed in most groups.
+    def reward(response, ground_truth, **_):
+        if int(ground_truth) % 2 == 0:
+            return 1.0
+        return 1.0 if response and ord(response[0]) % 2 else -1.0
+
+    p = _producer(ds, urls, reward, staleness=1)
+    p.start()
+    try:
+        for step in range(3):
+            info = p.take_batch(step, timeout_s=120)
+            assert len(info.groups) == 3
+            for g in info.groups:
+                assert int(ds[g.prompt_index].ground_truth) % 2 == 1  # all-correct groups never kept
+                assert len(set(g.accs)) == 2 and len(g.samples) == 4
+                assert step - g.min_version <= 1
+                assert all(len(s.output_ids) == len(s.logprobs) <= 6 for s in g.samples)
+                # soft overlong penalty: 0 up to 4 tokens, then -0.25 per token (buffer 2, factor 0.5)
+                for s, o in zip(g.samples, g.overlong):
+                    assert o == pytest.approx(-0.5 * max(0, len(s.output_ids) - 4) / 2)
+            # the producer never has more than (version + s + 1) * B groups produced
+            with p._cv:
+                assert p.consumed + len(p.buffer) + p.in_flight <= (p.version + 2) * 3
+            _set_server_version(urls, step + 1)  # what a weight sync does last
+            p.set_version(step + 1)
+        state = p.state_dict()
+    finally:
+        p.stop()
+    assert state["consumed"] == 9 and state["version"] == 3
+    # the buffer and data position survive a checkpoint round trip
+    q = _producer(ds, urls, reward, staleness=1)
+    q.load_state_dict(state)
+    assert [g.prompt_index for g in q.buffer] == [g["prompt_index"] for g in state["buffer"]]
+    assert q.sampler.state_dict() == state["sampler"]
+
+
+def test_uninformative_rewards_exhaust_generation_batches(setup):
+    from megatron_dapo.trainer.rollout_side import DynamicSamplingExhausted
+
+    ds, urls = setup
+    p = _producer(ds, urls, lambda response, ground_truth, **_: 1.0, staleness=0, B=2, max_gen=2)
+    p.start()
+    try:
+        with pytest.raises(DynamicSamplingExhausted, match=r"4 groups judged in 2 generation batches.*only 0 kept.*4 all-correct"):
+            p.take_batch(0, timeout_s=120)
+    finally:
+        p.stop()
