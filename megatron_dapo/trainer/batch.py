@@ -1,0 +1,60 @@
+"""The trainer's input for one step, built from judged groups (rank 0) and sent to every rank.
+
+One row per sample, the n samples of a group contiguous, groups in the order they were taken.
+The actor packs rows into micro-batches by its token budget; data-parallel ranks split rows by
+group so that no group straddles two ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.trainer.groups import JudgedGroup, batch_advantages
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: list[list[int]]  # prompt + response tokens
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    advantages: torch.Tensor  # [N] fp32, group-normalised (GRPO / DAPO)
+    rollout_logprobs: list[list[float]]  # [N][response_length]: the servers' logprobs, temperature-scaled
+    response_loss_mask: list[int]  # [N] 1 = the response's tokens enter the loss; 0 = overlong-filtered
+    token_versions: list[list[int]]  # [N][response_length]: weight version behind each response token
+    group_index: torch.Tensor  # [N] int64, 0..num_groups-1
+    temperature: float  # sampling temperature: the trainer's logprobs use the same scaling
+    step: int  # the trainer step (= weight version) this batch is consumed at
+    prompt_indices: list[int]  # dataset index of each group's prompt (for logs and tests)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompt_indices)
+
+    def staleness(self) -> list[int]:
+        """Versions behind the trainer, per sample (its oldest token)."""
+        return [self.step - min(v) if v else 0 for v in self.token_versions]
+
+
+def build_batch(groups: list[JudgedGroup], step: int, temperature: float, norm_adv_by_std: bool = True,
+                overlong_filter: bool = False) -> RolloutBatch:
+    samples = [s for g in groups for s in g.samples]
+    return RolloutBatch(
+        input_ids=[list(s.prompt_ids) + list(s.output_ids) for s in samples],
+        prompt_lengths=[len(s.prompt_ids) for s in samples],
+        response_lengths=[len(s.output_ids) for s in samples],
+        advantages=batch_advantages(groups, norm_adv_by_std),
+        rollout_logprobs=[list(s.logprobs) for s in samples],
+        # Truncated responses stay in their group's baseline (advantages above) but may leave the loss.
+        response_loss_mask=[0 if overlong_filter and s.finish_reason == "length" else 1 for s in samples],
+        token_versions=[v for g in groups for v in g.token_versions],
+        group_index=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long),
+        temperature=temperature,
+        step=step,
+        prompt_indices=[g.prompt_index for g in groups],
+    )

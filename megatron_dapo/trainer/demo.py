@@ -1,0 +1,92 @@
+"""`megatron-dapo demo`: the whole DAPO loop on one CPU machine, in minutes.
+
+1. builds a character-level tokenizer and a tiny random Qwen3-shaped model (4 layers, hidden 64);
+2. writes a procedurally generated arithmetic task (a+b, a-b with operands 0..19) in the
+   DAPO-Math-17k schema, with a disjoint held-out split;
+3. a short supervised warm start on reference answers, so that some groups are informative;
+4. DAPO through the real stack: 2 embedded SGLang-compatible servers, a TP=2 megatron-core trainer
+   on gloo, weight sync after every step, staleness 1, dynamic sampling, overlong shaping;
+5. prints held-out accuracy before and after, writes TensorBoard logs and PNG curves to the run dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
+
+
+def prepare(run_dir: Path, warm_steps: int, max_operand: int = 19, num_test: int = 100, seed: int = 0) -> dict:
+    """Tokenizer, tiny model (warm-started), train / held-out data under `run_dir`; returns their paths."""
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.arithmetic import ArithmeticTask, response_of, write_task
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer, vocab_size
+    from megatron_dapo.data.dataset import read_rows
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.trainer.warm_start import sft_examples, supervised_warm_start
+
+    model_dir = run_dir / "model"
+    data_dir = run_dir / "data"
+    train, test = write_task(data_dir, ArithmeticTask(max_operand=max_operand, ops="+-", seed=seed), num_test)
+    if not (model_dir / "config.json").exists():
+        raw = run_dir / "model_init"
+        save_tiny_hf_model("qwen3", raw, seed=seed, vocab_size=vocab_size())
+        build_char_tokenizer(raw)
+        tok = AutoTokenizer.from_pretrained(raw)
+        rows = read_rows(train)
+        examples = sft_examples(tok, rows, lambda r: response_of(r["extra_info"]["a"], r["extra_info"]["op"],
+                                                                  r["extra_info"]["b"]))
+        t0 = time.time()
+        losses = supervised_warm_start(raw, examples, warm_steps, seed=seed, out_dir=model_dir)
+        print(f"warm start: {warm_steps} steps in {time.time() - t0:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.3f}")
+    return {"model": model_dir, "train": train, "test": test}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="megatron-dapo demo", description=__doc__.splitlines()[0])
+    p.add_argument("--run-dir", default="runs/demo")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--steps", type=int, default=30, help="DAPO steps")
+    p.add_argument("--warm-steps", type=int, default=300, help="supervised warm-start steps")
+    p.add_argument("overrides", nargs="*", help="extra key.sub=value config overrides")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.launch import run_with_ray
+    from megatron_dapo.trainer.plot import plot_run
+
+    t_start = time.time()
+    run_dir = Path(args.run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = prepare(run_dir, args.warm_steps)
+    overrides = [
+        f"model.hf_path={paths['model']}",
+        f"data.train_files=[{paths['train']}]",
+        f"data.val_files=[{paths['test']}]",
+        f"logging.run_dir={run_dir}",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.val_every={args.steps}",
+        "checkpoint.save_every=0",
+        *args.overrides,
+    ]
+    cfg = load_config(args.config, overrides)
+    print(f"DAPO: {cfg.trainer.total_steps} steps x {cfg.algo.train_batch_size} prompts x "
+          f"{cfg.rollout.n_resp_per_prompt} samples, TP={cfg.parallel.tp} trainer on gloo, "
+          f"{cfg.rollout.num_servers} embedded servers, staleness {cfg.algo.staleness}")
+    result = run_with_ray(cfg)
+    plots = plot_run(run_dir)
+    (s0, before), (s1, after) = result.val["first"], result.val["last"]
+    wall = time.time() - t_start
+    print()
+    print(f"held-out accuracy (greedy)   step {s0}: {before['val/accuracy_greedy']:.3f}  ->  "
+          f"step {s1}: {after['val/accuracy_greedy']:.3f}")
+    print(f"held-out accuracy (sampled)  step {s0}: {before['val/accuracy_sampled']:.3f}  ->  "
+          f"step {s1}: {after['val/accuracy_sampled']:.3f}")
+    print(f"wall time {wall:.0f}s; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}; "
+          f"plots: {plots[0].parent}")
+    return 0

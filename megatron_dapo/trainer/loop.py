@@ -1,0 +1,308 @@
+"""The DAPO training loop, as run by every trainer rank (launched by Ray or by torchrun).
+
+    step t:  rank 0 takes a batch of B informative groups (no sample older than t - staleness)
+             -> every rank gets it -> actor: old-logprob recompute, DAPO loss, optimizer step
+             -> weight sync (all ranks export HF tensors, rank 0 broadcasts) -> servers at t + 1
+             -> metrics, checkpoint, validation
+
+Rank 0 also runs the rollout producer (megatron_dapo.trainer.rollout_side) on a background
+thread: generation of the next batches overlaps the training of this one, within the staleness
+bound. Checkpoints hold the model and optimizer (the actor's torch_dist checkpoint), RNG states,
+the data position, the weight version, the buffered groups, and the already-generated batch of
+the next step, so a resumed run trains the next step on exactly the data the interrupted one would have.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config import config_to_dict, dump_yaml
+from megatron_dapo.config.derived import checkpoint_dir, gen_batch_size, max_new_tokens
+from megatron_dapo.trainer import checkpoint as ckpt
+from megatron_dapo.trainer.batch import RolloutBatch, build_batch
+from megatron_dapo.trainer.groups import JudgedGroup
+from megatron_dapo.trainer.metrics import MetricsWriter, response_metrics, staleness_metrics
+from megatron_dapo.trainer.rollout_side import BatchInfo, ProducerSettings, RolloutProducer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    steps_done: int
+    last_step: int
+    metrics: list[dict]
+    val: dict
+
+
+def sampling_params(cfg, n: int = 1):
+    from megatron_dapo.rollout.types import SamplingParams
+
+    s = cfg.rollout.sampling
+    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=max_new_tokens(cfg),
+                          stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None, n=n)
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+
+
+def reward_runner(cfg):
+    from megatron_dapo.rewards import RewardRunner, get_reward
+
+    fn = get_reward(cfg.reward.name)
+    kwargs = dict(cfg.reward.kwargs)
+    call = (lambda response, ground_truth, **extra: fn(response, ground_truth, **{**extra, **kwargs})) if kwargs else fn
+    # the dataset's extra_info is passed as keyword arguments: built-ins ignore what they do not know
+    return RewardRunner(default=_tolerant(call), timeout_s=cfg.reward.timeout_s)
+
+
+def _tolerant(fn):
+    import inspect
+
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return fn
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return fn
+    names = {p.name for p in params}
+    return lambda response, ground_truth, **extra: fn(response, ground_truth, **{k: v for k, v in extra.items() if k in names})
+
+
+def _build_producer(cfg, server_urls, dataset, tokenizer):
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rollout.router import Router
+
+    fg = cfg.algo.filter_groups
+    settings = ProducerSettings(
+        train_batch_size=cfg.algo.train_batch_size,
+        n=cfg.rollout.n_resp_per_prompt,
+        sampling=sampling_params(cfg),
+        max_response_length=cfg.data.max_response_length,
+        staleness=cfg.algo.staleness,
+        gen_batch_size=gen_batch_size(cfg),
+        max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
+        filter_metric=fg.metric if fg.enable else None,
+        overlong=cfg.algo.overlong_buffer,
+    )
+    sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    return RolloutProducer(lambda: Router(server_urls, api_key=cfg.rollout.api_key), dataset, sampler,
+                           reward_runner(cfg), settings)
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _step_metrics(info: BatchInfo, cfg, batch: RolloutBatch) -> dict:
+    m = response_metrics(info.groups)
+    m.update({
+        "groups/kept": info.kept,
+        "groups/dropped_all_correct": info.dropped_all_correct,
+        "groups/dropped_all_wrong": info.dropped_all_wrong,
+        "groups/dropped_stale": info.dropped_stale,
+        "groups/gen_batches": info.gen_batches,
+        "reward/failures": info.reward_failures,
+    })
+    m.update(staleness_metrics(info.staleness, cfg.algo.staleness))
+    return m
+
+
+def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None, next_info: BatchInfo | None,
+          rank: int) -> Path | None:
+    save_dir = Path(checkpoint_dir(cfg))
+    tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
+    dist.barrier()
+    actor.save_checkpoint(str(tmp / "model"))
+    ckpt.save_rng(tmp, rank)
+    dist.barrier()
+    final = None
+    if rank == 0:
+        rollout = producer.state_dict()
+        rollout["next_batch"] = None if next_info is None else {
+            **{k: getattr(next_info, k) for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "dropped_stale",
+                                                   "gen_batches", "reward_failures", "wait_s")},
+            "staleness": dict(next_info.staleness),
+            "groups": [g.to_state() for g in next_info.groups],
+        }
+        torch.save(rollout, tmp / "rollout.pt")
+        ckpt.write_trainer_state(tmp, {"step": step, "version": version, "world_size": dist.get_world_size()})
+        final = ckpt.commit_save(save_dir, step, cfg.checkpoint.keep_last)
+        log.info("checkpoint saved: %s", final)
+    dist.barrier()
+    return final
+
+
+def _restore_next(state: dict | None) -> BatchInfo | None:
+    if state is None:
+        return None
+    return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
+                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}), **state)
+
+
+def build_actor(cfg):
+    """The Megatron actor (megatron_dapo.trainer.actor) for this rank, HF weights loaded."""
+    from megatron_dapo.trainer.actor import MegatronActor
+
+    return MegatronActor(cfg)
+
+
+def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = None, resume: bool | None = None,
+               stop_after: int | None = None) -> RunResult | None:
+    """Run the whole training on this trainer rank; returns the result on rank 0 (None elsewhere).
+
+    `stop_after`: leave after this many steps of this invocation (tests use it to interrupt a run).
+    """
+    from megatron_dapo.bridge.export import export_hf_weights
+    from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
+    from megatron_dapo.sync.bridge import WeightSyncBridge
+
+    resume = cfg.checkpoint.resume if resume is None else resume
+    info = init_distributed()
+    rank = info.rank
+    p = cfg.parallel
+    init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
+    torch.manual_seed(cfg.trainer.seed)
+    run_dir = Path(cfg.logging.run_dir)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg, run_dir / "config.yaml")
+
+    actor = build_actor(cfg)
+    bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
+                              server_tp_sizes=server_tp_sizes)
+    bridge.connect()
+    byte_budget = int(cfg.rollout.sync.bucket_mb * 1024 * 1024)
+
+    def sync(version: int):
+        t0 = time.perf_counter()
+        stats = bridge.sync(export_hf_weights(actor.model, byte_budget=byte_budget), version=version)
+        return time.perf_counter() - t0, stats
+
+    producer = writer = val_data = None
+    if rank == 0:
+        from megatron_dapo.data.dataset import PromptDataset
+
+        tokenizer = load_tokenizer(cfg)
+        dataset = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length)
+        log.info("train prompts: %d (%d dropped as longer than %d tokens)", len(dataset),
+                 dataset.num_dropped_too_long, cfg.data.max_prompt_length)
+        if cfg.data.val_files:
+            val_data = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
+        producer = _build_producer(cfg, server_urls, dataset, tokenizer)
+        writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
+
+    start_step, pending = 0, None
+    if resume:
+        found = ckpt.latest_checkpoint(checkpoint_dir(cfg))
+        if found is None:
+            if rank == 0:
+                log.warning("resume requested but %s holds no checkpoint: starting from scratch", checkpoint_dir(cfg))
+        else:
+            state = ckpt.read_trainer_state(found)
+            if state["world_size"] != dist.get_world_size():
+                raise ckpt.CheckpointError(f"{found} was saved by {state['world_size']} trainer ranks, this run "
+                                           f"has {dist.get_world_size()}")
+            actor.load_checkpoint(str(found / "model"))
+            ckpt.load_rng(found, rank)
+            start_step = int(state["step"]) + 1
+            if rank == 0:
+                rollout = torch.load(found / "rollout.pt", weights_only=False)
+                pending = _restore_next(rollout.pop("next_batch"))
+                producer.load_state_dict(rollout)
+                log.info("resumed from %s: next step %d", found, start_step)
+            sync(start_step)  # the servers still hold whatever they had: give them the checkpoint's weights
+
+    val = {}
+
+    def validate(step):
+        if rank == 0 and val_data is not None:
+            from megatron_dapo.trainer.evaluate import evaluate
+
+            res = evaluate(server_urls, val_data, producer.rewards, sampling_params(cfg), api_key=cfg.rollout.api_key)
+            writer.log(step, res)
+            val.setdefault("first", (step, res))
+            val["last"] = (step, res)
+            log.info("step %d validation: %s", step, res)
+
+    if rank == 0:
+        producer.start()
+    try:
+        total = cfg.trainer.total_steps
+        if cfg.trainer.val_every and start_step == 0:
+            validate(0)
+        bar = None
+        if rank == 0 and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, initial=start_step, desc="DAPO", unit="step", dynamic_ncols=True)
+        history, done = [], 0
+        for step in range(start_step, total):
+            t_step = time.perf_counter()
+            if rank == 0:
+                binfo = pending if pending is not None else producer.take_batch(step)
+                pending = None
+                batch = build_batch(binfo.groups, step, cfg.rollout.sampling.temperature,
+                                    cfg.algo.norm_adv_by_std, cfg.algo.overlong_filter)
+            else:
+                binfo, batch = None, None
+            batch = _broadcast(batch)
+            t_gen = time.perf_counter() - t_step
+            t0 = time.perf_counter()
+            train_metrics = actor.train_step(batch)
+            t_train = time.perf_counter() - t0
+            t_sync, sync_stats = sync(step + 1)
+            if rank == 0:
+                producer.set_version(step + 1)
+                tokens = sum(len(x) for x in batch.input_ids)
+                m = _step_metrics(binfo, cfg, batch)
+                m.update({k: float(v) for k, v in train_metrics.items()})
+                m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train, "time/sync_s": t_sync,
+                          "time/step_s": time.perf_counter() - t_step,
+                          "throughput/tokens_per_s": tokens / max(1e-9, time.perf_counter() - t_step)})
+                if sync_stats is not None:
+                    m.update(sync_stats.as_metrics())
+                extra = {"prompt_indices": batch.prompt_indices, "weight_version": step + 1,
+                         "sample_versions": [min(v) if v else step for v in batch.token_versions]}
+                writer.log(step, m, staleness=binfo.staleness, extra=extra)
+                history.append({"step": step, **m})
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(acc=f"{m['reward/accuracy']:.2f}", kept=int(m["groups/kept"]),
+                                    gen=int(m["groups/gen_batches"]), refresh=False)
+            done += 1
+            last = step == total - 1
+            every = cfg.checkpoint.save_every
+            if (every and (step + 1) % every == 0) or last:
+                next_info = None
+                if rank == 0 and not last:
+                    next_info = pending = producer.take_batch(step + 1)
+                _save(cfg, actor, step, step + 1, producer, next_info, rank)
+            if cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
+                validate(step + 1)
+            if stop_after is not None and done >= stop_after:
+                break
+        if bar is not None:
+            bar.close()
+    finally:
+        if producer is not None:
+            producer.stop()
+        if writer is not None:
+            writer.close()
+        bridge.close()
+    if rank == 0:
+        return RunResult(done, start_step + done - 1, history, val)
+    return None
