@@ -1,0 +1,27 @@
+"""HF <-> megatron-core bridge for Qwen3 / Qwen3-MoE / Qwen2.5 (one code path for conversion and weight sync).
+
+Public API:
+    load_hf_into_megatron(model_chunks, hf_dir)                      -> None (every rank, no collectives)
+    export_hf_weights(model_chunks, byte_budget=None, dst_rank=0)    -> Iterator[(hf_name, tensor | None)]
+        (collective; full tensors on dst_rank, on every rank with dst_rank=None)
+    hf_names(arch)                                                   -> canonical HF tensor order
+    HFCheckpointReader, ShardedSafetensorsWriter                     -> safetensors I/O
+"""
+
+from megatron_dapo.bridge.export import export_hf_weights
+from megatron_dapo.bridge.hf_io import CheckpointError, HFCheckpointReader, ShardedSafetensorsWriter
+from megatron_dapo.bridge.load import check_hf_checkpoint, load_hf_into_megatron
+from megatron_dapo.bridge.mapping import RULES, MappingError, hf_names, hf_shape
+
+__all__ = [
+    "export_hf_weights",
+    "load_hf_into_megatron",
+    "check_hf_checkpoint",
+    "CheckpointError",
+    "MappingError",
+    "HFCheckpointReader",
+    "ShardedSafetensorsWriter",
+    "RULES",
+    "hf_names",
+    "hf_shape",
+]

@@ -1,0 +1,154 @@
+"""megatron-core GPTModel chunks -> full HF tensors, streamed one by one.
+
+Every rank of the job iterates `export_hf_weights` in lock step (it runs collectives). The order is
+`mapping.hf_names(arch)` -- the same on every rank and every call. For each megatron parameter:
+
+1. the ranks holding the first replica (data-parallel rank 0; for experts, expert-data-parallel rank 0)
+   of its pipeline stage / expert gather their TP (or expert-TP) shards on the group's first rank,
+   the *source*, which rebuilds the HF tensors (QKV split, gate / up split, vocab padding trimmed);
+2. the source sends them to `dst_rank` (point to point), or broadcasts them to every rank when
+   `dst_rank is None`.
+
+Memory: the source and the destination hold one parameter's full tensors at a time, or up to
+`byte_budget` bytes of consecutive tensors from the same source, which travel in one message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.bridge.mapping import MappingError, Unit, hf_from_shards, hf_names, hf_shape
+from megatron_dapo.bridge.parallel import RankLayout, local_units, model_arch
+
+
+@dataclass
+class _Plan:
+    key: str
+    hf_names: tuple[str, ...]
+    source: int  # global rank that rebuilds the full tensors
+    dtype: torch.dtype
+
+
+def _plan(units, arch, layout: RankLayout) -> list[_Plan]:
+    """The global export plan, agreed by all ranks: per unit, its source rank and dtype."""
+    mine = {}
+    for unit, param in units:
+        rank, _ = layout.split(unit.rule.expert)
+        if unit.export and rank == 0 and layout.is_source(unit.rule.expert):
+            mine[unit.key] = (unit.hf_names, str(param.dtype).removeprefix("torch."))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, mine)
+    else:
+        gathered = [mine]
+    by_key: dict[str, _Plan] = {}
+    for src, entries in enumerate(gathered):
+        for key, (names, dtype) in entries.items():
+            if key not in by_key:  # with vpp / several dp replicas the first holder wins; all agree
+                by_key[key] = _Plan(key, tuple(names), src, getattr(torch, dtype))
+    order = {n: i for i, n in enumerate(hf_names(arch))}
+    plans = sorted(by_key.values(), key=lambda p: order.get(p.key, len(order)))
+    covered = [n for p in plans for n in p.hf_names]
+    expected = hf_names(arch)
+    if sorted(covered) != sorted(expected):
+        missing = sorted(set(expected) - set(covered))
+        extra = sorted(set(covered) - set(expected))
+        raise MappingError(f"export covers the HF checkpoint incorrectly: missing {missing[:3]}, unexpected {extra[:3]}")
+    return plans
+
+
+def _gather_full(unit: Unit, param: torch.Tensor, arch, layout: RankLayout) -> list[torch.Tensor] | None:
+    """Gather `param`'s TP shards on its group's rank 0 -> HF tensors there, None on the others."""
+    rank, size = layout.split(unit.rule.expert)
+    local = param.detach()
+    if size == 1:
+        return hf_from_shards(unit, arch, [local])
+    group = layout.split_group(unit.rule.expert)
+    dst = dist.get_global_rank(group, 0)
+    shards = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
+    dist.gather(local.contiguous(), shards, dst=dst, group=group)
+    return hf_from_shards(unit, arch, shards) if rank == 0 else None
+
+
+def _buckets(plans: list[_Plan], arch, byte_budget: int | None) -> list[list[_Plan]]:
+    buckets: list[list[_Plan]] = []
+    size = 0
+    for p in plans:
+        nbytes = sum(torch.Size(hf_shape(arch, n)).numel() for n in p.hf_names) * p.dtype.itemsize
+        last = buckets[-1] if buckets else None
+        if (
+            byte_budget is not None
+            and last
+            and last[-1].source == p.source
+            and last[-1].dtype == p.dtype
+            and size + nbytes <= byte_budget
+        ):
+            last.append(p)
+            size += nbytes
+        else:
+            buckets.append([p])
+            size = nbytes
+    return buckets
+
+
+@torch.no_grad()
+def export_hf_weights(
+    model_chunks, byte_budget: int | None = None, dst_rank: int | None = 0
+) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """Yield `(hf_name, tensor)` for every tensor of the HF checkpoint, in `hf_names(arch)` order.
+
+    Collective: every rank of the default group must iterate it to the end, with the same arguments.
+    The full (unsharded, vocab-trimmed) tensor is yielded on `dst_rank` (default 0: the rank that
+    writes files / broadcasts to rollout servers) and, with `dst_rank=None`, on every rank; other
+    ranks get `None` in its place. Tensors are in the parameters' dtype, on the CPU (or the
+    parameters' device), and must be consumed (copied / written) before the next item is requested
+    only if the caller wants to bound memory -- the generator keeps no reference to them.
+    `byte_budget`: coalesce consecutive tensors of the same source rank into messages of at most
+    this many bytes (None: one message per megatron parameter).
+    """
+    arch = model_arch(model_chunks)
+    layout = RankLayout.current()
+    units = {u.key: (u, p) for u, p in local_units(model_chunks, arch, layout) if u.export}
+    plans = _plan(list(units.values()), arch, layout)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    me = layout.rank
+    for bucket in _buckets(plans, arch, byte_budget):
+        fulls: list[list[torch.Tensor] | None] = []
+        for p in bucket:
+            held = units.get(p.key)
+            if held is not None and layout.is_source(held[0].rule.expert):
+                fulls.append(_gather_full(held[0], held[1], arch, layout))
+            else:
+                fulls.append(None)
+        source = bucket[0].source
+        receivers = [me] if dst_rank is None else [dst_rank]
+        if world == 1 or (dst_rank is not None and source == dst_rank):
+            tensors = [t for f in fulls for t in f] if me == source else None
+        else:
+            shapes = [hf_shape(arch, n) for p in bucket for n in p.hf_names]
+            numels = [torch.Size(s).numel() for s in shapes]
+            if me == source:
+                flat = torch.cat([t.reshape(-1) for f in fulls for t in f])
+            elif me in receivers:
+                device = next(iter(units.values()))[1].device if units else "cpu"
+                flat = torch.empty(sum(numels), dtype=bucket[0].dtype, device=device)
+            else:
+                flat = None
+            if dst_rank is None:
+                dist.broadcast(flat, src=source)
+            elif me == source:
+                dist.send(flat, dst=dst_rank)
+            elif me == dst_rank:
+                dist.recv(flat, src=source)
+            tensors = None
+            if flat is not None and (me in receivers or dst_rank is None):
+                tensors = [c.view(s) for c, s in zip(flat.split(numels), shapes)]
+        names = [n for p in bucket for n in p.hf_names]
+        receives = dst_rank is None or me == dst_rank
+        for i, name in enumerate(names):
+            yield name, (tensors[i] if (receives and tensors is not None) else None)

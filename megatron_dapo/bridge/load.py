@@ -1,0 +1,47 @@
+"""HF safetensors -> megatron-core GPTModel chunks, each rank reading only the slices it owns."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megatron_dapo.bridge.hf_io import CheckpointError, HFCheckpointReader
+from megatron_dapo.bridge.mapping import hf_names, hf_shape, shard_from_hf
+from megatron_dapo.bridge.parallel import RankLayout, local_units, model_arch
+
+
+def check_hf_checkpoint(arch, hf_dir: str | Path) -> HFCheckpointReader:
+    """Open `hf_dir` and check its tensor names and shapes against `arch` (errors name the tensor)."""
+    reader = HFCheckpointReader(hf_dir)
+    expected = {n: hf_shape(arch, n) for n in hf_names(arch)}
+    # Some tied-embedding checkpoints also store lm_head.weight; it is the embedding, so ignore it.
+    optional = ["lm_head.weight"] if arch.tie_word_embeddings else []
+    reader.check(expected, optional=optional)
+    return reader
+
+
+@torch.no_grad()
+def load_hf_into_megatron(model_chunks, hf_dir: str | Path) -> None:
+    """Copy the HF checkpoint in `hf_dir` into this rank's GPTModel chunks (built by build_gpt_model).
+
+    Every rank calls it for its own chunks; there are no collectives. Raises CheckpointError naming a
+    missing / unexpected / wrongly shaped tensor, MappingError naming an unmapped megatron parameter.
+    Padded vocabulary rows are set to zero. Values are cast to the parameters' dtype.
+    """
+    arch = model_arch(model_chunks)
+    reader = check_hf_checkpoint(arch, hf_dir)
+    layout = RankLayout.current()
+
+    def read(name, dim, start, stop):
+        return reader.read(name, dim, start, stop)
+
+    for unit, param in local_units(model_chunks, arch, layout):
+        rank, size = layout.split(unit.rule.expert)
+        shard = shard_from_hf(unit, arch, read, rank, size, param.shape)
+        if tuple(shard.shape) != tuple(param.shape):
+            raise CheckpointError(
+                f"megatron parameter {unit.param_name!r} (from {', '.join(unit.hf_names)}): "
+                f"expected shape {tuple(param.shape)}, got {tuple(shard.shape)}"
+            )
+        param.data.copy_(shard.to(param.dtype))

@@ -1,0 +1,54 @@
+"""Layer specs: Transformer Engine modules when TE imports, megatron-core's local modules otherwise.
+
+Both come from megatron-core's own spec builders; the local one has its norms replaced by the
+project's sequence-parallel-capable `RMSNorm`. Parameter names (and hence the bridge's tables and
+dist_checkpointing keys) are megatron-core's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from megatron_dapo.models.norm import RMSNorm
+
+
+@functools.lru_cache(maxsize=1)
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _replace_norms(spec):
+    """A copy of a (nested) ModuleSpec with megatron's torch norm swapped for RMSNorm."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return RMSNorm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=_replace_norms(spec.module), submodules=_replace_norms(spec.submodules))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        changes = {f.name: _replace_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        return dataclasses.replace(spec, **changes)
+    if isinstance(spec, list):
+        return [_replace_norms(s) for s in spec]
+    return spec
+
+
+def decoder_block_spec(config, use_te: bool, vp_stage: int | None):
+    """The TransformerBlockSubmodules for this rank's pipeline stage / virtual chunk.
+
+    Dense and MoE layers mix per `config.moe_layer_freq` (a per-layer list for Qwen3-MoE).
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
+    if not use_te:
+        spec = _replace_norms(spec)
+        spec.layer_norm = RMSNorm
+    return spec
