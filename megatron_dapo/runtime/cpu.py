@@ -190,6 +190,28 @@ def _patch_megatron_core() -> None:
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _patch_autograd_engine() -> None:
+    """Keep the device mode on while the autograd engine runs backward.
+
+    ``Tensor.backward`` reaches the mode's handler, and a mode is switched off while its own
+    handler runs, so the whole backward pass would run without it; megatron's custom autograd
+    functions (the MoE all-to-all) allocate with ``device=torch.cuda.current_device()`` in backward.
+    The engine entry below dispatches nothing itself, so re-entering the mode around it is safe.
+    """
+    import torch.autograd as autograd
+
+    engine_run = autograd._engine_run_backward
+    if getattr(engine_run, "_cpu_mode", False):
+        return
+
+    def _engine_run_backward(*args, **kwargs):
+        with _CudaToCpuMode():
+            return engine_run(*args, **kwargs)
+
+    _engine_run_backward._cpu_mode = True
+    autograd._engine_run_backward = _engine_run_backward
+
+
 def cpu_mode_active() -> bool:
     return _mode is not None
 
@@ -208,6 +230,7 @@ def enable_cpu_mode() -> bool:
         if _mode is None:
             _install_cuda_standins()
             _patch_megatron_core()
+            _patch_autograd_engine()
             _mode = _CudaToCpuMode()
             _mode.__enter__()
     return True
