@@ -188,6 +188,7 @@ def _patch_megatron_core() -> None:
     from megatron.core.transformer.moe import token_dispatcher
 
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _patch_sequence_parallel_collectives()
 
 
 def _patch_autograd_engine() -> None:
@@ -210,6 +211,42 @@ def _patch_autograd_engine() -> None:
 
     _engine_run_backward._cpu_mode = True
     autograd._engine_run_backward = _engine_run_backward
+
+
+def _patch_sequence_parallel_collectives() -> None:
+    """Gloo has no uneven all_gather / reduce_scatter; the MoE alltoall dispatcher with TP > 1 needs them.
+
+    megatron-core's first-dim gather / reduce-scatter (sequence parallel, token dispatch) are replaced
+    by equivalents gloo can run: an all_gather of tensors padded to the largest split, and an
+    all_reduce of the whole tensor followed by taking this rank's split.
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import mappings
+
+    def gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        world = group.size()
+        if world == 1:
+            return input_
+        sizes = output_split_sizes or [input_.shape[0]] * world
+        padded = torch.zeros((max(sizes), *input_.shape[1:]), dtype=input_.dtype, device=input_.device)
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+    def reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        world = group.size()
+        if world == 1:
+            return input_
+        if input_split_sizes is None:
+            assert input_.shape[0] % world == 0, "First dimension of the tensor should be divisible by tensor parallel size"
+            input_split_sizes = [input_.shape[0] // world] * world
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.split(list(input_split_sizes), dim=0)[group.rank()].contiguous()
+
+    mappings._gather_along_first_dim = gather_along_first_dim
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_along_first_dim
 
 
 def cpu_mode_active() -> bool:
