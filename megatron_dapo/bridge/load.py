@@ -22,12 +22,13 @@ def check_hf_checkpoint(arch, hf_dir: str | Path) -> HFCheckpointReader:
 
 
 @torch.no_grad()
-def load_hf_into_megatron(model_chunks, hf_dir: str | Path) -> None:
+def load_hf_into_megatron(model_chunks, hf_dir: str | Path, progress: bool = False) -> None:
     """Copy the HF checkpoint in `hf_dir` into this rank's GPTModel chunks (built by build_gpt_model).
 
     Every rank calls it for its own chunks; there are no collectives. Raises CheckpointError naming a
     missing / unexpected / wrongly shaped tensor, MappingError naming an unmapped megatron parameter.
     Padded vocabulary rows are set to zero. Values are cast to the parameters' dtype.
+    `progress`: show a tqdm bar (pass it on one rank).
     """
     arch = model_arch(model_chunks)
     reader = check_hf_checkpoint(arch, hf_dir)
@@ -36,7 +37,12 @@ def load_hf_into_megatron(model_chunks, hf_dir: str | Path) -> None:
     def read(name, dim, start, stop):
         return reader.read(name, dim, start, stop)
 
-    for unit, param in local_units(model_chunks, arch, layout):
+    units = local_units(model_chunks, arch, layout)
+    if progress:
+        from tqdm import tqdm
+
+        units = tqdm(units, desc="load HF tensors", unit="param")
+    for unit, param in units:
         rank, size = layout.split(unit.rule.expert)
         shard = shard_from_hf(unit, arch, read, rank, size, param.shape)
         if tuple(shard.shape) != tuple(param.shape):

@@ -1,0 +1,71 @@
+"""megatron-core dist_checkpointing (torch_dist) checkpoints of GPTModel chunks, in Megatron-LM's layout.
+
+    CKPT/latest_checkpointed_iteration.txt   "release" (or an iteration number)
+    CKPT/release/                            dist_checkpointing files: {"model": GPTModel.sharded_state_dict()}
+    CKPT/hf_config/                          config.json (+ tokenizer files) of the source HF model
+
+Keys are megatron-core's own GPTModel sharded-state-dict keys, so the checkpoint loads at any
+TP / PP / EP layout, by this package or by any megatron-core user (Megatron-LM `--load`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TRACKER = "latest_checkpointed_iteration.txt"
+HF_CONFIG_DIR = "hf_config"
+
+
+def _model_key(i: int, n: int) -> str:
+    return "model" if n == 1 else f"model{i}"
+
+
+def checkpoint_dir(ckpt: str | Path) -> Path:
+    """The dist_checkpointing directory of `ckpt` (a Megatron-LM checkpoint root or the directory itself)."""
+    ckpt = Path(ckpt)
+    tracker = ckpt / TRACKER
+    if tracker.is_file():
+        it = tracker.read_text().strip()
+        d = ckpt / ("release" if it == "release" else f"iter_{int(it):07d}")
+    else:
+        d = ckpt
+    if not (d / "metadata.json").is_file():
+        raise FileNotFoundError(f"{d} is not a megatron-core dist_checkpointing checkpoint (no metadata.json)")
+    return d
+
+
+def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int | str = "release") -> Path:
+    """Collective: save the chunks' weights to `out_dir` (its tracker file is written by rank 0)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    out_dir = Path(out_dir)
+    sub = out_dir / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
+    if dist.get_rank() == 0:
+        sub.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    n = len(model_chunks)
+    state = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
+    state["checkpoint_version"] = 3.0
+    state["iteration"] = 0 if iteration == "release" else int(iteration)
+    dist_checkpointing.save(state, str(sub))
+    if dist.get_rank() == 0:
+        (out_dir / TRACKER).write_text(f"{iteration}\n")
+    dist.barrier()
+    return sub
+
+
+@torch.no_grad()
+def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
+    """Collective: load a dist_checkpointing checkpoint (any saved layout) into this rank's chunks."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    d = checkpoint_dir(ckpt)
+    n = len(model_chunks)
+    sharded = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
+    state = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RAISE_ALL)
+    for i, c in enumerate(model_chunks):
+        c.load_state_dict(state[_model_key(i, n)], strict=True)

@@ -1,0 +1,211 @@
+"""HF <-> megatron-core checkpoint conversion, run on its own ranks (gloo on CPU, NCCL on GPUs).
+
+`hf_to_megatron` and `megatron_to_hf` check their inputs in the calling process (architecture,
+parallel sizes, tensor names and shapes), then spawn `world` ranks on loopback that do the work
+through the bridge. Output goes to a temporary sibling directory that is renamed into place at the
+end; on any failure it is removed, so a failed conversion leaves no output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import traceback
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from megatron_dapo.models.arch import QwenArch
+from megatron_dapo.models.provider import ModelParallel, check_divisibility
+
+# Files of an HF model directory that are not weights: copied along with the config.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+class ConversionError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class _Job:
+    kind: str  # "hf-to-megatron" | "megatron-to-hf"
+    src: str
+    tmp_out: str
+    parallel: ModelParallel
+    hf_config_dir: str
+    max_shard_bytes: int = 5 * 1024**3
+
+
+def world_size_for(par: ModelParallel) -> int:
+    """Ranks needed for a layout: dense ranks tp * dp must also hold whole ep * etp expert groups."""
+    expert = par.ep * par.expert_tp
+    return par.pp * math.lcm(par.tp, expert)
+
+
+def copy_hf_side_files(src: Path, dst: Path) -> None:
+    """config.json, tokenizer and generation files of an HF directory (everything but weights)."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.is_file() and not f.name.endswith(_WEIGHT_SUFFIXES) and f.name not in _WEIGHT_INDEXES:
+            shutil.copy2(f, dst / f.name)
+
+
+def _default_dtype(hf_config_dir: Path) -> str:
+    cfg = json.loads((hf_config_dir / "config.json").read_text())
+    return str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32")
+
+
+def _tmp_sibling(out: Path) -> Path:
+    return out.parent / f".{out.name}.partial-{os.getpid()}"
+
+
+def _run(job: _Job, out: Path) -> Path:
+    import torch.multiprocessing as mp
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+    if out.exists():
+        raise ConversionError(f"output directory {out} already exists; remove it or choose another --out")
+    tmp = Path(job.tmp_out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    world = world_size_for(job.parallel)
+    try:
+        tmp.mkdir()
+        ctx = mp.start_processes(
+            _worker, args=(world, LOOPBACK, free_port(), job), nprocs=world, start_method="spawn", join=False
+        )
+        try:
+            while not ctx.join():
+                pass
+        except mp.ProcessRaisedException as e:
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            raise ConversionError(lines[-1] if lines else str(e)) from None
+        except mp.ProcessExitedException as e:
+            raise ConversionError(f"a conversion rank died: {e}") from None
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _worker(local_rank: int, world: int, addr: str, port: int, job: _Job) -> None:
+    os.environ.update(
+        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
+        MASTER_ADDR=addr, MASTER_PORT=str(port),
+    )
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+
+    init_distributed()
+    par = job.parallel
+    try:
+        init_model_parallel(tp=par.tp, pp=par.pp, ep=par.ep, etp=par.etp)
+        if job.kind == "hf-to-megatron":
+            _hf_to_megatron_rank(job)
+        else:
+            _megatron_to_hf_rank(job)
+    except BaseException:
+        traceback.print_exc()
+        raise
+    finally:
+        destroy_distributed()
+
+
+def _hf_to_megatron_rank(job: _Job) -> None:
+    import torch.distributed as dist
+
+    from megatron_dapo.bridge.checkpoint import HF_CONFIG_DIR, save_megatron_checkpoint
+    from megatron_dapo.bridge.load import load_hf_into_megatron
+    from megatron_dapo.models import build_gpt_model
+
+    chunks = build_gpt_model(job.src, job.parallel)
+    load_hf_into_megatron(chunks, job.src, progress=dist.get_rank() == 0)
+    save_megatron_checkpoint(chunks, job.tmp_out)
+    if dist.get_rank() == 0:
+        copy_hf_side_files(Path(job.src), Path(job.tmp_out) / HF_CONFIG_DIR)
+
+
+def _megatron_to_hf_rank(job: _Job) -> None:
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    from megatron_dapo.bridge.checkpoint import load_megatron_checkpoint
+    from megatron_dapo.bridge.export import export_hf_weights
+    from megatron_dapo.bridge.hf_io import ShardedSafetensorsWriter
+    from megatron_dapo.bridge.mapping import hf_names
+    from megatron_dapo.models import build_gpt_model
+
+    chunks = build_gpt_model(job.hf_config_dir, job.parallel)
+    load_megatron_checkpoint(chunks, job.src)
+    rank0 = dist.get_rank() == 0
+    writer = ShardedSafetensorsWriter(job.tmp_out, job.max_shard_bytes) if rank0 else None
+    items = export_hf_weights(chunks)
+    if rank0:
+        items = tqdm(items, total=len(hf_names(chunks[0].arch)), desc="export HF tensors", unit="tensor")
+    for name, tensor in items:
+        if rank0:
+            writer.add(name, tensor)
+    if rank0:
+        writer.close()
+        copy_hf_side_files(Path(job.hf_config_dir), Path(job.tmp_out))
+        _set_config_dtype(Path(job.tmp_out) / "config.json", job.parallel.torch_dtype)
+    dist.barrier()
+
+
+def _set_config_dtype(path: Path, dtype) -> None:
+    cfg = json.loads(path.read_text())
+    name = str(dtype).removeprefix("torch.")
+    if "torch_dtype" in cfg:
+        cfg["torch_dtype"] = name
+    cfg["dtype"] = name
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _layout(arch: QwenArch, tp: int, pp: int, ep: int, etp: int | None, dtype: str) -> ModelParallel:
+    if ep > 1 and not arch.is_moe:
+        raise ConversionError(f"ep={ep} needs a MoE model; {arch.family} has no experts")
+    par = ModelParallel(tp=tp, pp=pp, ep=ep, etp=etp, dtype=dtype)
+    par = replace(par, sequence_parallel=arch.is_moe and tp > 1)
+    par.torch_dtype  # noqa: B018 - validates the dtype name
+    check_divisibility(arch, par)
+    return par
+
+
+def hf_to_megatron(
+    hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+    dtype: str | None = None,
+) -> Path:
+    """Convert an HF Qwen checkpoint into a megatron-core dist_checkpointing checkpoint saved at TP/PP/EP."""
+    from megatron_dapo.bridge.load import check_hf_checkpoint
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    arch = QwenArch.from_hf(hf_dir)
+    par = _layout(arch, tp, pp, ep, etp, dtype or _default_dtype(hf_dir))
+    check_hf_checkpoint(arch, hf_dir)  # names and shapes, before any rank starts
+    job = _Job("hf-to-megatron", str(hf_dir), str(_tmp_sibling(out)), par, str(hf_dir))
+    return _run(job, out)
+
+
+def megatron_to_hf(
+    ckpt: str | Path, out: str | Path, hf_config_dir: str | Path | None = None, tp: int = 1, pp: int = 1,
+    ep: int = 1, etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 1024**3,
+) -> Path:
+    """Convert a dist_checkpointing checkpoint of this package into HF safetensors (+ index, config, tokenizer).
+
+    The checkpoint is read at layout tp/pp/ep (default one rank; any layout works, larger ones need less
+    memory per rank). `hf_config_dir` defaults to the checkpoint's `hf_config/` directory.
+    """
+    from megatron_dapo.bridge.checkpoint import HF_CONFIG_DIR, checkpoint_dir
+
+    ckpt, out = Path(ckpt), Path(out)
+    checkpoint_dir(ckpt)
+    hf_config_dir = Path(hf_config_dir) if hf_config_dir else ckpt / HF_CONFIG_DIR
+    if not (hf_config_dir / "config.json").is_file():
+        raise ConversionError(f"no config.json in {hf_config_dir}: pass --hf-config DIR of the HF model")
+    arch = QwenArch.from_hf(hf_config_dir)
+    par = _layout(arch, tp, pp, ep, etp, dtype or _default_dtype(hf_config_dir))
+    job = _Job("megatron-to-hf", str(ckpt), str(_tmp_sibling(out)), par, str(hf_config_dir), max_shard_bytes)
+    return _run(job, out)
