@@ -1,0 +1,20 @@
+"""Fused Triton kernels for the DAPO hot paths and the backend dispatcher.
+
+Call the functions of `megatron_dapo.kernels.dispatch` (re-exported here): they run the Triton
+kernels on CUDA and the torch reference (megatron_dapo.algo) elsewhere. Triton itself is only
+imported when a Triton backend is used.
+"""
+
+from .dispatch import (
+    dapo_policy_loss,
+    dynamic_sampling_filter,
+    group_advantages,
+    resolve_backend,
+    token_advantages,
+    vocab_parallel_logprobs,
+)
+
+__all__ = [
+    "dapo_policy_loss", "dynamic_sampling_filter", "group_advantages", "resolve_backend", "token_advantages",
+    "vocab_parallel_logprobs",
+]

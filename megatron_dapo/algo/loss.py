@@ -1,0 +1,199 @@
+"""DAPO policy-gradient loss: asymmetric (clip-higher) PPO clip, optional dual clip, truncated
+rollout importance weights, and loss aggregation that is exact over the global batch.
+
+Per token (A = advantage, r = exp(logprob - old_logprob)):
+
+    L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    L_t = min(L_t, -A clip_ratio_c)        if clip_ratio_c is set and A < 0   (dual clip)
+    L_t = min(w_t, rollout_is_cap) * L_t   if rollout_is_weights is given      (weight detached)
+
+Clipping counts as *active* only when strictly beyond the bound (upper: A > 0 and
+r > 1 + high; lower: A < 0 and r < 1 - low; dual: A < 0 and -A r > -A c, i.e. r > c); an active
+branch carries no gradient, a tie carries the unclipped gradient -A r.
+
+Global normalisation (micro-batch losses that sum to the one-big-batch loss)
+------------------------------------------------------------------------------
+A training step sees M micro-batches on each of D data-parallel ranks. DDP averages gradients
+over the D ranks and the M micro-batch backwards add up, so a micro-batch loss must be its share
+of the whole step's loss times D:
+
+    token-mean:   loss_mb = sum_{t in mb} L_t / N_tok * D
+                  N_tok = global_num_tokens = loss tokens over all M micro-batches and D ranks
+    seq-mean-*:   loss_mb = sum_{i in mb} l_i / N_seq * D
+                  N_seq = global_num_seqs = sequences with >= 1 loss token over all M x D
+                  l_i = sum_t L_it                          (seq-mean-token-sum)
+                  l_i = sum_t L_it / n_i                    (seq-mean-token-mean, n_i = loss tokens of i)
+                  l_i = sum_t L_it / token_sum_norm         (seq-mean-token-sum-norm, Dr.GRPO;
+                        token_sum_norm defaults to the padded length S and should be a constant
+                        such as max_response_length)
+    D = dp_world_size.
+
+Then sum over micro-batches, averaged over DP ranks, equals the loss of the whole step as one
+batch, and so do the gradients. With global_num_tokens / global_num_seqs None the micro-batch is
+the whole batch (local denominators, D ignored). Sequences without loss tokens contribute nothing
+and are not counted.
+
+Metrics (detached) use the same rule, so each additive metric summed over micro-batches and
+averaged over DP ranks is its global value: clipfrac_upper / clipfrac_lower / clipfrac_dual
+(fraction of loss tokens where that clip is active), approx_kl (k3 = r - 1 - log r, Schulman's
+low-variance unbiased estimator of KL(pi_old || pi)), ratio_mean; these are normalised by
+global_num_tokens (times D) when it is given, else by the local token count. ratio_max is the
+local max over loss tokens (combine with MAX; 0 when there are none). num_tokens / num_seqs are
+local counts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# Columns of the per-sequence partial sums shared by the torch and Triton paths.
+ROW_LOSS, ROW_TOKENS, ROW_UPPER, ROW_LOWER, ROW_DUAL, ROW_RATIO, ROW_KL, ROW_RATIO_MAX = range(8)
+NUM_ROW_STATS = 8
+
+
+def check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
+                      clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
+                      rollout_is_weights, rollout_is_cap) -> None:
+    name = "dapo_policy_loss"
+    if loss_agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"{name}: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
+    for field, t in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask)):
+        if t.shape != logprobs.shape:
+            raise ValueError(f"{name}: {field} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if rollout_is_weights is not None and rollout_is_weights.shape != logprobs.shape:
+        raise ValueError(f"{name}: rollout_is_weights shape {tuple(rollout_is_weights.shape)} != logprobs shape "
+                         f"{tuple(logprobs.shape)}")
+    if advantages.shape != logprobs.shape and advantages.shape != logprobs.shape[:1]:
+        raise ValueError(f"{name}: advantages shape {tuple(advantages.shape)} must be logprobs shape "
+                         f"{tuple(logprobs.shape)} or per sequence {tuple(logprobs.shape[:1])}")
+    if logprobs.dim() not in (1, 2) or (logprobs.dim() == 1 and loss_agg_mode != "token-mean"):
+        raise ValueError(f"{name}: logprobs must be [batch, seq] (or [tokens] for token-mean), "
+                         f"got shape {tuple(logprobs.shape)} with {loss_agg_mode}")
+    if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0):
+        raise ValueError(f"{name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
+                         f"{clip_ratio_low}, {clip_ratio_high}")
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(f"{name}: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+    for field, v in (("global_num_tokens", global_num_tokens), ("global_num_seqs", global_num_seqs)):
+        if v is not None and not float(v) > 0:
+            raise ValueError(f"{name}: {field} must be > 0, got {v}")
+    if int(dp_world_size) < 1:
+        raise ValueError(f"{name}: dp_world_size must be >= 1, got {dp_world_size}")
+    if rollout_is_cap is not None and not rollout_is_cap > 0:
+        raise ValueError(f"{name}: rollout_is_cap must be > 0, got {rollout_is_cap}")
+
+
+def as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights):
+    """[B, S] views (a 1-D token-mean input is one row); advantages broadcast to tokens."""
+    if logprobs.dim() == 1:
+        logprobs, old_logprobs, loss_mask = logprobs[None], old_logprobs[None], loss_mask[None]
+        advantages = advantages[None]
+        rollout_is_weights = None if rollout_is_weights is None else rollout_is_weights[None]
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    return logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights
+
+
+def row_stats_torch(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
+                    clip_ratio_c, rollout_is_weights, rollout_is_cap) -> torch.Tensor:
+    """Per-sequence partial sums [B, NUM_ROW_STATS]; column ROW_LOSS carries the gradient."""
+    cdtype = torch.promote_types(logprobs.dtype, torch.float32)
+    mask = loss_mask.bool()
+    adv = advantages.to(cdtype)
+    # Padding may hold any value: zero the log-ratio there so exp() cannot overflow into NaN grads.
+    log_ratio = torch.where(mask, logprobs.to(cdtype) - old_logprobs.to(cdtype), torch.zeros((), dtype=cdtype))
+    ratio = torch.exp(log_ratio)
+    upper = mask & (adv > 0) & (ratio > 1 + clip_ratio_high)
+    lower = mask & (adv < 0) & (ratio < 1 - clip_ratio_low)
+    pg = -adv * torch.where(upper | lower, ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high).detach(), ratio)
+    if clip_ratio_c is not None:
+        dual_bound = -adv * clip_ratio_c
+        dual = mask & (adv < 0) & (pg > dual_bound)
+        pg = torch.where(dual, dual_bound, pg)
+    else:
+        dual = torch.zeros_like(mask)
+    if rollout_is_weights is not None:
+        w = rollout_is_weights.detach().to(cdtype)
+        pg = pg * (w if rollout_is_cap is None else w.clamp(max=rollout_is_cap))
+    zero = torch.zeros((), dtype=cdtype, device=logprobs.device)
+    pg = torch.where(mask, pg, zero)
+    with torch.no_grad():
+        r = ratio.detach()
+        k3 = torch.where(mask, r - 1 - log_ratio.detach(), zero)
+        stats = [
+            mask.sum(-1).to(cdtype), upper.sum(-1).to(cdtype), lower.sum(-1).to(cdtype), dual.sum(-1).to(cdtype),
+            torch.where(mask, r, zero).sum(-1), k3.sum(-1), torch.where(mask, r, zero).amax(-1),
+        ]
+    return torch.stack([pg.sum(-1), *stats], dim=-1)
+
+
+def aggregate_rows(rows: torch.Tensor, loss_agg_mode: str, global_num_tokens=None, global_num_seqs=None,
+                   dp_world_size: int = 1, token_sum_norm=None, seq_len: int = 1):
+    """Loss and metrics from per-sequence partials, with the global normalisation of the module doc."""
+    n_tok = rows[:, ROW_TOKENS]
+    has_tokens = n_tok > 0
+    if global_num_tokens is None:
+        tok_scale = 1.0 / n_tok.sum().clamp(min=1)
+    else:
+        tok_scale = float(dp_world_size) / float(global_num_tokens)
+    if global_num_seqs is None:
+        seq_scale = 1.0 / has_tokens.sum().clamp(min=1).to(rows.dtype)
+    else:
+        seq_scale = float(dp_world_size) / float(global_num_seqs)
+    seq_loss = rows[:, ROW_LOSS]
+    if loss_agg_mode == "token-mean":
+        loss = seq_loss.sum() * tok_scale
+    elif loss_agg_mode == "seq-mean-token-sum":
+        loss = seq_loss.sum() * seq_scale
+    elif loss_agg_mode == "seq-mean-token-mean":
+        loss = (seq_loss / n_tok.clamp(min=1)).sum() * seq_scale
+    else:  # seq-mean-token-sum-norm
+        norm = float(seq_len if token_sum_norm is None else token_sum_norm)
+        loss = seq_loss.sum() / norm * seq_scale
+    with torch.no_grad():
+        metrics = {
+            "clipfrac_upper": rows[:, ROW_UPPER].sum() * tok_scale,
+            "clipfrac_lower": rows[:, ROW_LOWER].sum() * tok_scale,
+            "clipfrac_dual": rows[:, ROW_DUAL].sum() * tok_scale,
+            "approx_kl": rows[:, ROW_KL].sum() * tok_scale,
+            "ratio_mean": rows[:, ROW_RATIO].sum() * tok_scale,
+            "ratio_max": rows[:, ROW_RATIO_MAX].max() if rows.shape[0] else rows.new_zeros(()),
+            "num_tokens": n_tok.sum(),
+            "num_seqs": has_tokens.sum().to(rows.dtype),
+        }
+    return loss, metrics
+
+
+def dapo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: int | float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    global_num_seqs: int | float | None = None,
+    dp_world_size: int = 1,
+    rollout_is_cap: float | None = 2.0,
+    token_sum_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DAPO clipped policy loss of one micro-batch (pure torch reference; formulas in the module doc).
+
+    logprobs, old_logprobs, loss_mask, rollout_is_weights: [B, S] (or [T] for token-mean);
+    advantages: [B, S] or per sequence [B]. rollout_is_weights are raw per-token weights
+    pi_old / pi_rollout; they are truncated at rollout_is_cap (None = no truncation) and detached.
+    Returns (scalar loss, metrics dict of detached scalars).
+    """
+    check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
+                      clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
+                      rollout_is_weights, rollout_is_cap)
+    lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
+    rows = row_stats_torch(lp, old, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, w, rollout_is_cap)
+    return aggregate_rows(rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
+                          token_sum_norm, seq_len=lp.shape[-1])

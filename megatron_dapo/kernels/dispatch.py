@@ -1,0 +1,92 @@
+"""Backend choice for the DAPO hot paths: Triton kernels on CUDA, the torch reference elsewhere.
+
+Every function here has the signature of its torch reference in megatron_dapo.algo plus a
+keyword `backend`: "auto" (default), "torch" or "triton". The environment variable
+MEGATRON_DAPO_KERNELS overrides "auto" for the whole process (e.g. =torch to rule the kernels
+out while debugging). "auto" picks Triton for CUDA tensors; CPU tensors take the torch path,
+except under TRITON_INTERPRET=1 with an explicit "triton" (how the kernels are tested on CPU).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from megatron_dapo.algo import advantages as _adv
+from megatron_dapo.algo import filter as _filter
+from megatron_dapo.algo import logprobs as _logprobs
+from megatron_dapo.algo import loss as _loss
+
+ENV_VAR = "MEGATRON_DAPO_KERNELS"
+BACKENDS = ("auto", "torch", "triton")
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(device: torch.device, backend: str | None = None) -> str:
+    """'torch' or 'triton' for tensors on `device` (see the module doc for the rules)."""
+    choice = backend or "auto"
+    if choice == "auto":
+        choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+        if choice not in BACKENDS:
+            raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {BACKENDS}")
+    if choice not in BACKENDS:
+        raise ValueError(f"backend={choice!r}: expected one of {BACKENDS}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+    if choice == "triton" and device.type != "cuda" and not triton_interpreting():
+        raise RuntimeError(
+            f"backend='triton' needs CUDA tensors (got {device}); on CPU set TRITON_INTERPRET=1 before "
+            "importing triton (slow, for tests) or use backend='torch'"
+        )
+    if choice == "triton" and not _triton_available():
+        raise RuntimeError("backend='triton' needs the `triton` package (pip install triton)")
+    return choice
+
+
+def _triton_available() -> bool:
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _triton(module: str):
+    return importlib.import_module(f"megatron_dapo.kernels.{module}")
+
+
+def vocab_parallel_logprobs(logits_shard, target_ids, tp_group=None, temperature=1.0, with_entropy=False, *,
+                            backend: str | None = None):
+    if resolve_backend(logits_shard.device, backend) == "triton":
+        return _triton("logprobs_triton").vocab_parallel_logprobs(
+            logits_shard, target_ids, tp_group, temperature, with_entropy)
+    return _logprobs.vocab_parallel_logprobs(logits_shard, target_ids, tp_group, temperature, with_entropy)
+
+
+def dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs):
+    if resolve_backend(logprobs.device, backend) == "triton":
+        return _triton("loss_triton").dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
+    return _loss.dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
+
+
+def group_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6, *, backend: str | None = None):
+    if resolve_backend(rewards.device, backend) == "triton":
+        return _triton("group_triton").group_advantages(rewards, group_ids, norm_by_std, eps)
+    return _adv.group_advantages(rewards, group_ids, norm_by_std, eps)
+
+
+def dynamic_sampling_filter(metric, group_ids, correct_threshold=0.5, *, backend: str | None = None):
+    if resolve_backend(metric.device, backend) == "triton":
+        return _triton("group_triton").dynamic_sampling_filter(metric, group_ids, correct_threshold)
+    return _filter.dynamic_sampling_filter(metric, group_ids, correct_threshold)
+
+
+def token_advantages(advantages, loss_mask, *, backend: str | None = None):
+    if resolve_backend(advantages.device, backend) == "triton":
+        return _triton("group_triton").token_advantages(advantages, loss_mask)
+    return _adv.token_advantages(advantages, loss_mask)

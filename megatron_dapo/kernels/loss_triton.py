@@ -1,0 +1,144 @@
+"""Fused Triton DAPO token loss: the GPU path of `megatron_dapo.algo.loss.dapo_policy_loss`.
+
+One program per sequence streams its tokens once: ratio, asymmetric / dual clip, truncated
+importance weight, masked sums and clip counts, giving the same per-sequence partials
+[B, NUM_ROW_STATS] as the torch path, plus d L_t / d logprob_t per token for backward. The
+aggregation over sequences and the global normalisation are the torch reference's
+`aggregate_rows`, so both backends share one definition of every loss mode and metric.
+Only `logprobs` receives a gradient (old logprobs, advantages and weights are data).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_dapo.algo.loss import NUM_ROW_STATS, aggregate_rows, as_rows, check_loss_inputs
+
+DEFAULT_BLOCK_S = 1024
+
+
+@triton.jit
+def _dapo_loss_fwd_kernel(
+    lp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, rows_ptr, dpg_ptr, seq_len,
+    clip_low, clip_high, clip_c, is_cap,
+    HAS_DUAL: tl.constexpr, HAS_W: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = row * seq_len
+    offs = tl.arange(0, BLOCK)
+    acc_loss = tl.zeros((), tl.float32)
+    acc_tok = tl.zeros((), tl.float32)
+    acc_up = tl.zeros((), tl.float32)
+    acc_low = tl.zeros((), tl.float32)
+    acc_dual = tl.zeros((), tl.float32)
+    acc_ratio = tl.zeros((), tl.float32)
+    acc_kl = tl.zeros((), tl.float32)
+    ratio_max = tl.zeros((), tl.float32)
+    for start in range(0, seq_len, BLOCK):
+        cols = start + offs
+        inb = cols < seq_len
+        m = (tl.load(mask_ptr + base + cols, mask=inb, other=0) != 0) & inb
+        lp = tl.load(lp_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        old = tl.load(old_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        adv = tl.load(adv_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        log_ratio = tl.where(m, lp - old, 0.0)
+        ratio = tl.exp(log_ratio)
+        upper = m & (adv > 0) & (ratio > 1 + clip_high)
+        lower = m & (adv < 0) & (ratio < 1 - clip_low)
+        clipped = upper | lower
+        bounded = tl.minimum(tl.maximum(ratio, 1 - clip_low), 1 + clip_high)
+        pg = -adv * tl.where(clipped, bounded, ratio)
+        dpg = tl.where(clipped, 0.0, -adv * ratio)
+        dual = upper & lower  # mutually exclusive: all False unless HAS_DUAL
+        if HAS_DUAL:
+            bound = -adv * clip_c
+            dual = m & (adv < 0) & (pg > bound)
+            pg = tl.where(dual, bound, pg)
+            dpg = tl.where(dual, 0.0, dpg)
+        if HAS_W:
+            w = tl.load(w_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+            if HAS_CAP:
+                w = tl.minimum(w, is_cap)
+            pg = pg * w
+            dpg = dpg * w
+        pg = tl.where(m, pg, 0.0)
+        tl.store(dpg_ptr + base + cols, tl.where(m, dpg, 0.0), mask=inb)
+        acc_loss += tl.sum(pg, axis=0)
+        acc_tok += tl.sum(m.to(tl.float32), axis=0)
+        acc_up += tl.sum(upper.to(tl.float32), axis=0)
+        acc_low += tl.sum(lower.to(tl.float32), axis=0)
+        acc_dual += tl.sum(dual.to(tl.float32), axis=0)
+        acc_ratio += tl.sum(tl.where(m, ratio, 0.0), axis=0)
+        acc_kl += tl.sum(tl.where(m, ratio - 1 - log_ratio, 0.0), axis=0)
+        ratio_max = tl.maximum(ratio_max, tl.max(tl.where(m, ratio, 0.0), axis=0))
+    out = rows_ptr + row * 8
+    tl.store(out + 0, acc_loss)
+    tl.store(out + 1, acc_tok)
+    tl.store(out + 2, acc_up)
+    tl.store(out + 3, acc_low)
+    tl.store(out + 4, acc_dual)
+    tl.store(out + 5, acc_ratio)
+    tl.store(out + 6, acc_kl)
+    tl.store(out + 7, ratio_max)
+
+
+class _TritonRowStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logprobs, old_logprobs, advantages, loss_mask, weights, clip_low, clip_high, clip_c, cap,
+                block_s):
+        b, s = logprobs.shape
+        f32 = dict(dtype=torch.float32, device=logprobs.device)
+        rows = torch.empty(b, NUM_ROW_STATS, **f32)
+        dpg = torch.empty(b, s, **f32)
+        lp = logprobs.detach().contiguous()
+        if b:
+            _dapo_loss_fwd_kernel[(b,)](
+                lp, old_logprobs.contiguous(), advantages.contiguous(), loss_mask.bool().to(torch.int8).contiguous(),
+                weights.contiguous() if weights is not None else lp, rows, dpg, s,
+                float(clip_low), float(clip_high), float(clip_c or 0.0), float(cap or 0.0),
+                HAS_DUAL=clip_c is not None, HAS_W=weights is not None, HAS_CAP=cap is not None,
+                BLOCK=block_s,
+            )
+        ctx.save_for_backward(dpg)
+        ctx.in_dtype = logprobs.dtype
+        return rows
+
+    @staticmethod
+    def backward(ctx, grad_rows):
+        (dpg,) = ctx.saved_tensors
+        grad = dpg * grad_rows[:, :1]
+        return grad.to(ctx.in_dtype), None, None, None, None, None, None, None, None, None
+
+
+def dapo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: int | float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    global_num_seqs: int | float | None = None,
+    dp_world_size: int = 1,
+    rollout_is_cap: float | None = 2.0,
+    token_sum_norm: float | None = None,
+    block_s: int = DEFAULT_BLOCK_S,
+):
+    """Triton version of `megatron_dapo.algo.loss.dapo_policy_loss` (same arguments and semantics)."""
+    check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
+                      clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
+                      rollout_is_weights, rollout_is_cap)
+    lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
+    block_s = min(block_s, triton.next_power_of_2(max(lp.shape[-1], 16)))
+    rows = _TritonRowStats.apply(
+        lp, old.detach(), adv.detach().expand_as(lp), mask, None if w is None else w.detach(),
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_is_cap, block_s,
+    )
+    return aggregate_rows(rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
+                          token_sum_norm, seq_len=lp.shape[-1])
