@@ -34,9 +34,11 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 19, num_test: int
     train, test = write_task(data_dir, ArithmeticTask(max_operand=max_operand, ops="+-", seed=seed), num_test)
     if not (model_dir / "config.json").exists():
         raw = run_dir / "model_init"
-        save_tiny_hf_model("qwen3", raw, seed=seed, vocab_size=vocab_size())
         build_char_tokenizer(raw)
         tok = AutoTokenizer.from_pretrained(raw)
+        # generation stops at the chat turn's end (<|im_end|>), as for Qwen3's instruct models
+        save_tiny_hf_model("qwen3", raw, seed=seed, vocab_size=vocab_size(), eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id, bos_token_id=None)
         rows = read_rows(train)
         examples = sft_examples(tok, rows, lambda r: response_of(r["extra_info"]["a"], r["extra_info"]["op"],
                                                                   r["extra_info"]["b"]))

@@ -7,9 +7,10 @@ from dataclasses import replace
 
 from megatron_dapo.rollout.router import Router
 from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.trainer.rollout_side import response_text
 
 
-async def _evaluate(urls, dataset, rewards, sampling: SamplingParams, n_sampled: int, api_key=None) -> dict:
+async def _evaluate(urls, dataset, rewards, sampling: SamplingParams, n_sampled: int, api_key=None, tokenizer=None) -> dict:
     async with Router(urls, api_key=api_key) as router:
         greedy = replace(sampling, temperature=0.0, n=1)
         sampled = replace(sampling, n=n_sampled)
@@ -21,7 +22,7 @@ async def _evaluate(urls, dataset, rewards, sampling: SamplingParams, n_sampled:
                 outs.append(router.generate(list(rec.prompt_ids), sampled, group_id=f"val{i}"))
             res = await asyncio.gather(*outs)
             samples = [s for r in res for s in r]
-            items = [(s.text, rec.ground_truth, rec.data_source, dict(rec.extra_info)) for s in samples]
+            items = [(response_text(s, tokenizer), rec.ground_truth, rec.data_source, dict(rec.extra_info)) for s in samples]
             return await asyncio.to_thread(rewards.score_many, items)
 
         scored = await asyncio.gather(*(one(i) for i in range(len(dataset))))
@@ -32,6 +33,6 @@ async def _evaluate(urls, dataset, rewards, sampling: SamplingParams, n_sampled:
     return out
 
 
-def evaluate(urls, dataset, rewards, sampling: SamplingParams, n_sampled: int = 4, api_key=None) -> dict:
+def evaluate(urls, dataset, rewards, sampling: SamplingParams, n_sampled: int = 4, api_key=None, tokenizer=None) -> dict:
     """{"val/accuracy_greedy", "val/accuracy_sampled"} over every prompt of `dataset`."""
-    return asyncio.run(_evaluate(urls, dataset, rewards, sampling, n_sampled, api_key))
+    return asyncio.run(_evaluate(urls, dataset, rewards, sampling, n_sampled, api_key, tokenizer))

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.config import config_to_dict, dump_yaml
+from megatron_dapo.config import dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir, gen_batch_size, max_new_tokens
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer.batch import RolloutBatch, build_batch
@@ -33,6 +33,7 @@ from megatron_dapo.trainer.metrics import MetricsWriter, response_metrics, stale
 from megatron_dapo.trainer.rollout_side import BatchInfo, ProducerSettings, RolloutProducer
 
 log = logging.getLogger(__name__)
+logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
 @dataclass
@@ -98,7 +99,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer):
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     return RolloutProducer(lambda: Router(server_urls, api_key=cfg.rollout.api_key), dataset, sampler,
-                           reward_runner(cfg), settings)
+                           reward_runner(cfg), settings, tokenizer=tokenizer)
 
 
 def _broadcast(obj, src: int = 0):
@@ -182,6 +183,10 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         dump_yaml(cfg, run_dir / "config.yaml")
 
     actor = build_actor(cfg)
+    # Under torchrun this variable makes every TCP rendezvous a client of torchrun's agent store;
+    # the weight-update group's rendezvous (trainer rank 0 hosting, servers joining) would then
+    # have no host and hang. The default group is formed already, so it no longer needs it.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
                               server_tp_sizes=server_tp_sizes)
     bridge.connect()
@@ -232,7 +237,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         if rank == 0 and val_data is not None:
             from megatron_dapo.trainer.evaluate import evaluate
 
-            res = evaluate(server_urls, val_data, producer.rewards, sampling_params(cfg), api_key=cfg.rollout.api_key)
+            res = evaluate(server_urls, val_data, producer.rewards, sampling_params(cfg), api_key=cfg.rollout.api_key,
+                           tokenizer=producer.tokenizer)
             writer.log(step, res)
             val.setdefault("first", (step, res))
             val["last"] = (step, res)

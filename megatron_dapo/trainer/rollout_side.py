@@ -34,6 +34,14 @@ from megatron_dapo.trainer.groups import JudgedGroup, judge_group
 log = logging.getLogger(__name__)
 
 
+def response_text(sample, tokenizer=None) -> str:
+    """What the reward judges: the response tokens decoded without special tokens (a server's own
+    `text` may keep the stop token, e.g. `<|im_end|>`, on the answer line)."""
+    if tokenizer is None:
+        return sample.text
+    return tokenizer.decode(sample.output_ids, skip_special_tokens=True)
+
+
 class DynamicSamplingExhausted(RuntimeError):
     """max_num_gen_batches generation batches did not yield a full batch of informative groups."""
 
@@ -68,9 +76,12 @@ class BatchInfo:
 
 
 class RolloutProducer:
-    def __init__(self, router_factory, dataset, sampler, reward_runner, settings: ProducerSettings, version: int = 0):
+    def __init__(self, router_factory, dataset, sampler, reward_runner, settings: ProducerSettings, version: int = 0,
+                 tokenizer=None):
         """`router_factory()` builds the router inside the producer's event loop (httpx clients
-        belong to the loop that creates them)."""
+        belong to the loop that creates them). With `tokenizer`, responses are judged on their
+        tokens decoded here (special tokens skipped), whatever text the server returns."""
+        self.tokenizer = tokenizer
         self.router_factory = router_factory
         self.dataset, self.sampler, self.rewards = dataset, sampler, reward_runner
         self.s = settings
@@ -172,7 +183,7 @@ class RolloutProducer:
             for i, s in enumerate(samples):
                 s.index = i
             extra = dict(rec.extra_info)
-            items = [(s.text, rec.ground_truth, rec.data_source, extra) for s in samples]
+            items = [(response_text(s, self.tokenizer), rec.ground_truth, rec.data_source, extra) for s in samples]
             rewards = await asyncio.to_thread(self.rewards.score_many, items)
             group = judge_group(idx, samples, rewards, self.s.max_response_length, self.s.overlong, self.s.filter_metric)
         except asyncio.CancelledError:
