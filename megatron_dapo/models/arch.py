@@ -43,6 +43,8 @@ def hf_config_family(cfg: Any) -> str:
     """'qwen3' | 'qwen3_moe' | 'qwen2' for an HF config; errors on any other `architectures` value."""
     d = _as_dict(cfg)
     archs = d.get("architectures") or []
+    if not archs and d.get("model_type") in ARCHITECTURES.values():
+        return d["model_type"]  # a config saved without a model has only model_type
     if len(archs) != 1 or archs[0] not in ARCHITECTURES:
         raise UnsupportedArchitectureError(
             f"unsupported HF architectures {archs!r}: megatron-dapo supports {sorted(ARCHITECTURES)}"

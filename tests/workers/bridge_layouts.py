@@ -1,0 +1,128 @@
+"""Load tiny HF models into megatron-core at several layouts; compare logits with HF and exports with the files.
+
+usage: bridge_layouts.py WORKDIR LAYOUT [LAYOUT ...]    (LAYOUT: tp1 tp2 pp2 ep2 tp2pp2 tp2ep2)
+Prints one line `RESULT <variant> <layout> rel=<max rel err>` per check on the last stage's rank 0
+and exits non-zero on any failure.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bridge_common import hf_logits, megatron_logits, rel_err  # noqa: E402
+
+LAYOUTS = {
+    "tp1": dict(tp=1),
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2),
+    "ep2": dict(ep=2),
+    "tp2pp2": dict(tp=2, pp=2),
+    "tp2ep2": dict(tp=2, ep=2),
+}
+# name -> (family, overrides of the tiny config)
+VARIANTS = {
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen2": ("qwen2", {}),
+    # padded vocabulary (250 -> 256) with tied embeddings: the last PP stage loads its copy of the embedding
+    "qwen2_tied_v250": ("qwen2", dict(vocab_size=250, tie_word_embeddings=True)),
+    # norm_topk_prob=False <-> megatron moe_router_pre_softmax=True; dense layer every 2nd via decoder_sparse_step
+    "qwen3_moe_nonorm": ("qwen3_moe", dict(norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2)),
+}
+TOL = 1e-5
+
+
+def variants_for(layout: str) -> list[str]:
+    if "ep" in layout:
+        return ["qwen3_moe", "qwen3_moe_nonorm"]
+    return list(VARIANTS)
+
+
+def main() -> int:
+    from safetensors.torch import load_file
+
+    from megatron_dapo.bridge import export_hf_weights, load_hf_into_megatron
+    from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+
+    workdir = Path(sys.argv[1])
+    layouts = sys.argv[2:]
+    info = init_distributed()
+    # Every rank writes the same files would race: rank 0 writes, the others wait.
+    if info.rank == 0:
+        for name, (family, over) in VARIANTS.items():
+            if not (workdir / name / "config.json").exists():
+                save_tiny_hf_model(family, workdir / name, seed=1, **over)
+    dist.barrier()
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 250, (2, 8))
+    refs = {}
+    failures = []
+    for layout in layouts:
+        sizes = LAYOUTS[layout]
+        init_model_parallel(**sizes)
+        for name in variants_for(layout):
+            hf_dir = workdir / name
+            arch = QwenArch.from_hf(hf_dir)
+            par = ModelParallel(**sizes, sequence_parallel=arch.is_moe and sizes.get("tp", 1) > 1)
+            chunks = build_gpt_model(hf_dir, par)
+            load_hf_into_megatron(chunks, hf_dir)
+            if name not in refs:
+                refs[name] = hf_logits(hf_dir, ids)
+            got = megatron_logits(chunks, ids, arch.vocab_size)
+            if got is not None:
+                err = rel_err(got, refs[name])
+                if info.rank == dist.get_world_size() - 1:
+                    print(f"RESULT {name} {layout} rel={err:.3e}", flush=True)
+                if not err < TOL:
+                    failures.append(f"{name} {layout}: logits rel err {err:.3e} >= {TOL}")
+            # Round trip: exporting what was loaded gives back every file tensor bit for bit.
+            on_disk = load_file(str(hf_dir / "model.safetensors")) if info.rank == 0 else None
+            seen = []
+            budget = 1 << 16 if layout in ("tp2", "tp2ep2") else None
+            for hf_name, tensor in export_hf_weights(chunks, byte_budget=budget):
+                seen.append(hf_name)
+                if info.rank == 0:
+                    ref = on_disk.get(hf_name)
+                    if ref is None or tensor.shape != ref.shape or not torch.equal(tensor, ref):
+                        failures.append(f"{name} {layout}: exported {hf_name} differs from the file")
+                elif tensor is not None:
+                    failures.append(f"{name} {layout}: rank {info.rank} received {hf_name}")
+            if info.rank == 0 and sorted(seen) != sorted(on_disk):
+                failures.append(f"{name} {layout}: exported names differ from the file: {sorted(set(seen) ^ set(on_disk))[:4]}")
+            # The order is identical on every rank and every call.
+            orders = [None] * dist.get_world_size()
+            dist.all_gather_object(orders, seen)
+            if any(o != orders[0] for o in orders):
+                failures.append(f"{name} {layout}: export order differs between ranks")
+            if layout == "tp2ep2" and name == "qwen3_moe":
+                # dst_rank=None: every rank receives every full tensor, equal to the file's.
+                for hf_name, tensor in export_hf_weights(chunks, dst_rank=None):
+                    if tensor is None or tensor.shape != torch.Size(_shape(arch, hf_name)):
+                        failures.append(f"{name} {layout}: broadcast export gave rank {info.rank} no/misshaped {hf_name}")
+                        break
+                if info.rank == 0:
+                    print(f"RESULT {name} {layout} broadcast-export ok", flush=True)
+            del chunks
+    for f in failures:
+        print(f"FAIL rank {info.rank}: {f}", flush=True)
+    destroy_distributed()
+    return 1 if failures else 0
+
+
+def _shape(arch, name):
+    from megatron_dapo.bridge import hf_shape
+
+    return hf_shape(arch, name)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
