@@ -58,3 +58,14 @@ def build_batch(groups: list[JudgedGroup], step: int, temperature: float, norm_a
         step=step,
         prompt_indices=[g.prompt_index for g in groups],
     )
+
+
+def probe_batch(token_ids: list[int], step: int = 0) -> RolloutBatch:
+    """One sequence whose tokens after the first are scored (a weight-sync check: the trainer's
+    logprobs of it must equal the servers' prompt logprobs)."""
+    n = len(token_ids) - 1
+    return RolloutBatch(
+        input_ids=[list(token_ids)], prompt_lengths=[1], response_lengths=[n], advantages=torch.zeros(1),
+        rollout_logprobs=[[0.0] * n], response_loss_mask=[1], token_versions=[[step] * n],
+        group_index=torch.zeros(1, dtype=torch.long), temperature=1.0, step=step, prompt_indices=[-1],
+    )

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_dapo.config import dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir, gen_batch_size, max_new_tokens
 from megatron_dapo.trainer import checkpoint as ckpt
-from megatron_dapo.trainer.batch import RolloutBatch, build_batch
+from megatron_dapo.trainer.batch import RolloutBatch, build_batch, probe_batch
 from megatron_dapo.trainer.groups import JudgedGroup
 from megatron_dapo.trainer.metrics import MetricsWriter, response_metrics, staleness_metrics
 from megatron_dapo.trainer.rollout_side import BatchInfo, ProducerSettings, RolloutProducer
@@ -167,7 +167,6 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
 
     `stop_after`: leave after this many steps of this invocation (tests use it to interrupt a run).
     """
-    from megatron_dapo.bridge.export import export_hf_weights
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
@@ -192,10 +191,20 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     bridge.connect()
     byte_budget = int(cfg.rollout.sync.bucket_mb * 1024 * 1024)
 
-    def sync(version: int):
+    # A fixed probe sequence: after each sync the servers' logprobs of it must equal the trainer's.
+    probe = torch.randint(3, actor.arch.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def sync(version: int) -> tuple[float, dict]:
         t0 = time.perf_counter()
-        stats = bridge.sync(export_hf_weights(actor.model, byte_budget=byte_budget), version=version)
-        return time.perf_counter() - t0, stats
+        stats = bridge.sync(actor.export_weights(byte_budget=byte_budget), version=version)
+        out = stats.as_metrics() if stats is not None else {}
+        out["time/sync_s"] = time.perf_counter() - t0
+        if cfg.rollout.sync.verify:
+            ref = actor.compute_logprobs(probe_batch(probe, version))[0]
+            if rank == 0:
+                out["sync/verify_max_abs_diff"] = bridge.verify(probe, ref.tolist())
+                out["sync/probe_logprob_mean"] = float(ref.double().mean())
+        return out
 
     producer = writer = val_data = None
     if rank == 0:
@@ -229,7 +238,9 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
                 pending = _restore_next(rollout.pop("next_batch"))
                 producer.load_state_dict(rollout)
                 log.info("resumed from %s: next step %d", found, start_step)
-            sync(start_step)  # the servers still hold whatever they had: give them the checkpoint's weights
+    # Servers may hold anything (a previous run's weights, a resumed run's older ones): start them
+    # from exactly the trainer's weights, at the version the first step is consumed at.
+    sync(start_step)
 
     val = {}
 
@@ -270,17 +281,16 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             t0 = time.perf_counter()
             train_metrics = actor.train_step(batch)
             t_train = time.perf_counter() - t0
-            t_sync, sync_stats = sync(step + 1)
+            sync_metrics = sync(step + 1)
             if rank == 0:
                 producer.set_version(step + 1)
                 tokens = sum(len(x) for x in batch.input_ids)
                 m = _step_metrics(binfo, cfg, batch)
                 m.update({k: float(v) for k, v in train_metrics.items()})
-                m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train, "time/sync_s": t_sync,
+                m.update(sync_metrics)
+                m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train,
                           "time/step_s": time.perf_counter() - t_step,
                           "throughput/tokens_per_s": tokens / max(1e-9, time.perf_counter() - t_step)})
-                if sync_stats is not None:
-                    m.update(sync_stats.as_metrics())
                 extra = {"prompt_indices": batch.prompt_indices, "weight_version": step + 1,
                          "sample_versions": [min(v) if v else step for v in batch.token_versions]}
                 writer.log(step, m, staleness=binfo.staleness, extra=extra)
