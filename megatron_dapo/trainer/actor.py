@@ -1,0 +1,429 @@
+"""The Megatron actor: logprob recompute and DAPO policy updates on megatron-core.
+
+One `MegatronActor` per trainer rank, built after `init_distributed` / `init_model_parallel`:
+
+    actor = MegatronActor(cfg)                      # DapoConfig; HF weights from cfg.model.hf_path
+    old = actor.compute_logprobs(batch)             # list of [response_len] fp32 tensors, every rank
+    metrics = actor.train_step(batch)               # dict of floats (same on every rank)
+    actor.save_checkpoint(dir); actor.load_checkpoint(dir)   # model + optimizer + scheduler, torch_dist
+    for name, tensor in actor.export_weights(): ... # HF names, full tensors on rank 0 (collective)
+
+`batch` is a `megatron_dapo.trainer.batch.RolloutBatch` (the same on every rank). A train step:
+
+1. rows are split over data-parallel ranks by group (no group straddles two ranks), balancing tokens;
+2. the old-policy logprobs of the rank's rows are recomputed with the current weights (no grad);
+3. for each of `ppo_epochs` epochs, for each mini-batch of `ppo_mini_batch_size` groups: the
+   rows are packed into micro-batches by the token budget `algo.max_tokens_per_micro_batch`, the
+   loss-token count of the whole mini-batch (all micro-batches, all DP ranks) is all-reduced, and
+   megatron-core's pipeline schedule runs forward / backward with the DAPO loss normalised by that
+   exact count; then one optimizer step (grad clipping, lr schedule with warm-up). A non-finite
+   loss or gradient norm skips that step (counted in `actor/skipped_steps`).
+
+Micro-batch losses are returned to the schedule multiplied by the number of micro-batches (the
+schedule divides by it); the DAPO loss already carries the DP factor that DDP's averaging removes,
+so gradients equal those of the whole mini-batch as one batch on one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
+
+log = logging.getLogger(__name__)
+
+_MAX_METRICS = ("actor/ratio_max",)
+
+
+def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int) -> list[list[int]]:
+    """Rows of `groups` for each of `dp` ranks: whole groups, greedily balancing token counts."""
+    members: dict[int, list[int]] = {g: [] for g in groups}
+    for r, g in enumerate(group_of_row):
+        if g in members:
+            members[g].append(r)
+    load = [0] * dp
+    out: list[list[int]] = [[] for _ in range(dp)]
+    for g in sorted(groups, key=lambda g: (-sum(row_tokens[r] for r in members[g]), g)):
+        k = min(range(dp), key=lambda i: (load[i], i))
+        out[k].extend(members[g])
+        load[k] += sum(row_tokens[r] for r in members[g])
+    return [sorted(rows) for rows in out]
+
+
+class MegatronActor:
+    def __init__(self, cfg, hf_dir: str | None = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model
+        from megatron_dapo.models.specs import te_available
+
+        self.cfg = cfg
+        p, m, o, a = cfg.parallel, cfg.model, cfg.optimizer, cfg.algo
+        hf_dir = hf_dir or m.hf_path or None
+        source = hf_dir if hf_dir else m.hf_config
+        if not source:
+            raise ValueError("model.hf_path (or model.hf_config) is required to build the actor's model")
+        self.use_te = m.transformer_impl == "transformer_engine" and te_available() and torch.cuda.is_available()
+        arch = QwenArch.from_hf(source)
+        par = ModelParallel(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, dtype=m.dtype,
+                            sequence_parallel=p.sequence_parallel)
+        overrides = {"moe_token_dispatcher_type": p.moe_token_dispatcher} if arch.is_moe else {}
+        if m.recompute_granularity != "none":
+            overrides["recompute_granularity"] = m.recompute_granularity
+            if m.recompute_granularity == "full":
+                overrides.update(recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
+        if m.moe_aux_loss_coeff is not None:
+            overrides["moe_aux_loss_coeff"] = m.moe_aux_loss_coeff
+        chunks = build_gpt_model(arch, par, use_te=self.use_te, config_overrides=overrides)
+        if hf_dir:
+            from megatron_dapo.bridge import load_hf_into_megatron
+
+            load_hf_into_megatron(chunks, hf_dir)
+        self.arch = chunks[0].arch
+        self.config = chunks[0].config
+        self.config.finalize_model_grads_func = finalize_model_grads
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=o.use_distributed_optimizer, overlap_grad_reduce=False
+        )
+        self.model = [DistributedDataParallel(self.config, ddp_config, c) for c in chunks]
+        dtype = par.torch_dtype
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
+                use_distributed_optimizer=o.use_distributed_optimizer, params_dtype=dtype,
+                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+            ),
+            self.model,
+        )
+        steps_per_train_step = max(1, math.ceil(a.train_batch_size / a.ppo_mini_batch_size)) * a.ppo_epochs
+        decay = o.lr_decay_steps or cfg.trainer.total_steps * steps_per_train_step
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(decay, o.lr_warmup_steps + 1),
+            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
+            wd_incr_steps=max(decay, 1), wd_incr_style="constant",
+        )
+        self.tp_group = ps.get_tensor_model_parallel_group()
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.is_last_stage = ps.is_pipeline_last_stage()
+        self.max_tokens = a.max_tokens_per_micro_batch or (cfg.data.max_prompt_length + cfg.data.max_response_length)
+        # Sequence parallel scatters the packed row over TP ranks: its length must divide evenly.
+        self.pad_multiple = p.tp if self.config.sequence_parallel else 1
+        self.optimizer_steps = 0
+        self.skipped_steps = 0
+
+    # ---------------------------------------------------------------- forward machinery
+    def _packs(self, batch, rows: list[int]) -> list[PackedMicroBatch]:
+        """Rows packed by the token budget; the same micro-batch count on every DP rank."""
+        lengths = [len(batch.input_ids[r]) for r in rows]
+        plan = plan_micro_batches(lengths, self.max_tokens)
+        count = torch.tensor([len(plan)], dtype=torch.long)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
+        plan = plan_micro_batches(lengths, self.max_tokens, min_count=int(count))
+        length = None
+        if self.pp_size > 1:
+            # Pipeline stages exchange activations of one fixed shape: pad every pack to the longest.
+            longest = torch.tensor([max([1] + [sum(lengths[i] for i in b) for b in plan])], dtype=torch.long)
+            dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
+            length = -(-int(longest) // self.pad_multiple) * self.pad_multiple
+        return [pack(batch.input_ids, batch.prompt_lengths, [rows[i] for i in b], length, self.pad_multiple)
+                for b in plan]
+
+    def _forward(self, model, mb: PackedMicroBatch):
+        if self.use_te:
+            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
+        with per_sequence_rope(model, mb.position_ids):
+            return model(mb.tokens, mb.position_ids, mb.attention_mask())
+
+    def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float, with_entropy: bool):
+        from megatron_dapo.kernels.dispatch import vocab_parallel_logprobs
+        from megatron_dapo.models import mask_padded_vocab_logits
+
+        logits = mask_padded_vocab_logits(logits, self.arch.vocab_size)
+        out = vocab_parallel_logprobs(logits, mb.target_ids.to(logits.device), self.tp_group,
+                                      temperature=temperature, with_entropy=with_entropy)
+        return out
+
+    def _run(self, packs, forward_only: bool, loss_fn):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            output = self._forward(model, mb)
+            return output, lambda logits: loss_fn(logits, mb)
+
+        length = max(mb.length for mb in packs)
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(packs), model=self.model,
+            num_microbatches=len(packs), seq_length=length, micro_batch_size=1, forward_only=forward_only,
+        )
+
+    # ---------------------------------------------------------------- logprobs
+    @torch.no_grad()
+    def _local_logprobs(self, batch, rows: list[int]) -> dict[int, torch.Tensor]:
+        """{row: [response_len] fp32 logprobs} for `rows` (filled on the last pipeline stage only)."""
+        for m in self.model:
+            m.eval()
+        out: dict[int, torch.Tensor] = {}
+
+        def loss_fn(logits, mb):
+            lp = mb.gather(self._logprobs(logits, mb, batch.temperature, with_entropy=False).float())
+            for i, r in enumerate(mb.rows):
+                out[r] = lp[i, : int(mb.target_valid[i].sum())].cpu()
+            return logits.new_zeros(()), {}
+
+        self._run(self._packs(batch, rows), forward_only=True, loss_fn=loss_fn)
+        for m in self.model:
+            m.train()
+        return out
+
+    def compute_logprobs(self, batch, rows: list[int] | None = None) -> list[torch.Tensor]:
+        """Logprobs of every response token under the current weights (temperature-scaled as
+        `batch.temperature`), for `rows` (default: all), returned on every rank. Collective."""
+        rows = list(range(batch.num_samples)) if rows is None else list(rows)
+        mine = self._split(batch, rows)[self.dp_rank]
+        local = self._local_logprobs(batch, mine)
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, local if self.is_last_stage else {})
+        merged: dict[int, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        return [merged[r] for r in rows]
+
+    def _split(self, batch, rows: list[int]) -> list[list[int]]:
+        groups = batch.group_index.tolist()
+        chosen = sorted({groups[r] for r in rows})
+        tokens = [len(x) for x in batch.input_ids]
+        keep = set(rows)
+        per_rank = split_groups_over_ranks(groups, tokens, chosen, self.dp_size)
+        return [[r for r in rs if r in keep] for rs in per_rank]
+
+    # ---------------------------------------------------------------- training
+    def train_step(self, batch) -> dict[str, float]:
+        """One trainer step on `batch` (a RolloutBatch, the same on every rank). Collective."""
+        a = self.cfg.algo
+        self._check_batch(batch)
+        all_rows = list(range(batch.num_samples))
+        group_ids = sorted(set(batch.group_index.tolist()))
+        old = self._local_logprobs(batch, self._split(batch, all_rows)[self.dp_rank])
+        minis = [group_ids[i:i + a.ppo_mini_batch_size] for i in range(0, len(group_ids), a.ppo_mini_batch_size)]
+        group_of_row = batch.group_index.tolist()
+        totals: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        n_steps = skipped = 0
+        grad_norms = []
+        for _epoch in range(a.ppo_epochs):
+            for mini in minis:
+                wanted = set(mini)
+                rows = [r for r in all_rows if group_of_row[r] in wanted]
+                mine = self._split(batch, rows)[self.dp_rank]
+                lr = self._current_lr()  # the lr this step applies (the scheduler moves after it)
+                metrics, ok, grad_norm = self._mini_batch_step(batch, mine, old)
+                metrics["actor/lr"] = lr
+                n_steps += 1
+                skipped += 0 if ok else 1
+                if ok:
+                    grad_norms.append(grad_norm)
+                for k, v in metrics.items():
+                    if k in _MAX_METRICS:
+                        maxima[k] = max(maxima.get(k, -math.inf), v)
+                    else:
+                        totals[k] = totals.get(k, 0.0) + v
+        out = {k: v / n_steps for k, v in totals.items()}
+        out.update(maxima)
+        out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        out["actor/optimizer_steps"] = float(n_steps - skipped)
+        out["actor/skipped_steps"] = float(skipped)
+        self.skipped_steps += skipped
+        return out
+
+    def _current_lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def _check_batch(self, batch) -> None:
+        n = batch.num_samples
+        for name in ("prompt_lengths", "response_lengths", "rollout_logprobs", "response_loss_mask", "token_versions"):
+            if len(getattr(batch, name)) != n:
+                raise ValueError(f"RolloutBatch.{name} has {len(getattr(batch, name))} entries for {n} samples")
+        if batch.advantages.shape != (n,) or batch.group_index.shape != (n,):
+            raise ValueError(f"RolloutBatch.advantages / group_index must have shape ({n},)")
+        for r in range(n):
+            resp = len(batch.input_ids[r]) - batch.prompt_lengths[r]
+            if resp != batch.response_lengths[r]:
+                raise ValueError(f"RolloutBatch row {r}: response_lengths says {batch.response_lengths[r]} but "
+                                 f"input_ids minus the prompt has {resp} tokens")
+            if len(batch.rollout_logprobs[r]) != resp:
+                raise ValueError(f"RolloutBatch row {r}: {len(batch.rollout_logprobs[r])} rollout logprobs for "
+                                 f"{resp} response tokens")
+
+    def _mini_batch_step(self, batch, rows: list[int], old: dict[int, torch.Tensor]):
+        from megatron_dapo.kernels.dispatch import dapo_policy_loss
+
+        a = self.cfg.algo
+        packs = self._packs(batch, rows)
+        # The exact global normalisers of the mini-batch: loss tokens / sequences over every
+        # micro-batch of every DP rank, known before the first backward.
+        n_tok = sum(batch.response_lengths[r] * batch.response_loss_mask[r] for r in rows)
+        n_seq = sum(1 for r in rows if batch.response_lengths[r] * batch.response_loss_mask[r] > 0)
+        counts = torch.tensor([n_tok, n_seq], dtype=torch.float64)
+        dist.all_reduce(counts, group=self.dp_group)
+        global_tokens, global_seqs = float(counts[0]), float(counts[1])
+        num_mb = len(packs)
+        sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        use_is = a.rollout_is.enable
+
+        def loss_fn(logits, mb: PackedMicroBatch):
+            lp_pos, ent_pos = self._logprobs(logits, mb, batch.temperature, with_entropy=True)
+            if not mb.rows:  # all padding (this rank has fewer micro-batches than others): no loss
+                return lp_pos.sum() * 0.0, {}
+            lp = mb.gather(lp_pos.float())
+            shape = lp.shape
+            old_rows = torch.zeros(shape)
+            roll_rows = torch.zeros(shape)
+            mask = torch.zeros(shape)
+            for i, r in enumerate(mb.rows):
+                k = batch.response_lengths[r]
+                if k == 0:
+                    continue
+                old_rows[i, :k] = old[r] if self.is_last_stage else 0.0
+                roll_rows[i, :k] = torch.as_tensor(batch.rollout_logprobs[r], dtype=torch.float32)
+                mask[i, :k] = float(batch.response_loss_mask[r])
+            adv = batch.advantages[mb.rows].float()
+            dev = lp.device
+            old_rows, roll_rows, mask, adv = old_rows.to(dev), roll_rows.to(dev), mask.to(dev), adv.to(dev)
+            is_weights = torch.exp(old_rows - roll_rows) * (mask > 0) if use_is else None
+            loss, metrics = dapo_policy_loss(
+                lp, old_rows, adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
+                global_num_tokens=max(global_tokens, 1.0), rollout_is_weights=is_weights,
+                global_num_seqs=max(global_seqs, 1.0), dp_world_size=self.dp_size,
+                rollout_is_cap=a.rollout_is.cap if use_is else None,
+            )
+            ent = mb.gather(ent_pos.float())
+            # Token-mean entropy over the mini-batch, with the same global normalisation as the loss.
+            ent_mean = (ent * mask).sum() * self.dp_size / max(global_tokens, 1.0)
+            if a.entropy_coeff:
+                loss = loss - a.entropy_coeff * ent_mean
+            with torch.no_grad():
+                add = {
+                    "actor/pg_loss": float(loss),
+                    "actor/entropy": float(ent_mean),
+                    "actor/pg_clipfrac_upper": float(metrics["clipfrac_upper"]),
+                    "actor/pg_clipfrac_lower": float(metrics["clipfrac_lower"]),
+                    "actor/pg_clipfrac_dual": float(metrics["clipfrac_dual"]),
+                    "actor/approx_kl": float(metrics["approx_kl"]),
+                    "actor/ratio_mean": float(metrics["ratio_mean"]),
+                }
+                if use_is:
+                    w = torch.clamp(is_weights, max=a.rollout_is.cap) if a.rollout_is.cap else is_weights
+                    add["actor/rollout_is_weight_mean"] = float((w * mask).sum()) * self.dp_size / max(global_tokens, 1.0)
+                    add["actor/train_rollout_logprob_abs_diff"] = (
+                        float(((old_rows - roll_rows).abs() * mask).sum()) * self.dp_size / max(global_tokens, 1.0))
+                for k, v in add.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                ratio_max = float(metrics["ratio_max"]) if metrics["num_tokens"] > 0 else 0.0
+                maxima["actor/ratio_max"] = max(maxima.get("actor/ratio_max", 0.0), ratio_max)
+            # The schedule divides by the number of micro-batches; the loss is already this
+            # micro-batch's exact share of the mini-batch loss.
+            return loss * num_mb, {}
+
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run(packs, forward_only=False, loss_fn=loss_fn)
+        metrics = self._reduce_metrics(sums, maxima)
+        loss_finite = math.isfinite(metrics.get("actor/pg_loss", 0.0))
+        ok, grad_norm = self._optimizer_step(loss_finite)
+        if not ok:
+            log.warning("optimizer step skipped: loss %s, grad norm %s", metrics.get("actor/pg_loss"), grad_norm)
+        metrics["actor/nonfinite_loss"] = 0.0 if loss_finite else 1.0
+        return metrics, ok, grad_norm
+
+    def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
+        """Metrics of the last pipeline stage, summed over micro-batches, averaged over DP, on every rank."""
+        keys = sorted(sums)
+        keys_all: list = [None] * dist.get_world_size()
+        dist.all_gather_object(keys_all, keys if self.is_last_stage else [])
+        keys = sorted({k for ks in keys_all for k in ks})
+        vec = torch.tensor([sums.get(k, 0.0) if self.is_last_stage else 0.0 for k in keys], dtype=torch.float64)
+        mx = torch.tensor([maxima.get(k, 0.0) for k in _MAX_METRICS], dtype=torch.float64)
+        if vec.numel():
+            dist.all_reduce(vec)
+        dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        # Every TP (and CP) rank of a last stage holds the same values: average over the
+        # world / pp last-stage ranks, i.e. over DP.
+        vec /= dist.get_world_size() // self.pp_size
+        out = dict(zip(keys, vec.tolist()))
+        out.update(zip(_MAX_METRICS, mx.tolist()))
+        return out
+
+    def _optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
+        self.optimizer.prepare_grads()
+        norm = float(self.optimizer.get_grad_norm())
+        if not (loss_finite and math.isfinite(norm)):
+            self.optimizer.zero_grad()
+            for m in self.model:
+                m.zero_grad_buffer()
+            return False, norm
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(1)
+            self.optimizer_steps += 1
+        return bool(ok), float(grad_norm if grad_norm is not None else norm)
+
+    # ---------------------------------------------------------------- checkpoints and weights
+    def _sharded_state_dict(self):
+        model_sd = {}
+        for i, m in enumerate(self.model):
+            key = "model" if len(self.model) == 1 else f"model{i}"
+            model_sd[key] = m.module.sharded_state_dict()
+        return {
+            **model_sd,
+            "optimizer": self.optimizer.sharded_state_dict(model_sd if len(self.model) > 1 else model_sd["model"]),
+            "scheduler": self.scheduler.state_dict(),
+            "actor": {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps},
+        }
+
+    def save_checkpoint(self, path: str) -> None:
+        """Model, optimizer and lr schedule in megatron-core dist_checkpointing (torch_dist) format.
+        Collective. `path` must not hold a checkpoint; the caller renames it into place."""
+        from megatron.core import dist_checkpointing
+
+        if dist.get_rank() == 0:
+            os.makedirs(path, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save(self._sharded_state_dict(), path)
+        dist.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Load what :meth:`save_checkpoint` wrote (any data-parallel size; same TP/PP/EP). Collective."""
+        from megatron.core import dist_checkpointing
+
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"actor checkpoint {path} does not exist")
+        state = dist_checkpointing.load(self._sharded_state_dict(), path)
+        for i, m in enumerate(self.model):
+            m.module.load_state_dict(state["model" if len(self.model) == 1 else f"model{i}"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.optimizer_steps = int(state["actor"]["optimizer_steps"])
+        self.skipped_steps = int(state["actor"]["skipped_steps"])
+
+    def export_weights(self, byte_budget: int | None = None, dst_rank: int | None = 0) -> Iterator:
+        """`(hf_name, full tensor or None)` pairs for the weight sync (see bridge.export_hf_weights)."""
+        from megatron_dapo.bridge import export_hf_weights
+
+        yield from export_hf_weights(self.model, byte_budget=byte_budget, dst_rank=dst_rank)

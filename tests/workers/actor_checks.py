@@ -1,0 +1,272 @@
+"""MegatronActor checks under torchrun (2 ranks), against Hugging Face models of the same weights.
+
+Usage: actor_checks.py CHECK[,CHECK...] TMPDIR
+  logprobs_tp2, logprobs_pp2: compute_logprobs equals HF logprobs (< 1e-5), packed equals unpacked
+  train_dp2: DP=2 x uneven packed micro-batches gives the update of one big batch on one process
+             (HF model + the DAPO loss + torch AdamW), a non-finite loss skips the step, and a
+             torch_dist checkpoint restores model + optimizer (the next step matches).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_dapo.config.schema import DapoConfig
+from megatron_dapo.models.tiny import save_tiny_hf_model
+from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.batch import RolloutBatch
+
+LR, EPS, CLIP = 1e-3, 1e-4, 0.5
+
+
+def log(msg):
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+def make_config(hf_dir, tp=1, pp=1, **algo) -> DapoConfig:
+    cfg = DapoConfig()
+    cfg.model.hf_path = str(hf_dir)
+    cfg.model.dtype = "fp32"
+    cfg.model.transformer_impl = "local"
+    cfg.parallel.tp, cfg.parallel.pp = tp, pp
+    cfg.optimizer.lr = LR
+    cfg.optimizer.adam_eps = EPS  # see tests/workers/runtime_parallel.py: keeps Adam sensitive to grad scale
+    cfg.optimizer.clip_grad = CLIP
+    cfg.optimizer.weight_decay = 0.1
+    cfg.optimizer.lr_warmup_steps = 0
+    cfg.trainer.total_steps = 10
+    cfg.data.max_prompt_length, cfg.data.max_response_length = 16, 32
+    for k, v in algo.items():
+        setattr(cfg.algo, k, v)
+    return cfg
+
+
+def make_batch(seed: int, n_groups: int = 3, group_size: int = 2, temperature: float = 1.0) -> RolloutBatch:
+    """Uneven prompts and responses; rollout logprobs = a perturbed copy filled in later."""
+    g = torch.Generator().manual_seed(seed)
+    ids, plen, rlen = [], [], []
+    for _ in range(n_groups * group_size):
+        p = int(torch.randint(2, 9, (1,), generator=g))
+        r = int(torch.randint(1, 14, (1,), generator=g))
+        ids.append(torch.randint(0, 256, (p + r,), generator=g).tolist())
+        plen.append(p)
+        rlen.append(r)
+    n = len(ids)
+    return RolloutBatch(
+        input_ids=ids, prompt_lengths=plen, response_lengths=rlen,
+        advantages=torch.randn(n, generator=g),
+        rollout_logprobs=[[0.0] * r for r in rlen],
+        response_loss_mask=[0 if i == 1 else 1 for i in range(n)],  # one overlong-filtered sample
+        token_versions=[[0] * r for r in rlen],
+        group_index=torch.arange(n_groups).repeat_interleave(group_size),
+        temperature=temperature, step=0, prompt_indices=list(range(n_groups)),
+    )
+
+
+def hf_logprobs(hf_model, batch: RolloutBatch) -> list[torch.Tensor]:
+    """Each sequence alone through the HF model, float64 log-softmax of logits / temperature."""
+    out = []
+    with torch.no_grad():
+        for seq, p in zip(batch.input_ids, batch.prompt_lengths):
+            logits = hf_model(torch.tensor([seq])).logits[0].double() / batch.temperature
+            lp = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
+            out.append(lp.float())
+    return out
+
+
+def max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b], "response lengths differ"
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def check_logprobs(hf_dir, tp, pp):
+    from transformers import AutoModelForCausalLM
+
+    init_model_parallel(tp=tp, pp=pp, seed=1)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    for temperature in (1.0, 0.7):
+        batch = make_batch(seed=3, temperature=temperature)
+        want = hf_logprobs(hf, batch)
+        actor = MegatronActor(make_config(hf_dir, tp=tp, pp=pp, max_tokens_per_micro_batch=64))
+        packed = actor.compute_logprobs(batch)
+        err = max_err(packed, want)
+        log(f"tp={tp} pp={pp} T={temperature}: actor (packed, budget 64) vs HF logprobs max abs err {err:.2e}")
+        assert err < 1e-5, err
+        actor.max_tokens = 1  # every sequence alone in its micro-batch
+        alone = actor.compute_logprobs(batch)
+        err2 = max_err(packed, alone)
+        log(f"tp={tp} pp={pp} T={temperature}: packed vs unpacked max abs err {err2:.2e}")
+        assert err2 < 3e-6, err2  # float32 rounding of different matmul shapes (logprobs ~ -5.5)
+        actor.max_tokens = 10_000  # everything in one micro-batch
+        one = actor.compute_logprobs(batch)
+        assert max_err(one, want) < 1e-5
+    # Packing really packed: the budget-64 plan put several sequences together ...
+    rows = list(range(batch.num_samples))
+    actor.max_tokens = 64
+    packs = actor._packs(batch, actor._split(batch, rows)[actor.dp_rank])
+    assert any(len(p.rows) > 1 for p in packs), [p.rows for p in packs]
+    # ... and inside per_sequence_rope the model's RoPE table follows the per-sequence positions.
+    from megatron_dapo.trainer.packing import _unwrap, per_sequence_rope
+
+    mb = max(packs, key=lambda p: len(p.rows))
+    rope = _unwrap(actor.model[0]).rotary_pos_emb
+    full = type(rope).get_emb(rope, mb.length)
+    with per_sequence_rope(actor.model[0], mb.position_ids):
+        table = rope(mb.length)
+    assert torch.equal(table, full[mb.position_ids[0]]) and not torch.equal(table, full)
+    assert torch.equal(rope(mb.length), full)  # restored on exit
+
+
+# ------------------------------------------------------------------------------- training
+def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
+    """One optimizer step on the whole batch on one process: HF model, the DAPO loss, torch AdamW."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.algo import dapo_policy_loss
+
+    a = cfg.algo
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    old = hf_logprobs(model.eval(), batch)
+    n, width = batch.num_samples, max(batch.response_lengths)
+    lp = []
+    for seq, p in zip(batch.input_ids, batch.prompt_lengths):
+        logits = model(torch.tensor([seq])).logits[0] / batch.temperature
+        row = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
+        lp.append(torch.nn.functional.pad(row, (0, width - row.numel())))
+    lp = torch.stack(lp)
+    old_rows, roll, mask = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
+    for i in range(n):
+        k = batch.response_lengths[i]
+        old_rows[i, :k], roll[i, :k] = old[i], torch.tensor(batch.rollout_logprobs[i])
+        mask[i, :k] = batch.response_loss_mask[i]
+    w = torch.exp(old_rows - roll) * (mask > 0)
+    loss, _ = dapo_policy_loss(lp, old_rows, batch.advantages.float(), mask, a.clip_ratio_low, a.clip_ratio_high,
+                               a.clip_ratio_c, a.loss_agg_mode, None, w, rollout_is_cap=a.rollout_is.cap)
+    loss.backward()
+    params = dict(model.named_parameters())
+    decay = [p for p in params.values() if p.ndim > 1]
+    no_decay = [p for p in params.values() if p.ndim <= 1]
+    norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP).item()
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.999), eps=EPS)
+    opt.step()
+    return loss.item(), norm, {k: v.detach().clone() for k, v in model.state_dict().items()}, old
+
+
+def exported(actor) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in actor.export_weights(dst_rank=None)}
+
+
+def check_train(hf_dir, tmpdir):
+    init_model_parallel(seed=1)  # DP=2
+    # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
+    cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3)
+    batch = make_batch(seed=5)
+    g = torch.Generator().manual_seed(9)
+    actor = MegatronActor(cfg)
+    old = actor.compute_logprobs(batch)
+    # Rollout logprobs a little off the trainer's: the truncated IS weights enter the loss.
+    batch.rollout_logprobs = [(o + 0.3 * torch.randn(o.shape, generator=g)).tolist() for o in old]
+    ref_loss, ref_norm, ref_params, ref_old = reference_update(hf_dir, batch, cfg)
+    assert max_err(old, ref_old) < 1e-5
+    rows = actor._split(batch, list(range(batch.num_samples)))[actor.dp_rank]
+    packs = actor._packs(batch, rows)
+    log(f"dp rank 0 rows {rows}: micro-batches {[p.rows for p in packs]} lengths {[p.length for p in packs]}")
+    assert len(packs) >= 2, "the exactness check needs several micro-batches per rank"
+    before = exported(actor)
+    metrics = actor.train_step(batch)
+    after = exported(actor)
+    log(f"train step metrics: {metrics}")
+    assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
+    assert math.isclose(metrics["actor/pg_loss"], ref_loss, rel_tol=1e-5, abs_tol=1e-7), (metrics, ref_loss)
+    assert math.isclose(metrics["actor/grad_norm"], ref_norm, rel_tol=1e-5), (metrics["actor/grad_norm"], ref_norm)
+    worst, worst_rel = 0.0, 0.0
+    for name, want in ref_params.items():
+        got = after[name]
+        delta_ref = (want - before[name]).abs().max().item()
+        err = (got - want).abs().max().item()
+        worst = max(worst, err)
+        if delta_ref > 0:
+            worst_rel = max(worst_rel, err / delta_ref)
+        assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
+    moved = max((after[k] - before[k]).abs().max().item() for k in after)
+    log(f"DP=2 packed update vs one-process HF reference: loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
+        f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
+        f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})")
+    assert moved > 1e-4, "the step should move the parameters"
+
+    # A non-finite loss (a NaN advantage) skips the step and says so.
+    bad = copy.deepcopy(batch)
+    bad.advantages[0] = float("nan")
+    m_bad = actor.train_step(bad)
+    assert m_bad["actor/skipped_steps"] == 1 and m_bad["actor/optimizer_steps"] == 0, m_bad
+    assert m_bad["actor/nonfinite_loss"] == 1.0, m_bad
+    unchanged = exported(actor)
+    assert all(torch.equal(unchanged[k], after[k]) for k in after), "a skipped step must not touch the weights"
+    log(f"non-finite loss: step skipped, weights unchanged (skipped={m_bad['actor/skipped_steps']:.0f})")
+
+    # Checkpoint: save, then a fresh actor (HF weights) loads it; the next step matches exactly.
+    ckpt = str(Path(tmpdir) / "actor_ckpt")
+    actor.save_checkpoint(ckpt)
+    batch2 = make_batch(seed=6)
+    batch2.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch2)]
+    restored = MegatronActor(cfg)
+    restored.load_checkpoint(ckpt)
+    assert all(torch.equal(v, after[k]) for k, v in exported(restored).items())
+    m1 = actor.train_step(batch2)
+    m2 = restored.train_step(batch2)
+    w1, w2 = exported(actor), exported(restored)
+    err = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    log(f"checkpoint round trip: next-step params max abs diff {err:.2e}, lr {m1['actor/lr']} vs {m2['actor/lr']}")
+    assert err == 0.0 and m1["actor/lr"] == m2["actor/lr"], (err, m1, m2)
+
+
+def check_warmup(hf_dir):
+    init_model_parallel(seed=1)
+    cfg = make_config(hf_dir, ppo_mini_batch_size=1, train_batch_size=3)
+    cfg.optimizer.lr_warmup_steps = 4
+    actor = MegatronActor(cfg)
+    batch = make_batch(seed=7)
+    batch.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch)]
+    lrs = []
+    for _ in range(2):
+        m = actor.train_step(batch)  # 3 mini-batches: 3 optimizer steps each
+        lrs.append(m["actor/lr"])
+    log(f"warm-up lr (last step of each train step): {lrs}")
+    # megatron-core's linear warm-up: lr_k = lr * k / warmup for step k = 0, 1, ...; constant after.
+    assert math.isclose(lrs[0], LR * 2 / 4) and math.isclose(lrs[1], LR), lrs
+
+
+def main(argv):
+    checks, tmpdir = argv[0].split(","), argv[1]
+    init_distributed()
+    hf_dir = Path(tmpdir) / "tiny_qwen3"
+    if dist.get_rank() == 0:
+        save_tiny_hf_model("qwen3", hf_dir, seed=0)
+    dist.barrier()
+    for check in checks:
+        if check == "logprobs_tp2":
+            check_logprobs(hf_dir, tp=2, pp=1)
+        elif check == "logprobs_pp2":
+            check_logprobs(hf_dir, tp=1, pp=2)
+        elif check == "train_dp2":
+            check_train(hf_dir, tmpdir)
+        elif check == "warmup":
+            check_warmup(hf_dir)
+        else:
+            raise SystemExit(f"unknown check {check!r}")
+        dist.barrier()
+        log(f"CHECK PASSED {check}")
+    destroy_distributed()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
