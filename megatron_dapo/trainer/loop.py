@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
+class RunSetupError(RuntimeError):
+    """The run cannot start (bad dataset, reward function, tokenizer); raised on every rank."""
+
+
 @dataclass
 class RunResult:
     steps_done: int
@@ -162,10 +166,12 @@ def build_actor(cfg):
 
 
 def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = None, resume: bool | None = None,
-               stop_after: int | None = None) -> RunResult | None:
+               stop_after: int | None = None, on_step_end=None) -> RunResult | None:
     """Run the whole training on this trainer rank; returns the result on rank 0 (None elsewhere).
 
-    `stop_after`: leave after this many steps of this invocation (tests use it to interrupt a run).
+    `stop_after`: leave after this many steps of this invocation (as if the run were stopped there).
+    `on_step_end(step, actor, batch)`: called on every rank after each step's weight sync (a
+    collective point: the callback may run collectives such as `actor.export_weights()`).
     """
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
     from megatron_dapo.sync.bridge import WeightSyncBridge
@@ -180,6 +186,29 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         dump_yaml(cfg, run_dir / "config.yaml")
+
+    # Data first, on rank 0, before anything collective: a bad dataset is reported on every
+    # rank at once instead of leaving the other ranks waiting in a collective.
+    producer = writer = val_data = None
+    error = None
+    if rank == 0:
+        from megatron_dapo.data.dataset import DatasetError, PromptDataset
+
+        try:
+            tokenizer = load_tokenizer(cfg)
+            dataset = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length)
+            log.info("train prompts: %d (%d dropped as longer than %d tokens)", len(dataset),
+                     dataset.num_dropped_too_long, cfg.data.max_prompt_length)
+            if cfg.data.val_files:
+                val_data = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
+            producer = _build_producer(cfg, server_urls, dataset, tokenizer)
+        except (DatasetError, ValueError, OSError) as e:
+            error = f"{type(e).__name__}: {e}"
+    error = _broadcast(error)
+    if error is not None:
+        raise RunSetupError(error)
+    if rank == 0:
+        writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
 
     actor = build_actor(cfg)
     # Under torchrun this variable makes every TCP rendezvous a client of torchrun's agent store;
@@ -206,18 +235,6 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
                 out["sync/probe_logprob_mean"] = float(ref.double().mean())
         return out
 
-    producer = writer = val_data = None
-    if rank == 0:
-        from megatron_dapo.data.dataset import PromptDataset
-
-        tokenizer = load_tokenizer(cfg)
-        dataset = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length)
-        log.info("train prompts: %d (%d dropped as longer than %d tokens)", len(dataset),
-                 dataset.num_dropped_too_long, cfg.data.max_prompt_length)
-        if cfg.data.val_files:
-            val_data = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
-        producer = _build_producer(cfg, server_urls, dataset, tokenizer)
-        writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
 
     start_step, pending = 0, None
     if resume:
@@ -299,6 +316,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
                     bar.update(1)
                     bar.set_postfix(acc=f"{m['reward/accuracy']:.2f}", kept=int(m["groups/kept"]),
                                     gen=int(m["groups/gen_batches"]), refresh=False)
+            if on_step_end is not None:
+                on_step_end(step, actor, batch)
             done += 1
             last = step == total - 1
             every = cfg.checkpoint.save_every
