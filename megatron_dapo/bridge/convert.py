@@ -81,7 +81,10 @@ def _run(job: _Job, out: Path) -> Path:
                 pass
         except mp.ProcessRaisedException as e:
             lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-            raise ConversionError(lines[-1] if lines else str(e)) from None
+            msg = lines[-1] if lines else str(e)
+            if len(msg) > 800:  # e.g. dist_checkpointing lists every missing key; the ranks printed it all
+                msg = msg[:800] + " ... (full message above)"
+            raise ConversionError(msg) from None
         except mp.ProcessExitedException as e:
             raise ConversionError(f"a conversion rank died: {e}") from None
         os.replace(tmp, out)
@@ -206,6 +209,11 @@ def megatron_to_hf(
     if not (hf_config_dir / "config.json").is_file():
         raise ConversionError(f"no config.json in {hf_config_dir}: pass --hf-config DIR of the HF model")
     arch = QwenArch.from_hf(hf_config_dir)
+    saved_config = ckpt / HF_CONFIG_DIR / "config.json"
+    if saved_config.is_file() and QwenArch.from_hf(saved_config) != arch:
+        saved = QwenArch.from_hf(saved_config)
+        diff = [f"{k}: {getattr(saved, k)!r} vs {getattr(arch, k)!r}" for k in vars(arch) if getattr(saved, k) != getattr(arch, k)]
+        raise ConversionError(f"{hf_config_dir} describes another model than the checkpoint's {saved_config} ({'; '.join(diff[:4])})")
     par = _layout(arch, tp, pp, ep, etp, dtype or _default_dtype(hf_config_dir))
     job = _Job("megatron-to-hf", str(ckpt), str(_tmp_sibling(out)), par, str(hf_config_dir), max_shard_bytes)
     return _run(job, out)
