@@ -1,0 +1,43 @@
+"""One training run on the torchrun path, for the loop tests.
+
+usage (torchrun): loop_run.py CONFIG OUT_DIR STOP_AFTER|-  [key.sub=value ...]
+Runs `train_rank` with the given overrides against the servers in rollout.servers; after every
+step rank 0 writes the full HF-named weights to OUT_DIR/weights_step{N}.pt (the test compares
+runs through them) and the rank-0 result to OUT_DIR/result.json.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main():
+    config, out, stop_after, *overrides = sys.argv[1:]
+    out = Path(out)
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.loop import RunSetupError, train_rank
+
+    cfg = load_config(config, overrides)
+
+    def dump_weights(step, actor, batch):
+        weights = {name: t.clone() for name, t in actor.export_weights() if t is not None}
+        if weights:  # rank 0
+            out.mkdir(parents=True, exist_ok=True)
+            torch.save(weights, out / f"weights_step{step}.pt")
+
+    try:
+        result = train_rank(cfg, list(cfg.rollout.servers), resume=cfg.checkpoint.resume,
+                            stop_after=None if stop_after == "-" else int(stop_after), on_step_end=dump_weights)
+    except RunSetupError as e:
+        print(f"RUN SETUP ERROR: {e}", flush=True)
+        sys.exit(3)
+    if result is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps({"steps_done": result.steps_done, "last_step": result.last_step}))
+        print("loop_run done", result.steps_done, flush=True)
+
+
+if __name__ == "__main__":
+    main()
