@@ -218,18 +218,20 @@ class MegatronActor:
         self._check_batch(batch)
         all_rows = list(range(batch.num_samples))
         group_ids = sorted(set(batch.group_index.tolist()))
-        old = self._local_logprobs(batch, self._split(batch, all_rows)[self.dp_rank])
-        minis = [group_ids[i:i + a.ppo_mini_batch_size] for i in range(0, len(group_ids), a.ppo_mini_batch_size)]
         group_of_row = batch.group_index.tolist()
+        minis = [group_ids[i:i + a.ppo_mini_batch_size] for i in range(0, len(group_ids), a.ppo_mini_batch_size)]
+        # This rank's rows in each mini-batch; the old policy's logprobs for all of them, before any update.
+        my_rows = []
+        for mini in minis:
+            wanted = set(mini)
+            my_rows.append(self._split(batch, [r for r in all_rows if group_of_row[r] in wanted])[self.dp_rank])
+        old = self._local_logprobs(batch, sorted(r for rows in my_rows for r in rows))
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         n_steps = skipped = 0
         grad_norms = []
         for _epoch in range(a.ppo_epochs):
-            for mini in minis:
-                wanted = set(mini)
-                rows = [r for r in all_rows if group_of_row[r] in wanted]
-                mine = self._split(batch, rows)[self.dp_rank]
+            for mine in my_rows:
                 lr = self._current_lr()  # the lr this step applies (the scheduler moves after it)
                 metrics, ok, grad_norm = self._mini_batch_step(batch, mine, old)
                 metrics["actor/lr"] = lr
@@ -385,14 +387,18 @@ class MegatronActor:
         return bool(ok), float(grad_norm if grad_norm is not None else norm)
 
     # ---------------------------------------------------------------- checkpoints and weights
-    def _sharded_state_dict(self):
+    def _sharded_state_dict(self, is_loading: bool = False):
         model_sd = {}
         for i, m in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{i}"
             model_sd[key] = m.module.sharded_state_dict()
         return {
             **model_sd,
-            "optimizer": self.optimizer.sharded_state_dict(model_sd if len(self.model) > 1 else model_sd["model"]),
+            # dp_reshardable: each rank writes its own optimizer shard, no gather (resume keeps TP/PP/EP).
+            "optimizer": self.optimizer.sharded_state_dict(
+                model_sd if len(self.model) > 1 else model_sd["model"], is_loading=is_loading,
+                metadata={"distrib_optim_sharding_type": "dp_reshardable"},
+            ),
             "scheduler": self.scheduler.state_dict(),
             "actor": {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps},
         }
@@ -414,13 +420,52 @@ class MegatronActor:
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"actor checkpoint {path} does not exist")
-        state = dist_checkpointing.load(self._sharded_state_dict(), path)
+        self._materialize_optimizer_state()
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
         for i, m in enumerate(self.model):
             m.module.load_state_dict(state["model" if len(self.model) == 1 else f"model{i}"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        with torch.no_grad():  # the fp32 main params are views of the model's leaf parameters
+            self.optimizer.load_state_dict(state["optimizer"])
+        self._restore_adam_steps()
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["actor"]["optimizer_steps"])
         self.skipped_steps = int(state["actor"]["skipped_steps"])
+
+    def _materialize_optimizer_state(self) -> None:
+        """Give every parameter an (empty) Adam state before loading one.
+
+        A fresh optimizer has no state until its first step, and megatron-core 0.16.1's distributed
+        optimizer reads each state's `step` to build the sharded state dict it loads into (its
+        init_state_fn sets exp_avg / exp_avg_sq only): the torch Adam used without TE / apex
+        would fail there.
+        """
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        for opt in inner:
+            torch_opt = getattr(opt, "optimizer", None)
+            if torch_opt is None:
+                continue
+            for group in torch_opt.param_groups:
+                for p in group["params"]:
+                    state = torch_opt.state[p]
+                    if not state:
+                        state["exp_avg"] = torch.zeros_like(p.data)
+                        state["exp_avg_sq"] = torch.zeros_like(p.data)
+                    state.setdefault("step", torch.tensor(0.0))
+
+    def _restore_adam_steps(self) -> None:
+        """Torch Adam's per-parameter `step` after a load.
+
+        Without TE / apex, megatron-core keeps Adam's step in the param groups of the checkpoint and
+        re-applies it before loading the parameter states, and that load then overwrites it with the
+        placeholder of the state it loads into: set it from the param groups again.
+        """
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            torch_opt = getattr(opt, "optimizer", None)
+            for group in getattr(torch_opt, "param_groups", []):
+                if "step" not in group:
+                    continue
+                for p in group["params"]:
+                    torch_opt.state[p]["step"] = torch.tensor(float(group["step"]))
 
     def export_weights(self, byte_budget: int | None = None, dst_rank: int | None = 0) -> Iterator:
         """`(hf_name, full tensor or None)` pairs for the weight sync (see bridge.export_hf_weights)."""
