@@ -134,12 +134,13 @@ def _results(out: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_logits_and_exports_at_tp1_tp2_pp2_ep2(tmp_path):
-    """2 ranks: every family (plus padded tied vocab, and norm_topk_prob=False) at TP1 (DP2), TP2, PP2;
-    MoE at EP2. Logits vs HF < 1e-5; export_hf_weights == the file, bit for bit, in the same order on all ranks."""
-    out = run_torchrun("bridge_layouts.py", 2, str(tmp_path), "tp1", "tp2", "pp2", "ep2", timeout=240)
+def test_logits_and_exports_at_tp1_tp2_pp2_vpp_ep2(tmp_path):
+    """2 ranks: every family (plus padded tied vocab, and norm_topk_prob=False) at TP1 (DP2), TP2, PP2,
+    PP2 x VPP2; MoE at EP2. Logits vs HF < 1e-5; export_hf_weights == the file, bit for bit, in the same
+    order on all ranks."""
+    out = run_torchrun("bridge_layouts.py", 2, str(tmp_path), "tp1", "tp2", "pp2", "pp2vpp2", "ep2", timeout=300)
     res = _results(out)
-    assert len(res) == 5 * 3 + 2, out[-3000:]
+    assert len(res) == 5 * 4 + 2, out[-3000:]
     assert max(res.values()) < 1e-5
 
 

@@ -46,10 +46,10 @@ def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> torch.T
         out = chunks[0](input_ids, pos, mask)
         return _gather_vocab(out)[..., :vocab_size].float()
 
-    collected = []
-
+    # One micro-batch per sample: the interleaved (VPP) schedule needs at least PP micro-batches.
     def forward_step(data_iter, model):
-        out = model(input_ids, pos, mask)
+        ids = next(data_iter)
+        out = model(ids, pos[:1], mask)
 
         def loss_func(output, non_loss_data=False):
             if non_loss_data:
@@ -58,22 +58,21 @@ def megatron_logits(chunks, input_ids: torch.Tensor, vocab_size: int) -> torch.T
 
         return out, loss_func
 
-    cfg = chunks[0].config
+    n = len(chunks)
+    iters = [iter(input_ids.split(1)) for _ in range(n)]
     outs = get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=[iter([None])] * len(chunks) if len(chunks) > 1 else iter([None]),
-        model=chunks if len(chunks) > 1 else chunks[0],
-        num_microbatches=1,
+        data_iterator=iters if n > 1 else iters[0],
+        model=chunks if n > 1 else chunks[0],
+        num_microbatches=b,
         seq_length=s,
-        micro_batch_size=b,
+        micro_batch_size=1,
         forward_only=True,
         collect_non_loss_data=True,
     )
-    del cfg
     if not ps.is_pipeline_last_stage(ignore_virtual=True):
         return None
-    collected = outs[0]
-    return _gather_vocab(collected)[..., :vocab_size].float()
+    return _gather_vocab(torch.cat(list(outs), dim=0))[..., :vocab_size].float()
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -24,6 +24,7 @@ LAYOUTS = {
     "ep2": dict(ep=2),
     "tp2pp2": dict(tp=2, pp=2),
     "tp2ep2": dict(tp=2, ep=2),
+    "pp2vpp2": dict(pp=2, vpp=2),
 }
 # name -> (family, overrides of the tiny config)
 VARIANTS = {
