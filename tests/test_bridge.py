@@ -152,3 +152,25 @@ def test_logits_and_exports_at_tp2xpp2_and_tp2xep2(tmp_path):
     assert len(res) == 5 + 2, out[-3000:]
     assert max(res.values()) < 1e-5
     assert "qwen3_moe tp2ep2 broadcast-export ok" in out
+
+
+def test_transformer_engine_parameter_names_resolve():
+    """TE's spec fuses the norms into the linears and names grouped experts weight{i}; both map."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.bridge.mapping import resolve
+
+    arch = QwenArch.from_hf(tiny_hf_config("qwen3_moe"))
+    # chunk-local layer 1 is global layer 3 (e.g. the second stage of PP2); EP rank 1 of 2 owns experts 2, 3
+    model = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=3), SimpleNamespace(layer_number=4)]))
+    cases = {
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight": ("model.layers.3.input_layernorm.weight",),
+        "decoder.layers.1.mlp.linear_fc1.layer_norm_weight": ("model.layers.3.post_attention_layernorm.weight",),
+        "decoder.layers.1.mlp.experts.linear_fc1.weight1": (
+            "model.layers.3.mlp.experts.3.gate_proj.weight", "model.layers.3.mlp.experts.3.up_proj.weight"),
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight": ("model.layers.2.mlp.experts.2.down_proj.weight",),
+    }
+    for name, hf in cases.items():
+        assert resolve(name, model, arch, ep_rank=1, num_local_experts=2).hf_names == hf, name
+    with pytest.raises(ValueError, match="decoder.layers.0.mlp.shared_experts.gate_weight"):
+        resolve("decoder.layers.0.mlp.shared_experts.gate_weight", model, arch, 1, 2)

@@ -103,14 +103,20 @@ def check_divisibility(arch: QwenArch, par: ModelParallel) -> None:
         raise ValueError(f"vpp={par.vpp} needs pp >= 2 (got pp={par.pp})")
 
 
-def transformer_config(arch: QwenArch, par: ModelParallel, **overrides):
-    """megatron-core TransformerConfig for `arch` at layout `par`; `overrides` are extra config fields."""
+def transformer_config(arch: QwenArch, par: ModelParallel, use_te: bool | None = None, **overrides):
+    """megatron-core TransformerConfig for `arch` at layout `par`; `overrides` are extra config fields.
+
+    `use_te`: whether the layer spec will be Transformer Engine's (grouped expert GEMMs only then);
+    default: TE imports and CUDA is present.
+    """
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     check_divisibility(arch, par)
     dtype = par.torch_dtype
     on_cpu = not torch.cuda.is_available()
+    if use_te is None:
+        use_te = te_available() and not on_cpu
     kw: dict[str, Any] = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -162,7 +168,7 @@ def transformer_config(arch: QwenArch, par: ModelParallel, **overrides):
             moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall",
             moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
-            moe_grouped_gemm=te_available() and not on_cpu,
+            moe_grouped_gemm=use_te,  # TEGroupedMLP; the local spec's grouped MLP needs the grouped_gemm package
             moe_shared_expert_intermediate_size=None,
         )
     kw.update(overrides)
@@ -205,7 +211,7 @@ def build_gpt_model(
     _check_matches_parallel_state(par)
     if use_te is None:
         use_te = te_available() and torch.cuda.is_available()
-    config = transformer_config(arch, par, **(config_overrides or {}))
+    config = transformer_config(arch, par, use_te=use_te, **(config_overrides or {}))
     vpp = par.vpp or 1
     chunks = []
     for i in range(vpp):
