@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# GPU check in one call: kernel correctness on CUDA, the loss-kernel benchmark, and (if present)
+# the Megatron train-step benchmark. Everything lands in $OUT (default benchmarks/gpu_out/).
+#
+#   OUT=/tmp/out bash benchmarks/gpu_check.sh          # from the repository root, on a CUDA machine
+#
+# Needs torch with CUDA and triton; pytest for step 1; megatron-core for the megatron variant of
+# step 2 and for step 3 (without it those parts are skipped and say so). Copy the tables into
+# benchmarks/RESULTS.md. Exit status: non-zero if any step that ran failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-benchmarks/gpu_out}
+mkdir -p "$OUT"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+status=0
+
+python - <<'PY' 2>&1 | tee "$OUT/env.txt" || { echo "no usable CUDA device"; exit 2; }
+import torch, triton
+assert torch.cuda.is_available(), "torch.cuda.is_available() is False"
+print("torch", torch.__version__, "triton", triton.__version__, "device", torch.cuda.get_device_name())
+PY
+nvidia-smi >> "$OUT/env.txt" 2>&1 || true
+
+echo "== 1. kernel correctness on CUDA (pytest -m gpu: triton-cuda cases of the shared suite + Qwen3-size checks)"
+if python -m pytest --version >/dev/null 2>&1; then
+    python -m pytest -q -m gpu -p no:cacheprovider tests/test_algo.py tests/test_kernels_gpu.py 2>&1 \
+        | tee "$OUT/kernel_tests.txt" || status=1
+else
+    echo "pytest is not installed: kernel correctness tests NOT run" | tee "$OUT/kernel_tests.txt"; status=1
+fi
+
+echo "== 2. loss-kernel benchmark (T in {2048, 8192}, V = 151936, bf16, fwd+bwd)"
+variants="naive project megatron"
+python -c "import megatron.core" 2>/dev/null || { variants="naive project"; echo "megatron-core missing: megatron variant skipped"; }
+python benchmarks/loss_kernels.py --variants $variants --json "$OUT/loss_kernels.json" 2>&1 \
+    | tee "$OUT/loss_kernels.md" || status=1
+
+echo "== 3. Megatron train-step benchmark"
+if [ -f benchmarks/train_step.py ]; then
+    if python -c "import megatron.core" 2>/dev/null; then
+        python benchmarks/train_step.py 2>&1 | tee "$OUT/train_step.md" || status=1
+    else
+        echo "megatron-core missing: train-step benchmark skipped" | tee "$OUT/train_step.md"
+    fi
+else
+    echo "benchmarks/train_step.py not present: skipped" | tee "$OUT/train_step.md"
+fi
+echo "gpu_check: status $status, results in $OUT"
+exit $status
