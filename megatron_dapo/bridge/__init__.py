@@ -4,10 +4,15 @@ Public API:
     load_hf_into_megatron(model_chunks, hf_dir)                      -> None (every rank, no collectives)
     export_hf_weights(model_chunks, byte_budget=None, dst_rank=0)    -> Iterator[(hf_name, tensor | None)]
         (collective; full tensors on dst_rank, on every rank with dst_rank=None)
+    save_megatron_checkpoint(model_chunks, out_dir), load_megatron_checkpoint(model_chunks, ckpt)
+        (collective; megatron-core dist_checkpointing in Megatron-LM's directory layout, any layout)
+    hf_to_megatron(...), megatron_to_hf(...)                          -> the conversions (spawn their ranks)
     hf_names(arch)                                                   -> canonical HF tensor order
     HFCheckpointReader, ShardedSafetensorsWriter                     -> safetensors I/O
 """
 
+from megatron_dapo.bridge.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint
+from megatron_dapo.bridge.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from megatron_dapo.bridge.export import export_hf_weights
 from megatron_dapo.bridge.hf_io import CheckpointError, HFCheckpointReader, ShardedSafetensorsWriter
 from megatron_dapo.bridge.load import check_hf_checkpoint, load_hf_into_megatron
@@ -17,6 +22,11 @@ __all__ = [
     "export_hf_weights",
     "load_hf_into_megatron",
     "check_hf_checkpoint",
+    "save_megatron_checkpoint",
+    "load_megatron_checkpoint",
+    "hf_to_megatron",
+    "megatron_to_hf",
+    "ConversionError",
     "CheckpointError",
     "MappingError",
     "HFCheckpointReader",
