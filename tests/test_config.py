@@ -176,7 +176,9 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["trainer.gpus_per_node=3"], "parallel.tp * parallel.pp * parallel.cp = 2*1*1 = 2 does not divide "
                                       "the trainer world size 3"),
         (["parallel.dp=2"], "parallel.tp * parallel.pp * parallel.cp * parallel.dp = 2*2 = 4 != trainer world size 2"),
-        (["trainer.world_size=4", "parallel.dp=1"], "!= trainer world size 4 (trainer.world_size)"),
+        (["trainer.world_size=4", "trainer.gpus_per_node=4", "parallel.dp=1"],
+         "!= trainer world size 4 (trainer.world_size)"),
+        (["trainer.world_size=4"], "trainer.world_size=4 plus 0 SGLang GPUs"),
         (["parallel.ep=2"], "parallel.ep=2 but the model is dense"),
         (["algo.clip_ratio_low=1.2"], "algo.clip_ratio_low=1.2 must be in [0, 1)"),
         (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c=0.5 must be > 1"),

@@ -35,6 +35,13 @@ def _check_parallel(cfg: DapoConfig, errors: list[str]) -> None:
             f"GPUs, rollout.num_servers * rollout.server_tp = {derived.launched_rollout_gpus(cfg)} go to SGLang"
         )
         return
+    total = t.nnodes * t.gpus_per_node
+    if t.world_size is not None and world + derived.launched_rollout_gpus(cfg) > total:
+        errors.append(
+            f"trainer.world_size={world} plus {derived.launched_rollout_gpus(cfg)} SGLang GPUs "
+            f"(rollout.num_servers * rollout.server_tp) exceed trainer.nnodes * trainer.gpus_per_node = {total}"
+        )
+        return
     mp = derived.model_parallel_size(cfg)
     if world % mp:
         errors.append(

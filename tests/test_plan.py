@@ -1,0 +1,219 @@
+"""`megatron-dapo plan`: parameter counts, memory terms and layout against hand-computed figures.
+
+Every expected number below is written out as arithmetic from the HF config fields, independently
+of megatron_dapo.config.memory, so a change in the estimate's formulas shows up here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from megatron_dapo.config import load_config
+from megatron_dapo.config.memory import active_params, rollout_memory, total_params, training_memory
+from megatron_dapo.config.plan import fit_errors, format_plan, main, make_plan
+from megatron_dapo.config.shapes import BUILTIN_HF_CONFIGS, shape_from_hf
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "qwen3"
+GiB = 1024**3
+T = 2048 + 20480  # max_tokens_per_micro_batch = one full DAPO prompt + response
+
+
+def _cluster(name: str, nodes: int, *overrides: str):
+    return load_config(CONFIGS / name, [f"trainer.nnodes={nodes}", "trainer.gpus_per_node=8", *overrides])
+
+
+# ------------------------------------------------------------------------------------ parameter counts
+
+
+def test_total_params_of_the_qwen3_models():
+    # Qwen3-8B: per layer q,o 2*4096*4096 + k,v 2*4096*(8*128) + norms 2*4096 + qk-norm 2*128
+    #           + SwiGLU 3*4096*12288; untied embedding and LM head 2*151936*4096; final norm 4096.
+    layer_8b = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 4096 + 2 * 128 + 3 * 4096 * 12288
+    assert total_params(shape_from_hf(BUILTIN_HF_CONFIGS["Qwen3-8B"])) == 36 * layer_8b + 2 * 151936 * 4096 + 4096
+    assert 36 * layer_8b + 2 * 151936 * 4096 + 4096 == 8_190_735_360  # "8.2B" on the model card
+
+    # Qwen3-30B-A3B: attention q,o 2*2048*4096 + k,v 2*2048*512, norms 2*2048 + 2*128,
+    #                router 2048*128, 128 experts of 3*2048*768.
+    moe = shape_from_hf(BUILTIN_HF_CONFIGS["Qwen3-30B-A3B"])
+    layer_30b = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 2048 + 2 * 128 + 2048 * 128 + 128 * 3 * 2048 * 768
+    total_30b = 48 * layer_30b + 2 * 151936 * 2048 + 2048
+    assert total_params(moe) == total_30b == 30_532_122_624  # "30.5B"
+    assert active_params(moe) == total_30b - 48 * (128 - 8) * 3 * 2048 * 768 == 3_353_032_704  # "3.3B activated"
+
+
+@pytest.mark.parametrize("family, overrides", [("qwen3", {}), ("qwen3_moe", {}), ("qwen2", {"tie_word_embeddings": True})])
+def test_total_params_equal_the_hf_model(family, overrides):
+    """Independent reference: the parameter count of the real transformers model."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import tiny_hf_config
+
+    hf = tiny_hf_config(family, **overrides)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf)
+    n_hf = sum(p.numel() for p in model.parameters())  # tied weights appear once
+    assert total_params(shape_from_hf(json.loads(hf.to_json_string()))) == n_hf
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def test_qwen3_8b_on_4x8x80():
+    cfg = _cluster("qwen3_8b.yaml", 4)  # tp=4, dp=4 (16 trainer GPUs), SP, full recompute
+    plan = make_plan(cfg, gpu_mem_gib=80)
+    (st,) = plan.stages
+    # Per GPU: layer = q,o,k,v / 4 + replicated norms + MLP / 4.
+    layer = (2 * 4096 * 4096 + 2 * 4096 * 1024) // 4 + (2 * 4096 + 2 * 128) + 3 * 4096 * 12288 // 4
+    p_local = 36 * layer + 2 * (151936 // 4) * 4096 + 4096
+    assert st.dense_params + st.expert_params == p_local == 2_047_915_008
+    assert st.params == 2 * p_local
+    assert st.grads == 4 * p_local
+    assert st.optimizer == 12 * p_local // 4  # distributed over dp=4
+    # Activations: per token per layer 4h/tp (SP) + (2(a+2kv)d + ad)/tp + 3f/tp elements, bf16.
+    per_token = 4 * 4096 / 4 + (2 * (32 + 16) * 128 + 32 * 128) / 4 + 3 * 12288 / 4
+    assert per_token == 17408
+    assert st.activations_no_recompute == int(T * per_token * 2 * 36)
+    assert st.activations_full_recompute == st.activations == int(T * (4096 / 4) * 36 * 2 + T * per_token * 2)
+    assert st.logits == T * (151936 // 4) * 4
+    assert st.total == 24_299_328_512  # 22.63 GiB
+    assert fit_errors(plan) == []
+    # The distributed optimizer off: the full 12 bytes per parameter on every rank.
+    off = make_plan(load_config(CONFIGS / "qwen3_8b.yaml", ["optimizer.use_distributed_optimizer=false"]))
+    assert off.stages[0].optimizer == 12 * p_local
+
+    # Rollout: 8 engines x TP 2, each GPU holds half of q, o, MLP and embeddings, 4 of 8 KV heads.
+    ro = plan.rollout
+    layer_r = 2 * 4096 * 4096 // 2 + 2 * 4096 * 4 * 128 + 2 * 4096 + 2 * 128 + 3 * 4096 * 12288 // 2
+    weights = 2 * (36 * layer_r + 2 * (151936 // 2) * 4096 + 4096)
+    assert ro.weights == weights
+    assert ro.kv_bytes_per_token == 2 * 36 * 4 * 128 * 2
+    assert ro.kv_tokens == (int(0.8 * 80 * GiB) - weights) // (2 * 36 * 4 * 128 * 2)
+    assert ro.full_sequences == ro.kv_tokens // T
+
+
+def test_qwen3_8b_on_8x8x80_has_more_data_parallel_ranks():
+    plan = make_plan(_cluster("qwen3_8b.yaml", 8), gpu_mem_gib=80)
+    (st,) = plan.stages
+    assert plan.layout.world_size == 64 - 8 * 2  # 48 trainer ranks -> dp = 48 / 4 = 12
+    assert st.optimizer == 12 * 2_047_915_008 // 12
+    assert fit_errors(plan) == []
+
+
+def test_qwen3_30b_a3b_on_4x8x80():
+    cfg = _cluster("qwen3_30b_a3b.yaml", 4)  # tp=2 + SP, ep=8, etp=1, dp=8, edp=16/8=2
+    plan = make_plan(cfg, gpu_mem_gib=80)
+    (st,) = plan.stages
+    dense_layer = (2 * 2048 * 4096 + 2 * 2048 * 512) // 2 + 2 * 2048 + 2 * 128 + 2048 * 128
+    expert_layer = (128 // 8) * 3 * 2048 * 768
+    dense = 48 * dense_layer + 2 * (151936 // 2) * 2048 + 2048
+    expert = 48 * expert_layer
+    assert (st.dense_params, st.expert_params) == (dense, expert)
+    assert st.params == 2 * (dense + expert) and st.grads == 4 * (dense + expert)
+    assert st.optimizer == int(12 * dense / 8 + 12 * expert / 2)
+    # MoE tokens: top-8 copies of (2h in/out + 3 f_moe), split over tp by sequence parallel.
+    per_token = 4 * 2048 / 2 + (2 * (32 + 8) * 128 + 32 * 128) / 2 + 8 * (2 * 2048 + 3 * 768) / 2
+    assert per_token == 36864
+    assert st.activations == int(T * (2048 / 2) * 48 * 2 + T * per_token * 2)
+    assert st.logits == T * (151936 // 2) * 4
+    assert st.total == 8_801_644_544 + 17_603_289_088 + 22_908_687_360 + 3_875_536_896 + 6_845_628_416
+    assert fit_errors(plan) == []
+
+    # Rollout: 4 engines x TP 4; 4 KV heads -> 1 per GPU; experts split by TP.
+    ro = plan.rollout
+    layer_r = 2 * 2048 * 4096 // 4 + 2 * 2048 * 1 * 128 + 2 * 2048 + 2 * 128 + 2048 * 128 + 128 * 3 * 2048 * 768 // 4
+    assert ro.weights == 2 * (48 * layer_r + 2 * (151936 // 4) * 2048 + 2048)
+    assert ro.kv_bytes_per_token == 2 * 48 * 1 * 128 * 2
+
+
+def test_qwen3_30b_a3b_on_8x8x80():
+    plan = make_plan(_cluster("qwen3_30b_a3b.yaml", 8), gpu_mem_gib=80)
+    (st,) = plan.stages
+    # 48 trainer ranks: dp = 48 / 2 = 24, edp = 48 / (8 * 1) = 6.
+    dense = 48 * ((2 * 2048 * 4096 + 2 * 2048 * 512) // 2 + 2 * 2048 + 2 * 128 + 2048 * 128) + 2 * 75968 * 2048 + 2048
+    expert = 48 * 16 * 3 * 2048 * 768
+    assert st.optimizer == int(12 * dense / 24 + 12 * expert / 6)
+    assert fit_errors(plan) == []
+
+
+def test_pipeline_stages_hold_embedding_first_and_head_last():
+    cfg = _cluster("qwen3_8b.yaml", 4, "parallel.pp=2", "parallel.tp=2")  # 16 ranks: tp2 x pp2 x dp4
+    first, last = training_memory(cfg, shape_from_hf(BUILTIN_HF_CONFIGS["Qwen3-8B"]))
+    layer = (2 * 4096 * 4096 + 2 * 4096 * 1024) // 2 + 2 * 4096 + 2 * 128 + 3 * 4096 * 12288 // 2
+    assert first.dense_params == 18 * layer + 75968 * 4096
+    assert last.dense_params == 18 * layer + 75968 * 4096 + 4096
+    # 1F1B: stage 0 keeps pp=2 micro-batches of activations, the last stage 1 (plus the logits).
+    per_token = 4 * 4096 / 2 + (2 * 48 * 128 + 32 * 128) / 2 + 3 * 12288 / 2
+    assert first.activations_no_recompute == int(T * per_token * 2 * 18 * 2)
+    assert last.activations_no_recompute == int(T * per_token * 2 * 18 * 1)
+    assert first.logits == 0 and last.logits == T * 75968 * 4
+
+
+# ------------------------------------------------------------------------------------------ fitting
+
+
+def test_not_fitting_names_the_largest_term():
+    plan = make_plan(_cluster("qwen3_30b_a3b.yaml", 4, "optimizer.use_distributed_optimizer=false"), gpu_mem_gib=80)
+    (err,) = fit_errors(plan)
+    # 12 bytes * (dense + expert) = 49.2 GiB of optimizer states: the total exceeds 72 GiB.
+    assert "training GPU (pipeline stage 0) needs 83.8 GiB > 72.0 GiB usable" in err
+    assert "largest term: optimizer 49.2 GiB" in err and "use_distributed_optimizer" in err
+
+    no_recompute = make_plan(_cluster("qwen3_30b_a3b.yaml", 4, "model.recompute_granularity=none"), gpu_mem_gib=80)
+    assert "largest term: activations" in fit_errors(no_recompute)[0]
+
+    rollout = make_plan(
+        _cluster("qwen3_30b_a3b.yaml", 4, "rollout.server_tp=1", "rollout.num_servers=16",
+                 "rollout.mem_fraction_static=0.6"),
+        gpu_mem_gib=80,
+    )
+    (err,) = fit_errors(rollout)
+    assert "rollout GPU: weights 56.9 GiB exceed rollout.mem_fraction_static=0.6 x 80 GiB = 48.0 GiB" in err
+
+
+# ------------------------------------------------------------------------------------------- layout
+
+
+def test_layout_groups_and_engine_placement_30b():
+    plan = make_plan(_cluster("qwen3_30b_a3b.yaml", 4))
+    g = plan.layout.groups
+    # megatron-core order tp-cp-ep-dp-pp: TP neighbours, DP strided by tp, EP over 8 consecutive ranks.
+    assert g["tp"][:2] == [[0, 1], [2, 3]] and len(g["tp"]) == 8
+    assert g["dp"] == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    assert g["ep"] == [list(range(0, 8)), list(range(8, 16))]
+    assert g["edp"][0] == [0, 8]
+    assert plan.layout.trainer_gpus[15] == (1, 7)
+    assert plan.layout.servers == [[(2, 0), (2, 1), (2, 2), (2, 3)], [(2, 4), (2, 5), (2, 6), (2, 7)],
+                                   [(3, 0), (3, 1), (3, 2), (3, 3)], [(3, 4), (3, 5), (3, 6), (3, 7)]]
+    text = format_plan(plan)
+    assert "server 3: node 3 GPU 4-7" in text and "ep   size   8: [0-7] [8-15]" in text
+
+
+def test_engine_spanning_nodes_is_an_error():
+    from megatron_dapo.config.errors import ConfigError
+
+    cfg = _cluster("qwen3_8b.yaml", 2, "parallel.tp=2", "trainer.world_size=6", "rollout.num_servers=1",
+                   "rollout.server_tp=4")
+    with pytest.raises(ConfigError, match="rollout server 0 .rollout.server_tp=4. would span nodes 0 and 1"):
+        make_plan(cfg)
+    with pytest.raises(ConfigError, match="trainer.world_size=16 plus 4 SGLang GPUs"):
+        load_config(CONFIGS / "qwen3_8b.yaml", ["trainer.nnodes=2", "trainer.world_size=16", "rollout.num_servers=1",
+                                                "rollout.server_tp=4"])
+
+
+def test_cli(capsys):
+    assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem-gib", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "fits: yes" in out and "server 7: node 3 GPU 6,7" in out and "22.63" in out
+    # Too small a GPU: exit 1 with the failing term; a config error: exit 2 naming the key.
+    assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem-gib", "24"]) == 1
+    assert "does not fit: training GPU" in capsys.readouterr().err
+    assert main([str(CONFIGS / "qwen3_8b.yaml"), "parallel.tp=3", "--nodes", "4", "--gpus-per-node", "8"]) == 2
+    assert "parallel.tp=3 does not divide num_attention_heads=32" in capsys.readouterr().err
+    # The cluster shape is validated: 1 node of 8 GPUs leaves no trainer GPU after 8 x TP 2 engines.
+    assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "1", "--gpus-per-node", "8"]) == 2
+    assert "trainer world size is -8" in capsys.readouterr().err
