@@ -159,7 +159,11 @@ def _restore_next(state: dict | None) -> BatchInfo | None:
 
 
 def build_actor(cfg):
-    """The Megatron actor (megatron_dapo.trainer.actor) for this rank, HF weights loaded."""
+    """This rank's actor, HF weights loaded: Megatron (trainer.actor) or FSDP2 (trainer.fsdp_actor)."""
+    if cfg.trainer.backend == "fsdp2":
+        from megatron_dapo.trainer.fsdp_actor import FSDPActor
+
+        return FSDPActor(cfg)
     from megatron_dapo.trainer.actor import MegatronActor
 
     return MegatronActor(cfg)
