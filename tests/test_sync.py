@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.rollout.client import SGLangClient
-from megatron_dapo.rollout.launcher import embedded_server
+from megatron_dapo.rollout.launcher import embedded_server, start_servers
 from megatron_dapo.rollout.router import Router
 from megatron_dapo.rollout.types import SamplingParams
 
@@ -41,10 +41,7 @@ def servers(ckpts, tmp_path_factory):
              "moe": [embedded_server(str(ckpts["moe_a"]), logs / "moe.log", api_key=KEY)]}
     allp = [p for ps in procs.values() for p in ps]
     try:
-        for p in allp:
-            p.start(wait=False)
-        for p in allp:
-            p.wait_healthy(120)
+        start_servers(allp, timeout_s=180)
         yield procs
     finally:
         for p in allp:
@@ -171,3 +168,20 @@ def test_sync_with_requests_in_flight_loses_and_duplicates_nothing(servers, ckpt
         # unpaused: the server let in-flight requests finish before loading, so none is mixed
         assert all(len(s.versions) == 1 for s in samples)
         assert sum(s.versions == [before] for s in samples) >= 20  # those in flight finished on the old weights
+
+
+def test_megatron_tp2_trainer_sync_matches_megatron_logprobs(servers, ckpts, tmp_path):
+    pytest.importorskip("megatron_dapo.bridge.export")
+    pytest.importorskip("megatron_dapo.models.provider")
+    from tests.dist_utils import run_torchrun
+
+    urls = [s.url for s in servers["q3"]]
+    out = tmp_path / "meg.json"
+    run_torchrun("sync_megatron_trainer.py", 2, str(out), str(ckpts["q3_b"]), KEY, *urls, timeout=240)
+    rounds = json.loads(out.read_text())["rounds"]
+    assert [r["version"] for r in rounds] == ["1", "2"]
+    for r in rounds:
+        assert r["max_diff"] < 1e-4 and r["tensors"] == 47
+        assert r["server_versions"] == [r["version"]] * len(urls)
+    for url in urls:
+        assert asyncio.run(_logprobs_and_version(url, [1, 2]))[1] == "2"

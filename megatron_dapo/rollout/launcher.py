@@ -126,6 +126,12 @@ class ServerProcess:
                                        f"log {self.log_path}:\n{self.log_tail()}")
                 time.sleep(0.2)
 
+    def move_to_port(self, port: int) -> None:
+        """Re-point a stopped server's command line at another port (its --port flag)."""
+        i = self.cmd.index("--port")
+        self.cmd[i + 1] = str(port)
+        self.port = port
+
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
@@ -190,13 +196,26 @@ def launch_embedded_servers(model_dir: str, count: int, log_dir: str | Path, api
     """Start `count` embedded servers at once (their start-ups overlap); all healthy, or all stopped."""
     servers = [embedded_server(model_dir, Path(log_dir) / f"server_{i}.log", api_key=api_key, seed=i, **kw)
                for i in range(count)]
+    start_servers(servers, timeout_s)
+    return servers
+
+
+def start_servers(servers: list[ServerProcess], timeout_s: float = 300.0, port_retries: int = 3) -> None:
+    """Start servers at once and wait for all; a server whose free port was taken meanwhile moves to another."""
     try:
         for s in servers:
             s.start(wait=False)
         for s in servers:
-            s.wait_healthy(timeout_s)
+            for attempt in range(port_retries + 1):
+                try:
+                    s.wait_healthy(timeout_s)
+                    break
+                except RuntimeError:
+                    if attempt == port_retries or "address already in use" not in s.log_tail().lower():
+                        raise
+                    s.move_to_port(free_port())
+                    s.start(wait=False)
     except BaseException:
         for s in servers:
             s.stop()
         raise
-    return servers

@@ -1,8 +1,8 @@
 """The weight-update process group: trainer rank 0 plus every server rank, apart from any default group.
 
 It is formed the way SGLang 0.5.23 forms it on the server side (`srt/utils/common.py:
-init_custom_process_group`): a TCP rendezvous at `tcp://master_address:master_port` with the given
-world size, a `PrefixStore` named after the group, and a process group of the requested backend
+init_custom_process_group`): a TCPStore at master_address:master_port hosted by rank 0 (what its
+`tcp://` rendezvous builds), a `PrefixStore` named after the group, and a process group of the requested backend
 built on that store. Doing the same on the trainer makes a trainer and a real SGLang server meet.
 The default process group (torchrun's) is neither needed nor touched.
 """
@@ -34,9 +34,11 @@ def init_weight_update_group(
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' requested for the weight-update group, but CUDA is not available")
     timeout = datetime.timedelta(seconds=timeout_s)
-    url = f"tcp://{master_address}:{int(master_port)}"
-    store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    # What `rendezvous("tcp://...")` builds outside torchelastic: rank 0 hosts the store. Built by hand
+    # because under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make every rank a client
+    # of a store nobody hosts.
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+                          multi_tenant=True)
     store = dist.PrefixStore(group_name, store)
     # The private helper is what both SGLang and torch's own new_group use to build a group from a
     # store; the public API would insist on the default group spanning these ranks.
