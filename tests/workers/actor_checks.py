@@ -31,12 +31,12 @@ def log(msg):
         print(msg, flush=True)
 
 
-def make_config(hf_dir, tp=1, pp=1, **algo) -> DapoConfig:
+def make_config(hf_dir, tp=1, pp=1, ep=1, **algo) -> DapoConfig:
     cfg = DapoConfig()
     cfg.model.hf_path = str(hf_dir)
     cfg.model.dtype = "fp32"
     cfg.model.transformer_impl = "local"
-    cfg.parallel.tp, cfg.parallel.pp = tp, pp
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = tp, pp, ep
     cfg.optimizer.lr = LR
     cfg.optimizer.adam_eps = EPS  # see tests/workers/runtime_parallel.py: keeps Adam sensitive to grad scale
     cfg.optimizer.clip_grad = CLIP
@@ -87,23 +87,24 @@ def max_err(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def check_logprobs(hf_dir, tp, pp):
+def check_logprobs(hf_dir, tp, pp, ep=1, temperatures=(1.0, 0.7)):
     from transformers import AutoModelForCausalLM
 
-    init_model_parallel(tp=tp, pp=pp, seed=1)
+    init_model_parallel(tp=tp, pp=pp, ep=ep, seed=1)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    for temperature in (1.0, 0.7):
+    for temperature in temperatures:
         batch = make_batch(seed=3, temperature=temperature)
         want = hf_logprobs(hf, batch)
-        actor = MegatronActor(make_config(hf_dir, tp=tp, pp=pp, max_tokens_per_micro_batch=64))
+        cfg = make_config(hf_dir, tp=tp, pp=pp, ep=ep, max_tokens_per_micro_batch=64)
+        actor = MegatronActor(cfg)
         packed = actor.compute_logprobs(batch)
         err = max_err(packed, want)
-        log(f"tp={tp} pp={pp} T={temperature}: actor (packed, budget 64) vs HF logprobs max abs err {err:.2e}")
+        log(f"tp={tp} pp={pp} ep={ep} T={temperature}: actor (packed, budget 64) vs HF logprobs max abs err {err:.2e}")
         assert err < 1e-5, err
         actor.max_tokens = 1  # every sequence alone in its micro-batch
         alone = actor.compute_logprobs(batch)
         err2 = max_err(packed, alone)
-        log(f"tp={tp} pp={pp} T={temperature}: packed vs unpacked max abs err {err2:.2e}")
+        log(f"tp={tp} pp={pp} ep={ep} T={temperature}: packed vs unpacked max abs err {err2:.2e}")
         assert err2 < 3e-6, err2  # float32 rounding of different matmul shapes (logprobs ~ -5.5)
         actor.max_tokens = 10_000  # everything in one micro-batch
         one = actor.compute_logprobs(batch)
@@ -158,18 +159,35 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.999), eps=EPS)
     opt.step()
-    return loss.item(), norm, {k: v.detach().clone() for k, v in model.state_dict().items()}, old
+    return loss.item(), norm, on_disk_state(model), old
+
+
+def on_disk_state(model) -> dict[str, torch.Tensor]:
+    """The model's tensors under their checkpoint names (transformers 5 fuses MoE experts in memory
+    and splits them per expert on save): save it and read the files back."""
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    with tempfile.TemporaryDirectory() as d:
+        model.save_pretrained(d)
+        out = {}
+        for f in sorted(Path(d).glob("*.safetensors")):
+            out.update(load_file(f))
+    return out
 
 
 def exported(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in actor.export_weights(dst_rank=None)}
 
 
-def check_train(hf_dir, tmpdir):
-    init_model_parallel(seed=1)  # DP=2
+def check_exact_update(hf_dir, ep=1, seed=5):
+    """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor."""
+    init_model_parallel(ep=ep, seed=1)  # DP=2
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
-    cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3)
-    batch = make_batch(seed=5)
+    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3)
+    cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
+    batch = make_batch(seed=seed)
     g = torch.Generator().manual_seed(9)
     actor = MegatronActor(cfg)
     old = actor.compute_logprobs(batch)
@@ -198,10 +216,15 @@ def check_train(hf_dir, tmpdir):
             worst_rel = max(worst_rel, err / delta_ref)
         assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
-    log(f"DP=2 packed update vs one-process HF reference: loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
+    log(f"DP=2 (EP={ep}) packed update vs one-process HF reference: loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
         f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
         f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})")
     assert moved > 1e-4, "the step should move the parameters"
+    return actor, cfg, batch, after
+
+
+def check_train(hf_dir, tmpdir):
+    actor, cfg, batch, after = check_exact_update(hf_dir)
 
     # A non-finite loss (a NaN advantage) skips the step and says so.
     bad = copy.deepcopy(batch)
@@ -260,6 +283,13 @@ def main(argv):
             check_logprobs(hf_dir, tp=1, pp=2)
         elif check == "train_dp2":
             check_train(hf_dir, tmpdir)
+        elif check == "moe_ep2":
+            moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+            if dist.get_rank() == 0:
+                save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+            dist.barrier()
+            check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
+            check_exact_update(moe_dir, ep=2, seed=8)
         elif check == "warmup":
             check_warmup(hf_dir)
         else:
