@@ -251,7 +251,8 @@ def test_shape_from_config_json_wins_and_must_agree_with_inline(tmp_path):
     from megatron_dapo.models.tiny import tiny_hf_config
 
     model_dir = tmp_path / "tiny"
-    tiny_hf_config("qwen3").save_pretrained(model_dir)  # writes config.json only
+    # writes config.json only; save_pretrained of a model records architectures, a bare config does not
+    tiny_hf_config("qwen3", architectures=["Qwen3ForCausalLM"]).save_pretrained(model_dir)
     cfg = load_config(TINY, [f"model.hf_path={model_dir}"])
     resolved = resolve_model_shape(cfg.model)
     assert resolved.source == f"{model_dir}/config.json"
@@ -261,6 +262,8 @@ def test_shape_from_config_json_wins_and_must_agree_with_inline(tmp_path):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [f"model.hf_path={model_dir}", "model.hf_config.num_attention_heads=8"])
     assert "model.hf_config.num_attention_heads=8 disagrees with" in _one_line(err)
+    with pytest.raises(ConfigError, match="model.hf_config.architectures=.'Qwen3MoeForCausalLM'. disagrees"):
+        load_config(TINY, [f"model.hf_path={model_dir}", "model.hf_config.architectures=[Qwen3MoeForCausalLM]"])
 
 
 def test_missing_model_dir_skips_shape_checks_with_a_note(tmp_path):
