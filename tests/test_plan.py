@@ -205,6 +205,13 @@ def test_engine_spanning_nodes_is_an_error():
                                                 "rollout.server_tp=4"])
 
 
+def test_engine_larger_than_a_node_is_a_config_error():
+    from megatron_dapo.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.server_tp=16 exceeds trainer.gpus_per_node=8"):
+        _cluster("qwen3_8b.yaml", 4, "rollout.server_tp=16", "rollout.num_servers=1")
+
+
 def test_cli(capsys):
     assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8", "--gpu-mem-gib", "80"]) == 0
     out = capsys.readouterr().out

@@ -199,6 +199,11 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"rollout.num_servers={r.num_servers} must be >= 1")
     if r.server_tp < 1:
         errors.append(f"rollout.server_tp={r.server_tp} must be >= 1")
+    if derived.launched_rollout_gpus(cfg) and r.server_tp > cfg.trainer.gpus_per_node:
+        errors.append(
+            f"rollout.server_tp={r.server_tp} exceeds trainer.gpus_per_node={cfg.trainer.gpus_per_node}: "
+            f"an SGLang engine runs on one node"
+        )
     if r.engine == "embedded" and r.server_tp != 1:
         errors.append(f"rollout.server_tp={r.server_tp}: the embedded engine has no tensor parallelism; use 1")
     if cfg.trainer.launcher == "torchrun" and r.engine == "sglang" and not r.servers:
