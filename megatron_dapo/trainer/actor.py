@@ -113,6 +113,7 @@ class MegatronActor:
             lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
             wd_incr_steps=max(decay, 1), wd_incr_style="constant",
         )
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -132,7 +133,10 @@ class MegatronActor:
         plan = plan_micro_batches(lengths, self.max_tokens)
         count = torch.tensor([len(plan)], dtype=torch.long)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
-        plan = plan_micro_batches(lengths, self.max_tokens, min_count=int(count))
+        count = int(count)
+        if len(self.model) > 1:  # the interleaved schedule runs micro-batches in groups of pp
+            count = -(-count // self.pp_size) * self.pp_size
+        plan = plan_micro_batches(lengths, self.max_tokens, min_count=count)
         length = None
         if self.pp_size > 1:
             # Pipeline stages exchange activations of one fixed shape: pad every pack to the longest.
@@ -143,10 +147,15 @@ class MegatronActor:
                 for b in plan]
 
     def _forward(self, model, mb: PackedMicroBatch):
+        dev = self.device
+        tokens, positions = mb.tokens.to(dev), mb.position_ids.to(dev)
         if self.use_te:
-            return model(mb.tokens, mb.position_ids, None, packed_seq_params=mb.packed_seq_params())
-        with per_sequence_rope(model, mb.position_ids):
-            return model(mb.tokens, mb.position_ids, mb.attention_mask())
+            params = mb.packed_seq_params()
+            for name in ("cu_seqlens_q", "cu_seqlens_kv"):
+                setattr(params, name, getattr(params, name).to(dev))
+            return model(tokens, positions, None, packed_seq_params=params)
+        with per_sequence_rope(model, positions):
+            return model(tokens, positions, mb.attention_mask().to(dev))
 
     def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float, with_entropy: bool):
         from megatron_dapo.kernels.dispatch import vocab_parallel_logprobs
@@ -166,8 +175,10 @@ class MegatronActor:
             return output, lambda logits: loss_fn(logits, mb)
 
         length = max(mb.length for mb in packs)
+        # Interleaved (virtual) pipelining asks each model chunk for its own iterator.
+        data = iter(packs) if len(self.model) == 1 else [iter(list(packs)) for _ in self.model]
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(packs), model=self.model,
+            forward_step_func=forward_step, data_iterator=data, model=self.model,
             num_microbatches=len(packs), seq_length=length, micro_batch_size=1, forward_only=forward_only,
         )
 

@@ -58,8 +58,8 @@ class PackedMicroBatch:
 
     def gather(self, per_position: torch.Tensor) -> torch.Tensor:
         """[1, L] values at packed positions -> [n, R] per sequence and response token (0 where invalid)."""
-        out = per_position[0][self.target_index]
-        return out * self.target_valid.to(out.dtype)
+        out = per_position[0][self.target_index.to(per_position.device)]
+        return out * self.target_valid.to(device=out.device, dtype=out.dtype)
 
 
 def plan_micro_batches(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
