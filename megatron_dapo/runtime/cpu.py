@@ -11,6 +11,9 @@ makes those calls mean "the CPU":
 * stand-ins for ``torch.cuda.current_device``, ``Stream``, ``Event``, ``current_stream``, ``stream``,
   ``synchronize`` and the RNG state functions, whose "CUDA generator" is the CPU default generator
   (so megatron's RNG tracker forks the generator that CPU kernels actually draw from);
+* the mode is re-entered around the autograd engine: a mode is off while its own handler runs,
+  and ``Tensor.backward`` goes through the handler, so backward (megatron's MoE all-to-all
+  allocates on "cuda" there) would otherwise run without it;
 * two gaps of megatron-core 0.16.1 without Transformer Engine: ``moe_utils.te_general_gemm`` is never
   defined, and ``maybe_move_tensor_to_cpu`` leaves CPU tensors as tensors where the alltoall
   dispatcher needs numpy split sizes.
