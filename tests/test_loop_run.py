@@ -57,7 +57,7 @@ def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
         f"model.hf_path={env['model']}", f"data.train_files=[{env['train']}]", "data.val_files=[]",
         "data.max_response_length=8", "algo.overlong_buffer.len=2", "algo.train_batch_size=4",
         "algo.ppo_mini_batch_size=2", "rollout.n_resp_per_prompt=4", "reward.name=tests.workers.loop_rewards:parity_reward",
-        "optimizer.lr=1e-3", "optimizer.lr_warmup_steps=0", "optimizer.use_distributed_optimizer=false",
+        "optimizer.lr=1e-3", "optimizer.lr_warmup_steps=0",
         "trainer.val_every=0", "logging.progress_bar=false", f"logging.run_dir={run_dir}", f"rollout.servers={urls}",
         "rollout.sync.verify=true", *overrides,
     ]

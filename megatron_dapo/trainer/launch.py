@@ -75,6 +75,17 @@ class _TrainerActor:
         return train_rank(config_from_dict(cfg_dict), urls, tp_sizes, resume=resume)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit in the driver, so that `finally` blocks stop the servers and
+    the Ray actors it started (Python's default SIGTERM handling skips them)."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
 def run_with_ray(cfg, resume: bool = False):
     """Place servers and trainer ranks with Ray; run; return rank 0's RunResult."""
     import ray
@@ -82,6 +93,7 @@ def run_with_ray(cfg, resume: bool = False):
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    exit_on_sigterm()
     started = False
     if not ray.is_initialized():
         if cfg.trainer.ray_address:
