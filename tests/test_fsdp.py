@@ -13,7 +13,7 @@ from tests.dist_utils import run_torchrun
 @pytest.mark.slow
 def test_fsdp_actor_matches_one_process_hf_reference(tmp_path):
     out = run_torchrun("fsdp_checks.py", 2, str(tmp_path), timeout=300)
-    for check in ("logprobs", "export", "train"):
+    for check in ("logprobs", "export", "train", "moe"):
         assert f"CHECK PASSED {check}" in out, out[-4000:]
 
 

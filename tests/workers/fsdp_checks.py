@@ -12,6 +12,9 @@ On a tiny Qwen2 model with tied embeddings (as Qwen2.5-3B):
             no decay on biases / norms), read back through export_weights;
   skip:     a NaN advantage skips the step and leaves the weights alone;
   ckpt:     a DCP checkpoint restores model + optimizer + schedule into a fresh actor (next step equal).
+On a tiny Qwen3-MoE model (transformers 5 holds its experts fused) with full activation recompute:
+  moe:      export_weights yields the checkpoint's per-expert names and values, logprobs equal HF,
+            and the gradients of a train step equal the one-process ones.
 """
 
 from __future__ import annotations
@@ -161,6 +164,30 @@ def check_export(hf_dir):
         f"(tied lm_head absent: {'lm_head.weight' not in names})")
 
 
+def train_step_checking_grads(actor, batch, ref_grads) -> dict:
+    """actor.train_step(batch), asserting the gathered gradients before the optimizer step."""
+    grads = {}
+    step = actor._optimizer_step
+
+    def capture(loss_finite):
+        for name, p in actor.module.named_parameters():
+            grads[name] = p.grad.full_tensor().clone()
+        return step(loss_finite)
+
+    actor._optimizer_step = capture
+    try:
+        metrics = actor.train_step(batch)
+    finally:
+        actor._optimizer_step = step
+    log(f"train step metrics: {metrics}")
+    assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
+    gerr = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+    gscale = max(v.abs().max().item() for v in ref_grads.values())
+    log(f"2-rank FSDP2 gradients vs one-process gradients: max abs err {gerr:.2e} (max |grad| {gscale:.2e})")
+    assert set(grads) == set(ref_grads) and gerr < 1e-6 * max(1.0, gscale), gerr
+    return metrics
+
+
 def check_train(hf_dir, tmpdir):
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3)
     batch = make_batch(seed=5)
@@ -174,25 +201,9 @@ def check_train(hf_dir, tmpdir):
     log(f"rank 0 micro-batches {[p.rows for p in packs]}")
     assert len(packs) >= 2, "the exactness check needs several micro-batches per rank"
 
-    grads = {}
-    step = actor._optimizer_step
-
-    def capture(loss_finite):
-        for name, p in actor.module.named_parameters():
-            grads[name] = p.grad.full_tensor().clone()
-        return step(loss_finite)
-
     before = exported(actor)
-    actor._optimizer_step = capture
-    metrics = actor.train_step(batch)
-    actor._optimizer_step = step
+    metrics = train_step_checking_grads(actor, batch, ref_grads)
     after = exported(actor)
-    log(f"train step metrics: {metrics}")
-    assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
-    gerr = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
-    gscale = max(v.abs().max().item() for v in ref_grads.values())
-    log(f"2-rank FSDP2 gradients vs one-process gradients: max abs err {gerr:.2e} (max |grad| {gscale:.2e})")
-    assert set(grads) == set(ref_grads) and gerr < 1e-6 * max(1.0, gscale), gerr
     assert math.isclose(metrics["actor/pg_loss"], ref_loss, rel_tol=1e-5, abs_tol=1e-7), (metrics, ref_loss)
     assert math.isclose(metrics["actor/grad_norm"], ref_norm, rel_tol=1e-5), (metrics["actor/grad_norm"], ref_norm)
     worst = max((after[k] - ref_params[k]).abs().max().item() for k in ref_params)
@@ -224,15 +235,45 @@ def check_train(hf_dir, tmpdir):
     assert err == 0.0 and m1["actor/lr"] == m2["actor/lr"], (err, m1, m2)
 
 
+def check_moe(hf_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    on_disk = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        on_disk.update(load_file(f))
+    cfg = make_config(hf_dir, max_tokens_per_micro_batch=40, ppo_mini_batch_size=3, train_batch_size=3)
+    cfg.model.recompute_granularity = "full"
+    actor = FSDPActor(cfg)
+    got = exported(actor)
+    assert set(got) == set(on_disk), sorted(set(got) ^ set(on_disk))
+    assert all(torch.equal(got[k], on_disk[k].float()) for k in on_disk)
+    assert any(".mlp.experts.1.up_proj.weight" in k for k in got)
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    batch = make_batch(seed=4)
+    with torch.no_grad():
+        want = hf_rows(hf, batch)
+    err = max_err(actor.compute_logprobs(batch), want)
+    log(f"MoE: {len(got)} per-expert checkpoint tensors exported; logprobs vs HF max abs err {err:.2e}")
+    assert err < 1e-5, err
+    g = torch.Generator().manual_seed(2)
+    batch.rollout_logprobs = [(o.float() + 0.3 * torch.randn(o.shape, generator=g)).tolist() for o in want]
+    _, _, ref_grads, _, _ = reference(hf_dir, batch, cfg)
+    train_step_checking_grads(actor, batch, ref_grads)
+
+
 def main(argv):
     tmpdir = argv[0]
     init_distributed()
     hf_dir = Path(tmpdir) / "tiny_qwen2"
     if dist.get_rank() == 0:
         save_tiny_hf_model("qwen2", hf_dir, seed=0, tie_word_embeddings=True)
+    moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+    if dist.get_rank() == 0:
+        save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
     dist.barrier()
     for name, check in (("logprobs", lambda: check_logprobs(hf_dir)), ("export", lambda: check_export(hf_dir)),
-                        ("train", lambda: check_train(hf_dir, tmpdir))):
+                        ("train", lambda: check_train(hf_dir, tmpdir)), ("moe", lambda: check_moe(moe_dir))):
         check()
         dist.barrier()
         log(f"CHECK PASSED {name}")
