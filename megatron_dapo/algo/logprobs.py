@@ -74,9 +74,14 @@ def target_in_shard(target: torch.Tensor, vocab_start: int, vocab_shard: int, tp
     return torch.where(inside, local, torch.zeros_like(local)), inside, valid
 
 
-def scaled_chunk(logits: torch.Tensor, lo: int, hi: int, inv_temp: float) -> torch.Tensor:
-    """x = logits[lo:hi] / temperature as a fresh compute-dtype tensor (the chunk's only full copy)."""
-    x = logits[lo:hi].to(compute_dtype(logits.dtype), copy=True)
+def chunk_buffers(rows: int, vocab: int, dtype: torch.dtype, device, count: int) -> list[torch.Tensor]:
+    """Work buffers reused by every chunk: fresh allocations per chunk would page-fault on each one."""
+    return [torch.empty(rows, vocab, dtype=dtype, device=device) for _ in range(count)]
+
+
+def load_chunk(buf: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, inv_temp: float) -> torch.Tensor:
+    """x = logits[lo:hi] / temperature in the compute dtype, written into a reused buffer."""
+    x = buf[: hi - lo].copy_(logits[lo:hi])
     return x if inv_temp == 1.0 else x.mul_(inv_temp)
 
 
@@ -88,16 +93,17 @@ def shard_partials_torch(
     n_tok, vocab = logits.shape
     cdtype = compute_dtype(logits.dtype)
     out = [torch.empty(n_tok, dtype=cdtype, device=logits.device) for _ in range(4 if with_entropy else 3)]
-    rows = max(1, chunk_elements // max(vocab, 1))
+    rows = max(1, min(n_tok, chunk_elements // max(vocab, 1)))
+    bufs = chunk_buffers(rows, vocab, cdtype, logits.device, 2 if with_entropy else 1)
     for lo in range(0, n_tok, rows):
         hi = min(lo + rows, n_tok)
-        x = scaled_chunk(logits, lo, hi, inv_temp)
+        x = load_chunk(bufs[0], logits, lo, hi, inv_temp)
         m = x.amax(dim=-1)
         out[0][lo:hi] = m
         out[2][lo:hi] = x.gather(1, local_target[lo:hi, None]).squeeze(1) - m
         x.sub_(m[:, None])  # z_r = x - m_r
         if with_entropy:
-            e = torch.exp(x)
+            e = torch.exp(x, out=bufs[1][: hi - lo])
             out[1][lo:hi] = e.sum(dim=-1)
             out[3][lo:hi] = e.mul_(x).sum(dim=-1)
         else:
@@ -136,11 +142,12 @@ def grad_logits_torch(
     """
     n_tok, vocab = logits.shape
     grad = torch.empty_like(logits)
-    rows = max(1, chunk_elements // max(vocab, 1))
+    rows = max(1, min(n_tok, chunk_elements // max(vocab, 1)))
+    zbuf, pbuf = chunk_buffers(rows, vocab, compute_dtype(logits.dtype), logits.device, 2)
     for lo in range(0, n_tok, rows):
         hi = min(lo + rows, n_tok)
-        z = scaled_chunk(logits, lo, hi, inv_temp).sub_(stats.max[lo:hi, None])
-        p = z.sub(stats.log_sum_exp[lo:hi, None]).exp_()
+        z = load_chunk(zbuf, logits, lo, hi, inv_temp).sub_(stats.max[lo:hi, None])
+        p = torch.sub(z, stats.log_sum_exp[lo:hi, None], out=pbuf[: hi - lo]).exp_()
         if grad_entropy is not None:
             gh = grad_entropy[lo:hi].to(z.dtype)
             z.neg_().add_(stats.mean_z[lo:hi, None]).mul_(p).mul_(gh[:, None])  # g_H p (E[z] - z)
