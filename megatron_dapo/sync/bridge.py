@@ -119,6 +119,7 @@ class WeightSyncBridge:
         self.api_key = api_key
         self.sender = _is_sender()
         self.pg = None
+        self._staging: torch.Tensor | None = None
         self._loop: _LoopThread | None = None
         self.clients: list[SGLangClient] = []
 
@@ -169,6 +170,7 @@ class WeightSyncBridge:
                 log.warning("destroy_weights_update_group failed: %s", e)
             wgroup.destroy_weight_update_group(self.pg)
             self.pg = None
+        self._staging = None
         if self._loop is not None:
             async def close_clients():
                 await asyncio.gather(*(c.aclose() for c in self.clients))
@@ -232,7 +234,8 @@ class WeightSyncBridge:
 
         answers = self._loop.submit(post_all())
         if self.cfg.flatten_bucket:
-            works = [wgroup.broadcast(bucket.flatten().to(self.device), self.pg, async_op=True)]
+            works = [wgroup.broadcast(bucket.flatten(self._staging_for(bucket.nbytes, bucket)), self.pg,
+                                      async_op=True)]
         else:
             works = [wgroup.broadcast(t.to(self.device).contiguous(), self.pg, async_op=True)
                      for _, t in bucket.tensors]
@@ -251,6 +254,15 @@ class WeightSyncBridge:
             answers.result(self.timeout_s)
         except SGLangError as e:
             raise WeightSyncError(f"weight update failed: {e}") from e
+
+    def _staging_for(self, nbytes: int, bucket: Bucket) -> torch.Tensor:
+        """A reused flat buffer on the broadcast device: no fresh allocation (and page faults) per bucket."""
+        if self._staging is None or self._staging.numel() < nbytes:
+            self._staging = torch.empty(max(nbytes, int(self.cfg.bucket_mb * 1024 * 1024)), dtype=torch.uint8,
+                                        device=self.device)
+        if any(t.device != self.device for _, t in bucket.tensors):
+            bucket.tensors = [(n, t.to(self.device)) for n, t in bucket.tensors]
+        return self._staging
 
     # ---- verification --------------------------------------------------------------------------
     def server_logprobs(self, probe_ids: Sequence[int]) -> list[list[float]]:

@@ -67,9 +67,14 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
-    def flatten(self) -> torch.Tensor:
-        """One uint8 buffer in SGLang's flattened-bucket layout."""
-        return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for _, t in self.tensors])
+    def flatten(self, staging: torch.Tensor | None = None) -> torch.Tensor:
+        """One uint8 buffer in SGLang's flattened-bucket layout (written into `staging[:nbytes]` if given)."""
+        parts = [t.contiguous().reshape(-1).view(torch.uint8) for _, t in self.tensors]
+        if staging is None:
+            return torch.cat(parts)
+        out = staging[: self.nbytes]
+        torch.cat(parts, out=out)
+        return out
 
 
 def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,

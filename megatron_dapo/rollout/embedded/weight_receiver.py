@@ -21,16 +21,21 @@ def torch_dtype(name: str) -> torch.dtype:
     return dt
 
 
-def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None) -> list[tuple[str, torch.Tensor]]:
+def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None,
+            flat_buffer=None) -> list[tuple[str, torch.Tensor]]:
     """Receive the announced tensors; returns those still to be loaded.
 
     `into(name, dtype, shape)` may return the model's own tensor to receive straight into (same dtype,
     contiguous): such tensors are loaded by the broadcast itself and not returned.
+    `flat_buffer(nbytes)` may supply the uint8 receive buffer of a flattened bucket.
     """
     dts = [torch_dtype(d) for d in dtypes]
     if flattened:
         layout = bucket_layout(names, dts, shapes)
-        flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        if flat_buffer is not None:
+            flat = flat_buffer(layout.nbytes)
+        else:
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         wgroup.broadcast(flat, pg)
         return layout.unflatten(flat)
     out, works = [], []
