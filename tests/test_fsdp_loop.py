@@ -3,12 +3,11 @@ a tiny Qwen2 model with tied embeddings (as Qwen2.5-3B), one embedded rollout se
 
 Two steps with a checkpoint after each: losses finite, one optimizer step per mini-batch, the
 server's weights equal the trainer's after every sync (probe logprobs, fp32) and change at each
-sync, DCP checkpoints written; then a run resumed from step 0's checkpoint ends step 1 at the
-same parameters as the uninterrupted run.
+sync, DCP checkpoints written. (The DCP round trip itself is checked in tests/workers/fsdp_checks.py;
+the loop's resume logic is backend-independent and tested in tests/test_loop_run.py.)
 """
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -63,7 +62,7 @@ def _run(env, name, *overrides, stop_after="-"):
     return run_dir, rows
 
 
-def test_fsdp2_loop_trains_syncs_checkpoints_and_resumes(env):
+def test_fsdp2_loop_trains_syncs_and_checkpoints(env):
     run_dir, rows = _run(env, "a")
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -76,17 +75,3 @@ def test_fsdp2_loop_trains_syncs_checkpoints_and_resumes(env):
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     for step in range(2):
         assert (ckpts / f"step_{step:06d}" / "model" / ".metadata").exists()  # a DCP checkpoint
-
-    save_b = env["root"] / "b_ckpt"
-    shutil.copytree(ckpts / "step_000000", save_b / "step_000000")
-    (save_b / "latest").write_text("step_000000\n")
-    run_b, rows_b = _run(env, "b", f"checkpoint.save_dir={save_b}", "checkpoint.resume=true", stop_after="1")
-    assert [r["step"] for r in rows_b] == [1]
-    assert rows_b[0]["prompt_indices"] == rows[1]["prompt_indices"]
-    want = torch.load(run_dir / "out" / "weights_step1.pt")
-    got = torch.load(run_b / "out" / "weights_step1.pt")
-    before = torch.load(run_dir / "out" / "weights_step0.pt")
-    assert want.keys() == got.keys()
-    assert max(float((want[k] - before[k]).abs().max()) for k in want) > 1e-4
-    diff = max(float((want[k] - got[k]).abs().max()) for k in want)
-    assert diff <= 1e-6, f"resumed step 1 differs from the uninterrupted one by {diff}"

@@ -100,7 +100,8 @@ class FSDPActor(MegatronActor):
             raise ValueError(f"trainer.backend=fsdp2 shards over data parallel only; set {', '.join(bad)} to 1")
         if not dist.is_initialized():
             raise RuntimeError("FSDPActor needs torch.distributed initialised (runtime.distributed.init_distributed)")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.arch = QwenArch.from_hf(hf_dir)
         # fp32 master weights; with bf16 / fp16 the forward and backward run in that dtype and
         # gradients are reduced in fp32 (FSDP2's mixed precision).
