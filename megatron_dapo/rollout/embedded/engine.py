@@ -106,9 +106,10 @@ class Engine:
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by request") -> int:
         """Mark requests aborted; they finish at the next step boundary (at once when idle or paused)."""
         with self._qlock:
-            targets = list(self._active.values()) if abort_all else (
-                [self._active[rid]] if rid in self._active else
-                [r for k, r in self._active.items() if rid and k.startswith(f"{rid}_")])
+            active = dict(self._active)  # one atomic copy: the worker retires requests concurrently
+            targets = list(active.values()) if abort_all else (
+                [active[rid]] if rid in active else
+                [r for k, r in active.items() if rid and k.startswith(f"{rid}_")])
             for r in targets:
                 r.abort_msg = message
             self._qlock.notify_all()
