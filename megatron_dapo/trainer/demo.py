@@ -3,7 +3,10 @@
 1. builds a character-level tokenizer and a tiny random Qwen3-shaped model (4 layers, hidden 64);
 2. writes a procedurally generated arithmetic task (a+b, a-b with operands 0..19) in the
    DAPO-Math-17k schema, with a disjoint held-out split;
-3. a short supervised warm start on reference answers, so that some groups are informative;
+3. a short supervised warm start on reference answers, so that some groups are informative. Half
+   of its answers are written in a second style ("So it is N.") that the DAPO rule does not accept
+   (no `Answer:` line): the warm model uses both styles, and DAPO has to learn from the reward
+   alone which one pays (and keeps the arithmetic it knows);
 4. DAPO through the real stack: 2 embedded SGLang-compatible servers, a TP=2 megatron-core trainer
    on gloo, weight sync after every step, staleness 1, dynamic sampling, overlong shaping;
 5. prints held-out accuracy before and after, writes TensorBoard logs and PNG curves to the run dir.
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import random
 import time
 from pathlib import Path
 
@@ -23,7 +27,7 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 19, num_test: int
     """Tokenizer, tiny model (warm-started), train / held-out data under `run_dir`; returns their paths."""
     from transformers import AutoTokenizer
 
-    from megatron_dapo.data.arithmetic import ArithmeticTask, response_of, write_task
+    from megatron_dapo.data.arithmetic import ArithmeticTask, answer_of, response_of, write_task
     from megatron_dapo.data.char_tokenizer import build_char_tokenizer, vocab_size
     from megatron_dapo.data.dataset import read_rows
     from megatron_dapo.models.tiny import save_tiny_hf_model
@@ -40,8 +44,15 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 19, num_test: int
         save_tiny_hf_model("qwen3", raw, seed=seed, vocab_size=vocab_size(), eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id, bos_token_id=None)
         rows = read_rows(train)
-        examples = sft_examples(tok, rows, lambda r: response_of(r["extra_info"]["a"], r["extra_info"]["op"],
-                                                                  r["extra_info"]["b"]))
+        style = random.Random(seed)
+
+        def reference(r):
+            e = r["extra_info"]
+            if style.random() < 0.5:
+                return f"So it is {answer_of(e['a'], e['op'], e['b'])}."
+            return response_of(e["a"], e["op"], e["b"])
+
+        examples = sft_examples(tok, rows, reference)
         t0 = time.time()
         losses = supervised_warm_start(raw, examples, warm_steps, seed=seed, out_dir=model_dir)
         print(f"warm start: {warm_steps} steps in {time.time() - t0:.0f}s, loss {losses[0]:.2f} -> {losses[-1]:.3f}")
@@ -62,6 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.trainer.launch import run_with_ray
     from megatron_dapo.trainer.plot import plot_run
 
+    import torch
+
+    # One thread per process: the demo runs several processes on a small machine, and torch's
+    # spinning intra-op threads slow a shared CPU down many times over.
+    torch.set_num_threads(1)
     t_start = time.time()
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -74,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         f"trainer.total_steps={args.steps}",
         f"trainer.val_every={args.steps}",
         "checkpoint.save_every=0",
+        # 8 samples per prompt and one optimizer step per batch: a steadier signal on a tiny model
+        "rollout.n_resp_per_prompt=8",
+        "algo.ppo_mini_batch_size=8",
+        "optimizer.lr=2e-4",
+        "optimizer.lr_warmup_steps=0",
         *args.overrides,
     ]
     cfg = load_config(args.config, overrides)
