@@ -1,11 +1,11 @@
 """The DAPO loop end to end on CPU: a TP=2 megatron-core trainer (torchrun, gloo) and two embedded
 servers over loopback. Three short runs share the servers:
 
-  A  staleness 1, a checkpoint every step: loss finite, server weights equal the trainer's and change
+  A  staleness 1, 2 steps, a checkpoint every step: loss finite, server weights equal the trainer's and change
      after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
      versions, uninformative (all-correct) groups never reach the loss, raising rewards counted;
-  B  resumed from A's checkpoint of step 1: step 2 consumes the same prompts and ends at the same
-     parameters as A's uninterrupted step 2 (fp32, 1e-6);
+  B  resumed from A's checkpoint of step 0: step 1 consumes the same prompts and ends at the same
+     parameters as A's uninterrupted step 1 (fp32, 1e-6);
   C  staleness 0: every consumed sample comes from the trainer's current weights (on-policy).
 A fourth launch with an empty dataset must fail fast with a message naming the file.
 """
@@ -72,12 +72,12 @@ def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
 
 @pytest.fixture(scope="module")
 def run_a(env):
-    return _run(env, "a", "trainer.total_steps=3", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0")
+    return _run(env, "a", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0")
 
 
 def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
     run_dir, rows = run_a
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in rows] == [0, 1]
     probe = []
     for r in rows:
         assert torch.isfinite(torch.tensor([r["actor/pg_loss"], r["actor/grad_norm"]])).all()
@@ -88,8 +88,8 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
     assert all(abs(a - b) > 1e-5 for a, b in zip(probe, probe[1:]))  # ... and they change at every sync
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     ckpts = run_dir / "checkpoints"
-    assert (ckpts / "latest").read_text().strip() == "step_000002"
-    for step in range(3):
+    assert (ckpts / "latest").read_text().strip() == "step_000001"
+    for step in range(2):
         d = ckpts / f"step_{step:06d}"
         assert (d / "model").is_dir() and (d / "rollout.pt").exists() and (d / "rng" / "rank_00001.pt").exists()
         assert json.loads((d / "trainer.json").read_text())["version"] == step + 1
@@ -119,26 +119,26 @@ def test_staleness_bound_from_logged_versions(run_a):
 def test_resume_continues_with_same_data_and_parameters(env, run_a):
     run_dir_a, rows_a = run_a
     save_b = env["root"] / "b_ckpt"
-    shutil.copytree(run_dir_a / "checkpoints" / "step_000001", save_b / "step_000001")
-    (save_b / "latest").write_text("step_000001\n")
-    run_dir_b, rows_b = _run(env, "b", "trainer.total_steps=3", "algo.staleness=1", "checkpoint.save_every=1",
+    shutil.copytree(run_dir_a / "checkpoints" / "step_000000", save_b / "step_000000")
+    (save_b / "latest").write_text("step_000000\n")
+    run_dir_b, rows_b = _run(env, "b", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1",
                              "checkpoint.keep_last=0", f"checkpoint.save_dir={save_b}", "checkpoint.resume=true",
                              stop_after="1")
-    assert [r["step"] for r in rows_b] == [2]
-    assert rows_b[0]["prompt_indices"] == rows_a[2]["prompt_indices"]
-    assert rows_b[0]["sample_versions"] == rows_a[2]["sample_versions"]
-    want = torch.load(run_dir_a / "out" / "weights_step2.pt")
-    got = torch.load(run_dir_b / "out" / "weights_step2.pt")
+    assert [r["step"] for r in rows_b] == [1]
+    assert rows_b[0]["prompt_indices"] == rows_a[1]["prompt_indices"]
+    assert rows_b[0]["sample_versions"] == rows_a[1]["sample_versions"]
+    want = torch.load(run_dir_a / "out" / "weights_step1.pt")
+    got = torch.load(run_dir_b / "out" / "weights_step1.pt")
     assert want.keys() == got.keys()
-    before = torch.load(run_dir_a / "out" / "weights_step1.pt")
+    before = torch.load(run_dir_a / "out" / "weights_step0.pt")
     moved = max(float((want[k] - before[k]).abs().max()) for k in want)
-    assert moved > 1e-4  # step 2 changed the parameters, so equality below means something
+    assert moved > 1e-4  # step 1 changed the parameters, so equality below means something
     diff = max(float((want[k] - got[k]).abs().max()) for k in want)
-    assert diff <= 1e-6, f"resumed step 2 differs from the uninterrupted one by {diff}"
+    assert diff <= 1e-6, f"resumed step 1 differs from the uninterrupted one by {diff}"
 
 
 def test_staleness_zero_is_on_policy(env):
-    _, rows = _run(env, "c", "trainer.total_steps=3", "algo.staleness=0", "checkpoint.save_every=0")
+    _, rows = _run(env, "c", "trainer.total_steps=2", "algo.staleness=0", "checkpoint.save_every=0")
     for r in rows:
         assert set(r["sample_versions"]) == {r["step"]}
         # generated by exactly the weights being trained: rollout and trainer logprobs agree
