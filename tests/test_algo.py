@@ -318,3 +318,22 @@ def test_tiling_does_not_change_results(be):
                           "seq-mean-token-mean", rollout_is_weights=w.to(dev), block_s=8)
     expected = ref_policy_loss(lp2, old, adv, mask, c=3.0, mode="seq-mean-token-mean", w=w)
     close(loss, torch.tensor(expected), 1e-5, 1e-5, what="loss")
+
+
+def test_padded_vocab_minus_inf_columns(be):
+    """megatron pads the vocabulary; the actor masks those columns to -inf: they must have
+    probability 0, gradient 0 and leave logprobs, entropy and grads of the real columns exact."""
+    backend, dev = be
+    real, padded = 45, 64
+    x, target = _logits(12, t=5, v=real)
+    full = torch.cat([x, torch.full((5, padded - real), float("-inf"))], dim=1)
+    xx = full.clone().to(dev).requires_grad_()
+    lp, ent = dispatch.vocab_parallel_logprobs(xx, target.to(dev), None, 0.9, True, backend=backend)
+    (lp.sum() + 0.7 * ent.sum()).backward()
+    x64 = x.double().requires_grad_()
+    rlp, rent = ref_logprobs_entropy(x64, target, 0.9)
+    (rlp.sum() + 0.7 * rent.sum()).backward()
+    close(lp, rlp, 1e-5, 1e-6, what="logprobs")
+    close(ent, rent, 1e-5, 1e-6, what="entropy")
+    close(xx.grad[:, :real], x64.grad, 1e-6, 1e-5, what="grad")
+    assert (xx.grad[:, real:] == 0).all()

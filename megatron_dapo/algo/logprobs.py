@@ -34,6 +34,10 @@ import torch.distributed as dist
 # 1 row per chunk is 25x slower than this, 13 rows 1.5x); the work memory stays constant in T.
 DEFAULT_CHUNK_ELEMENTS = 1 << 24
 
+# Floor for z = x - m: -inf logits (a padded vocabulary masked out) become a finite number whose
+# exp is still exactly 0, so e * z and p * (E[z] - z) stay 0 instead of 0 * inf = NaN.
+Z_FLOOR = -1e30
+
 
 @dataclass
 class ShardPartials:
@@ -100,11 +104,12 @@ def shard_partials_torch(
     for lo in range(0, n_tok, rows):
         hi = min(lo + rows, n_tok)
         x = load_chunk(bufs[0], logits, lo, hi, inv_temp)
-        m = x.amax(dim=-1)
+        m = x.amax(dim=-1).clamp_(min=Z_FLOOR)  # a shard row of only -inf has no max
         out[0][lo:hi] = m
         out[2][lo:hi] = x.gather(1, local_target[lo:hi, None]).squeeze(1) - m
         x.sub_(m[:, None])  # z_r = x - m_r
         if with_entropy:
+            x.clamp_(min=Z_FLOOR)
             e = torch.exp(x, out=bufs[1][: hi - lo])
             out[1][lo:hi] = e.sum(dim=-1)
             out[3][lo:hi] = e.mul_(x).sum(dim=-1)
@@ -152,7 +157,7 @@ def grad_logits_torch(
         p = torch.sub(z, stats.log_sum_exp[lo:hi, None], out=pbuf[: hi - lo]).exp_()
         if grad_entropy is not None:
             gh = grad_entropy[lo:hi].to(z.dtype)
-            z.neg_().add_(stats.mean_z[lo:hi, None]).mul_(p).mul_(gh[:, None])  # g_H p (E[z] - z)
+            z.clamp_(min=Z_FLOOR).neg_().add_(stats.mean_z[lo:hi, None]).mul_(p).mul_(gh[:, None])  # g_H p (E[z] - z)
         if grad_logprobs is not None:
             glp = grad_logprobs[lo:hi].to(p.dtype)
             p.mul_(-glp[:, None])
@@ -231,6 +236,7 @@ def vocab_parallel_logprobs(
     """Log-probabilities of `target_ids` under softmax(logits / temperature) over the whole vocabulary.
 
     logits_shard: [..., V_shard] this rank's vocabulary slice (any float dtype; bf16 is read as is).
+                  -inf entries (a padded vocabulary masked out) have probability 0 and grad 0.
     target_ids:   [...] global token ids. An id outside [0, V) (padding such as -100) gets
                   logprob 0 and passes no gradient back through it (its entropy is still real).
     tp_group:     the tensor-parallel process group the vocabulary is split over (equal slices in

@@ -47,7 +47,8 @@ def _logprob_fwd_kernel(
         m_new = tl.maximum(m, tl.max(x, axis=0))
         shift = m - m_new
         alpha = tl.exp(shift)
-        z = tl.where(valid, x - m_new, 0.0)  # finite everywhere, so e * z never forms 0 * inf
+        # finite everywhere (padding, -inf logits), so e * z never forms 0 * inf
+        z = tl.where(valid, tl.maximum(x - m_new, -1e30), 0.0)
         e = tl.where(valid, tl.exp(z), 0.0)
         if WITH_ENTROPY:
             # sum e^(x-m)(x-m) rescaled to the new max: alpha * (q + shift * s)
@@ -89,7 +90,7 @@ def _logprob_bwd_kernel(
     for start in range(0, n_cols, BLOCK):
         cols = start + offs
         valid = cols < n_cols
-        z = tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp - m
+        z = tl.maximum(tl.load(base + cols, mask=valid, other=0.0).to(tl.float32) * inv_temp - m, -1e30)
         p = tl.exp(z - lse)
         g = tl.zeros((BLOCK,), tl.float32)
         if HAS_GLP:
