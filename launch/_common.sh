@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Shared by the launchers in this directory (sourced, not run).
-# Provides: parse_staleness_args, run, repo_root; sets DRY_RUN, STALENESS, EXTRA (array).
+# Provides: parse_staleness_args, parse_dry_run, run, run_model_job; sets DRY_RUN, STALENESS, EXTRA (array).
 
 # shellcheck disable=SC2034  # DRY_RUN / STALENESS / EXTRA are read by the sourcing script
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -50,4 +50,21 @@ run() {
   if [[ $DRY_RUN -eq 0 ]]; then
     "$@"
   fi
+}
+
+# The body of the model launchers: plan, then train, with the staleness / cluster / data overrides.
+# Usage: run_model_job CONFIG DEFAULT_NNODES [fixed overrides ...]   (after parse_staleness_args)
+# Environment: NNODES, GPUS_PER_NODE (8), GPU_MEM_GIB (80), RAY_ADDRESS, MODEL_PATH, TRAIN_FILE, VAL_FILE.
+run_model_job() {
+  local config="$1" nnodes="${NNODES:-$2}" gpus="${GPUS_PER_NODE:-8}"
+  shift 2
+  local overrides=("algo.staleness=$STALENESS" "$@" "trainer.nnodes=$nnodes" "trainer.gpus_per_node=$gpus")
+  [[ -n "${RAY_ADDRESS:-}" ]] && overrides+=("trainer.ray_address=$RAY_ADDRESS")
+  [[ -n "${MODEL_PATH:-}" ]] && overrides+=("model.hf_path=$MODEL_PATH")
+  [[ -n "${TRAIN_FILE:-}" ]] && overrides+=("data.train_files=[$TRAIN_FILE]")
+  [[ -n "${VAL_FILE:-}" ]] && overrides+=("data.val_files=[$VAL_FILE]")
+  overrides+=("${EXTRA[@]}")
+  run "$MEGATRON_DAPO" plan "$config" --nodes "$nnodes" --gpus-per-node "$gpus" \
+    --gpu-mem-gib "${GPU_MEM_GIB:-80}" "${overrides[@]}"
+  run "$MEGATRON_DAPO" train --config "$config" "${overrides[@]}"
 }

@@ -12,16 +12,4 @@ set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/_common.sh"
 parse_staleness_args "$@"
 
-CONFIG="$REPO_ROOT/configs/qwen3/qwen2.5_3b_fsdp.yaml"
-NNODES="${NNODES:-1}"
-GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
-OVERRIDES=("algo.staleness=$STALENESS" "trainer.backend=fsdp2" "trainer.nnodes=$NNODES" "trainer.gpus_per_node=$GPUS_PER_NODE")
-[[ -n "${RAY_ADDRESS:-}" ]] && OVERRIDES+=("trainer.ray_address=$RAY_ADDRESS")
-[[ -n "${MODEL_PATH:-}" ]] && OVERRIDES+=("model.hf_path=$MODEL_PATH")
-[[ -n "${TRAIN_FILE:-}" ]] && OVERRIDES+=("data.train_files=[$TRAIN_FILE]")
-[[ -n "${VAL_FILE:-}" ]] && OVERRIDES+=("data.val_files=[$VAL_FILE]")
-OVERRIDES+=("${EXTRA[@]}")
-
-run "$MEGATRON_DAPO" plan "$CONFIG" --nodes "$NNODES" --gpus-per-node "$GPUS_PER_NODE" \
-  --gpu-mem-gib "${GPU_MEM_GIB:-80}" "${OVERRIDES[@]}"
-run "$MEGATRON_DAPO" train --config "$CONFIG" "${OVERRIDES[@]}"
+run_model_job "$REPO_ROOT/configs/qwen3/qwen2.5_3b_fsdp.yaml" 1 "trainer.backend=fsdp2"
