@@ -6,10 +6,11 @@ weight-update group with the bridge, then times
     pause/continue, the HTTP calls, every broadcast and the servers' loads into their models;
   * raw: one `broadcast` of a flat uint8 buffer of the same total bytes over the same process group,
     received by the same server processes (an update announcing one tensor the model does not have:
-    the server receives the whole buffer, as it must to keep the group in step, and loads nothing).
-ratio = bridge GB/s / raw GB/s (goal >= 0.8 on CPU gloo). Per-tensor mode can beat the raw broadcast:
-the embedded server receives each tensor straight into its (already resident) parameter, while one big
-fresh buffer pays first-touch page faults and cannot overlap transfers. After the syncs the servers' logprobs on a
+    the server receives the whole buffer into its reused flattened-bucket buffer, as it must to keep
+    the group in step, and loads nothing): the pure transfer cost.
+ratio = bridge GB/s / raw GB/s (goal >= 0.8 on CPU gloo). The bridge's extra costs are the HTTP round
+trips, per-tensor broadcasts and, in flattened mode, two copies (trainer staging, server unflatten).
+After the syncs the servers' logprobs on a
 probe are compared with the trainer's (max abs difference reported).
 
     python benchmarks/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--servers 2] [--bucket-mb 512]
