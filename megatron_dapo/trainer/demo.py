@@ -1,12 +1,12 @@
 """`megatron-dapo demo`: the whole DAPO loop on one CPU machine, in minutes.
 
 1. builds a character-level tokenizer and a tiny random Qwen3-shaped model (4 layers, hidden 64);
-2. writes a procedurally generated arithmetic task (a+b, a-b with operands 0..19) in the
+2. writes a procedurally generated arithmetic task (a+b, a-b with operands 0..29) in the
    DAPO-Math-17k schema, with a disjoint held-out split;
-3. a short supervised warm start on reference answers, so that some groups are informative. Half
-   of its answers are written in a second style ("So it is N.") that the DAPO rule does not accept
-   (no `Answer:` line): the warm model uses both styles, and DAPO has to learn from the reward
-   alone which one pays (and keeps the arithmetic it knows);
+3. a short supervised warm start on reference answers, so that some groups are informative. Three
+   quarters of its answers are written in a second style ("So it is N.") that the DAPO rule does not
+   accept (no `Answer:` line): the warm model mostly answers in the rejected style, and DAPO has to
+   learn from the reward alone which one pays (and keeps the arithmetic it knows);
 4. DAPO through the real stack: 2 embedded SGLang-compatible servers, a TP=2 megatron-core trainer
    on gloo, weight sync after every step, staleness 1, dynamic sampling, overlong shaping;
 5. prints held-out accuracy before and after, writes TensorBoard logs and PNG curves to the run dir.
@@ -23,8 +23,11 @@ from pathlib import Path
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
 
 
-def prepare(run_dir: Path, warm_steps: int, max_operand: int = 19, num_test: int = 100, seed: int = 0) -> dict:
-    """Tokenizer, tiny model (warm-started), train / held-out data under `run_dir`; returns their paths."""
+def prepare(run_dir: Path, warm_steps: int, max_operand: int = 29, num_test: int = 100, seed: int = 0,
+            rejected_fraction: float = 0.75) -> dict:
+    """Tokenizer, tiny model (warm-started), train / held-out data under `run_dir`; returns their paths.
+
+    `rejected_fraction` of the warm-start answers use the style the DAPO rule rejects."""
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.arithmetic import ArithmeticTask, answer_of, response_of, write_task
@@ -48,7 +51,7 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 19, num_test: int
 
         def reference(r):
             e = r["extra_info"]
-            if style.random() < 0.5:
+            if style.random() < rejected_fraction:
                 return f"So it is {answer_of(e['a'], e['op'], e['b'])}."
             return response_of(e["a"], e["op"], e["b"])
 
@@ -64,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default="runs/demo")
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--steps", type=int, default=30, help="DAPO steps")
-    p.add_argument("--warm-steps", type=int, default=300, help="supervised warm-start steps")
+    p.add_argument("--warm-steps", type=int, default=1000, help="supervised warm-start steps")
     p.add_argument("overrides", nargs="*", help="extra key.sub=value config overrides")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
