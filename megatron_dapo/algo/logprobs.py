@@ -176,38 +176,50 @@ def masked_grad(grad: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, grad, torch.zeros_like(grad))
 
 
+def shard_logprobs_forward(ctx, logits2d, target, tp_group, temperature, with_entropy, tuning, shard_partials):
+    """The forward shared by the torch and Triton autograd functions; they differ only in the
+    per-shard kernels (`shard_partials` here, the gradient kernel in the backward) and their tuning knob."""
+    ctx.set_materialize_grads(False)  # an unused output (often the entropy) costs no backward work
+    shape = target.shape
+    vocab = logits2d.shape[-1]
+    vocab_start, tp_world = shard_info(vocab, tp_group)
+    local_target, inside, valid = target_in_shard(target.reshape(-1), vocab_start, vocab, tp_world)
+    local_target = local_target.contiguous()
+    inv_temp = 1.0 / temperature
+    partials = shard_partials(logits2d, local_target, inside, inv_temp, with_entropy, tuning)
+    stats = merge_partials(partials, inside, tp_group)
+    ctx.save_for_backward(logits2d, local_target, inside, valid, stats.max, stats.log_sum_exp,
+                          stats.mean_z if with_entropy else stats.max)
+    ctx.meta = (shape + (vocab,), inv_temp, with_entropy, tuning)
+    logprobs = torch.where(valid, stats.logprobs, torch.zeros_like(stats.logprobs)).reshape(shape)
+    if with_entropy:
+        return logprobs, (stats.log_sum_exp - stats.mean_z).reshape(shape)
+    return logprobs, logprobs.new_empty(0)
+
+
+def shard_logprobs_backward(ctx, grad_logprobs, grad_entropy, grad_logits):
+    """The backward shared by the torch and Triton autograd functions (see shard_logprobs_forward)."""
+    logits2d, local_target, inside, valid, m, log_s, mean_z = ctx.saved_tensors
+    shape, inv_temp, with_entropy, tuning = ctx.meta
+    glp = None if grad_logprobs is None else masked_grad(grad_logprobs.reshape(-1), valid)
+    gh = grad_entropy.reshape(-1) if (with_entropy and grad_entropy is not None) else None
+    if glp is None and gh is None:
+        return None, None, None, None, None, None
+    stats = GlobalStats(m, log_s, None, mean_z if with_entropy else None)
+    grad = grad_logits(logits2d, local_target, inside, stats, inv_temp, glp, gh, tuning)
+    return grad.reshape(shape), None, None, None, None, None
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, temperature, with_entropy, chunk_elements):
-        ctx.set_materialize_grads(False)  # an unused output (often the entropy) costs no backward work
-        shape = target.shape
-        vocab = logits.shape[-1]
-        logits2d = logits.reshape(-1, vocab)
-        target1d = target.reshape(-1)
-        vocab_start, tp_world = shard_info(vocab, tp_group)
-        local_target, inside, valid = target_in_shard(target1d, vocab_start, vocab, tp_world)
-        inv_temp = 1.0 / temperature
-        partials = shard_partials_torch(logits2d, local_target, inside, inv_temp, with_entropy, chunk_elements)
-        stats = merge_partials(partials, inside, tp_group)
-        ctx.save_for_backward(logits2d, local_target, inside, valid, stats.max, stats.log_sum_exp,
-                              stats.mean_z if with_entropy else stats.max)
-        ctx.meta = (logits.shape, inv_temp, with_entropy, chunk_elements)
-        logprobs = torch.where(valid, stats.logprobs, torch.zeros_like(stats.logprobs)).reshape(shape)
-        if with_entropy:
-            return logprobs, (stats.log_sum_exp - stats.mean_z).reshape(shape)
-        return logprobs, logprobs.new_empty(0)
+        logits2d = logits.reshape(-1, logits.shape[-1])
+        return shard_logprobs_forward(ctx, logits2d, target, tp_group, temperature, with_entropy, chunk_elements,
+                                      shard_partials_torch)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits2d, local_target, inside, valid, m, log_s, mean_z = ctx.saved_tensors
-        shape, inv_temp, with_entropy, chunk_elements = ctx.meta
-        stats = GlobalStats(m, log_s, None, mean_z if with_entropy else None)
-        glp = None if grad_logprobs is None else masked_grad(grad_logprobs.reshape(-1), valid)
-        gh = grad_entropy.reshape(-1) if (with_entropy and grad_entropy is not None) else None
-        if glp is None and gh is None:
-            return None, None, None, None, None, None
-        grad = grad_logits_torch(logits2d, local_target, inside, stats, inv_temp, glp, gh, chunk_elements)
-        return grad.reshape(shape), None, None, None, None, None
+        return shard_logprobs_backward(ctx, grad_logprobs, grad_entropy, grad_logits_torch)
 
 
 def check_logprob_inputs(logits: torch.Tensor, target_ids: torch.Tensor, temperature: float) -> None:

@@ -20,10 +20,8 @@ from megatron_dapo.algo.logprobs import (
     ShardPartials,
     check_logprob_inputs,
     compute_dtype,
-    masked_grad,
-    merge_partials,
-    shard_info,
-    target_in_shard,
+    shard_logprobs_backward,
+    shard_logprobs_forward,
 )
 
 DEFAULT_BLOCK_V = 4096
@@ -135,35 +133,12 @@ def grad_logits_triton(logits2d, local_target, inside, stats: GlobalStats, inv_t
 class _TritonVocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, temperature, with_entropy, block_v):
-        ctx.set_materialize_grads(False)
-        shape = target.shape
-        vocab = logits.shape[-1]
-        logits2d = _rows(logits)
-        vocab_start, tp_world = shard_info(vocab, tp_group)
-        local_target, inside, valid = target_in_shard(target.reshape(-1), vocab_start, vocab, tp_world)
-        local_target = local_target.contiguous()
-        inv_temp = 1.0 / temperature
-        partials = shard_partials_triton(logits2d, local_target, inside, inv_temp, with_entropy, block_v)
-        stats = merge_partials(partials, inside, tp_group)
-        ctx.save_for_backward(logits2d, local_target, inside, valid, stats.max, stats.log_sum_exp,
-                              stats.mean_z if with_entropy else stats.max)
-        ctx.meta = (logits.shape, inv_temp, with_entropy, block_v)
-        logprobs = torch.where(valid, stats.logprobs, torch.zeros_like(stats.logprobs)).reshape(shape)
-        if with_entropy:
-            return logprobs, (stats.log_sum_exp - stats.mean_z).reshape(shape)
-        return logprobs, logprobs.new_empty(0)
+        return shard_logprobs_forward(ctx, _rows(logits), target, tp_group, temperature, with_entropy, block_v,
+                                      shard_partials_triton)
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
-        logits2d, local_target, inside, valid, m, lse, mean_z = ctx.saved_tensors
-        shape, inv_temp, with_entropy, block_v = ctx.meta
-        glp = None if grad_logprobs is None else masked_grad(grad_logprobs.reshape(-1), valid)
-        gh = grad_entropy.reshape(-1) if (with_entropy and grad_entropy is not None) else None
-        if glp is None and gh is None:
-            return None, None, None, None, None, None
-        stats = GlobalStats(m, lse, None, mean_z if with_entropy else None)
-        grad = grad_logits_triton(logits2d, local_target, inside, stats, inv_temp, glp, gh, block_v)
-        return grad.reshape(shape), None, None, None, None, None
+        return shard_logprobs_backward(ctx, grad_logprobs, grad_entropy, grad_logits_triton)
 
 
 def vocab_parallel_logprobs(
