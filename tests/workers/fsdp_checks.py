@@ -33,6 +33,8 @@ from megatron_dapo.runtime.distributed import destroy_distributed, init_distribu
 from megatron_dapo.trainer.batch import RolloutBatch
 from megatron_dapo.trainer.fsdp_actor import FSDPActor
 
+from actor_checks import make_batch  # a sibling worker: tests/workers is sys.path[0] when run as a script
+
 LR, EPS, CLIP, WD = 1e-3, 1e-4, 0.5, 0.1
 
 
@@ -54,25 +56,6 @@ def make_config(hf_dir, **algo) -> DapoConfig:
     for k, v in algo.items():
         setattr(cfg.algo, k, v)
     return cfg
-
-
-def make_batch(seed: int, n_groups: int = 3, group_size: int = 2, temperature: float = 1.0) -> RolloutBatch:
-    g = torch.Generator().manual_seed(seed)
-    ids, plen, rlen = [], [], []
-    for _ in range(n_groups * group_size):
-        p, r = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 14, (1,), generator=g))
-        ids.append(torch.randint(0, 256, (p + r,), generator=g).tolist())
-        plen.append(p)
-        rlen.append(r)
-    n = len(ids)
-    return RolloutBatch(
-        input_ids=ids, prompt_lengths=plen, response_lengths=rlen, advantages=torch.randn(n, generator=g),
-        rollout_logprobs=[[0.0] * r for r in rlen],
-        response_loss_mask=[0 if i == 1 else 1 for i in range(n)],  # one overlong-filtered sample
-        token_versions=[[0] * r for r in rlen],
-        group_index=torch.arange(n_groups).repeat_interleave(group_size),
-        temperature=temperature, step=0, prompt_indices=list(range(n_groups)),
-    )
 
 
 def hf_rows(model, batch: RolloutBatch, dtype=torch.float64) -> list[torch.Tensor]:
