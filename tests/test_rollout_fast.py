@@ -293,6 +293,46 @@ def test_loader_maps_per_expert_checkpoint_names_onto_fused_moe(tmp_path):
         loader.load([("model.layers.0.mlp.bogus.weight", torch.zeros(3))])
 
 
+def test_flattened_updates_are_received_straight_into_rehomed_parameters(tmp_path):
+    """The receive side of a flattened bucket, without the wire: write a bucket's bytes into the buffer the
+    server would receive into. The second update of a layout must land in the parameters by itself."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes
+    from megatron_dapo.rollout.embedded.weights import HFWeightLoader
+    from megatron_dapo.sync.buckets import Bucket, bucket_layout
+
+    dirs = [save_tiny_hf_model("qwen3_moe", tmp_path / f"m{i}", seed=i) for i in range(3)]
+    weights = [sorted(load_file(str(d / "model.safetensors")).items()) for d in dirs]
+    model = AutoModelForCausalLM.from_pretrained(dirs[0], dtype=torch.float32)
+    loader, homes = HFWeightLoader(model), FlatBucketHomes(HFWeightLoader(model))
+    layout = bucket_layout([n for n, _ in weights[1]], [t.dtype for _, t in weights[1]],
+                           [list(t.shape) for _, t in weights[1]])
+
+    def receive(named):
+        flat = homes.buffer(layout, "cpu")
+        Bucket(named).flatten(flat)  # what the broadcast writes
+        return flat, layout.unflatten(flat)
+
+    flat1, views = receive(weights[1])
+    homes.adopt(layout, flat1, views)
+    loader.load(views)
+    flat2, views = receive(weights[2])
+    assert flat2 is flat1
+    norm = dict(model.named_parameters())["model.norm.weight"]
+    assert flat1.data_ptr() <= norm.data_ptr() < flat1.data_ptr() + flat1.numel()
+    torch.testing.assert_close(norm, dict(weights[2])["model.norm.weight"], atol=0, rtol=0)  # before any load
+    loader.load(views)  # copies only what could not be re-homed: the experts' slices of the fused tensors
+    reference = AutoModelForCausalLM.from_pretrained(dirs[2], dtype=torch.float32).state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, reference[k], atol=0, rtol=0, msg=k)
+    experts = [k for k, v in model.named_parameters() if "experts" in k]
+    assert experts and all(not (flat1.data_ptr() <= dict(model.named_parameters())[k].data_ptr()
+                                < flat1.data_ptr() + flat1.numel()) for k in experts)
+
+
 # ---- buckets ------------------------------------------------------------------------------------
 
 def test_buckets_bound_size_and_flat_layout_round_trips():

@@ -81,7 +81,10 @@ def _max_diff(a, b):
 def test_sync_makes_servers_match_the_trainer(servers, ckpts, tmp_path, mode):
     urls = [s.url for s in servers["q3"]]
     target = ckpts["q3_b"] if mode == "per_tensor" else ckpts["q3_c"]
-    extra = ["--versions", "1,2"] if mode == "per_tensor" else ["--versions", "3", "--flatten", "--bucket-mb", "0.2"]
+    # flattened: the first sync re-homes the servers' parameters into their receive buffers, the second
+    # (other weights, same bucket layout) is received straight into them
+    extra = (["--versions", "1,2"] if mode == "per_tensor" else
+             ["--first-ckpt", str(ckpts["q3_b"]), "--versions", "3", "--flatten", "--bucket-mb", "0.2"])
     res = _worker(tmp_path / "out.json", target, urls, *extra)
     assert res["max_diff"] < 1e-4
     for st in res["stats"]:

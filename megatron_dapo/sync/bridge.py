@@ -7,7 +7,7 @@ and only trainer rank 0 talks to servers. On rank 0 the tensors are grouped into
 `bucket_mb`; for each bucket, `/update_weights_from_distributed` is posted to every server at once,
 then rank 0 broadcasts the bucket's tensors (one broadcast each, or with `flatten_bucket` one flat
 uint8 buffer in SGLang's `flattened_bucket` layout) over the weight-update group, then the answers
-are awaited. The last bucket carries `weight_version` and `flush_cache`, so a server reports the new
+are awaited; meanwhile the next bucket is produced and staged. The last bucket carries `weight_version` and `flush_cache`, so a server reports the new
 version only once all of it is loaded. With `pause_generation`, the servers are paused (mode
 `pause_mode`, default in_place) before the first bucket and continued after the last; without it a
 server finishes its in-flight requests before loading, as SGLang does.
@@ -83,6 +83,15 @@ class _LoopThread:
         self.loop.close()
 
 
+@dataclass
+class _InFlight:
+    """One bucket on its way: the servers' pending HTTP answers and the running broadcasts."""
+
+    answers: "asyncio.Future"
+    works: list
+    payload: list[torch.Tensor]  # kept alive until the broadcasts complete
+
+
 def _is_sender() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -119,7 +128,7 @@ class WeightSyncBridge:
         self.api_key = api_key
         self.sender = _is_sender()
         self.pg = None
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor | None] = [None, None]
         self._loop: _LoopThread | None = None
         self.clients: list[SGLangClient] = []
 
@@ -170,7 +179,7 @@ class WeightSyncBridge:
                 log.warning("destroy_weights_update_group failed: %s", e)
             wgroup.destroy_weight_update_group(self.pg)
             self.pg = None
-        self._staging = None
+        self._staging = [None, None]
         if self._loop is not None:
             async def close_clients():
                 await asyncio.gather(*(c.aclose() for c in self.clients))
@@ -192,24 +201,31 @@ class WeightSyncBridge:
         t0 = time.perf_counter()
         paused = False
         n_tensors = n_bytes = n_buckets = 0
+        inflight: _InFlight | None = None
         try:
             if self.cfg.pause_generation:
                 self._all("pause_generation", self.pause_mode)
                 paused = True
             present = ((n, t) for n, t in named_tensors if t is not None)
-            pending: Bucket | None = None
-            for bucket in iter_buckets(present, bucket_bytes, aligned=self.cfg.flatten_bucket):
-                if pending is not None:  # one bucket of look-ahead: the last one carries the version
-                    self._send_bucket(pending, None)
-                    n_buckets += 1
-                pending = bucket
+            # Pipelined: while bucket i is on the wire, bucket i+1 is produced (the export's gathers)
+            # and staged (device copy, flattening); its update is posted only once bucket i is answered,
+            # so every server sees the updates in order.
+            for i, bucket in enumerate(iter_buckets(present, bucket_bytes, aligned=self.cfg.flatten_bucket)):
+                payload = self._stage(bucket, slot=i % 2)
+                if inflight is not None:
+                    self._finish(inflight)
+                # the last bucket carries the version: a server reports it only once all of it is loaded
+                inflight = self._start(bucket, payload, version if bucket.last else None)
                 n_tensors += len(bucket.tensors)
                 n_bytes += bucket.nbytes
-            if pending is None:
+                n_buckets += 1
+            if inflight is None:
                 raise WeightSyncError("sync(): the weight iterator yielded no tensors")
-            self._send_bucket(pending, version)
-            n_buckets += 1
+            self._finish(inflight)
+            inflight = None
         finally:
+            if inflight is not None:  # failed mid-bucket: do not leave broadcasts or posts running unseen
+                self._abandon(inflight)
             if paused:
                 self._all("continue_generation")
         stats = SyncStats(version, n_tensors, n_bytes, n_buckets, time.perf_counter() - t0)
@@ -222,7 +238,15 @@ class WeightSyncBridge:
             return await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients))
         return self._loop.run(go(), self.timeout_s)
 
-    def _send_bucket(self, bucket: Bucket, version: str | None) -> None:
+    def _stage(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
+        """What goes on the wire for `bucket`: its tensors on the broadcast device, or one flat buffer."""
+        if not self.cfg.flatten_bucket:
+            return [t.to(self.device).contiguous() for _, t in bucket.tensors]
+        if any(t.device != self.device for _, t in bucket.tensors):
+            bucket.tensors = [(n, t.to(self.device)) for n, t in bucket.tensors]
+        return [bucket.flatten(self._staging_for(bucket.nbytes, slot))]
+
+    def _start(self, bucket: Bucket, payload: list[torch.Tensor], version: str | None) -> "_InFlight":
         last = version is not None
 
         async def post_all():
@@ -233,15 +257,14 @@ class WeightSyncBridge:
                 for c in self.clients))
 
         answers = self._loop.submit(post_all())
-        if self.cfg.flatten_bucket:
-            works = [wgroup.broadcast(bucket.flatten(self._staging_for(bucket.nbytes, bucket)), self.pg,
-                                      async_op=True)]
-        else:
-            works = [wgroup.broadcast(t.to(self.device).contiguous(), self.pg, async_op=True)
-                     for _, t in bucket.tensors]
+        works = [wgroup.broadcast(t, self.pg, async_op=True) for t in payload]
+        return _InFlight(answers, works, payload)
+
+    def _finish(self, inflight: "_InFlight") -> None:
         # Watch the HTTP answers while the broadcasts run: a server that refused the update will never
         # join the broadcast, and waiting on it would hang until the group's timeout.
         deadline = time.monotonic() + self.timeout_s
+        answers, works = inflight.answers, inflight.works
         while not all(w.is_completed() for w in works):
             if answers.done() and answers.exception() is not None:
                 raise WeightSyncError(f"a server refused a weight update: {answers.exception()}")
@@ -255,14 +278,22 @@ class WeightSyncBridge:
         except SGLangError as e:
             raise WeightSyncError(f"weight update failed: {e}") from e
 
-    def _staging_for(self, nbytes: int, bucket: Bucket) -> torch.Tensor:
-        """A reused flat buffer on the broadcast device: no fresh allocation (and page faults) per bucket."""
-        if self._staging is None or self._staging.numel() < nbytes:
-            self._staging = torch.empty(max(nbytes, int(self.cfg.bucket_mb * 1024 * 1024)), dtype=torch.uint8,
-                                        device=self.device)
-        if any(t.device != self.device for _, t in bucket.tensors):
-            bucket.tensors = [(n, t.to(self.device)) for n, t in bucket.tensors]
-        return self._staging
+    @staticmethod
+    def _abandon(inflight: "_InFlight") -> None:
+        try:
+            inflight.answers.result(5)
+        except Exception as e:
+            log.warning("weight update abandoned after an error: %s", e)
+
+    def _staging_for(self, nbytes: int, slot: int) -> torch.Tensor:
+        """Reused flat buffers on the broadcast device (two, so bucket i+1 is flattened while bucket i is
+        on the wire): no fresh allocation, and no page faults, per bucket."""
+        buf = self._staging[slot]
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(max(nbytes, int(self.cfg.bucket_mb * 1024 * 1024)), dtype=torch.uint8,
+                              device=self.device)
+            self._staging[slot] = buf
+        return buf
 
     # ---- verification --------------------------------------------------------------------------
     def server_logprobs(self, probe_ids: Sequence[int]) -> list[list[float]]:

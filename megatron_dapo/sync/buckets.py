@@ -50,6 +50,7 @@ def bucket_layout(names, dtypes, shapes) -> FlatLayout:
 @dataclass
 class Bucket:
     tensors: list[tuple[str, torch.Tensor]]
+    last: bool = False  # no tensor follows this bucket in its stream
 
     @property
     def names(self) -> list[str]:
@@ -82,6 +83,8 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     """Consecutive tensors, at most `bucket_bytes` per bucket (a bigger tensor gets a bucket alone).
 
     aligned=True also closes a bucket before a tensor whose flat offset would be misaligned.
+    A bucket is yielded as soon as the first tensor of the next one arrives (or the stream ends, and
+    then it is marked `last`), so a consumer holds at most one bucket plus one tensor.
     """
     cur: list[tuple[str, torch.Tensor]] = []
     size = 0
@@ -96,4 +99,4 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         cur.append((name, t))
         size += nbytes
     if cur:
-        yield Bucket(cur)
+        yield Bucket(cur, last=True)

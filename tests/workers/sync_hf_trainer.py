@@ -1,7 +1,8 @@
 """A plain torch trainer process holding an HF model; syncs its weights into embedded servers.
 
-usage: sync_hf_trainer.py OUT_JSON CKPT_DIR URL [URL ...] [--flatten] [--bucket-mb X] [--version V]
-       [--api-key K] [--pause | --no-pause]
+usage: sync_hf_trainer.py OUT_JSON CKPT_DIR URL [URL ...] [--flatten] [--bucket-mb X] [--versions V,...]
+       [--first-ckpt DIR] [--api-key K] [--no-pause]
+--first-ckpt syncs that checkpoint first (version "first"), so the later syncs overwrite other weights.
 Reads the checkpoint's tensors (HF on-disk names, per-expert for MoE) as the named-tensor stream,
 syncs them, then writes its own logprobs of a probe (from transformers' model of the same checkpoint,
 the independent reference) and the servers' to OUT_JSON.
@@ -28,6 +29,7 @@ def main():
     p.add_argument("--flatten", action="store_true")
     p.add_argument("--bucket-mb", type=float, default=0.05)
     p.add_argument("--versions", default="1")
+    p.add_argument("--first-ckpt")
     p.add_argument("--api-key")
     p.add_argument("--no-pause", action="store_true")
     p.add_argument("--ready-file", help="touched once the group is formed")
@@ -42,10 +44,10 @@ def main():
         logits = model(torch.tensor([probe])).logits[0].double()
     ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
 
-    def named():
-        files = sorted(f for f in os.listdir(a.ckpt) if f.endswith(".safetensors"))
+    def named(ckpt=a.ckpt):
+        files = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
         for f in files:
-            with safe_open(os.path.join(a.ckpt, f), "pt") as s:
+            with safe_open(os.path.join(ckpt, f), "pt") as s:
                 for k in s.keys():
                     yield k, s.get_tensor(k)
 
@@ -61,6 +63,8 @@ def main():
                 raise TimeoutError(f"{a.go_file} never appeared")
             time.sleep(0.01)
     stats = []
+    if a.first_ckpt:
+        bridge.sync(named(a.first_ckpt), version="first")
     for v in a.versions.split(","):
         s = bridge.sync(named(), version=v)
         stats.append({"version": s.version, "tensors": s.num_tensors, "bytes": s.nbytes, "buckets": s.num_buckets,

@@ -31,7 +31,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
-from megatron_dapo.rollout.embedded.weight_receiver import receive
+from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, receive
 from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
 from megatron_dapo.runtime.net import LOOPBACK
 from megatron_dapo.sync import group as wgroup
@@ -111,6 +111,7 @@ class EmbeddedServer:
         self.api_key = api_key
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._recv_buffer: torch.Tensor | None = None
+        self.homes = FlatBucketHomes(self.loader)
         self.app = self._build_app()
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -132,17 +133,19 @@ class EmbeddedServer:
             finally:
                 await self.gate.release_write()
 
-    def _flat_buffer(self, nbytes: int) -> torch.Tensor:
-        """Receive buffer for flattened buckets, kept between updates on the CPU (where memory is cheap
-        and a fresh buffer costs a page fault per 4 KiB); fresh each time on a GPU, as SGLang does."""
+    def _scratch_buffer(self, layout) -> torch.Tensor:
+        """Receive buffer for a flattened bucket that will not be loaded (a refused update must still take
+        its bytes off the wire): kept between such updates on the CPU, fresh on a GPU."""
         if self.engine.device.type != "cpu":
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.engine.device)
-        if self._recv_buffer is None or self._recv_buffer.numel() < nbytes:
-            self._recv_buffer = torch.empty(nbytes, dtype=torch.uint8)
-        return self._recv_buffer[:nbytes]
+            return torch.empty(layout.nbytes, dtype=torch.uint8, device=self.engine.device)
+        if self._recv_buffer is None or self._recv_buffer.numel() < layout.nbytes:
+            self._recv_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
+        return self._recv_buffer[:layout.nbytes]
 
-    def _load(self, named, weight_version):
+    def _load(self, named, weight_version, home=None):
         with self.engine.step_lock:
+            if home is not None:
+                self.homes.adopt(*home, named)
             self.loader.load(named)
             if weight_version is not None:
                 self.engine.set_weight_version(weight_version)
@@ -337,12 +340,20 @@ class EmbeddedServer:
                 ok = dst.dtype == dtype and dst.is_contiguous() and dst.device == eng.device
                 return dst if ok else None
 
+            received = []  # (layout, flat) of a flattened bucket meant for the model
+
+            def flat_buffer(layout):
+                if problem is not None:
+                    return self._scratch_buffer(layout)
+                received.append((layout, self.homes.buffer(layout, eng.device)))
+                return received[-1][1]
+
             def run():
                 named = receive(pg, body.names, body.dtypes, body.shapes, eng.device,
                                 flattened=body.load_format == "flattened_bucket",
-                                into=into if problem is None else None, flat_buffer=self._flat_buffer)
+                                into=into if problem is None else None, flat_buffer=flat_buffer)
                 if problem is None:
-                    self._load(named, body.weight_version)
+                    self._load(named, body.weight_version, home=received[0] if received else None)
 
             try:
                 await self._exclusive(run)

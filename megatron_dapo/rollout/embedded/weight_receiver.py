@@ -27,13 +27,13 @@ def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None,
 
     `into(name, dtype, shape)` may return the model's own tensor to receive straight into (same dtype,
     contiguous): such tensors are loaded by the broadcast itself and not returned.
-    `flat_buffer(nbytes)` may supply the uint8 receive buffer of a flattened bucket.
+    `flat_buffer(layout)` may supply the uint8 receive buffer of a flattened bucket.
     """
     dts = [torch_dtype(d) for d in dtypes]
     if flattened:
         layout = bucket_layout(names, dts, shapes)
         if flat_buffer is not None:
-            flat = flat_buffer(layout.nbytes)
+            flat = flat_buffer(layout)
         else:
             flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         wgroup.broadcast(flat, pg)
@@ -48,3 +48,45 @@ def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None,
     for w in works:
         w.wait()
     return out
+
+
+class FlatBucketHomes:
+    """Zero-copy flattened updates: parameters re-homed into the receive buffer of the bucket carrying them.
+
+    SGLang receives a flattened bucket into a fresh buffer and copies every tensor into the model. Here
+    the first update with a given layout does the same, and then every parameter the bucket covers
+    whole (same dtype, device and shape; not one expert's slice of a fused tensor) is pointed at its
+    slice of that buffer, so later updates with the same layout (every sync of a run) are received
+    straight into the parameters. Steady-state memory is unchanged: the buffer is those parameters'
+    storage. Only touch it with generation stopped (paused, or drained by the update gate).
+    """
+
+    def __init__(self, loader):
+        self.loader = loader  # megatron_dapo.rollout.embedded.weights.HFWeightLoader
+        self._homes: dict[tuple, torch.Tensor] = {}
+
+    @staticmethod
+    def _key(layout) -> tuple:
+        return tuple(zip(layout.names, map(str, layout.dtypes), map(tuple, layout.shapes)))
+
+    def buffer(self, layout, device) -> torch.Tensor:
+        """The bucket's home if it has one (receiving into it loads the parameters), else a new buffer."""
+        flat = self._homes.get(self._key(layout))
+        if flat is None or flat.device != torch.device(device):
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+        return flat
+
+    def adopt(self, layout, flat: torch.Tensor, named) -> None:
+        """Make `flat` (just received, `named` its views) the home of the parameters it covers whole."""
+        key = self._key(layout)
+        if self._homes.get(key) is flat:
+            return
+        names = set(layout.names)
+        for old in [k for k in self._homes if any(n in names for n, _, _ in k)]:
+            del self._homes[old]  # its parameters move here; the old buffer goes with its last view
+        for name, view in named:
+            dst, mem_name = self.loader.target(name)
+            param = self.loader.params[mem_name]
+            if dst is param and (param.dtype, param.device, param.shape) == (view.dtype, view.device, view.shape):
+                param.data = view
+        self._homes[key] = flat
