@@ -193,6 +193,80 @@ def test_pause_in_place_holds_requests_and_abort_by_rid(servers):
         assert len(s.logprobs) == len(s.output_ids)
 
 
+def _sglang_flattened_payload(named, monkeypatch):
+    """Pickle a flattened bucket exactly as SGLang 0.5.23's senders do (srt/weight_sync/tensor_bucket.py),
+    without SGLang: a dataclass with its fields, registered under its module and class name."""
+    import dataclasses
+    import sys
+    import types
+
+    from megatron_dapo.rollout.embedded.tensor_payload import forking_dumps
+
+    mod = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+    meta_cls = dataclasses.make_dataclass("FlattenedTensorMetadata", [
+        ("name", str), ("shape", torch.Size), ("dtype", torch.dtype), ("start_idx", int), ("end_idx", int),
+        ("numel", int)])
+    meta_cls.__module__ = mod.__name__
+    mod.FlattenedTensorMetadata = meta_cls
+    for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", mod.__name__):
+        monkeypatch.setitem(sys.modules, name, sys.modules.get(name) or types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    flats, metadata, start = [], [], 0
+    for name, t in named:  # what FlattenedTensorBucket(named_tensors=...) computes
+        flat = t.flatten().view(torch.uint8)
+        metadata.append(meta_cls(name, t.shape, t.dtype, start, start + flat.numel(), flat.numel()))
+        flats.append(flat)
+        start += flat.numel()
+    return forking_dumps({"flattened_tensor": torch.cat(flats), "metadata": metadata})
+
+
+def test_update_weights_from_tensor_loads_sglang_payloads_and_refuses_code(model_dir, tmp_path, monkeypatch):
+    import pickle
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.embedded.tensor_payload import serialize_named_tensors
+    from megatron_dapo.rollout.launcher import start_servers
+
+    new_dir = save_tiny_hf_model("qwen3", tmp_path / "new", seed=1)
+    new = sorted(load_file(str(new_dir / "model.safetensors")).items())
+    half = len(new) // 2
+    probe = [(5 * i) % 200 + 1 for i in range(16)]
+    want = _reference_logprobs(AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval(),
+                               probe[:1], probe[1:], 1.0)
+    server = embedded_server(str(model_dir), tmp_path / "server.log", api_key=KEY)
+    start_servers([server], timeout_s=120)
+    try:
+        async def go():
+            async with _client(server.url) as c:  # its bodies are checked for conformance below too
+                before = await c.prompt_logprobs(probe)
+                await c.update_weights_from_tensor([serialize_named_tensors(new[:half])], weight_version="t1")
+                await c.update_weights_from_tensor([_sglang_flattened_payload(new[half:], monkeypatch)],
+                                                   load_format="flattened_bucket", weight_version="t2")
+                after = await c.prompt_logprobs(probe)
+                version = (await c.get_model_info())["weight_version"]
+                errors = []
+                for bad in (pickle.dumps(print), b"cos\nsystem\n(S'true'\ntR.",
+                            pickle.dumps([("model.norm.weight", torch.load)])):
+                    with pytest.raises(SGLangHTTPError) as e:
+                        await c.update_weights_from_tensor([bad])
+                    errors.append(str(e.value))
+                with pytest.raises(SGLangHTTPError, match="one TP rank, got 2"):
+                    await c.update_weights_from_tensor([serialize_named_tensors(new[:1])] * 2)
+                return before, after, version, errors, await c.prompt_logprobs(probe)
+
+        before, after, version, errors, unchanged = asyncio.run(go())
+    finally:
+        server.stop()
+    assert max(abs(a - b) for a, b in zip(before, want)) > 1e-2  # the update has something to change
+    assert max(abs(a - b) for a, b in zip(after, want)) < 1e-4
+    assert version == "t2" and unchanged == after  # refused payloads changed nothing
+    assert "builtins.print is not allowed" in errors[0] and "os.system is not allowed" in errors[1]
+    assert "torch.serialization.load is not allowed" in errors[2]
+
+
 def test_killed_server_requests_complete_on_the_other_then_it_comes_back(servers, model_dir, tmp_path):
     survivor = servers[0]
     victim = embedded_server(str(model_dir), tmp_path / "victim.log", api_key=KEY).start(timeout_s=120)

@@ -85,7 +85,9 @@ def test_sync_makes_servers_match_the_trainer(servers, ckpts, tmp_path, mode):
     # (other weights, same bucket layout) is received straight into them
     extra = (["--versions", "1,2"] if mode == "per_tensor" else
              ["--first-ckpt", str(ckpts["q3_b"]), "--versions", "3", "--flatten", "--bucket-mb", "0.2"])
-    res = _worker(tmp_path / "out.json", target, urls, *extra)
+    res = _worker(tmp_path / "out.json", target, urls, "--bad-name-first", *extra)
+    # an update naming a tensor the servers lack fails with its name, and leaves the group usable
+    assert "model.layers.0.mlp.bogus_proj.weight" in res["bad_name_error"]
     assert res["max_diff"] < 1e-4
     for st in res["stats"]:
         assert st["tensors"] == 47 and st["buckets"] > 1

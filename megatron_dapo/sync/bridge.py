@@ -20,6 +20,7 @@ server finishes its in-flight requests before loading, as SGLang does.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -261,22 +262,17 @@ class WeightSyncBridge:
         return _InFlight(answers, works, payload)
 
     def _finish(self, inflight: "_InFlight") -> None:
-        # Watch the HTTP answers while the broadcasts run: a server that refused the update will never
-        # join the broadcast, and waiting on it would hang until the group's timeout.
-        deadline = time.monotonic() + self.timeout_s
-        answers, works = inflight.answers, inflight.works
-        while not all(w.is_completed() for w in works):
-            if answers.done() and answers.exception() is not None:
-                raise WeightSyncError(f"a server refused a weight update: {answers.exception()}")
-            if time.monotonic() > deadline:
-                raise WeightSyncError(f"weight broadcast did not complete in {self.timeout_s}s")
-            time.sleep(0.0005)
-        for w in works:
-            w.wait()
+        # A server answers only once it has received (and loaded) the whole bucket, so waiting for the
+        # answers waits for the broadcasts without polling them; and a server that refused the update,
+        # and so never joins the broadcast, surfaces here instead of leaving us blocked in it.
         try:
-            answers.result(self.timeout_s)
+            inflight.answers.result(self.timeout_s)
         except SGLangError as e:
-            raise WeightSyncError(f"weight update failed: {e}") from e
+            raise WeightSyncError(f"a server refused or failed a weight update: {e}") from e
+        except concurrent.futures.TimeoutError as e:
+            raise WeightSyncError(f"no answer to a weight update in {self.timeout_s}s") from e
+        for w in inflight.works:
+            w.wait()
 
     @staticmethod
     def _abandon(inflight: "_InFlight") -> None:

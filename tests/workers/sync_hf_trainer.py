@@ -3,6 +3,7 @@
 usage: sync_hf_trainer.py OUT_JSON CKPT_DIR URL [URL ...] [--flatten] [--bucket-mb X] [--versions V,...]
        [--first-ckpt DIR] [--api-key K] [--no-pause]
 --first-ckpt syncs that checkpoint first (version "first"), so the later syncs overwrite other weights.
+--bad-name-first first tries a sync with one extra tensor no server has; its error goes to OUT_JSON.
 Reads the checkpoint's tensors (HF on-disk names, per-expert for MoE) as the named-tensor stream,
 syncs them, then writes its own logprobs of a probe (from transformers' model of the same checkpoint,
 the independent reference) and the servers' to OUT_JSON.
@@ -18,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from megatron_dapo.config.schema import SyncConfig
-from megatron_dapo.sync.bridge import WeightSyncBridge
+from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError
 
 
 def main():
@@ -30,6 +31,7 @@ def main():
     p.add_argument("--bucket-mb", type=float, default=0.05)
     p.add_argument("--versions", default="1")
     p.add_argument("--first-ckpt")
+    p.add_argument("--bad-name-first", action="store_true")
     p.add_argument("--api-key")
     p.add_argument("--no-pause", action="store_true")
     p.add_argument("--ready-file", help="touched once the group is formed")
@@ -62,7 +64,13 @@ def main():
             if time.time() > deadline:
                 raise TimeoutError(f"{a.go_file} never appeared")
             time.sleep(0.01)
-    stats = []
+    stats, bad_name_error = [], None
+    if a.bad_name_first:
+        bogus = ("model.layers.0.mlp.bogus_proj.weight", torch.ones(8, 8))
+        try:
+            bridge.sync([*named(), bogus], version="bogus")
+        except WeightSyncError as e:
+            bad_name_error = str(e)
     if a.first_ckpt:
         bridge.sync(named(a.first_ckpt), version="first")
     for v in a.versions.split(","):
@@ -73,7 +81,7 @@ def main():
     server_lps = bridge.server_logprobs(probe)
     bridge.close()
     with open(a.out, "w") as f:
-        json.dump({"stats": stats, "max_diff": diff, "probe": probe, "trainer": ref.tolist(), "servers": server_lps}, f)
+        json.dump({"stats": stats, "bad_name_error": bad_name_error, "max_diff": diff, "probe": probe, "trainer": ref.tolist(), "servers": server_lps}, f)
     print("sync worker done", stats, diff)
     return 0
 

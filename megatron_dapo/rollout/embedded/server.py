@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
-import io
 import logging
 import os
-import pickle
 import secrets
 import time
 import uuid
@@ -31,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
 from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, receive
 from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
 from megatron_dapo.runtime.net import LOOPBACK
@@ -79,27 +78,6 @@ class _UpdateGate:
         async with self.cond:
             self.writer = False
             self.cond.notify_all()
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles (name, tensor) lists only: torch's rebuild functions, nothing else executable."""
-
-    def find_class(self, module, name):
-        if module.split(".")[0] in ("torch", "collections") or (module, name) in {
-            ("builtins", "tuple"), ("builtins", "list"), ("builtins", "dict"), ("builtins", "getattr"),
-            ("multiprocessing.resource_sharer", "DupFd"), ("multiprocessing.reduction", "rebuild_fd"),
-        }:
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in serialized_named_tensors")
-
-
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
-    """What SGLang's MultiprocessingSerializer.serialize produces (ForkingPickler; same host only)."""
-    from torch.multiprocessing.reductions import ForkingPickler
-
-    buf = io.BytesIO()
-    ForkingPickler(buf).dump(named)
-    return buf.getvalue()
 
 
 class EmbeddedServer:
@@ -368,16 +346,14 @@ class EmbeddedServer:
 
         @app.post("/update_weights_from_tensor")
         async def update_tensor(body: S.UpdateTensorIn):
+            if len(body.serialized_named_tensors) != 1:
+                return JSONResponse({"success": False, "message": "serialized_named_tensors: this server has one TP "
+                                     f"rank, got {len(body.serialized_named_tensors)} entries"}, 400)
             if body.abort_all_requests:
                 await asyncio.to_thread(eng.abort, None, True)
             try:
                 raw = base64.b64decode(body.serialized_named_tensors[0], validate=True)
-                payload = _SafeUnpickler(io.BytesIO(raw)).load()
-                if body.load_format == "flattened_bucket":
-                    flat, meta = payload["flattened_tensor"], payload["metadata"]
-                    named = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in meta]
-                else:
-                    named = [(str(n), t) for n, t in payload]
+                named = load_named_tensors(raw, flattened=body.load_format == "flattened_bucket")
             except Exception as e:
                 return JSONResponse({"success": False,
                                      "message": f"serialized_named_tensors: cannot deserialize ({e})"}, 400)
