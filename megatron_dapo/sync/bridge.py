@@ -225,7 +225,7 @@ class WeightSyncBridge:
             self._finish(inflight)
             inflight = None
         finally:
-            if inflight is not None:  # failed mid-bucket: do not leave broadcasts or posts running unseen
+            if inflight is not None and not inflight.answers.done():  # failed while a bucket was on its way
                 self._abandon(inflight)
             if paused:
                 self._all("continue_generation")
