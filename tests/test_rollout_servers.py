@@ -21,12 +21,9 @@ KEY = "test-secret"
 SENT: list[tuple[str, dict]] = []  # every body the client and router sent in this module
 
 
-async def _record(request: httpx.Request):
-    if request.method in ("POST", "PUT"):
-        SENT.append((request.url.path, json.loads(request.content) if request.content else {}))
-
-
-HOOKS = {"request": [_record]}
+def _record(method: str, path: str, body: dict | None):
+    if method in ("POST", "PUT"):
+        SENT.append((path, json.loads(json.dumps(body)) if body is not None else {}))  # as it goes on the wire
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +49,7 @@ def servers(model_dir, tmp_path_factory):
 
 
 def _client(url, **kw):
-    return SGLangClient(url, api_key=KEY, event_hooks=HOOKS, **kw)
+    return SGLangClient(url, api_key=KEY, request_hook=_record, **kw)
 
 
 def _reference_logprobs(model, prompt, output, temperature):
@@ -67,7 +64,7 @@ def test_router_groups_are_sticky_and_logprobs_match_hf(servers, hf_model):
     sp = SamplingParams(temperature=0.8, top_p=0.95, top_k=50, max_new_tokens=10, n=4)
 
     async def go():
-        async with Router([s.url for s in servers], api_key=KEY, client_kwargs={"event_hooks": HOOKS}) as r:
+        async with Router([s.url for s in servers], api_key=KEY, client_kwargs={"request_hook": _record}) as r:
             return [g async for g in r.generate_groups(prompts, sp)]
 
     groups = asyncio.run(go())
@@ -275,7 +272,7 @@ def test_killed_server_requests_complete_on_the_other_then_it_comes_back(servers
     try:
         async def go():
             r = Router([victim.url, survivor.url], api_key=KEY, health_interval_s=0.2, recover_after=2,
-                       client_kwargs={"event_hooks": HOOKS})
+                       client_kwargs={"request_hook": _record})
             async with r:
                 vstate = r.servers[0]
                 gen = r.generate_groups(prompts, sp)

@@ -1,6 +1,6 @@
 """Rollout side: SGLang client and launcher, the embedded SGLang-compatible server, the router.
 
-Light to import (httpx only); the embedded server and its torch/transformers engine load on use.
+Light to import (aiohttp only); the embedded server and its torch/transformers engine load on use.
 """
 
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangError, SGLangHTTPError

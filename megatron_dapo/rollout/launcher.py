@@ -14,10 +14,10 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
@@ -110,21 +110,22 @@ class ServerProcess:
 
     def wait_healthy(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with httpx.Client(trust_env=False) as http:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode} during "
-                                       f"start-up; log {self.log_path}:\n{self.log_tail()}")
-                try:
-                    if http.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+        no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never via a proxy
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode} during "
+                                   f"start-up; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                with no_proxy.open(f"{self.url}/health", timeout=2.0) as resp:
+                    if resp.status == 200:
                         return
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    self.stop()
-                    raise TimeoutError(f"server on port {self.port} not healthy after {timeout_s}s; "
-                                       f"log {self.log_path}:\n{self.log_tail()}")
-                time.sleep(0.2)
+            except OSError:  # refused, reset, timed out, or an HTTP error status (urllib's HTTPError)
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server on port {self.port} not healthy after {timeout_s}s; "
+                                   f"log {self.log_path}:\n{self.log_tail()}")
+            time.sleep(0.2)
 
     def move_to_port(self, port: int) -> None:
         """Re-point a stopped server's command line at another port (its --port flag)."""

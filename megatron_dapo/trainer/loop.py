@@ -33,7 +33,6 @@ from megatron_dapo.trainer.metrics import MetricsWriter, response_metrics, stale
 from megatron_dapo.trainer.rollout_side import BatchInfo, ProducerSettings, RolloutProducer
 
 log = logging.getLogger(__name__)
-logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
 
 
 class RunSetupError(RuntimeError):

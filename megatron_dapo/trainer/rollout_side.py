@@ -78,7 +78,7 @@ class BatchInfo:
 class RolloutProducer:
     def __init__(self, router_factory, dataset, sampler, reward_runner, settings: ProducerSettings, version: int = 0,
                  tokenizer=None):
-        """`router_factory()` builds the router inside the producer's event loop (httpx clients
+        """`router_factory()` builds the router inside the producer's event loop (aiohttp sessions
         belong to the loop that creates them). With `tokenizer`, responses are judged on their
         tokens decoded here (special tokens skipped), whatever text the server returns."""
         self.tokenizer = tokenizer
