@@ -43,6 +43,7 @@ class GenRequest:
     ignore_eos: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1
+    sampling_seed: int | None = None  # draws depend on (seed, token position) only; None = engine stream
     # state, owned by the engine
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -237,7 +238,9 @@ class Engine:
         temp = torch.tensor([r.temperature for r in b.reqs], device=dev)
         top_p = torch.tensor([r.top_p for r in b.reqs], device=dev)
         top_k = torch.tensor([r.top_k for r in b.reqs], device=dev)
-        tokens, lps = sample(last_logits, temp, top_p, top_k, self.generator)
+        seeds = [r.sampling_seed for r in b.reqs]
+        positions = [len(r.prompt) + len(r.output) for r in b.reqs]  # where the drawn token will sit
+        tokens, lps = sample(last_logits, temp, top_p, top_k, self.generator, seeds=seeds, positions=positions)
         b.last_tokens = tokens
         for i, (r, tok, lp) in enumerate(zip(b.reqs, tokens.tolist(), lps.tolist())):
             if skip is not None and skip[i]:

@@ -195,6 +195,7 @@ class EmbeddedServer:
                 stop_strs=stop_strs, ignore_eos=bool(sp.ignore_eos),
                 return_logprob=bool(body.return_logprob),
                 logprob_start_len=-1 if body.logprob_start_len is None else body.logprob_start_len,
+                sampling_seed=sp.sampling_seed,  # shared by the n copies, as in SGLang
             )
             for r in rids
         ]
