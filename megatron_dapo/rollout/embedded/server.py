@@ -295,11 +295,16 @@ class EmbeddedServer:
 
         @app.post("/init_weights_update_group")
         async def init_group(body: S.InitGroupIn):
-            if body.group_name in self.groups:
-                return JSONResponse({"success": False, "message": f"group_name: {body.group_name!r} exists"}, 400)
             if body.rank_offset >= body.world_size:
                 return JSONResponse({"success": False, "message":
                                      f"rank_offset: {body.rank_offset} >= world_size {body.world_size}"}, 400)
+            stale = self.groups.pop(body.group_name, None)
+            if stale is not None:
+                # As SGLang does, a new group replaces one of the same name: its trainer may have died
+                # (killed, then resumed) without destroying it. A peer that is gone cannot take part
+                # in the teardown, which therefore tolerates failures.
+                log.warning("init_weights_update_group: replacing existing group %r", body.group_name)
+                await asyncio.to_thread(wgroup.destroy_weight_update_group, stale)
             try:
                 pg = await asyncio.to_thread(
                     wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
