@@ -326,6 +326,26 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
     ref = _teacher_forced(model, prompt, alone["output_ids"], 1.0)  # logprob semantics unchanged
     assert max(abs(x - y) for x, y in zip(lp(alone), ref)) < 1e-4
 
+    # batch-invariant mode (--enable-deterministic-inference): the same bits alone or batched, and the
+    # same seeded tokens as the batched engine (the draws do not depend on the mode)
+    def run(batched):
+        e = Engine(model, seed=0, batch_invariant=True)
+        try:
+            e.pause("in_place")
+            futs = [e.submit(r) for r in ([req(f"b{i}", None, [9] * (i + 2), 9 + i) for i in range(3)] if batched
+                                          else []) + [req("x", 7)] + ([req("y", 8, [4, 4])] if batched else [])]
+            e.resume()
+            return {a["meta_info"]["id"]: a for a in (f.result(60) for f in futs)}
+        finally:
+            e.close()
+
+    solo, mixed = run(False)["x"], run(True)
+    assert solo["output_ids"] == mixed["x"]["output_ids"] == alone["output_ids"]
+    assert lp(solo) == lp(mixed["x"])  # bitwise
+    assert max(abs(x - y) for x, y in zip(lp(solo), ref)) < 1e-4
+    assert all(a["meta_info"]["completion_tokens"] == m for a, m in
+               [(mixed["b0"], 9), (mixed["b1"], 10), (mixed["b2"], 11), (mixed["y"], 10)])
+
     # n > 1 with one seed: SGLang copies the sampling params, seed included, to each of the n
     # requests, so the n samples are identical; distinct samples take one request per seed.
     srv = EmbeddedServer(model)

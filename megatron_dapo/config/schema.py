@@ -130,7 +130,8 @@ class SamplingConfig:
     # the data stream, so a resumed synchronous run (algo.staleness=0) regenerates exactly the samples
     # of the uninterrupted one. The embedded server always honours it; SGLang only when launched with
     # --enable-deterministic-inference (add it to rollout.extra_args; it slows generation down), else
-    # it ignores the seed. False = one /generate with n samples per prompt, server-side randomness.
+    # it ignores the seed. Bitwise-equal logprobs (they enter the loss via rollout_is) also need that
+    # flag, on either server. False = one /generate with n samples per prompt, server-side randomness.
     seeded: bool = True
 
 

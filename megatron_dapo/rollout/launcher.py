@@ -9,7 +9,8 @@ the snapshot of those fields).
 Seeded rollouts (`rollout.sampling.seeded`, on by default) send a `sampling_seed` per sample. SGLang
 uses it only when launched with `--enable-deterministic-inference`; that flag is not added here
 (batch-invariant kernels cost throughput): put it in `rollout.extra_args` when resumed runs must
-regenerate the same samples. Without it SGLang ignores the seed. The embedded server always honours it.
+regenerate the same samples. Without it SGLang ignores the seed. The embedded server always honours it;
+its flag of the same name (`extra_args=["--enable-deterministic-inference"]`) makes logprobs batch-invariant.
 """
 
 from __future__ import annotations

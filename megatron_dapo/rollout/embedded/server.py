@@ -104,8 +104,9 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
 
 class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
-                 weight_version: str = "default", max_batch: int = 64, seed: int = 0):
-        self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version)
+                 weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False):
+        self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
+                             batch_invariant=batch_invariant)
         self.loader = HFWeightLoader(model)
         self.model_path = model_path
         self.api_key = api_key
@@ -430,6 +431,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant generation (SGLang's flag name): a request's tokens and logprobs do not "
+                        "depend on the other requests; one forward per sequence and step (slower). "
+                        "sampling_seed is honoured either way")
     return p
 
 
@@ -443,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
-                            weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed)
+                            weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
+                            batch_invariant=args.enable_deterministic_inference)
     print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
           f"listening on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
