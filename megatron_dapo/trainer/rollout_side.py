@@ -1,7 +1,7 @@
 """The rollout side of DAPO training: keep the servers busy, judge groups, buffer informative ones.
 
 `RolloutProducer` runs an asyncio loop on its own thread (trainer rank 0). It submits prompt
-groups (one `/generate` with n samples each) through the router; when a group's n samples are
+groups (one `/generate` with n samples each; n seeded ones when seeded) through the router; when a group's n samples are
 back it is scored (reward runner, overlong shaping) and judged by dynamic sampling; kept groups
 enter a FIFO buffer that the trainer drains with `take_batch(step)`.
 
@@ -270,8 +270,8 @@ class RolloutProducer:
                     raise TimeoutError(f"no full batch for step {step} after {timeout_s}s "
                                        f"({len(self.buffer)}/{B} groups kept, {self.in_flight} in flight)")
                 self._cv.wait(1.0)
-            # Draw order, not finishing order: a batch's make-up and order (hence its mini-batches)
-            # do not depend on timing.
+            # Draw order, not finishing order: the order of a batch (hence its mini-batches) does not
+            # depend on timing.
             groups = sorted((self.buffer.popleft() for _ in range(B)), key=lambda g: g.draw)
             # Judged groups beyond this batch (already buffered) count towards the next one.
             judged = self.judged_since_take - len(self.buffer)
