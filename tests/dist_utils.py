@@ -17,8 +17,45 @@ from megatron_dapo.runtime.net import LOOPBACK, free_port
 WORKERS = Path(__file__).parent / "workers"
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
-    """Launch `script` (a path, or a file name in tests/workers/) on `nproc` ranks; return its output."""
+def kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    """SIGKILL a torchrun launcher and everything below it, at once (no rank gets to clean up).
+
+    torchrun starts each rank in a session of its own, so killing the launcher's process group would
+    leave the ranks running: the descendants are collected first, then every process group among
+    them (a rank's own helpers, e.g. checkpoint writers) and every descendant is killed."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    groups = set()
+    for p in procs:
+        try:
+            groups.add(os.getpgid(p.pid))
+        except ProcessLookupError:
+            pass
+    for g in groups:
+        try:
+            os.killpg(g, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout)
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    if alive:
+        raise AssertionError(f"processes still alive after SIGKILL: {[p.pid for p in alive]}")
+
+
+def start_torchrun(script: str | Path, nproc: int, *args: str, env: dict | None = None, stdout=subprocess.PIPE
+                   ) -> subprocess.Popen:
+    """Start `script` on `nproc` ranks, the launcher in a new session; returns at once (stop it with
+    `kill_tree`)."""
     script = Path(script)
     if not script.is_absolute():
         script = WORKERS / script
@@ -34,16 +71,20 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
-    )
+    return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=full_env,
+                            start_new_session=True)
+
+
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
+    """Launch `script` (a path, or a file name in tests/workers/) on `nproc` ranks; return its output."""
+    name = Path(script).name
+    proc = start_torchrun(script, nproc, *args, env=env)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        # torchrun's ranks share its new session: kill the whole group, not just the launcher.
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc)  # the ranks too: each is in a session of its own
         out, _ = proc.communicate()
-        raise AssertionError(f"torchrun {script.name} timed out after {timeout}s\n{out[-8000:]}")
+        raise AssertionError(f"torchrun {name} timed out after {timeout}s\n{out[-8000:]}")
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun {script.name} (nproc={nproc}) failed rc={proc.returncode}\n{out[-8000:]}")
+        raise AssertionError(f"torchrun {name} (nproc={nproc}) failed rc={proc.returncode}\n{out[-8000:]}")
     return out

@@ -43,7 +43,7 @@ def _set_server_version(urls, version):
     asyncio.run(go())
 
 
-def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0):
+def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None):
     from megatron_dapo.config.schema import OverlongBufferConfig
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rewards import RewardRunner
@@ -54,7 +54,7 @@ def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0):
     settings = ProducerSettings(
         train_batch_size=B, n=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=6), max_response_length=6,
         staleness=staleness, gen_batch_size=B, max_num_gen_batches=max_gen, filter_metric="acc",
-        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5),
+        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5), seed=sampling_seed,
     )
     return RolloutProducer(lambda: Router(urls), ds, PromptSampler(len(ds), seed=seed),
                            RewardRunner(default=reward, timeout_s=5), settings)
@@ -111,3 +111,37 @@ def test_uninformative_rewards_exhaust_generation_batches(setup):
             p.take_batch(0, timeout_s=120)
     finally:
         p.stop()
+
+
+def _mixed_reward(response, ground_truth, **_):
+    if int(ground_truth) % 2 == 0:
+        return 1.0
+    return 1.0 if response and ord(response[0]) % 2 else -1.0
+
+
+def test_seeded_producers_regenerate_the_same_batches(setup):
+    """Per-sample seeds: two producers with one seed give the same batches (prompts, order, tokens),
+    whichever of the two differently seeded servers served each request and whatever else they were
+    batching; the n samples of a group still differ, and another seed gives other samples."""
+    ds, urls = setup
+
+    def batches(sampling_seed, steps=2):
+        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=sampling_seed)
+        p.start()
+        out = []
+        try:
+            for step in range(steps):
+                info = p.take_batch(step, timeout_s=120)
+                out.append([(g.prompt_index, g.draw, [tuple(s.output_ids) for s in g.samples]) for g in info.groups])
+                p.set_version(step + 1)
+        finally:
+            p.stop()
+        return out
+
+    a, b, c = batches(5), batches(5), batches(6, steps=1)
+    assert a == b
+    for batch in a:
+        assert [draw for _, draw, _ in batch] == sorted(draw for _, draw, _ in batch)  # draw order
+        for _, _, outputs in batch:
+            assert len(set(outputs)) == 4, outputs  # n distinct seeds, n distinct samples
+    assert [o for _, _, o in c[0]] != [o for _, _, o in a[0]]

@@ -53,7 +53,8 @@ def test_snapshot_has_the_fields_the_issue_names():
 
 
 def _all_client_bodies() -> dict[str, list[dict]]:
-    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8, stop=["x"], stop_token_ids=[3], n=4)
+    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8, stop=["x"], stop_token_ids=[3], n=4,
+                        sampling_seed=2**63 - 1)
     return {
         "/generate": [payloads.generate_body([1, 2], sp, rid="r"),
                       payloads.generate_body([1, 2], SamplingParams(max_new_tokens=0), rid="p", logprob_start_len=0)],
@@ -153,6 +154,31 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
     logits = probs.log().repeat(400, 1)
     tok, _ = sample(logits, torch.ones(400), torch.full((400,), 0.7), torch.full((400,), -1), g)
     assert set(tok.tolist()) == {0, 1}
+
+
+def test_seeded_rows_draw_from_their_own_stream_with_the_filtered_distribution():
+    from megatron_dapo.rollout.embedded.sampling import sample, seeded_uniform
+
+    assert seeded_uniform(7, 3) == seeded_uniform(7, 3) and 0.0 <= seeded_uniform(7, 3) < 1.0
+    assert len({seeded_uniform(s, p) for s in range(50) for p in range(50)}) == 2500
+    torch.manual_seed(0)
+    logits = torch.randn(5, 30) * 2
+    ones, full = torch.ones(5), torch.full((5,), -1)
+    seeds, pos = [11, None, 12, 13, None], [4, 9, 4, 4, 2]
+    tok, _ = sample(logits, ones, ones, full, torch.Generator().manual_seed(0), seeds=seeds, positions=pos)
+    # the same seeded rows alone, reversed and with other engine-stream draws: the same tokens
+    rev = [3, 2, 0]
+    tok_rev, _ = sample(logits[rev], ones[:3], ones[:3], full[:3], torch.Generator().manual_seed(5),
+                        seeds=[seeds[i] for i in rev], positions=[pos[i] for i in rev])
+    assert tok_rev.tolist() == [tok[i].item() for i in rev]
+    # over many seeds a seeded draw follows the top-p-filtered, renormalised distribution
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    N = 4000
+    t, _ = sample(probs.log().repeat(N, 1), torch.ones(N), torch.full((N,), 0.85), torch.full((N,), -1),
+                  seeds=list(range(N)), positions=[0] * N)
+    freq = torch.bincount(t, minlength=4).double() / N
+    assert freq[3] == 0  # outside the nucleus: never drawn
+    torch.testing.assert_close(freq[:3], (probs[:3] / probs[:3].sum()).double(), atol=0.03, rtol=0)
 
 
 # ---- engine (in-process) ------------------------------------------------------------------------
@@ -262,6 +288,77 @@ def test_engine_retract_resumes_with_new_weights_and_spans(tiny_qwen3):
     assert len(a["output_ids"]) == 300 and m["num_retractions"] == 1 and m["weight_version"] == "2"
     assert m["weight_versions"] == [{"version": "1", "start": 0, "end": n_before},
                                     {"version": "2", "start": n_before, "end": 300}]
+
+
+def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
+    from megatron_dapo.rollout.embedded import schemas as S
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.rollout.embedded.server import EmbeddedServer
+
+    model, _ = tiny_qwen3
+    prompt = [3, 1, 4, 1, 5]
+
+    def req(rid, seed, p=prompt, m=10):
+        return GenRequest(rid=rid, prompt=list(p), max_new_tokens=m, temperature=1.0, ignore_eos=True,
+                          return_logprob=True, sampling_seed=seed)
+
+    eng = Engine(model, seed=0)
+    try:
+        alone = eng.submit(req("alone", 7)).result(60)
+        # batched with unseeded and other-seeded rows, in another order, on a fresh engine stream
+        batch = [req("u0", None, [9, 9], 14), req("s8", 8), req("again", 7), req("u1", None, [2], 6),
+                 req("s9", 9, [5, 6, 7, 8, 9, 10], 12)]
+        eng.pause("in_place")  # queue them all, so that they are prefilled and decoded as one batch
+        futs = [(r, eng.submit(r)) for r in batch]
+        eng.resume()
+        answers = {r.rid: f.result(60) for r, f in futs}
+    finally:
+        eng.close()
+    eng2 = Engine(model, seed=123)  # another server: different engine stream, same seeded samples
+    try:
+        fresh = eng2.submit(req("fresh", 7)).result(60)
+    finally:
+        eng2.close()
+    assert alone["output_ids"] == answers["again"]["output_ids"] == fresh["output_ids"]
+    lp = lambda a: [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+    assert max(abs(x - y) for x, y in zip(lp(alone), lp(answers["again"]))) < 1e-5
+    assert answers["s8"]["output_ids"] != alone["output_ids"]  # another seed, another sample
+    ref = _teacher_forced(model, prompt, alone["output_ids"], 1.0)  # logprob semantics unchanged
+    assert max(abs(x - y) for x, y in zip(lp(alone), ref)) < 1e-4
+
+    # batch-invariant mode (--enable-deterministic-inference): the same bits alone or batched, and the
+    # same seeded tokens as the batched engine (the draws do not depend on the mode)
+    def run(batched):
+        e = Engine(model, seed=0, batch_invariant=True)
+        try:
+            e.pause("in_place")
+            futs = [e.submit(r) for r in ([req(f"b{i}", None, [9] * (i + 2), 9 + i) for i in range(3)] if batched
+                                          else []) + [req("x", 7)] + ([req("y", 8, [4, 4])] if batched else [])]
+            e.resume()
+            return {a["meta_info"]["id"]: a for a in (f.result(60) for f in futs)}
+        finally:
+            e.close()
+
+    solo, mixed = run(False)["x"], run(True)
+    assert solo["output_ids"] == mixed["x"]["output_ids"] == alone["output_ids"]
+    assert lp(solo) == lp(mixed["x"])  # bitwise
+    assert max(abs(x - y) for x, y in zip(lp(solo), ref)) < 1e-4
+    assert all(a["meta_info"]["completion_tokens"] == m for a, m in
+               [(mixed["b0"], 9), (mixed["b1"], 10), (mixed["b2"], 11), (mixed["y"], 10)])
+
+    # n > 1 with one seed: SGLang copies the sampling params, seed included, to each of the n
+    # requests, so the n samples are identical; distinct samples take one request per seed.
+    srv = EmbeddedServer(model)
+    try:
+        body = S.GenerateIn(input_ids=prompt, rid="g", return_logprob=True,
+                            sampling_params=S.SamplingParamsIn(n=3, max_new_tokens=10, ignore_eos=True,
+                                                               sampling_seed=7))
+        copies = [srv.engine.submit(r).result(60)["output_ids"] for r in srv._make_requests(body)]
+    finally:
+        srv.engine.close()
+    assert copies == [alone["output_ids"]] * 3
+    with pytest.raises(Exception, match="sampling_seed"):
+        S.SamplingParamsIn(sampling_seed=2**63)
 
 
 # ---- weights -----------------------------------------------------------------------------------

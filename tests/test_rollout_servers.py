@@ -303,6 +303,69 @@ def test_killed_server_requests_complete_on_the_other_then_it_comes_back(servers
     assert any(s.server == survivor.url for s in samples)
 
 
+def test_a_new_update_group_replaces_one_whose_trainer_was_killed_mid_update(servers, hf_model):
+    """A trainer SIGKILLed after announcing an update leaves the server with a group of the same name and a
+    receive from a dead peer; the resumed trainer's /init_weights_update_group must replace that group
+    (as SGLang does) and its updates must go through."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    from pathlib import Path
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+    from megatron_dapo.sync import group as wgroup
+
+    url, group, name = servers[1].url, "resume_group", "model.norm.weight"
+    weight = hf_model.state_dict()[name].detach().clone()  # the server's own values: nothing changes
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, str(root / "tests" / "workers" / "stale_group_trainer.py"), url, KEY,
+                             str(free_port()), group, name, json.dumps(list(weight.shape))],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("announced"), line + proc.stdout.read()
+        time.sleep(0.5)  # the server is receiving now
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    async def call(method, *args, **kw):
+        async with _client(url, timeout_s=60) as c:
+            return await getattr(c, method)(*args, **kw)
+
+    def in_thread(out: dict, *args, **kw):
+        t = threading.Thread(target=lambda: out.update(asyncio.run(call(*args, **kw))))
+        t.start()
+        return t
+
+    port = free_port()
+    answer, done = {}, {}
+    t0 = time.time()
+    joiner = in_thread(answer, "init_weights_update_group", LOOPBACK, port, 1, 2, group, "gloo")
+    pg = wgroup.init_weight_update_group(LOOPBACK, port, 0, 2, group, "gloo", timeout_s=60)
+    joiner.join(60)
+    try:
+        assert answer.get("success"), answer
+        upd = in_thread(done, "update_weights_from_distributed", [name], ["float32"], [list(weight.shape)], group,
+                        weight_version="resumed")
+        wgroup.broadcast(weight, pg)
+        upd.join(60)
+        assert done.get("success"), done
+        assert time.time() - t0 < 30, "the stale group held the new one up"
+        (s,) = asyncio.run(call("generate", [9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=4)))
+        assert s.weight_version == "resumed"
+        hf = hf_model.generate(torch.tensor([[9, 8, 7]]), max_new_tokens=4, do_sample=False)[0, 3:].tolist()
+        assert s.output_ids == hf
+        assert asyncio.run(call("update_weight_version", "default"))["success"]
+    finally:
+        asyncio.run(call("destroy_weights_update_group", group))
+        wgroup.destroy_weight_update_group(pg)
+
+
 def test_zz_every_request_sent_in_this_module_conforms_to_sglang():
     snap = protocol.load_snapshot()
     assert len(SENT) > 50

@@ -126,6 +126,13 @@ class SamplingConfig:
     max_new_tokens: Optional[int] = None  # None = data.max_response_length
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Give every sample its own sampling_seed, derived from trainer.seed and the prompt's position in
+    # the data stream, so a resumed synchronous run (algo.staleness=0) regenerates exactly the samples
+    # of the uninterrupted one. The embedded server always honours it; SGLang only when launched with
+    # --enable-deterministic-inference (add it to rollout.extra_args; it slows generation down), else
+    # it ignores the seed. Bitwise-equal logprobs (they enter the loss via rollout_is) also need that
+    # flag, on either server. False = one /generate with n samples per prompt, server-side randomness.
+    seeded: bool = True
 
 
 @dataclass

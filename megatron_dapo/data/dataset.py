@@ -180,6 +180,12 @@ class PromptSampler:
         self.offset += 1
         return i
 
+    def next_draw(self) -> tuple[int, int]:
+        """(dataset index, draw number): the draw number counts draws from the start of the stream, so
+        it names this draw across epochs and resumes (a prompt drawn again in a later epoch gets another)."""
+        i = self.next()
+        return i, self.epoch * self.size + self.offset - 1
+
     def take(self, n: int) -> list[int]:
         return [self.next() for _ in range(n)]
 

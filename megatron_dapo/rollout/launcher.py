@@ -5,6 +5,12 @@ A server runs in its own process group with stdout/stderr in a log file; `start(
 `stop()` sends SIGTERM to the group, then SIGKILL after a grace period. Flag names are SGLang 0.5.23's
 (`srt/arg_groups/fields/*.py`: field `tp_size` -> `--tp-size`; the unit test checks every flag against
 the snapshot of those fields).
+
+Seeded rollouts (`rollout.sampling.seeded`, on by default) send a `sampling_seed` per sample. SGLang
+uses it only when launched with `--enable-deterministic-inference`; that flag is not added here
+(batch-invariant kernels cost throughput): put it in `rollout.extra_args` when resumed runs must
+regenerate the same samples. Without it SGLang ignores the seed. The embedded server always honours it;
+its flag of the same name (`extra_args=["--enable-deterministic-inference"]`) makes logprobs batch-invariant.
 """
 
 from __future__ import annotations

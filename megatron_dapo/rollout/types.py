@@ -12,6 +12,9 @@ class SamplingParams:
     """The sampling parameters this project sends (a subset of SGLang's `SamplingParams`).
 
     temperature 0 means greedy; top_k -1 means the whole vocabulary; `stop` strings need a tokenizer.
+    `sampling_seed` makes the draws a function of (seed, token position): reproducible whatever else the
+    server is batching. SGLang honours it only when launched with --enable-deterministic-inference, and
+    the n copies of one request share it (identical samples): send n requests with n seeds instead.
     """
 
     temperature: float = 1.0
@@ -21,6 +24,7 @@ class SamplingParams:
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = 1
+    sampling_seed: int | None = None
 
     def to_sglang(self) -> dict:
         """The `sampling_params` dict of a /generate body (unset optional fields left out)."""
@@ -35,6 +39,8 @@ class SamplingParams:
             d["stop"] = list(self.stop)
         if self.stop_token_ids:
             d["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
+        if self.sampling_seed is not None:
+            d["sampling_seed"] = int(self.sampling_seed)
         return d
 
 

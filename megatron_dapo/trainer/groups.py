@@ -48,6 +48,7 @@ class JudgedGroup:
     reward_failures: int = 0
     kept: bool = True
     token_versions: list[list[int]] = field(default_factory=list)
+    draw: int = -1  # the sampler's draw number of this prompt (batches are ordered by it); -1 = unknown
 
     @property
     def seq_rewards(self) -> list[float]:

@@ -99,6 +99,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer):
         max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
         filter_metric=fg.metric if fg.enable else None,
         overlong=cfg.algo.overlong_buffer,
+        seed=cfg.trainer.seed if cfg.rollout.sampling.seeded else None,
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     return RolloutProducer(lambda: Router(server_urls, api_key=cfg.rollout.api_key), dataset, sampler,

@@ -1,7 +1,7 @@
 """The rollout side of DAPO training: keep the servers busy, judge groups, buffer informative ones.
 
 `RolloutProducer` runs an asyncio loop on its own thread (trainer rank 0). It submits prompt
-groups (one `/generate` with n samples each) through the router; when a group's n samples are
+groups (one `/generate` with n samples each; n seeded ones when seeded) through the router; when a group's n samples are
 back it is scored (reward runner, overlong shaping) and judged by dynamic sampling; kept groups
 enter a FIFO buffer that the trainer drains with `take_batch(step)`.
 
@@ -12,6 +12,14 @@ buffered, and in flight. So with s = 0 it generates exactly one step ahead of no
 with s = 1 it works on step v + 1's batch while step v trains. A buffered group that is still
 too old when taken (a slow request) is dropped and counted, never trained on.
 
+Seeded rollouts. With `settings.seed` set, sample i of the prompt at draw number d (the sampler's
+position, see `PromptSampler.next_draw`) is generated with `sampling_seed = sample_seed(seed, d, i)`,
+one n=1 request per sample (SGLang gives the n copies of one seeded request the same seed, hence the
+same tokens). A group's samples then depend only on the weights and on where the prompt was drawn,
+not on what else the servers were batching, and a batch lists its groups in draw order, not in the
+order they finished. So a resumed synchronous run (staleness 0) regenerates exactly the batches the
+interrupted one would have. SGLang honours the seed only with --enable-deterministic-inference.
+
 Dynamic sampling limit. Groups judged since the last batch was taken count towards the next
 one; when they reach max_num_gen_batches * gen_batch_size without B kept, the producer stops
 and `take_batch` raises `DynamicSamplingExhausted` with the counts.
@@ -20,13 +28,14 @@ and `take_batch` raises `DynamicSamplingExhausted` with the counts.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import threading
 import time
 import uuid
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.trainer.groups import JudgedGroup, judge_group
@@ -40,6 +49,13 @@ def response_text(sample, tokenizer=None) -> str:
     if tokenizer is None:
         return sample.text
     return tokenizer.decode(sample.output_ids, skip_special_tokens=True)
+
+
+def sample_seed(seed: int, draw: int, index: int) -> int:
+    """The sampling_seed of sample `index` of the prompt at sampler draw `draw`: a hash, so that
+    neighbouring draws and samples get unrelated streams; in [0, 2**63) as SGLang requires."""
+    digest = hashlib.blake2b(f"{int(seed)}/{int(draw)}/{int(index)}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class DynamicSamplingExhausted(RuntimeError):
@@ -58,6 +74,7 @@ class ProducerSettings:
     filter_metric: str | None = "acc"  # None = dynamic sampling off
     overlong: object = None  # OverlongBufferConfig
     max_resubmits: int = 3  # a group aborted by the server (e.g. during an update) is sent again
+    seed: int | None = None  # base of per-sample sampling seeds (see the module doc); None = unseeded
 
 
 @dataclass
@@ -156,10 +173,10 @@ class RolloutProducer:
                         self.exhausted = True
                         self._cv.notify_all()
                     n_new = 0 if self.exhausted else max(0, self._capacity())
-                    picks = [self.sampler.next() for _ in range(n_new)]
+                    picks = [self.sampler.next_draw() for _ in range(n_new)]
                     self.in_flight += n_new
-                for idx in picks:
-                    t = asyncio.create_task(self._one_group(router, idx))
+                for idx, draw in picks:
+                    t = asyncio.create_task(self._one_group(router, idx, draw))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                 self._wake.clear()
@@ -168,12 +185,25 @@ class RolloutProducer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _one_group(self, router, idx: int) -> None:
+    async def _generate(self, router, prompt: list[int], draw: int, group_id: str) -> list:
+        if self.s.seed is None:
+            sampling = SamplingParams(**{**self.s.sampling.__dict__, "n": self.s.n})
+            return await router.generate(prompt, sampling, group_id=group_id)
+
+        async def one(i: int):
+            sp = replace(self.s.sampling, n=1, sampling_seed=sample_seed(self.s.seed, draw, i))
+            (smp,) = await router.generate(prompt, sp, group_id=group_id, rid=f"{group_id}-{i}")
+            smp.index = i
+            return smp
+
+        return list(await asyncio.gather(*(one(i) for i in range(self.s.n))))
+
+    async def _one_group(self, router, idx: int, draw: int = -1) -> None:
         rec = self.dataset[idx]
-        sampling = SamplingParams(**{**self.s.sampling.__dict__, "n": self.s.n})
         try:
             for attempt in range(self.s.max_resubmits + 1):
-                samples = await router.generate(list(rec.prompt_ids), sampling, group_id=f"p{idx}-{uuid.uuid4().hex[:8]}")
+                # a fresh group id per attempt: rids of an aborted attempt may still be in flight
+                samples = await self._generate(router, list(rec.prompt_ids), draw, f"p{idx}-{uuid.uuid4().hex[:8]}")
                 if not any(s.aborted for s in samples):
                     break
                 log.info("group of prompt %d aborted by the server (attempt %d); resubmitting", idx, attempt)
@@ -186,6 +216,7 @@ class RolloutProducer:
             items = [(response_text(s, self.tokenizer), rec.ground_truth, rec.data_source, extra) for s in samples]
             rewards = await asyncio.to_thread(self.rewards.score_many, items)
             group = judge_group(idx, samples, rewards, self.s.max_response_length, self.s.overlong, self.s.filter_metric)
+            group.draw = draw
         except asyncio.CancelledError:
             with self._cv:
                 self.in_flight -= 1
@@ -239,7 +270,9 @@ class RolloutProducer:
                     raise TimeoutError(f"no full batch for step {step} after {timeout_s}s "
                                        f"({len(self.buffer)}/{B} groups kept, {self.in_flight} in flight)")
                 self._cv.wait(1.0)
-            groups = [self.buffer.popleft() for _ in range(B)]
+            # Draw order, not finishing order: the order of a batch (hence its mini-batches) does not
+            # depend on timing.
+            groups = sorted((self.buffer.popleft() for _ in range(B)), key=lambda g: g.draw)
             # Judged groups beyond this batch (already buffered) count towards the next one.
             judged = self.judged_since_take - len(self.buffer)
             info = BatchInfo(

@@ -13,6 +13,12 @@ Pause modes, as SGLang's `PauseGenerationReqInput` defines them:
   front of the queue; after continue they are prefilled again (prompt + tokens so far, new weights).
 - abort: every running and waiting request finishes at once with finish_reason abort.
 While paused, new requests wait in the queue. All control methods are thread-safe.
+
+Batch-invariant mode (`batch_invariant=True`, the server's --enable-deterministic-inference, named
+after SGLang's flag): every sequence runs its own forward with its own cache, unpadded, so its logits,
+hence its logprobs, are the same bits whatever else is being generated (a batched, left-padded
+forward changes them in the last float bits). With `sampling_seed` this makes whole samples, logprobs
+included, reproducible across runs; it costs one forward per sequence and step.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ class GenRequest:
     ignore_eos: bool = False
     return_logprob: bool = False
     logprob_start_len: int = -1
+    sampling_seed: int | None = None  # draws depend on (seed, token position) only; None = engine stream
     # state, owned by the engine
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -61,11 +68,12 @@ class _Batch:
 
 class Engine:
     def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
-                 weight_version: str = "default", max_context: int | None = None):
+                 weight_version: str = "default", max_context: int | None = None, batch_invariant: bool = False):
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
+        self.batch_invariant = batch_invariant
         self.weight_version = str(weight_version)
         cfg = model.config
         self.max_context = max_context or getattr(cfg, "max_position_embeddings", None) or 1 << 30
@@ -184,9 +192,48 @@ class Engine:
                          use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits.float(), out.cache
 
+    def _input_logprobs(self, r: GenRequest, s: tuple, logits: torch.Tensor) -> None:
+        """`logits`: the rows of sequence `s` (len(s) x vocab)."""
+        lp = torch.log_softmax(logits[:-1] / effective_temperature(r.temperature), dim=-1)
+        vals = lp.gather(-1, torch.tensor(s[1:], device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
+        full = [None] + vals
+        r.input_logprobs = [(full[t], s[t], None) for t in range(min(r.logprob_start_len, len(s)), len(s))]
+
+    @staticmethod
+    def _wants_input_logprobs(r: GenRequest) -> bool:
+        return r.return_logprob and r.logprob_start_len >= 0 and not r.output
+
+    def _start_batch(self, reqs, cache, mask, lengths, last) -> None:
+        self._batch = _Batch(list(reqs), cache, mask, lengths, None)
+        done = [self._budget(r) <= 0 for r in reqs]
+        for r, d in zip(reqs, done):
+            if d:
+                r.finish = {"type": "length", "length": r.max_new_tokens}
+        self._sample_and_advance(last, skip=done)
+
+    def _prefill_each(self, reqs: list[GenRequest]) -> None:
+        from transformers import DynamicCache
+
+        caches, lasts = [], []
+        for r in reqs:
+            s = tuple(r.prompt + r.output)
+            ids = torch.tensor([s], device=self.device)
+            pos = torch.arange(len(s), device=self.device).unsqueeze(0)
+            want = self._wants_input_logprobs(r)
+            logits, cache = self._forward(ids, torch.ones_like(ids), pos, DynamicCache(),
+                                          logits_to_keep=0 if want else 1)
+            if want:
+                self._input_logprobs(r, s, logits[0])
+            caches.append(cache)
+            lasts.append(logits[0, -1])
+        lengths = torch.tensor([len(r.prompt) + len(r.output) for r in reqs], device=self.device)
+        self._start_batch(reqs, caches, None, lengths, torch.stack(lasts))
+
     def _prefill(self, reqs: list[GenRequest]) -> None:
         from transformers import DynamicCache
 
+        if self.batch_invariant:
+            return self._prefill_each(reqs)
         seqs = [tuple(r.prompt + r.output) for r in reqs]
         uniq = list(dict.fromkeys(seqs))
         row_of = {s: i for i, s in enumerate(uniq)}
@@ -198,30 +245,32 @@ class Engine:
             mask[i, L - len(s):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        want_input = any(r.return_logprob and r.logprob_start_len >= 0 and not r.output for r in reqs)
+        want_input = any(self._wants_input_logprobs(r) for r in reqs)
         logits, cache = self._forward(ids, mask, pos, DynamicCache(), logits_to_keep=0 if want_input else 1)
 
         for r, s in zip(reqs, seqs):
-            if r.return_logprob and r.logprob_start_len >= 0 and not r.output:
-                row = logits[row_of[s], L - len(s):]
-                lp = torch.log_softmax(row[:-1] / effective_temperature(r.temperature), dim=-1)
-                vals = lp.gather(-1, torch.tensor(s[1:], device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
-                full = [None] + vals
-                r.input_logprobs = [(full[t], s[t], None) for t in range(min(r.logprob_start_len, len(s)), len(s))]
+            if self._wants_input_logprobs(r):
+                self._input_logprobs(r, s, logits[row_of[s], L - len(s):])
 
         index = torch.tensor([row_of[s] for s in seqs], device=self.device)
         last = logits[:, -1][index]
         cache.batch_select_indices(index)
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        self._batch = _Batch(list(reqs), cache, mask[index], lengths, None)
-        done = [self._budget(r) <= 0 for r in reqs]
-        for r, d in zip(reqs, done):
-            if d:
-                r.finish = {"type": "length", "length": r.max_new_tokens}
-        self._sample_and_advance(last, skip=done)
+        self._start_batch(reqs, cache, mask[index], lengths, last)
 
     def _decode(self) -> None:
         b = self._batch
+        if self.batch_invariant:  # one cache per sequence, no padding: see the module doc
+            rows = []
+            for i in range(len(b.reqs)):
+                n = int(b.next_pos[i])
+                logits, b.cache[i] = self._forward(b.last_tokens[i:i + 1].unsqueeze(-1),
+                                                   torch.ones(1, n + 1, dtype=torch.long, device=self.device),
+                                                   b.next_pos[i:i + 1].unsqueeze(-1), b.cache[i])
+                rows.append(logits[0, -1])
+            b.next_pos = b.next_pos + 1
+            self._sample_and_advance(torch.stack(rows))
+            return
         ids = b.last_tokens.unsqueeze(-1)
         b.mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=-1)
         logits, b.cache = self._forward(ids, b.mask, b.next_pos.unsqueeze(-1), b.cache)
@@ -237,7 +286,9 @@ class Engine:
         temp = torch.tensor([r.temperature for r in b.reqs], device=dev)
         top_p = torch.tensor([r.top_p for r in b.reqs], device=dev)
         top_k = torch.tensor([r.top_k for r in b.reqs], device=dev)
-        tokens, lps = sample(last_logits, temp, top_p, top_k, self.generator)
+        seeds = [r.sampling_seed for r in b.reqs]
+        positions = [len(r.prompt) + len(r.output) for r in b.reqs]  # where the drawn token will sit
+        tokens, lps = sample(last_logits, temp, top_p, top_k, self.generator, seeds=seeds, positions=positions)
         b.last_tokens = tokens
         for i, (r, tok, lp) in enumerate(zip(b.reqs, tokens.tolist(), lps.tolist())):
             if skip is not None and skip[i]:
@@ -268,10 +319,14 @@ class Engine:
         if not keep:
             self._batch = None
         elif len(keep) < len(b.reqs):
-            idx = torch.tensor(keep, device=b.mask.device)
-            b.cache.batch_select_indices(idx)
+            idx = torch.tensor(keep, device=b.next_pos.device)
+            if isinstance(b.cache, list):  # batch-invariant mode: one cache per sequence
+                b.cache = [b.cache[i] for i in keep]
+            else:
+                b.cache.batch_select_indices(idx)
+                b.mask = b.mask[idx]
             b.reqs = [b.reqs[i] for i in keep]
-            b.mask, b.next_pos, b.last_tokens = b.mask[idx], b.next_pos[idx], b.last_tokens[idx]
+            b.next_pos, b.last_tokens = b.next_pos[idx], b.last_tokens[idx]
 
     def _reap_aborted(self) -> None:
         with self._qlock:

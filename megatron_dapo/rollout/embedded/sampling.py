@@ -4,6 +4,15 @@ As in SGLang 0.5.23's `srt/layers/sampler.py`: temperature < 1e-6 means greedy, 
 logprob is log_softmax(logits); otherwise the sampled token's logprob is taken from
 log_softmax(logits / temperature) BEFORE top-k / top-p filtering, and the token is drawn from the
 filtered, renormalised distribution. top_k <= 0 (SGLang's -1) keeps the whole vocabulary.
+
+Seeded rows (`sampling_seed`): as in SGLang 0.5.23 under --enable-deterministic-inference
+(`multinomial_with_seed`), the random draw for a token depends only on the request's seed and the
+token's position in the sequence, never on the other rows of the batch, their order, or what was
+sampled before. So the same prompt with the same seed gives the same tokens alone or batched, after a
+retraction, and on a fresh server; and the n copies of one `n > 1` request share the seed, hence the
+tokens (SGLang copies the sampling params to each of the n requests). The draw is an inverse-CDF
+lookup of one uniform per (seed, position) in the filtered distribution; SGLang adds hashed Gumbel
+noise instead. Same distribution, not the same bits: only reproducibility per server kind is claimed.
 """
 
 from __future__ import annotations
@@ -11,6 +20,20 @@ from __future__ import annotations
 import torch
 
 GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS
+_M64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    # SplitMix64's finaliser: neighbouring (seed, position) pairs give unrelated outputs.
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) that is a pure function of (seed, position); 53 random bits."""
+    return (_mix64(_mix64(seed & _M64) ^ (position & _M64)) >> 11) * 2.0**-53
 
 
 def effective_temperature(t: float) -> float:
@@ -35,8 +58,14 @@ def sample(
     top_p: torch.Tensor,
     top_k: torch.Tensor,
     generator: torch.Generator | None = None,
+    seeds: list[int | None] | None = None,
+    positions: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw one token per row; returns (tokens [B], logprobs of those tokens [B]), float32 math."""
+    """Draw one token per row; returns (tokens [B], logprobs of those tokens [B]), float32 math.
+
+    Rows whose `seeds[i]` is set draw from `seeded_uniform(seeds[i], positions[i])`; the others from
+    `generator` (one engine-wide stream, so their tokens depend on the batch).
+    """
     logits = logits.float()
     greedy = temperature < GREEDY_EPS
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
@@ -44,6 +73,20 @@ def sample(
     tokens = torch.argmax(logits, dim=-1)
     if not bool(greedy.all()):
         probs = filter_top_k_top_p(logp.exp(), top_k, top_p)
-        drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        seeded = [i for i, sd in enumerate(seeds or ()) if sd is not None and not bool(greedy[i])]
+        if len(seeded) < len(probs):
+            drawn = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        else:
+            drawn = torch.zeros_like(tokens)
+        if seeded:
+            if positions is None or len(positions) != len(probs):
+                raise ValueError("sample: seeded rows need one position per row")
+            rows = torch.tensor(seeded, device=probs.device)
+            cdf = probs[rows].double().cumsum(-1)
+            u = torch.tensor([seeded_uniform(seeds[i], positions[i]) for i in seeded], dtype=torch.float64,
+                             device=probs.device)
+            # first token whose cumulative mass exceeds u * total: never a zero-probability token
+            pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+            drawn[rows] = pick.clamp(max=probs.shape[-1] - 1)
         tokens = torch.where(greedy, tokens, drawn)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -25,6 +25,8 @@ class SamplingParamsIn(_Strict):
     top_k: Optional[int] = -1
     n: Optional[int] = Field(1, ge=1)
     ignore_eos: Optional[bool] = False
+    # SGLang's range check; honoured always here (SGLang: only with --enable-deterministic-inference)
+    sampling_seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
     # accepted and meaningless here (no detokenizer-side trimming differences to honour)
     skip_special_tokens: Optional[bool] = True
     spaces_between_special_tokens: Optional[bool] = True

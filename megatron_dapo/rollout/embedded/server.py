@@ -82,8 +82,9 @@ class _UpdateGate:
 
 class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
-                 weight_version: str = "default", max_batch: int = 64, seed: int = 0):
-        self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version)
+                 weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False):
+        self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
+                             batch_invariant=batch_invariant)
         self.loader = HFWeightLoader(model)
         self.model_path = model_path
         self.api_key = api_key
@@ -176,6 +177,7 @@ class EmbeddedServer:
                 stop_strs=stop_strs, ignore_eos=bool(sp.ignore_eos),
                 return_logprob=bool(body.return_logprob),
                 logprob_start_len=-1 if body.logprob_start_len is None else body.logprob_start_len,
+                sampling_seed=sp.sampling_seed,  # shared by the n copies, as in SGLang
             )
             for r in rids
         ]
@@ -275,11 +277,16 @@ class EmbeddedServer:
 
         @app.post("/init_weights_update_group")
         async def init_group(body: S.InitGroupIn):
-            if body.group_name in self.groups:
-                return JSONResponse({"success": False, "message": f"group_name: {body.group_name!r} exists"}, 400)
             if body.rank_offset >= body.world_size:
                 return JSONResponse({"success": False, "message":
                                      f"rank_offset: {body.rank_offset} >= world_size {body.world_size}"}, 400)
+            stale = self.groups.pop(body.group_name, None)
+            if stale is not None:
+                # As SGLang does, a new group replaces one of the same name: its trainer may have died
+                # (killed, then resumed) without destroying it. A peer that is gone cannot take part
+                # in the teardown, which therefore tolerates failures.
+                log.warning("init_weights_update_group: replacing existing group %r", body.group_name)
+                await asyncio.to_thread(wgroup.destroy_weight_update_group, stale)
             try:
                 pg = await asyncio.to_thread(
                     wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
@@ -411,6 +418,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-version", default="default")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="batch-invariant generation (SGLang's flag name): a request's tokens and logprobs do not "
+                        "depend on the other requests; one forward per sequence and step (slower). "
+                        "sampling_seed is honoured either way")
     return p
 
 
@@ -424,7 +435,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
-                            weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed)
+                            weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
+                            batch_invariant=args.enable_deterministic_inference)
     print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
           f"listening on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
