@@ -48,7 +48,7 @@ def env(tmp_path_factory):
     # batch-invariant servers: a request's logprobs (which enter the loss through the importance weights)
     # must not depend on what else the servers were generating, or two runs differ in the last bits
     servers = launch_embedded_servers(str(model), 2, root / "server_logs", timeout_s=240,
-                                      extra_args=["--enable-deterministic-inference"])
+                                      deterministic_inference=True)
     try:
         yield {"root": root, "model": model, "train": train, "urls": [s.url for s in servers],
                "ground_truths": [json.loads(l)["reward_model"]["ground_truth"] for l in train.read_text().splitlines()]}

@@ -459,8 +459,10 @@ def test_sglang_command_uses_sglang_flag_names():
     args = SGLangServerArgs(model_path="/m", port=31000, tp_size=4, mem_fraction_static=0.7, api_key="k",
                             dtype="bfloat16", weight_version="0", random_seed=1, context_length=4096,
                             base_gpu_id=2, enable_memory_saver=True, skip_tokenizer_init=True,
-                            trust_remote_code=True, served_model_name="q", log_level="info")
+                            trust_remote_code=True, served_model_name="q", log_level="info",
+                            enable_deterministic_inference=True)
     cmd = sglang_command(args, python="py")
+    assert "--enable-deterministic-inference" in cmd
     assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
     flags = [c for c in cmd if c.startswith("--")]
     known = set(SNAPSHOT["server_args"])
@@ -479,6 +481,20 @@ def test_sglang_args_from_config():
     cfg.rollout.server_tp, cfg.rollout.mem_fraction_static, cfg.rollout.extra_args = 2, 0.6, ["--foo"]
     a = SGLangServerArgs.from_config(cfg, "/m", 1234)
     assert (a.tp_size, a.mem_fraction_static, a.port, a.extra_args) == (2, 0.6, 1234, ["--foo"])
+    assert not a.enable_deterministic_inference
+    cfg.rollout.deterministic_inference = True
+    assert SGLangServerArgs.from_config(cfg, "/m", 1234).enable_deterministic_inference
+
+
+def test_embedded_command_flags_parse_in_the_server():
+    from megatron_dapo.rollout.embedded.server import build_parser
+    from megatron_dapo.rollout.launcher import embedded_command
+
+    cmd = embedded_command("/m", 1234, seed=3, deterministic_inference=True, python="py")
+    assert cmd[:4] == ["py", "-m", "megatron_dapo.cli", "serve"]
+    args = build_parser().parse_args(cmd[4:])
+    assert (args.model, args.port, args.seed, args.enable_deterministic_inference) == ("/m", 1234, 3, True)
+    assert not build_parser().parse_args(embedded_command("/m", 1, python="py")[4:]).enable_deterministic_inference
 
 
 def test_launch_sglang_says_what_is_missing(tmp_path):

@@ -129,9 +129,9 @@ class SamplingConfig:
     # Give every sample its own sampling_seed, derived from trainer.seed and the prompt's position in
     # the data stream, so a resumed synchronous run (algo.staleness=0) regenerates exactly the samples
     # of the uninterrupted one. The embedded server always honours it; SGLang only when launched with
-    # --enable-deterministic-inference (add it to rollout.extra_args; it slows generation down), else
-    # it ignores the seed. Bitwise-equal logprobs (they enter the loss via rollout_is) also need that
-    # flag, on either server. False = one /generate with n samples per prompt, server-side randomness.
+    # --enable-deterministic-inference (rollout.deterministic_inference; it slows generation down),
+    # else it ignores the seed. Bitwise-equal logprobs (they enter the loss via rollout_is) also need
+    # that flag, on either server. False = one /generate with n samples per prompt, server-side randomness.
     seeded: bool = True
 
 
@@ -161,6 +161,10 @@ class RolloutConfig:
     request_timeout_s: float = 3600.0  # per /generate request
     host: str = "127.0.0.1"  # bind address of launched servers
     extra_args: list[str] = field(default_factory=list)  # appended to the SGLang launch command
+    # Launch servers (SGLang or embedded) with --enable-deterministic-inference: seeds honoured and
+    # batch-invariant logprobs, so a resumed synchronous run reproduces the uninterrupted one exactly.
+    # Costs generation throughput (the embedded server then runs one forward per sequence).
+    deterministic_inference: bool = False
     sync: SyncConfig = field(default_factory=SyncConfig)
 
 

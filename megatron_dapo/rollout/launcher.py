@@ -7,10 +7,10 @@ A server runs in its own process group with stdout/stderr in a log file; `start(
 the snapshot of those fields).
 
 Seeded rollouts (`rollout.sampling.seeded`, on by default) send a `sampling_seed` per sample. SGLang
-uses it only when launched with `--enable-deterministic-inference`; that flag is not added here
-(batch-invariant kernels cost throughput): put it in `rollout.extra_args` when resumed runs must
-regenerate the same samples. Without it SGLang ignores the seed. The embedded server always honours it;
-its flag of the same name (`extra_args=["--enable-deterministic-inference"]`) makes logprobs batch-invariant.
+uses it only when launched with `--enable-deterministic-inference`, which `rollout.deterministic_inference`
+adds (off by default: batch-invariant kernels cost throughput) when resumed runs must regenerate the
+same samples. Without it SGLang ignores the seed. The embedded server always honours it; its flag of
+the same name makes its logprobs batch-invariant.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class SGLangServerArgs:
     context_length: int | None = None
     base_gpu_id: int | None = None
     enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
+    enable_deterministic_inference: bool = False  # honours sampling_seed; batch-invariant kernels
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     log_level: str | None = None
@@ -53,7 +54,8 @@ class SGLangServerArgs:
         """From a resolved run config (`cfg.rollout`: server_tp, mem_fraction_static, host, api_key, extra_args)."""
         r = cfg.rollout
         kw = dict(model_path=model_path, port=port, host=r.host, tp_size=r.server_tp,
-                  mem_fraction_static=r.mem_fraction_static, api_key=r.api_key, extra_args=list(r.extra_args))
+                  mem_fraction_static=r.mem_fraction_static, api_key=r.api_key, extra_args=list(r.extra_args),
+                  enable_deterministic_inference=r.deterministic_inference)
         kw.update(overrides)
         return cls(**kw)
 
@@ -71,6 +73,7 @@ def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list
         if value is not None:
             cmd += [flag, str(value)]
     for flag, on in {"--enable-memory-saver": args.enable_memory_saver,
+                     "--enable-deterministic-inference": args.enable_deterministic_inference,
                      "--trust-remote-code": args.trust_remote_code,
                      "--skip-tokenizer-init": args.skip_tokenizer_init}.items():
         if on:
@@ -80,11 +83,14 @@ def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list
 
 def embedded_command(model_dir: str, port: int, host: str = LOOPBACK, api_key: str | None = None,
                      device: str = "auto", seed: int = 0, threads: int | None = 1,
+                     deterministic_inference: bool = False,
                      extra_args: list[str] | None = None, python: str = sys.executable) -> list[str]:
     cmd = [python, "-m", "megatron_dapo.cli", "serve", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--device", device, "--seed", str(seed)]
     if threads:
         cmd += ["--threads", str(threads)]
+    if deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
     return cmd + list(extra_args or [])
 
 

@@ -50,7 +50,8 @@ class _ServerActor:
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.proc = launcher.launch_embedded(cfg.model.hf_path, log_path, api_key=cfg.rollout.api_key,
-                                                 seed=index, device=device)
+                                                 seed=index, device=device,
+                                                 deterministic_inference=cfg.rollout.deterministic_inference)
         return self.proc.url
 
     def stop(self) -> None:
