@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import logging
 import os
 import secrets
@@ -184,7 +185,12 @@ class EmbeddedServer:
 
     # ---- app -----------------------------------------------------------------------------------
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="megatron-dapo embedded SGLang-compatible server")
+        @contextlib.asynccontextmanager
+        async def lifespan(_app):
+            yield
+            eng.close()
+
+        app = FastAPI(title="megatron-dapo embedded SGLang-compatible server", lifespan=lifespan)
         self.gate = _UpdateGate()
         self._update_lock = asyncio.Lock()
         eng = self.engine
@@ -381,10 +387,6 @@ class EmbeddedServer:
             await asyncio.to_thread(run)
             return {"success": True, "message": f"Weight version updated to {body.new_version}",
                     "new_version": body.new_version}
-
-        @app.on_event("shutdown")
-        async def _shutdown():
-            eng.close()
 
         return app
 
