@@ -101,6 +101,20 @@ def test_stop_token_ids_and_n_in_one_request(servers, hf_model):
     assert len(many) == 3 and all(len(s.output_ids) == 5 for s in many)
 
 
+def test_requests_after_the_servers_keep_alive_expired_do_not_fail(servers):
+    """uvicorn (like SGLang) closes idle connections after 5 s; a client reusing one would fail its next request.
+    The event loop is blocked across the server's close (as a busy rank 0 blocks it), so the client cannot
+    have seen the close before it sends again."""
+    async def go():
+        async with _client(servers[0].url, retries=0) as c:
+            first = await c.generate([3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=2))
+            time.sleep(5.5)
+            return first, await c.generate([3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=2))
+
+    first, again = asyncio.run(go())
+    assert first[0].output_ids == again[0].output_ids
+
+
 def test_malformed_payloads_answer_400_naming_the_field(servers):
     url = servers[0].url
     h = {"Authorization": f"Bearer {KEY}"}

@@ -61,6 +61,9 @@ def _json_or_none(raw: bytes):
         return None
 
 
+KEEPALIVE_S = 2.0
+
+
 class SGLangClient:
     """One server. Use as `async with SGLangClient(url) as c:` or call `aclose()`.
 
@@ -102,7 +105,9 @@ class SGLangClient:
             # on this project's CPU machines, client CPU that rank 0 pays for every /generate of every step.
             self._session = aiohttp.ClientSession(
                 base_url=self.base_url + "/", headers=self._headers,
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+                # Idle connections are dropped before the server's keep-alive (uvicorn and SGLang: 5 s)
+                # would close them: a request written into a connection the server just closed fails.
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
                 timeout=aiohttp.ClientTimeout(total=self._timeout_s, sock_connect=self._connect_timeout_s),
                 trust_env=False,  # never route loopback traffic through a proxy from the environment
             )
