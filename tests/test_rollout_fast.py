@@ -350,13 +350,26 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
     # requests, so the n samples are identical; distinct samples take one request per seed.
     srv = EmbeddedServer(model)
     try:
-        body = S.GenerateIn(input_ids=prompt, rid="g", return_logprob=True,
-                            sampling_params=S.SamplingParamsIn(n=3, max_new_tokens=10, ignore_eos=True,
-                                                               sampling_seed=7))
+        seeded = dict(max_new_tokens=10, ignore_eos=True, sampling_seed=7)
+        body = S.GenerateIn(input_ids=prompt, rid="g", return_logprob=True, sampling_params={**seeded, "n": 3})
         copies = [srv.engine.submit(r).result(60)["output_ids"] for r in srv._make_requests(body)]
+        # the batch form gives each prompt its own seed: distinct samples in one request
+        batch = S.GenerateIn(input_ids=[prompt] * 3, rid=["b0", "b1", "b2"], return_logprob=True,
+                             sampling_params=[{**seeded, "sampling_seed": sd} for sd in (7, 8, 9)])
+        reqs = srv._make_requests(batch)
+        assert [r.rid for r in reqs] == ["b0", "b1", "b2"]
+        distinct = [srv.engine.submit(r).result(60)["output_ids"] for r in reqs]
+        for bad, field in [({"input_ids": [prompt, prompt], "sampling_params": [seeded]}, "2 prompts"),
+                           ({"input_ids": [prompt], "sampling_params": [{**seeded, "n": 2}]}, "sampling_params[0].n"),
+                           ({"input_ids": [prompt, [1, 10**6]]}, "input_ids[1][1]"),
+                           ({"input_ids": [prompt], "sampling_params": [{"top_p": 2.0}]}, "sampling_params[0].top_p"),
+                           ({"input_ids": prompt, "sampling_params": {"top_p": 2.0}}, "sampling_params.top_p"),
+                           ({"input_ids": prompt, "rid": ["a", "b"]}, "a list needs a batch")]:
+            assert field in srv._make_requests(S.GenerateIn(**bad)), bad
     finally:
         srv.engine.close()
     assert copies == [alone["output_ids"]] * 3
+    assert distinct[0] == alone["output_ids"] and len({tuple(d) for d in distinct}) == 3
     with pytest.raises(Exception, match="sampling_seed"):
         S.SamplingParamsIn(sampling_seed=2**63)
 

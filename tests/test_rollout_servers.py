@@ -101,6 +101,23 @@ def test_stop_token_ids_and_n_in_one_request(servers, hf_model):
     assert len(many) == 3 and all(len(s.output_ids) == 5 for s in many)
 
 
+def test_batch_request_of_seeded_samples(servers, hf_model):
+    """SGLang's batch form (input_ids and sampling_params as lists) with one sampling_seed per entry."""
+    sps = [SamplingParams(temperature=1.0, max_new_tokens=6, sampling_seed=sd) for sd in (11, 12, 13, 11)]
+
+    async def go():
+        async with _client(servers[1].url) as c:
+            return await c.generate([4, 5, 6], sps, rid="batch"), await c.generate([4, 5, 6], sps[0])
+
+    batch, single = asyncio.run(go())
+    assert [s.index for s in batch] == [0, 1, 2, 3] and [s.rid for s in batch] == [f"batch-{i}" for i in range(4)]
+    assert batch[0].output_ids == batch[3].output_ids == single[0].output_ids  # same seed, same sample
+    assert len({tuple(s.output_ids) for s in batch[:3]}) == 3
+    for s in batch:
+        ref = _reference_logprobs(hf_model, [4, 5, 6], s.output_ids, 1.0)
+        assert max(abs(a - b) for a, b in zip(s.logprobs, ref)) < 1e-4
+
+
 def test_requests_after_the_servers_keep_alive_expired_do_not_fail(servers):
     """uvicorn (like SGLang) closes idle connections after 5 s; a client reusing one would fail its next request.
     The event loop is blocked across the server's close (as a busy rank 0 blocks it), so the client cannot

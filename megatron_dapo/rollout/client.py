@@ -154,13 +154,26 @@ class SGLangClient:
     async def generate(
         self,
         input_ids: Sequence[int],
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         rid: str | None = None,
         return_logprob: bool = True,
     ) -> list[Sample]:
-        """Generate `sampling.n` samples for one prompt; returns them all when the last one finishes."""
+        """Generate `sampling.n` samples for one prompt; returns them all when the last one finishes.
+
+        With a list of n=1 sampling params (e.g. one sampling_seed each), one batch request samples the
+        prompt once per entry, so the server takes the whole group at once; samples come back in order.
+        """
         sampling = sampling or SamplingParams()
         rid = rid or uuid.uuid4().hex
+        if not isinstance(sampling, SamplingParams):
+            if not sampling or any(sp.n != 1 for sp in sampling):
+                raise ValueError("generate: a list of sampling params needs n == 1 in each entry")
+            body = payloads.generate_body(input_ids, list(sampling), rid=rid, return_logprob=return_logprob)
+            answer = await self._post("/generate", body)
+            if not isinstance(answer, list) or len(answer) != len(sampling):
+                raise SGLangHTTPError(f"POST {self.base_url}/generate",
+                                      f"a batch of {len(sampling)} answered with {answer!r:.200}")
+            return payloads.parse_generate(answer, input_ids, server=self.base_url)
         body = payloads.generate_body(input_ids, sampling, rid=rid if sampling.n == 1 else None,
                                       return_logprob=return_logprob)
         answer = await self._post("/generate", body)

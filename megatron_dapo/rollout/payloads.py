@@ -16,18 +16,23 @@ DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
 def generate_body(
     input_ids: Sequence[int],
-    sampling: SamplingParams,
+    sampling: SamplingParams | Sequence[SamplingParams],
     rid: str | None = None,
     return_logprob: bool = True,
     logprob_start_len: int | None = None,
 ) -> dict:
-    body = {
-        "input_ids": [int(t) for t in input_ids],
-        "sampling_params": sampling.to_sglang(),
-        "return_logprob": bool(return_logprob),
-    }
-    if rid is not None:
-        body["rid"] = rid
+    """One prompt; with a list of sampling params, a batch of that prompt once per entry (SGLang's batch
+    form: input_ids and sampling_params as lists, rid `{rid}-{i}` per entry)."""
+    ids = [int(t) for t in input_ids]
+    if isinstance(sampling, SamplingParams):
+        body = {"input_ids": ids, "sampling_params": sampling.to_sglang()}
+        if rid is not None:
+            body["rid"] = rid
+    else:
+        body = {"input_ids": [ids] * len(sampling), "sampling_params": [sp.to_sglang() for sp in sampling]}
+        if rid is not None:
+            body["rid"] = [f"{rid}-{i}" for i in range(len(sampling))]
+    body["return_logprob"] = bool(return_logprob)
     if logprob_start_len is not None:
         body["logprob_start_len"] = int(logprob_start_len)
     return body

@@ -163,8 +163,10 @@ def check_request(snapshot: dict, route: str, payload: dict) -> list[str]:
     """Problems with `payload` as the body SGLang expects on `route` (sampling params checked too)."""
     problems = class_fields(snapshot, ROUTE_CLASSES[route]).check_payload(payload, route)
     sp = payload.get("sampling_params") if route == "/generate" else None
-    if isinstance(sp, dict):
-        problems += class_fields(snapshot, SAMPLING_PARAMS_CLASS).check_payload(sp, f"{route} sampling_params")
+    for i, one in enumerate(sp if isinstance(sp, list) else [sp]):  # a batch has one dict per prompt
+        if isinstance(one, dict):
+            where = f"{route} sampling_params" + (f"[{i}]" if isinstance(sp, list) else "")
+            problems += class_fields(snapshot, SAMPLING_PARAMS_CLASS).check_payload(one, where)
     return problems
 
 

@@ -1,9 +1,9 @@
 """The rollout side of DAPO training: keep the servers busy, judge groups, buffer informative ones.
 
 `RolloutProducer` runs an asyncio loop on its own thread (trainer rank 0). It submits prompt
-groups (one `/generate` with n samples each; n seeded ones when seeded) through the router; when a group's n samples are
-back it is scored (reward runner, overlong shaping) and judged by dynamic sampling; kept groups
-enter a FIFO buffer that the trainer drains with `take_batch(step)`.
+groups (one `/generate` with n samples each; a batch of n seeded ones when seeded) through the
+router; when a group's n samples are back it is scored (reward runner, overlong shaping) and judged
+by dynamic sampling; kept groups enter a FIFO buffer that the trainer drains with `take_batch(step)`.
 
 Bounded staleness. The trainer at step t holds weights version t; a group whose oldest token
 came from version w has staleness t - w. With bound s, the producer running at version v may
@@ -14,11 +14,12 @@ too old when taken (a slow request) is dropped and counted, never trained on.
 
 Seeded rollouts. With `settings.seed` set, sample i of the prompt at draw number d (the sampler's
 position, see `PromptSampler.next_draw`) is generated with `sampling_seed = sample_seed(seed, d, i)`,
-one n=1 request per sample (SGLang gives the n copies of one seeded request the same seed, hence the
-same tokens). A group's samples then depend only on the weights and on where the prompt was drawn,
-not on what else the servers were batching, and a batch lists its groups in draw order, not in the
-order they finished. So a resumed synchronous run (staleness 0) regenerates exactly the batches the
-interrupted one would have. SGLang honours the seed only with --enable-deterministic-inference.
+as one batch request of n entries with n = 1 and a seed each (SGLang gives the n copies of one
+seeded request the same seed, hence the same tokens). A group's samples then depend only on the
+weights and on where the prompt was drawn, not on what else the servers were batching, and a batch
+lists its groups in draw order, not in the order they finished. So a resumed synchronous run
+(staleness 0) regenerates exactly the batches the interrupted one would have. SGLang honours the
+seed only with --enable-deterministic-inference.
 
 Dynamic sampling limit. Groups judged since the last batch was taken count towards the next
 one; when they reach max_num_gen_batches * gen_batch_size without B kept, the producer stops
@@ -190,13 +191,10 @@ class RolloutProducer:
             sampling = SamplingParams(**{**self.s.sampling.__dict__, "n": self.s.n})
             return await router.generate(prompt, sampling, group_id=group_id)
 
-        async def one(i: int):
-            sp = replace(self.s.sampling, n=1, sampling_seed=sample_seed(self.s.seed, draw, i))
-            (smp,) = await router.generate(prompt, sp, group_id=group_id, rid=f"{group_id}-{i}")
-            smp.index = i
-            return smp
-
-        return list(await asyncio.gather(*(one(i) for i in range(self.s.n))))
+        # one batch request: the server takes the group at once (n requests would straggle in)
+        seeded = [replace(self.s.sampling, n=1, sampling_seed=sample_seed(self.s.seed, draw, i))
+                  for i in range(self.s.n)]
+        return await router.generate(prompt, seeded, group_id=group_id, rid=group_id)
 
     async def _one_group(self, router, idx: int, draw: int = -1) -> None:
         rec = self.dataset[idx]

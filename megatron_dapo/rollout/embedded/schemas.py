@@ -41,10 +41,13 @@ class SamplingParamsIn(_Strict):
 
 
 class GenerateIn(_Strict):
-    rid: Optional[str] = None
+    # A batch, as in SGLang: input_ids a list of prompts, with one sampling_params dict for all or one
+    # per prompt, and one rid per prompt. sampling_params is validated per prompt by the server, so an
+    # error names its field as sampling_params[i].field.
+    rid: Optional[Union[str, list[str]]] = None
     text: Optional[str] = None
-    input_ids: Optional[list[int]] = None
-    sampling_params: Optional[SamplingParamsIn] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict, list[dict]]] = None
     return_logprob: Optional[bool] = False
     logprob_start_len: Optional[int] = None
     top_logprobs_num: Optional[int] = Field(None, le=0)

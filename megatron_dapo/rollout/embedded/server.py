@@ -27,6 +27,7 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import ValidationError
 
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
@@ -40,10 +41,10 @@ log = logging.getLogger("megatron_dapo.embedded")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
 
 
-def _field_message(exc: RequestValidationError) -> str:
+def _field_message(exc: RequestValidationError | ValidationError, prefix: str = "") -> str:
     parts = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+        loc = ".".join([prefix] * bool(prefix) + [str(p) for p in err.get("loc", ()) if p != "body"])
         msg = err.get("msg", "invalid")
         if err.get("type") == "extra_forbidden":
             msg = "not a field this server accepts (unknown to SGLang or not implemented here)"
@@ -141,28 +142,58 @@ class EmbeddedServer:
         return None
 
     def _make_requests(self, body: S.GenerateIn) -> list[GenRequest] | str:
+        """The engine requests of a /generate body (one prompt, or a batch of prompts), or a 400 message."""
+        if body.input_ids is None or not body.input_ids or not isinstance(body.input_ids[0], list):
+            if isinstance(body.rid, list) or isinstance(body.sampling_params, list):
+                return "rid / sampling_params: a list needs a batch of prompts (input_ids as a list of lists)"
+            return self._entry_requests(body, body.input_ids, body.sampling_params, body.rid, "", body.text)
+        k = len(body.input_ids)
+        sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * k
+        if body.rid is None:
+            base = uuid.uuid4().hex
+            rids = [f"{base}_{i}" for i in range(k)]
+        else:
+            rids = body.rid if isinstance(body.rid, list) else [f"{body.rid}_{i}" for i in range(k)]
+        if len(sps) != k or len(rids) != k:
+            return (f"sampling_params / rid: {len(sps)} / {len(rids)} entries for a batch of {k} prompts "
+                    "(need one each, or one sampling_params dict for all)")
+        reqs = []
+        for i, (ids, sp, rid) in enumerate(zip(body.input_ids, sps, rids)):
+            entry = self._entry_requests(body, ids, sp, rid, f"[{i}]")
+            if isinstance(entry, str):
+                return entry
+            if len(entry) > 1:
+                return f"sampling_params[{i}].n: n > 1 inside a batch is not implemented here; send n prompts"
+            reqs += entry
+        if len({r.rid for r in reqs}) < len(reqs):
+            return "rid: the batch repeats a rid"
+        return reqs
+
+    def _entry_requests(self, body: S.GenerateIn, ids, sp_raw, rid, at: str, text=None) -> list[GenRequest] | str:
+        """One prompt's requests (n of them); `at` ("" or "[i]") locates it in a batch for messages."""
         eng = self.engine
-        if body.input_ids is None:
-            if body.text is None:
+        if ids is None:
+            if text is None:
                 return "input_ids: required (or text, with a tokenizer)"
             if eng.tokenizer is None:
                 return "text: this server has no tokenizer; send input_ids"
-            ids = eng.tokenizer.encode(body.text)
-        else:
-            ids = body.input_ids
+            ids = eng.tokenizer.encode(text)
         if not ids:
-            return "input_ids: empty prompt"
+            return f"input_ids{at}: empty prompt"
         for i, t in enumerate(ids):
             if not 0 <= t < eng.vocab_size:
-                return f"input_ids[{i}]={t} is outside the vocabulary [0, {eng.vocab_size})"
-        sp = body.sampling_params or S.SamplingParamsIn()
+                return f"input_ids{at}[{i}]={t} is outside the vocabulary [0, {eng.vocab_size})"
+        try:
+            sp = S.SamplingParamsIn.model_validate(sp_raw or {})
+        except ValidationError as e:
+            return _field_message(e, prefix=f"sampling_params{at}")
         stop_strs = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
         if stop_strs and eng.tokenizer is None:
-            return "sampling_params.stop: stop strings need a tokenizer; use stop_token_ids"
+            return f"sampling_params{at}.stop: stop strings need a tokenizer; use stop_token_ids"
         if len(ids) >= eng.max_context:
-            return f"input_ids: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
+            return f"input_ids{at}: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
         n = sp.n or 1
-        rid = body.rid or uuid.uuid4().hex
+        rid = rid or uuid.uuid4().hex
         rids = [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
         for r in rids:
             if r in eng._active:
@@ -240,7 +271,8 @@ class EmbeddedServer:
                 return self._bad(str(e))
             finally:
                 await self.gate.release_read()
-            return answers[0] if len(answers) == 1 else answers
+            batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+            return answers[0] if len(answers) == 1 and not batch else answers
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache():
