@@ -130,13 +130,14 @@ def main(argv=None) -> int:
                 s.stop()
 
     print(f"\nload average {os.getloadavg()[0]:.2f} (1 min) at the end")
-    print("| mode | bytes | bridge s | bridge GB/s | raw broadcast s | raw GB/s | ratio | best-of ratio | max logprob diff |")
+    print("| mode | bytes | bridge s | bridge GB/s | raw broadcast s | raw GB/s | ratio | best-of ratio "
+          "| max logprob diff |")
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, r in rows:
         print(f"| {mode} | {nbytes / 2**20:.0f} MiB | {r['bridge_s']:.3f} | {r['bridge_gbps']:.3f} | {r['raw_s']:.3f} | "
               f"{r['raw_gbps']:.3f} | {r['ratio']:.2f} | {r['best_ratio']:.2f} | {r['max_logprob_diff']:.1e} |")
-    print(f"(median of {args.repeats} interleaved repeats; ratio = bridge GB/s / raw GB/s; best-of ratio = fastest raw / "
-          "fastest bridge; bytes counted once, each of the servers receives them)")
+    print(f"(median of {args.repeats} interleaved repeats; ratio = bridge GB/s / raw GB/s; best-of ratio = "
+          "fastest raw / fastest bridge; bytes counted once, each of the servers receives them)")
     if args.json:
         Path(args.json).write_text(json.dumps({"bytes": nbytes, "servers": args.servers,
                                                "bucket_mb": args.bucket_mb, "results": results}, indent=1))

@@ -7,10 +7,11 @@ and only trainer rank 0 talks to servers. On rank 0 the tensors are grouped into
 `bucket_mb`; for each bucket, `/update_weights_from_distributed` is posted to every server at once,
 then rank 0 broadcasts the bucket's tensors (one broadcast each, or with `flatten_bucket` one flat
 uint8 buffer in SGLang's `flattened_bucket` layout) over the weight-update group, then the answers
-are awaited; meanwhile the next bucket is produced and staged. The last bucket carries `weight_version` and `flush_cache`, so a server reports the new
-version only once all of it is loaded. With `pause_generation`, the servers are paused (mode
-`pause_mode`, default in_place) before the first bucket and continued after the last; without it a
-server finishes its in-flight requests before loading, as SGLang does.
+are awaited; meanwhile the next bucket is produced and staged. The last bucket carries
+`weight_version` and `flush_cache`, so a server reports the new version only once all of it is
+loaded. With `pause_generation`, the servers are paused (mode `pause_mode`, default in_place) before
+the first bucket and continued after the last; without it a server finishes its in-flight requests
+before loading, as SGLang does.
 
     bridge = WeightSyncBridge(urls, cfg.rollout.sync)        # on every trainer rank
     bridge.connect()                                          # collective over rank 0 + servers
@@ -88,7 +89,7 @@ class _LoopThread:
 class _InFlight:
     """One bucket on its way: the servers' pending HTTP answers and the running broadcasts."""
 
-    answers: "asyncio.Future"
+    answers: concurrent.futures.Future  # of the HTTP loop thread
     works: list
     payload: list[torch.Tensor]  # kept alive until the broadcasts complete
 

@@ -81,7 +81,8 @@ def main():
     server_lps = bridge.server_logprobs(probe)
     bridge.close()
     with open(a.out, "w") as f:
-        json.dump({"stats": stats, "bad_name_error": bad_name_error, "max_diff": diff, "probe": probe, "trainer": ref.tolist(), "servers": server_lps}, f)
+        json.dump({"stats": stats, "bad_name_error": bad_name_error, "max_diff": diff, "probe": probe,
+                   "trainer": ref.tolist(), "servers": server_lps}, f)
     print("sync worker done", stats, diff)
     return 0
 
