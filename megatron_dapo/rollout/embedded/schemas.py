@@ -55,6 +55,10 @@ class GenerateIn(_Strict):
     stream: Literal[False] = False
     log_metrics: bool = True
 
+    @property
+    def is_batch(self) -> bool:
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
 
 class AbortIn(_Strict):
     rid: Optional[str] = None

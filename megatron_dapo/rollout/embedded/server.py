@@ -143,7 +143,7 @@ class EmbeddedServer:
 
     def _make_requests(self, body: S.GenerateIn) -> list[GenRequest] | str:
         """The engine requests of a /generate body (one prompt, or a batch of prompts), or a 400 message."""
-        if body.input_ids is None or not body.input_ids or not isinstance(body.input_ids[0], list):
+        if not body.is_batch:
             if isinstance(body.rid, list) or isinstance(body.sampling_params, list):
                 return "rid / sampling_params: a list needs a batch of prompts (input_ids as a list of lists)"
             return self._entry_requests(body, body.input_ids, body.sampling_params, body.rid, "", body.text)
@@ -271,8 +271,7 @@ class EmbeddedServer:
                 return self._bad(str(e))
             finally:
                 await self.gate.release_read()
-            batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
-            return answers[0] if len(answers) == 1 and not batch else answers
+            return answers[0] if len(answers) == 1 and not body.is_batch else answers
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache():
