@@ -150,10 +150,14 @@ def test_malformed_payloads_answer_400_naming_the_field(servers):
                                               "group_name": "nope"}, "group_name"),
     ]
     with httpx.Client(trust_env=False, timeout=30) as http:
-        for path, body, field in cases:
-            r = http.post(url + path, json=body, headers=h)
-            assert r.status_code == 400, (path, body, r.text)
-            assert field in r.text, (path, field, r.text)
+        assert http.post(url + "/begin_weight_update", json={}, headers=h).status_code == 200
+        try:
+            for path, body, field in cases:
+                r = http.post(url + path, json=body, headers=h)
+                assert r.status_code == 400, (path, body, r.text)
+                assert field in r.text, (path, field, r.text)
+        finally:
+            assert http.post(url + "/end_weight_update", json={}, headers=h).status_code == 200
         r = http.post(url + "/generate", content=b"{not json", headers={**h, "Content-Type": "application/json"})
         assert r.status_code == 400
 
