@@ -111,7 +111,8 @@ def import_sglang(cache: Path = CACHE) -> None:
 
 # ---- the peer server -------------------------------------------------------------------------------
 def _placeholder_request(i: int):
-    return types.SimpleNamespace(rid=f"running-{i}", finished=lambda: False)
+    """A request in the running batch: it holds KV until retracted (what the flush test reads)."""
+    return types.SimpleNamespace(rid=f"running-{i}", finished=lambda: False, kv=types.SimpleNamespace(holds_kv=True))
 
 
 class _RunningBatch:
@@ -206,7 +207,9 @@ def build_peer(api_key: str | None, running_requests: int):
         def pause_generation(self, req):
             assert req.mode in ("in_place", "retract")
             self._engine_paused = True
-            if req.mode == "retract":
+            if req.mode == "retract":  # back to the queue, their KV released (retract_all)
+                for r in self.running_batch.reqs:
+                    r.kv.holds_kv = False
                 self.waiting_queue += self.running_batch.reqs
                 self.running_batch.reqs = []
 
