@@ -15,8 +15,8 @@ gloo) and generation (no forward pass: `scheduler.running_batch` holds placehold
 modes move them as SGLang's scheduler moves its requests). Stubbed, because they are GPU-only or
 cannot be installed beside torch 2.13 on CPU: see STUBBED.
 
-`python -m tests.sglang_peer parse` reads client payloads (JSON lines) on stdin and prints what SGLang's
-`GenerateReqInput.normalize_batch_and_arguments` and `SamplingParams(...).normalize/verify` make of them.
+`POST /peer/parse` (a list of /generate bodies) answers what SGLang's
+`GenerateReqInput.normalize_batch_and_arguments` and `SamplingParams(...).normalize/verify` make of each.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import importlib.abc
 import importlib.machinery
-import io
 import json
 import os
 import subprocess
@@ -276,6 +275,7 @@ def build_peer(api_key: str | None, running_requests: int):
 def serve(port: int, api_key: str | None, running_requests: int) -> None:
     import_sglang()  # first: fastapi looks for orjson (installed beside SGLang) when it is imported
     import uvicorn
+    from fastapi import Request
     from fastapi.responses import Response
     from safetensors.torch import save
 
@@ -294,6 +294,10 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
         # names may repeat across syncs: the last value of each, as the model would hold it
         return Response(save({n: t.contiguous() for n, t in sched.model.received}),
                         media_type="application/octet-stream")
+
+    @app.post("/peer/parse")
+    async def peer_parse(request: Request):
+        return json.loads(json.dumps(parse_payloads(await request.json()), default=repr))
 
     @app.post("/peer/reset")
     async def peer_reset(running: int = running_requests):
@@ -318,15 +322,13 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
 
 
 # ---- SGLang's parsing of client payloads -----------------------------------------------------------
-def parse_payloads(lines) -> list[dict]:
+def parse_payloads(bodies: list[dict]) -> list[dict]:
     """For each /generate body: SGLang's normalized view of it, or the error its parsing raised."""
-    import_sglang()
     from sglang.srt.managers.io_struct import GenerateReqInput
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     out = []
-    for line in lines:
-        body = json.loads(line)
+    for body in bodies:
         try:
             req = GenerateReqInput(**body)
             req.normalize_batch_and_arguments()
@@ -358,15 +360,12 @@ def main(argv=None) -> int:
                    help="(default: $SGLANG_PEER_API_KEY, kept off the command line)")
     s.add_argument("--running-requests", type=int, default=0,
                    help="placeholder requests in the running batch (as generation in flight would leave)")
-    sub.add_parser("parse")
     sub.add_parser("install")
     args = p.parse_args(argv)
     if args.cmd == "install":
         print(ensure_installed())
-    elif args.cmd == "serve":
-        serve(args.port, args.api_key, args.running_requests)
     else:
-        json.dump(parse_payloads(sys.stdin.read().splitlines()), sys.stdout, default=repr)
+        serve(args.port, args.api_key, args.running_requests)
     return 0
 
 

@@ -8,10 +8,6 @@ generation are replaced.
 from __future__ import annotations
 
 import asyncio
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +24,20 @@ from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError
 from tests.conftest import SGLANG_PEER_KEY as KEY
 
 pytestmark = pytest.mark.slow
-ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """An embedded server with the peer's api key, to hold against SGLang's answers."""
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.launcher import launch_embedded
+
+    tmp = tmp_path_factory.mktemp("embedded")
+    server = launch_embedded(str(save_tiny_hf_model("qwen3", tmp / "model")), tmp / "server.log", api_key=KEY,
+                             timeout_s=120)
+    server.model_dir = tmp / "model"
+    yield server
+    server.stop()
 
 
 def _weights() -> list[tuple[str, torch.Tensor]]:
@@ -84,8 +93,8 @@ def test_bridge_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatten, pau
     assert (state["running"], state["waiting"], state["flushes"]) == expect
 
 
-def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_server(sglang_peer, monkeypatch,
-                                                                                    tmp_path):
+def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_server(sglang_peer, embedded,
+                                                                                    monkeypatch):
     """The old bridge (flush_cache on the last bucket after an in_place pause) fails in SGLang with its own
     message, and the embedded server says the same; the bridge's error names the server and the tensor."""
     monkeypatch.setattr(bridge_mod, "flushes_cache", lambda pause_generation, pause_mode: True)
@@ -101,44 +110,35 @@ def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_se
     assert state["weight_version"] == "flush-in-place"  # SGLang loaded the weights, then failed the call
 
     # the embedded server, with a request really running when paused in place
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.rollout.launcher import launch_embedded
     from safetensors.torch import load_file
 
-    model_dir = save_tiny_hf_model("qwen3", tmp_path / "m")
-    server = launch_embedded(str(model_dir), tmp_path / "embedded.log", api_key=KEY, timeout_s=120)
-    new = sorted(load_file(str(model_dir / "model.safetensors")).items())[:2]
-    try:
-        async def go():
-            async with SGLangClient(server.url, api_key=KEY) as c:
-                long = asyncio.ensure_future(c._post("/generate", {
-                    "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
-                await asyncio.sleep(0.3)
-                await c.pause_generation("in_place")
-                assert not long.done(), "the request must still be running when paused"
-                async with c.weight_update_session():
-                    with pytest.raises(SGLangHTTPError) as refused:
-                        await c.update_weights_from_tensor([serialize_named_tensors(new)], flush_cache=True)
-                    kept = await c.update_weights_from_tensor([serialize_named_tensors(new)], flush_cache=False)
-                with pytest.raises(SGLangHTTPError) as busy:
-                    await c.flush_cache()
-                await c.continue_generation()
-                await long
-                return refused.value, kept, busy.value
-        refused, kept, busy = asyncio.run(go())
-    finally:
-        server.stop()
+    new = sorted(load_file(str(embedded.model_dir / "model.safetensors")).items())[:2]  # its own values
+
+    async def go():
+        async with SGLangClient(embedded.url, api_key=KEY) as c:
+            long = asyncio.ensure_future(c._post("/generate", {
+                "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
+            await asyncio.sleep(0.3)
+            await c.pause_generation("in_place")
+            assert not long.done(), "the request must still be running when paused"
+            async with c.weight_update_session():
+                with pytest.raises(SGLangHTTPError) as refused:
+                    await c.update_weights_from_tensor([serialize_named_tensors(new)], flush_cache=True)
+                kept = await c.update_weights_from_tensor([serialize_named_tensors(new)], flush_cache=False)
+            with pytest.raises(SGLangHTTPError) as busy:
+                await c.flush_cache()
+            await c.continue_generation()
+            await long
+            await c.flush_cache()  # idle again: flushes
+            return refused.value, kept, busy.value
+
+    refused, kept, busy = asyncio.run(go())
     assert refused.status == 400 and refused.server_message in msg
     assert kept["success"] and busy.status == 400
 
 
-def test_update_session_gate_answers_as_sglang_does(sglang_peer, tmp_path):
+def test_update_session_gate_answers_as_sglang_does(sglang_peer, embedded):
     """Update outside a session, begin twice, end without begin: status and body equal SGLang's."""
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.rollout.launcher import launch_embedded
-
-    server = launch_embedded(str(save_tiny_hf_model("qwen3", tmp_path / "m")), tmp_path / "e.log", api_key=KEY,
-                             timeout_s=120)
     steps = [("/update_weights_from_distributed", payloads.update_distributed_body(["x"], ["float32"], [[1]])),
              ("/update_weights_from_tensor", payloads.update_tensor_body([serialize_named_tensors([])])),
              ("/end_weight_update", payloads.end_update_body()),
@@ -146,23 +146,15 @@ def test_update_session_gate_answers_as_sglang_does(sglang_peer, tmp_path):
              ("/begin_weight_update", payloads.begin_update_body()),
              ("/end_weight_update", payloads.end_update_body())]
     answers = {}
-    try:
-        for name, url in (("sglang", sglang_peer.url), ("embedded", server.url)):
-            with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False,
-                              timeout=60) as http:
-                answers[name] = [(r.status_code, r.json()) for r in (http.post(p, json=b) for p, b in steps)]
-    finally:
-        server.stop()
+    for name, url in (("sglang", sglang_peer.url), ("embedded", embedded.url)):
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False,
+                          timeout=60) as http:
+            answers[name] = [(r.status_code, r.json()) for r in (http.post(p, json=b) for p, b in steps)]
     assert answers["embedded"] == answers["sglang"]
     assert [s for s, _ in answers["sglang"]] == [400, 400, 400, 200, 400, 200]
 
 
-def test_api_key_behaviour_agrees_route_by_route(sglang_peer, tmp_path):
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.rollout.launcher import launch_embedded
-
-    server = launch_embedded(str(save_tiny_hf_model("qwen3", tmp_path / "m")), tmp_path / "e.log", api_key=KEY,
-                             timeout_s=120)
+def test_api_key_behaviour_agrees_route_by_route(sglang_peer, embedded):
     routes = [("GET", "/health"), ("GET", "/health_generate"), ("GET", "/get_model_info"), ("GET", "/model_info"),
               ("POST", "/generate"), ("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/abort_request"),
               ("POST", "/pause_generation"), ("POST", "/continue_generation"),
@@ -173,29 +165,26 @@ def test_api_key_behaviour_agrees_route_by_route(sglang_peer, tmp_path):
               ("POST", "/resume_memory_occupation")]
     headers = {"none": {}, "wrong": {"Authorization": "Bearer nope"}, "scheme": {"Authorization": f"Basic {KEY}"}}
     table = {}
-    try:
-        for name, url in (("sglang", sglang_peer.url), ("embedded", server.url)):
-            with httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
-                for method, path in routes:
-                    for h, hdr in headers.items():
-                        # refused (401), or let through to the route, whatever it then answers: the peer's
-                        # /health* ask a scheduler it does not run, and fail
-                        try:
-                            r = http.request(method, path, headers={**hdr, "Connection": "close"},
-                                             json={} if method == "POST" else None)
-                            refused = r.status_code == 401
-                        except httpx.TransportError:
-                            refused = False
-                        table.setdefault((method, path, h), {})[name] = refused
-    finally:
-        server.stop()
+    for name, url in (("sglang", sglang_peer.url), ("embedded", embedded.url)):
+        with httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
+            for method, path in routes:
+                for h, hdr in headers.items():
+                    # refused (401), or let through to the route, whatever it then answers: the peer's
+                    # /health* ask a scheduler it does not run, and fail
+                    try:
+                        r = http.request(method, path, headers={**hdr, "Connection": "close"},
+                                         json={} if method == "POST" else None)
+                        refused = r.status_code == 401
+                    except httpx.TransportError:
+                        refused = False
+                    table.setdefault((method, path, h), {})[name] = refused
     differ = {k: v for k, v in table.items() if v["sglang"] != v["embedded"]}
     assert not differ, differ
     assert table[("GET", "/health", "none")] == {"sglang": False, "embedded": False}
     assert table[("POST", "/begin_weight_update", "wrong")] == {"sglang": True, "embedded": True}
 
 
-def test_every_generate_payload_means_the_same_to_sglang():
+def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
     """The client's /generate bodies, built by payloads.generate_body, through SGLang's own
     GenerateReqInput.normalize_batch_and_arguments and SamplingParams.normalize/verify."""
     one = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop_token_ids=[5, 7])
@@ -207,10 +196,8 @@ def test_every_generate_payload_means_the_same_to_sglang():
                                logprob_start_len=0),
         payloads.generate_body([9], SamplingParams(temperature=0.0, max_new_tokens=2), return_logprob=False),
     ]
-    proc = subprocess.run([sys.executable, "-m", "tests.sglang_peer", "parse"], input="\n".join(map(json.dumps, bodies)),
-                          capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    parsed = json.loads(proc.stdout)
+    with _http(sglang_peer) as http:
+        parsed = http.post("/peer/parse", json=bodies).raise_for_status().json()
     assert all(p["ok"] for p in parsed), parsed
     single, group, batch, prompt, greedy = parsed
     assert single["is_single"] and single["rid"] == "r1" and single["return_logprob"] is True
