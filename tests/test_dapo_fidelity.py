@@ -28,39 +28,54 @@ NOT_A_USE = {"config/schema.py", "config/validate.py"}
 REFUSED_UNLESS_DEFAULT = {"algo.kl_coef": 0.1}
 
 
-def _leaf_fields(cls, prefix=""):
+def _leaf_fields(cls, prefix="", section=("", "DapoConfig")):
+    """(dotted path, annotation, (name, class name) of the section holding it) of every leaf field."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            yield from _leaf_fields(tp, f"{prefix}{f.name}.")
+            yield from _leaf_fields(tp, f"{prefix}{f.name}.", (f.name, tp.__name__))
         else:
-            yield f"{prefix}{f.name}", tp
+            yield f"{prefix}{f.name}", tp, section
 
 
-def _names_read_by_package() -> set[str]:
-    """Attribute names loaded (`x.name`) and string constants (getattr(x, "name"), "a.b" keys)."""
-    names: set[str] = set()
+def _module_names() -> dict[str, tuple[set[str], set[str]]]:
+    """Per module: names it reads (`x.name` loads, string constants as in getattr(x, "name")) and
+    every name it mentions (attributes, identifiers, annotations, strings)."""
+    out = {}
     for path in PACKAGE.rglob("*.py"):
-        if path.relative_to(PACKAGE).as_posix() in NOT_A_USE:
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in NOT_A_USE:
             continue
+        reads, mentions = set(), set()
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
-                names.add(node.attr)
+            if isinstance(node, ast.Attribute):
+                mentions.add(node.attr)
+                if isinstance(node.ctx, ast.Load):
+                    reads.add(node.attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
-                names.add(node.value)
-    return names
+                reads.add(node.value)
+                mentions.add(node.value)
+            elif isinstance(node, ast.Name):
+                mentions.add(node.id)
+        out[rel] = (reads, mentions)
+    return out
 
 
 def test_every_config_field_is_read_somewhere():
-    """Walks the whole schema: a key nothing in megatron_dapo/ reads would be accepted and ignored."""
-    read = _names_read_by_package()
+    """Walks the whole schema: a key nothing in megatron_dapo/ reads would be accepted and ignored.
+    A field counts as read where a module reads its name and also names its section (the section
+    attribute, e.g. `overlong_buffer`, or its class, e.g. `OverlongBufferConfig`), so a common leaf
+    name (`enable`, `n`, `seed`) read for one section does not vouch for another."""
+    modules = _module_names()
     unread = []
-    for path, tp in _leaf_fields(DapoConfig):
+    for path, tp, (section, section_cls) in _leaf_fields(DapoConfig):
         single_choice = typing.get_origin(tp) is typing.Literal and len(typing.get_args(tp)) == 1
         if path in REFUSED_UNLESS_DEFAULT or single_choice:
             continue
-        if path.rpartition(".")[2] not in read:
+        leaf = path.rpartition(".")[2]
+        if not any(leaf in reads and (section in mentions or section_cls in mentions)
+                   for reads, mentions in modules.values()):
             unread.append(path)
     assert not unread, (f"config fields nothing in megatron_dapo/ reads (accepted and ignored): {unread}; "
                         f"use them, refuse non-default values in validate.py, or remove them")
