@@ -1,8 +1,8 @@
 """Fused Triton DAPO token loss: the GPU path of `megatron_dapo.algo.loss.dapo_policy_loss`.
 
 One program per sequence streams its tokens once: clamped log-ratio, ratio, asymmetric / dual
-clip, truncated importance weight, masked sums and clip counts, giving the same per-sequence partials
-[B, NUM_ROW_STATS] as the torch path, plus d L_t / d logprob_t per token for backward. The
+clip, truncated importance weight, masked sums and clip counts, giving the same per-sequence
+partials [B, NUM_ROW_STATS] as the torch path, plus d L_t / d logprob_t per token for backward. The
 aggregation over sequences and the global normalisation are the torch reference's
 `aggregate_rows`, so both backends share one definition of every loss mode and metric.
 Only `logprobs` receives a gradient (old logprobs, advantages and weights are data).

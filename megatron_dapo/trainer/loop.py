@@ -111,10 +111,12 @@ def _build_producer(cfg, server_urls, dataset, tokenizer):
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     r = cfg.rollout
-    router = lambda: Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,  # noqa: E731
-                            client_kwargs={"timeout_s": r.request_timeout_s})
-    return RolloutProducer(router, dataset, sampler,
-                           reward_runner(cfg), settings, tokenizer=tokenizer)
+
+    def router():
+        return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
+                      client_kwargs={"timeout_s": r.request_timeout_s})
+
+    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
 
 
 def _broadcast(obj, src: int = 0):
