@@ -171,7 +171,10 @@ def test_slime_rollout_and_abort_until_idle_shapes(http):
     assert http.get("/v1/loads", params={"include": "everything"}).status_code == 400
 
 
-def test_openai_model_listing(http):
+def test_openai_model_listing(server, http):
+    with httpx.Client(trust_env=False, timeout=30) as anonymous:  # like every route but /health*, as SGLang
+        for path in ("/v1/models", f"/v1/models/{NAME}", "/v1/loads", "/server_info", "/get_server_info"):
+            assert anonymous.get(server.url + path).status_code == 401, path
     models = _ok(http.get("/v1/models")).json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [NAME]
     assert models["data"][0]["max_model_len"] > 0

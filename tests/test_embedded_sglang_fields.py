@@ -170,3 +170,5 @@ def test_stop_regex_and_logprob_texts(tiny):
     assert [t[2] for t in a["meta_info"]["output_token_logprobs"]] == [tok.decode([t]) for t in out]
     assert a["meta_info"]["output_top_logprobs"][0][0][2] == tok.decode([a["meta_info"]["output_top_logprobs"][0][0][1]])
     assert a["text"] == tok.decode(out)
+    (b,) = _run(model, tok, prompt=prompt, max_new_tokens=len(out), temperature=0.0, ignore_eos=True)
+    assert b["output_ids"] == out and b["text"] == tok.decode(out, skip_special_tokens=True) != a["text"]

@@ -65,27 +65,21 @@ class Penalties:
 
 
 def apply_penalties(logits: torch.Tensor, outputs: list[list[int]], penalties: list[Penalties]) -> torch.Tensor:
-    """Penalised copy of `logits` [B, V]; row i has generated `outputs[i]` so far."""
+    """Penalised copy of `logits` [B, V]; row i has generated `outputs[i]` so far. Touches only the
+    tokens a row has generated (and its stop tokens), not the whole vocabulary."""
     if all(p.is_neutral() for p in penalties):
         return logits
     out = logits.float().clone()
-    vocab = out.shape[-1]
-    counts = torch.zeros_like(out)
-    for i, ids in enumerate(outputs):
-        if ids:
-            counts[i].index_add_(0, torch.tensor(ids, device=out.device), torch.ones(len(ids), device=out.device))
-    seen = counts > 0
-
-    def col(vals):
-        return torch.tensor(vals, dtype=out.dtype, device=out.device).unsqueeze(-1)
-
-    out -= col([p.frequency for p in penalties]) * counts
-    out -= col([p.presence for p in penalties]) * seen
-    for i, (p, ids) in enumerate(zip(penalties, outputs)):
+    for i, (ids, p) in enumerate(zip(outputs, penalties)):
+        if p.is_neutral():
+            continue
         if len(ids) < p.min_new_tokens and p.stop_ids:
-            out[i, [t for t in p.stop_ids if 0 <= t < vocab]] = float("-inf")
-    rep = torch.where(seen, col([p.repetition for p in penalties]), torch.ones_like(out))
-    return torch.where(out < 0, out * rep, out / rep)
+            out[i, [t for t in p.stop_ids if 0 <= t < out.shape[-1]]] = float("-inf")
+        if ids:
+            seen, counts = torch.tensor(ids, device=out.device).unique(return_counts=True)
+            row = out[i, seen] - p.frequency * counts - p.presence  # additive first, as SGLang
+            out[i, seen] = torch.where(row < 0, row * p.repetition, row / p.repetition)
+    return out
 
 
 def filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
