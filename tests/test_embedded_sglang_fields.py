@@ -138,8 +138,10 @@ def test_penalties_min_new_tokens_and_top_logprobs_match_hf_float64(tiny):
 def test_min_p_keeps_only_tokens_above_its_threshold(tiny):
     model, _ = tiny
     prompt, temp, min_p = [3, 1, 4, 1, 5], 0.8, 0.25
-    reqs = lambda mp: [dict(prompt=prompt, max_new_tokens=6, temperature=temp, ignore_eos=True, min_p=mp,  # noqa: E731
-                            sampling_seed=s, return_logprob=True) for s in range(12)]
+
+    def reqs(mp):
+        return [dict(prompt=prompt, max_new_tokens=6, temperature=temp, ignore_eos=True, min_p=mp, sampling_seed=s,
+                     return_logprob=True) for s in range(12)]
 
     def violations(answers, check_logprobs):
         bad = 0
@@ -168,7 +170,22 @@ def test_stop_regex_and_logprob_texts(tiny):
     assert a["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"reserved_\d+\|>"}
     assert "reserved_" in tok.decode(out) and "reserved_" not in tok.decode(out[:-1])
     assert [t[2] for t in a["meta_info"]["output_token_logprobs"]] == [tok.decode([t]) for t in out]
-    assert a["meta_info"]["output_top_logprobs"][0][0][2] == tok.decode([a["meta_info"]["output_top_logprobs"][0][0][1]])
+    best = a["meta_info"]["output_top_logprobs"][0][0]
+    assert best[2] == tok.decode([best[1]])
     assert a["text"] == tok.decode(out)
     (b,) = _run(model, tok, prompt=prompt, max_new_tokens=len(out), temperature=0.0, ignore_eos=True)
     assert b["output_ids"] == out and b["text"] == tok.decode(out, skip_special_tokens=True) != a["text"]
+
+
+def test_text_batches_and_text_with_input_ids(tiny):
+    from megatron_dapo.rollout.embedded.server import EmbeddedServer
+
+    model, tok = tiny
+    srv = EmbeddedServer(model, tok)
+    try:
+        reqs = srv._make_requests(S.GenerateIn(text=["ab", "c"], sampling_params={"repetition_penalty": 1.5}))
+        assert [r.prompt for r in reqs] == [tok.encode("ab"), tok.encode("c")]
+        assert [r.repetition_penalty for r in reqs] == [1.5, 1.5]
+        assert "send one of them" in srv._make_requests(S.GenerateIn(text="ab", input_ids=[1]))
+    finally:
+        srv.engine.close()

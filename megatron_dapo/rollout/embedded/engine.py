@@ -437,8 +437,9 @@ class Engine:
         }
         meta["weight_versions"] = weight_version_spans(r.version_events, self.weight_version, len(r.output))
         if r.return_logprob:
-            meta["input_token_logprobs"] = [(lp, tok, self._token_text(r, tok)) for lp, tok, _ in r.input_logprobs or []]
-            meta["output_token_logprobs"] = [(lp, tok, self._token_text(r, tok)) for lp, tok in zip(r.logprobs, r.output)]
+            text_of = self._token_text
+            meta["input_token_logprobs"] = [(lp, tok, text_of(r, tok)) for lp, tok, _ in r.input_logprobs or []]
+            meta["output_token_logprobs"] = [(lp, tok, text_of(r, tok)) for lp, tok in zip(r.logprobs, r.output)]
             meta["output_token_logprobs_length"] = len(r.output)
             if r.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = self._top_entries(r, r.input_top or [])

@@ -192,6 +192,8 @@ class EmbeddedServer:
 
     def _make_requests(self, body: S.GenerateIn) -> list[GenRequest] | str:
         """The engine requests of a /generate body (one prompt, or a batch of prompts), or a 400 message."""
+        if body.text is not None and body.input_ids is not None:
+            return "text / input_ids: send one of them, not both (as SGLang)"
         if not body.is_batch:
             if isinstance(body.rid, list) or isinstance(body.sampling_params, list):
                 return "rid / sampling_params: a list needs a batch of prompts (input_ids as a list of lists)"
@@ -350,8 +352,8 @@ class EmbeddedServer:
                                      f"Valid options: {sorted(LOAD_SECTIONS)}"}, status_code=400)
             rows = [] if dp_rank not in (None, 0) else [self._load_snapshot()]
             if format == "prometheus":
-                text = "".join(f"# TYPE sglang_{k} gauge\nsglang_{k}{{dp_rank=\"0\"}} {v}\n"
-                               for row in rows for k, v in row.items() if isinstance(v, (int, float)) and k != "dp_rank")
+                text = "".join(f"# TYPE sglang_{k} gauge\nsglang_{k}{{dp_rank=\"0\"}} {v}\n" for row in rows
+                               for k, v in row.items() if isinstance(v, (int, float)) and k != "dp_rank")
                 return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
             return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                     "version": SGLANG_VERSION, "accelerator": self._accelerator(), "num_accelerators": 1,
