@@ -275,8 +275,7 @@ def build_peer(api_key: str | None, running_requests: int):
 def serve(port: int, api_key: str | None, running_requests: int) -> None:
     import_sglang()  # first: fastapi looks for orjson (installed beside SGLang) when it is imported
     import uvicorn
-    from fastapi import Request
-    from fastapi.responses import Response
+    from fastapi.responses import JSONResponse, Response
     from safetensors.torch import save
 
     make_tm, http_server, sched = build_peer(api_key, running_requests)
@@ -295,9 +294,10 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
         return Response(save({n: t.contiguous() for n, t in sched.model.received}),
                         media_type="application/octet-stream")
 
-    @app.post("/peer/parse")
-    async def peer_parse(request: Request):
-        return json.loads(json.dumps(parse_payloads(await request.json()), default=repr))
+    async def peer_parse(request):  # a plain Starlette route: the request itself, no FastAPI parsing
+        return JSONResponse(json.loads(json.dumps(parse_payloads(await request.json()), default=repr)))
+
+    app.add_route("/peer/parse", peer_parse, methods=["POST"])
 
     @app.post("/peer/reset")
     async def peer_reset(running: int = running_requests):
