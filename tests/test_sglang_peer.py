@@ -93,6 +93,18 @@ def test_bridge_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatten, pau
     assert (state["running"], state["waiting"], state["flushes"]) == expect
 
 
+def test_bridge_closes_a_session_a_dead_trainer_left_open(sglang_peer):
+    """SGLang refuses a second begin while a session is open (as a trainer killed mid-sync leaves it):
+    the bridge ends that session and opens its own."""
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 0}).raise_for_status()
+        assert http.post("/begin_weight_update", json=payloads.begin_update_body()).json()["success"]
+        stats = _sync_into_peer(sglang_peer, False, "retract", "after-a-dead-trainer", bucket_mb=64)
+        state = http.get("/peer/state").json()
+    assert stats.num_tensors == len(_weights()) and state["weight_version"] == "after-a-dead-trainer"
+    assert not state["session_open"]
+
+
 def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_server(sglang_peer, embedded,
                                                                                     monkeypatch):
     """The old bridge (flush_cache on the last bucket after an in_place pause) fails in SGLang with its own

@@ -235,6 +235,7 @@ class WeightSyncBridge:
         bucket_bytes = int(self.cfg.bucket_mb * 1024 * 1024)
         t0 = time.perf_counter()
         paused = in_session = False
+        failed = True  # until the last bucket is answered: then errors at the end are raised, not logged
         n_tensors = n_bytes = n_buckets = 0
         inflight: _InFlight | None = None
         flush = flushes_cache(self.cfg.pause_generation, self.pause_mode)
@@ -261,12 +262,13 @@ class WeightSyncBridge:
                 raise WeightSyncError("sync(): the weight iterator yielded no tensors")
             self._finish(inflight)
             inflight = None
+            failed = False
         finally:
             if inflight is not None and not inflight.answers.done():  # failed while a bucket was on its way
                 self._abandon(inflight)
             try:
                 if in_session:
-                    self._each("end_weight_update", quiet=inflight is not None)
+                    self._each("end_weight_update", quiet=failed)
             finally:
                 if paused:
                     self._all("continue_generation")
