@@ -74,3 +74,178 @@ def test_unpickler_refuses_descriptor_classes_before_building_any():
     with pytest.raises(pickle.UnpicklingError, match="multiprocessing.resource_sharer.DupFd is not allowed"):
         SafeUnpickler(io.BytesIO(raw)).load()
     assert _resources()["fds"] == before
+
+
+# ---- a real `megatron-dapo serve` subprocess through the hostile set ---------------------------------------
+KEY = "hardening-secret"
+LIMIT_BYTES, MAX_N, GROUP_TIMEOUT_S = 1 << 20, 8, 3
+PROBE = [3, 1, 4, 1, 5, 9, 2, 6]
+GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    return build_char_tokenizer(save_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3")))
+
+
+@pytest.fixture(scope="module")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """One server with small limits; `server.baseline` is its greedy output for PROBE before any hostile input."""
+    from megatron_dapo.rollout.launcher import embedded_server
+
+    srv = embedded_server(str(model_dir), tmp_path_factory.mktemp("logs") / "server.log", api_key=KEY,
+                          extra_args=["--max-request-bytes", str(LIMIT_BYTES), "--max-n", str(MAX_N),
+                                      "--weight-group-timeout-s", str(GROUP_TIMEOUT_S)])
+    srv.start(timeout_s=120)
+    try:
+        srv.baseline = _post(srv, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()["output_ids"]
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _http(srv, **kw):
+    import httpx
+
+    return httpx.AsyncClient(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False,
+                             timeout=kw.pop("timeout", 60), **kw)
+
+
+def _post(srv, path, body=None, **kw):
+    import httpx
+
+    return httpx.post(srv.url + path, json=body if body is not None else {}, trust_env=False, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", **kw.pop("headers", {})}, **kw)
+
+
+def _message(resp) -> str:
+    body = resp.json()
+    return body.get("message") or (body.get("error") or {}).get("message") or str(body)
+
+
+@pytest.mark.slow
+def test_descriptor_pickles_are_refused_and_the_server_fd_count_stays_flat(server):
+    import base64
+    import time
+
+    raw = b"(" + b"(S'model.norm.weight'\ncmultiprocessing.resource_sharer\nDupFd\n(I0\ntRt" * 5000 + b"l."
+    assert len(raw) * 4 // 3 < LIMIT_BYTES
+    proc = psutil.Process(server.proc.pid)
+    before = proc.num_fds()
+    for _ in range(5):
+        resp = _post(server, "/update_weights_from_tensor",
+                     {"serialized_named_tensors": [base64.b64encode(raw).decode()]})
+        assert resp.status_code == 400 and "multiprocessing.resource_sharer.DupFd is not allowed" in _message(resp)
+    deadline = time.monotonic() + 10
+    while proc.num_fds() > before and time.monotonic() < deadline:  # our closed connections go away
+        time.sleep(0.1)
+    assert proc.num_fds() <= before
+
+
+@pytest.mark.slow
+def test_oversized_bodies_and_too_many_sequences_are_refused(server):
+    big = {"input_ids": PROBE, "sampling_params": GREEDY, "rid": "x" * LIMIT_BYTES}
+    resp = _post(server, "/generate", big)
+    assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)
+
+    def chunks():  # no Content-Length: the limit counts what arrives
+        for _ in range(LIMIT_BYTES // 65536 + 2):
+            yield b" " * 65536
+
+    import httpx
+    resp = httpx.post(server.url + "/generate", content=chunks(), trust_env=False, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)
+    resp = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": {**GREEDY, "n": MAX_N + 1}})
+    assert resp.status_code == 400 and "sampling_params.n" in _message(resp) and "--max-n" in _message(resp)
+    resp = _post(server, "/generate", {"input_ids": [PROBE] * (MAX_N + 1), "sampling_params": GREEDY})
+    assert resp.status_code == 400 and "--max-n" in _message(resp)
+    ok = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": {**GREEDY, "n": MAX_N}})
+    assert ok.status_code == 200 and [a["output_ids"] for a in ok.json()] == [server.baseline] * MAX_N
+
+
+HOSTILE_SAMPLING = [({"top_k": 2**63}, "top_k"), ({"top_k": 257}, "top_k"), ({"top_k": 0}, "top_k"),
+                    ({"temperature": -1.0}, "temperature"), ({"temperature": float("inf")}, "temperature"),
+                    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 2**40}, "max_new_tokens"),
+                    ({"max_new_tokens": -1}, "max_new_tokens"), ({"sampling_seed": 2**64}, "sampling_seed"),
+                    ({"stop_token_ids": [2**63]}, "stop_token_ids"), ({"n": 0}, "n")]
+
+
+@pytest.mark.slow
+def test_hostile_sampling_values_fail_only_their_own_request(server, hf_model):
+    import asyncio
+    import json
+
+    async def go():
+        async with _http(server) as c:
+            def send(sp):  # json.dumps writes inf as `Infinity`, which the server's JSON parser reads
+                return c.post("/generate", content=json.dumps({"input_ids": PROBE, "sampling_params": sp}),
+                              headers={"Content-Type": "application/json"})
+            honest = [send(GREEDY) for _ in range(3)]
+            return await asyncio.gather(*honest, *(send({**GREEDY, **bad}) for bad, _ in HOSTILE_SAMPLING))
+
+    answers = asyncio.run(go())
+    hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
+    for resp in answers[:3]:
+        assert resp.status_code == 200 and resp.json()["output_ids"] == hf == server.baseline
+    for resp, (bad, field) in zip(answers[3:], HOSTILE_SAMPLING):
+        assert resp.status_code == 400 and field in _message(resp), (bad, resp.text)
+
+
+@pytest.mark.slow
+def test_text_is_tokenized_off_the_event_loop(server):
+    import asyncio
+
+    text = "hostile text " * 40000  # about 0.5 MB: the tokenizer takes a second or more
+
+    async def go():
+        async with _http(server) as c:
+            long = asyncio.ensure_future(c.post("/generate", json={"text": text, "sampling_params": GREEDY}))
+            await asyncio.sleep(0.2)  # its body is in and being tokenized
+            health = await c.get("/health")
+            return health.status_code, long.done(), await long
+
+    status, long_done_first, long = asyncio.run(go())
+    assert status == 200 and not long_done_first, "/health waited for a tokenization"
+    assert long.status_code == 400 and "does not fit the context" in _message(long)
+
+
+@pytest.mark.slow
+def test_admin_routes_answer_while_group_formations_hang(server):
+    import asyncio
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+    nobody = free_port()  # nothing listens there: the store connection retries until the timeout
+
+    async def go():
+        async with _http(server) as c:
+            forming = [asyncio.ensure_future(c.post("/init_weights_update_group", json={
+                "master_address": LOOPBACK, "master_port": nobody, "rank_offset": 1, "world_size": 2,
+                "group_name": f"unreachable_{i}", "backend": "gloo"})) for i in range(8)]
+            await asyncio.sleep(0.3)
+            admin = [await c.get("/health"), await c.post("/abort_request", json={"abort_all": True}),
+                     await c.post("/pause_generation", json={"mode": "abort"}),
+                     await c.post("/update_weight_version", json={"new_version": "during"}),
+                     await c.post("/continue_generation", json={}), await c.get("/get_model_info"),
+                     await c.post("/update_weight_version", json={"new_version": "default"})]
+            pending = sum(not f.done() for f in forming)
+            return admin, pending, await asyncio.gather(*forming)
+
+    admin, pending, formed = asyncio.run(go())
+    assert all(r.status_code == 200 for r in admin), [r.text for r in admin]
+    assert admin[5].json()["weight_version"] == "during"
+    assert pending == 8, "a group formation answered before the admin commands"
+    for resp in formed:
+        assert resp.status_code == 400 and f"within {GROUP_TIMEOUT_S}s" in _message(resp), resp.text
+        assert "--weight-group-timeout-s" in _message(resp)

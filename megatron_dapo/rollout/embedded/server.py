@@ -161,8 +161,11 @@ class EmbeddedServer:
             return None
         return await asyncio.get_running_loop().run_in_executor(self._admin_pool, fn, *args)
 
-    async def _drop_group(self, name: str) -> None:
-        """Destroy a weight-update group (in a daemon thread: a dead peer may hang the teardown)."""
+    async def _drop_group(self, name: str, pg=None) -> None:
+        """Destroy the weight-update group `name` (only if it is still `pg`, when given: a failed update must not
+        take down the group that replaced its own). In a daemon thread: a dead peer may hang the teardown."""
+        if pg is not None and self.groups.get(name) is not pg:
+            return
         pg = self.groups.pop(name, None)
         if pg is not None:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -249,6 +252,8 @@ class EmbeddedServer:
             ids = eng.tokenizer.encode(text)
         if not ids:
             return f"input_ids{at}: empty prompt"
+        if len(ids) >= eng.max_context:  # first: bounds the per-token check below
+            return f"input_ids{at}: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
         for i, t in enumerate(ids):
             if not 0 <= t < eng.vocab_size:
                 return f"input_ids{at}[{i}]={t} is outside the vocabulary [0, {eng.vocab_size})"
@@ -264,8 +269,6 @@ class EmbeddedServer:
         stop_strs = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
         if stop_strs and eng.tokenizer is None:
             return f"sampling_params{at}.stop: stop strings need a tokenizer; use stop_token_ids"
-        if len(ids) >= eng.max_context:
-            return f"input_ids{at}: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
         n = sp.n or 1
         rid = rid or uuid.uuid4().hex
         rids = [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
@@ -446,7 +449,7 @@ class EmbeddedServer:
             unreceivable = announcement_problem(body.names, body.dtypes, body.shapes, self._max_update_bytes())
             if unreceivable is not None:
                 # The sender broadcasts regardless; bytes left on the wire would be loaded by the next update.
-                await self._drop_group(body.group_name)
+                await self._drop_group(body.group_name, pg)
                 return JSONResponse({"success": False, "message": (
                     f"Failed to update weights: {unreceivable}; its broadcast cannot be received, so group "
                     f"{body.group_name!r} was destroyed: call /init_weights_update_group again")}, 400)
@@ -480,7 +483,7 @@ class EmbeddedServer:
                 await self._exclusive(run)
             except Exception as e:
                 # A receive that failed part-way leaves the group out of step with the sender.
-                await self._drop_group(body.group_name)
+                await self._drop_group(body.group_name, pg)
                 return JSONResponse({"success": False, "message": (
                     f"Failed to update weights: {e}; group {body.group_name!r} was destroyed: "
                     "call /init_weights_update_group again")}, 400)
