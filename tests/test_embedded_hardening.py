@@ -249,3 +249,125 @@ def test_admin_routes_answer_while_group_formations_hang(server):
     for resp in formed:
         assert resp.status_code == 400 and f"within {GROUP_TIMEOUT_S}s" in _message(resp), resp.text
         assert "--weight-group-timeout-s" in _message(resp)
+
+
+def _in_thread(fn, *args, **kw):
+    import threading
+
+    out = {}
+
+    def run():
+        try:
+            out["resp"] = fn(*args, **kw)
+        except Exception as e:  # e.g. the server stopped under it; the caller reads out["error"]
+            out["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+def _form_group(server, name):
+    """This process as the trainer (rank 0) of a real gloo weight-update group with the server."""
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+    from megatron_dapo.sync import group as wgroup
+
+    port = free_port()
+    t, out = _in_thread(_post, server, "/init_weights_update_group", {
+        "master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": name,
+        "backend": "gloo"})
+    pg = wgroup.init_weight_update_group(LOOPBACK, port, 0, 2, name, "gloo", timeout_s=30)
+    t.join(60)
+    assert out["resp"].status_code == 200, out["resp"].text
+    return pg
+
+
+def _announce_and_send(server, pg, group, names, dtypes, shapes, tensors, version=None):
+    """Announce an update and broadcast `tensors` (what the sender really has) as a trainer does."""
+    import datetime
+
+    from megatron_dapo.sync import group as wgroup
+
+    t, out = _in_thread(_post, server, "/update_weights_from_distributed", {
+        "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group, "weight_version": version})
+    sent = []
+    for x in tensors:
+        try:
+            wgroup.broadcast(x, pg, async_op=True).wait(datetime.timedelta(seconds=20))
+            sent.append(True)
+        except Exception:  # the server dropped the group under this broadcast
+            sent.append(False)
+    t.join(60)
+    return out["resp"], sent
+
+
+@pytest.mark.slow
+def test_an_unreceivable_distributed_update_destroys_its_group_and_the_next_loads_fresh_bytes(server, hf_model):
+    import copy
+
+    from megatron_dapo.sync import group as wgroup
+
+    name, group = "model.norm.weight", "hostile_update"
+    weight = hf_model.state_dict()[name].detach().clone()
+    shape = list(weight.shape)
+    stale = torch.full_like(weight, 1000.0)  # what a refused update's sender puts on the wire
+    hostile = [(["float99"], [shape], "float99"), (["float32"], [[-1] + shape], "negative size"),
+               (["float32"], [[2**40]], "more than this server receives")]
+    for dtypes, shapes, why in hostile:
+        pg = _form_group(server, group)
+        try:
+            resp, _ = _announce_and_send(server, pg, group, [name], dtypes, shapes, [stale])
+            assert resp.status_code == 400 and why in _message(resp), resp.text
+            assert f"group {group!r} was destroyed" in _message(resp)
+            again = _post(server, "/update_weights_from_distributed", {
+                "names": [name], "dtypes": ["float32"], "shapes": [shape], "group_name": group})
+            assert again.status_code == 400 and "no group" in _message(again)
+        finally:
+            wgroup.destroy_weight_update_group(pg)
+
+    # a new group's update loads its own bytes, never the refused ones
+    doubled = copy.deepcopy(hf_model)
+    doubled.model.norm.weight.data.mul_(2.0)
+    pg = _form_group(server, group)
+    try:
+        resp, sent = _announce_and_send(server, pg, group, [name], ["float32"], [shape],
+                                        [doubled.model.norm.weight.detach().clone()], version="doubled")
+        assert resp.status_code == 200 and sent == [True], resp.text
+        got = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()
+        want = doubled.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
+        assert got["output_ids"] == want and got["meta_info"]["weight_version"] == "doubled"
+        resp, _ = _announce_and_send(server, pg, group, [name], ["float32"], [shape], [weight], version="default")
+        assert resp.status_code == 200, resp.text
+        assert _post(server, "/destroy_weights_update_group", {"group_name": group}).status_code == 200
+    finally:
+        wgroup.destroy_weight_update_group(pg)
+
+
+@pytest.mark.slow
+def test_zz_greedy_output_is_unchanged_after_the_hostile_set(server, hf_model):
+    got = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()
+    hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
+    assert got["output_ids"] == server.baseline == hf
+    assert got["meta_info"]["weight_version"] == "default"
+
+
+@pytest.mark.slow
+def test_zzz_sigterm_does_not_wait_on_a_hung_receive(server, hf_model):
+    """Last: it stops the module's server. A trainer announces an update and never sends it."""
+    import signal
+    import time
+
+    from megatron_dapo.sync import group as wgroup
+
+    name = "model.norm.weight"
+    pg = _form_group(server, "never_sent")
+    try:
+        _in_thread(_post, server, "/update_weights_from_distributed", {
+            "names": [name], "dtypes": ["float32"], "shapes": [list(hf_model.state_dict()[name].shape)],
+            "group_name": "never_sent"})
+        time.sleep(1.0)  # the server is receiving now
+        server.stop(grace_s=30)  # SIGTERM, then SIGKILL after 30 s
+    finally:
+        wgroup.destroy_weight_update_group(pg)
+    # uvicorn re-raises the SIGTERM once it has shut down; -SIGKILL would mean it waited on the receive
+    assert server.proc.returncode in (0, -signal.SIGTERM), server.log_tail()
