@@ -20,6 +20,9 @@ DATA_MODULES = {"builtins", "collections", "copyreg", "torch", "torch._utils", "
                 "torch.serialization", "torch.nn.parameter", "torch.multiprocessing.reductions"}
 
 
+HUGE = 1 << 28  # a size a payload may ask for; anything that fills it shows in the traced peak
+
+
 def _resources() -> dict:
     me = psutil.Process()
     return {"fds": me.num_fds(), "threads": me.num_threads(), "children": len(me.children(recursive=True)),
@@ -27,9 +30,9 @@ def _resources() -> dict:
 
 
 def _call_with_hostile_args(obj) -> None:
-    """Call `obj` as a pickle's REDUCE could: every 0-3 argument combination of descriptor numbers, names,
-    None, a dtype, a storage class and a storage."""
-    values = [0, 3, "x", None, torch.float32, torch.UntypedStorage, (), torch.UntypedStorage(4)]
+    """Call `obj` as a pickle's REDUCE could: every 0-3 argument combination of descriptor numbers, a huge
+    size, names, None, a dtype, a storage class and a storage."""
+    values = [0, 3, HUGE, "x", None, torch.float32, torch.UntypedStorage, (), torch.UntypedStorage(4)]
     for k in range(4):
         for args in itertools.product(values, repeat=k):
             try:
@@ -39,12 +42,21 @@ def _call_with_hostile_args(obj) -> None:
 
 
 def _leaks(module: str, name: str) -> dict:
-    """What calling this global with hostile arguments leaves behind in this process: {resource: (before, after)}."""
+    """What calling this global with hostile arguments leaves behind in this process ({resource: (before,
+    after)}), and whether it filled memory of the size it was asked for ("filled": peak bytes)."""
+    import tracemalloc
+
     obj = getattr(importlib.import_module(module), name)
     before = _resources()
-    _call_with_hostile_args(obj)
+    tracemalloc.start()
+    try:
+        _call_with_hostile_args(obj)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
     after = _resources()
-    return {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+    found = {k: (before[k], after[k]) for k in before if after[k] != before[k]}
+    return found | ({"filled": peak} if peak >= HUGE // 2 else {})
 
 
 def test_every_allowed_global_only_builds_data():
@@ -59,8 +71,9 @@ def test_every_allowed_global_only_builds_data():
             assert module in DATA_MODULES, f"{module}.{name}: not a data or tensor-rebuild module"
             assert hasattr(importlib.import_module(module), name), f"{module}.{name} does not exist"
             assert not _leaks(module, name), f"{module}.{name} leaves {_leaks(module, name)}"
-        # the check sees the class that leaked descriptors from the old allow-list
+        # the check sees what the old allow-list let through: descriptors, and memory filled on request
         assert "fds" in _leaks("multiprocessing.resource_sharer", "DupFd")
+        assert "filled" in _leaks("builtins", "bytearray") and "filled" in _leaks("builtins", "bytes")
 
 
 def test_unpickler_refuses_descriptor_classes_before_building_any():

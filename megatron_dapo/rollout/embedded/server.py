@@ -603,9 +603,11 @@ class EmbeddedServer:
                                      f"rank, got {len(body.serialized_named_tensors)} entries"}, 400)
             if body.abort_all_requests:
                 await asyncio.to_thread(eng.abort, None, True)
-            try:
+            def decode():  # off the event loop: a large or deeply nested payload takes a while
                 raw = base64.b64decode(body.serialized_named_tensors[0], validate=True)
-                named = load_named_tensors(raw, flattened=body.load_format == "flattened_bucket")
+                return load_named_tensors(raw, flattened=body.load_format == "flattened_bucket")
+            try:
+                named = await asyncio.to_thread(decode)
             except Exception as e:
                 return JSONResponse({"success": False,
                                      "message": f"serialized_named_tensors: cannot deserialize ({e})"}, 400)
