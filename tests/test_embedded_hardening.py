@@ -179,6 +179,9 @@ def test_oversized_bodies_and_too_many_sequences_are_refused(server):
     resp = httpx.post(server.url + "/generate", content=chunks(), trust_env=False, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)
+    nested = httpx.post(server.url + "/generate", content=b"[" * (LIMIT_BYTES // 2), trust_env=False, timeout=60,
+                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    assert nested.status_code == 400  # deeper than the JSON parser goes: a parse error, not a crash
     resp = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": {**GREEDY, "n": MAX_N + 1}})
     assert resp.status_code == 400 and "sampling_params.n" in _message(resp) and "--max-n" in _message(resp)
     resp = _post(server, "/generate", {"input_ids": [PROBE] * (MAX_N + 1), "sampling_params": GREEDY})
