@@ -20,8 +20,10 @@ class ServerLimits:
     group_timeout_s: float = 60.0  # --weight-group-timeout-s: forming a weight-update group
 
     def __post_init__(self):
-        if self.max_request_bytes < 1 or self.max_n < 1 or not self.group_timeout_s > 0:
-            raise ValueError(f"server limits must be positive, got {self}")
+        for flag, value in (("--max-request-bytes", self.max_request_bytes), ("--max-n", self.max_n),
+                            ("--weight-group-timeout-s", self.group_timeout_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{flag}: must be a positive number, got {value}")
 
 
 def sampling_range_problem(sp, vocab_size: int, at: str) -> str | None:

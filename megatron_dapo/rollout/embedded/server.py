@@ -24,6 +24,7 @@ import asyncio
 import base64
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import secrets
@@ -187,7 +188,8 @@ class EmbeddedServer:
             return body
         encode = self.engine.tokenizer.encode
         texts = body.text if isinstance(body.text, list) else [body.text]
-        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool, lambda: [encode(t) for t in texts])
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                               lambda: [encode(t) for t in texts])
         return body.model_copy(update={"input_ids": ids if isinstance(body.text, list) else ids[0], "text": None})
 
     def _scratch_buffer(self, layout) -> torch.Tensor:
@@ -507,9 +509,9 @@ class EmbeddedServer:
                 log.warning("init_weights_update_group: replacing existing group %r", body.group_name)
                 await self._drop_group(body.group_name)
             timeout = self.limits.group_timeout_s
-            forming = in_daemon_thread(
+            forming = in_daemon_thread(functools.partial(
                 wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
-                body.world_size, body.group_name, body.backend, 300.0, timeout)
+                body.world_size, body.group_name, body.backend, connect_timeout_s=timeout))
 
             def destroy_late(done: asyncio.Future):  # formed after its client was answered: never used
                 if not done.cancelled() and done.exception() is None:

@@ -10,9 +10,10 @@ metadata class (srt/weight_sync/tensor_bucket.py).
 Unpickling runs only an explicit allow-list of globals, as SGLang's `SafeUnpickler` does
 (srt/utils/common.py): data types and torch's tensor / storage rebuild functions, never whole
 modules (torch.* holds callables such as torch.load), nothing that fills memory it is asked for by
-size, and nothing that makes a descriptor, process, thread or socket: `multiprocessing.resource_sharer.DupFd` duplicates a descriptor when it is built
-and starts a listener thread to hand it out, so a refused payload of them filled the fd table.
-Storages therefore arrive by shared-memory file name only (what `forking_dumps` sends), never by fd. SGLang's metadata class is mapped onto
+size, and nothing that makes a descriptor, process, thread or socket: `multiprocessing.resource_sharer.
+DupFd` duplicates a descriptor when it is built and starts a listener thread to hand it out, so a
+refused payload of them filled the fd table. Storages therefore arrive by shared-memory file name
+only (what `forking_dumps` sends), never by fd. SGLang's metadata class is mapped onto
 `FlattenedTensorMetadata` here, so a payload built with SGLang installed loads without it.
 """
 
