@@ -360,6 +360,40 @@ def test_an_unreceivable_distributed_update_destroys_its_group_and_the_next_load
 
 
 @pytest.mark.slow
+def test_a_group_that_forms_after_its_client_was_answered_is_destroyed(server):
+    """The trainer's store is up but the trainer joins only after the server answered 'did not form': the
+    server's formation then completes in its thread, and the group must not be installed."""
+    import time
+
+    import torch.distributed as dist
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+    from megatron_dapo.sync import group as wgroup
+
+    port, group = free_port(), "late_group"
+    store = dist.TCPStore(LOOPBACK, port, 2, is_master=True, multi_tenant=True,  # reachable, nobody joins yet
+                          wait_for_workers=False)
+    resp = _post(server, "/init_weights_update_group", {
+        "master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": group,
+        "backend": "gloo"})
+    assert resp.status_code == 400 and "did not form" in _message(resp), resp.text
+    pg = wgroup.init_weight_update_group(LOOPBACK, port, 0, 2, group, "gloo", timeout_s=30)  # the late join
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            again = _post(server, "/update_weights_from_distributed", {
+                "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[1]], "group_name": group})
+            assert again.status_code == 400 and "no group" in _message(again), again.text
+            if "destroyed" in server.log_tail(5):
+                break
+            time.sleep(0.2)
+        assert "formed after its request was answered; destroyed" in server.log_tail(5)
+    finally:
+        wgroup.destroy_weight_update_group(pg)
+        del store
+
+
+@pytest.mark.slow
 def test_zz_greedy_output_is_unchanged_after_the_hostile_set(server, hf_model):
     got = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()
     hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
