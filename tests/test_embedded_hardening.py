@@ -170,12 +170,13 @@ def test_oversized_bodies_and_too_many_sequences_are_refused(server):
     big = {"input_ids": PROBE, "sampling_params": GREEDY, "rid": "x" * LIMIT_BYTES}
     resp = _post(server, "/generate", big)
     assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)
+    import httpx
+    assert httpx.post(server.url + "/generate", json=big, trust_env=False, timeout=60).status_code == 401  # no key
 
     def chunks():  # no Content-Length: the limit counts what arrives
         for _ in range(LIMIT_BYTES // 65536 + 2):
             yield b" " * 65536
 
-    import httpx
     resp = httpx.post(server.url + "/generate", content=chunks(), trust_env=False, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
     assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)

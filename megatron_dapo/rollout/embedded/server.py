@@ -379,6 +379,10 @@ class EmbeddedServer:
             return JSONResponse({"object": "error", "message": f"{request.url.path}: {_field_message(exc)}",
                                  "type": "Bad Request", "param": None, "code": 400}, status_code=400)
 
+        # Added first, so it runs inside the auth check: a client without the key is refused before any
+        # of its body is read.
+        app.add_middleware(BodySizeLimit, max_bytes=self.limits.max_request_bytes)
+
         @app.middleware("http")
         async def _auth(request: Request, call_next):
             if self.api_key and not request.url.path.startswith(OPEN_PATHS):
@@ -387,8 +391,6 @@ class EmbeddedServer:
                 if scheme.lower() != "bearer" or not secrets.compare_digest(token, self.api_key):
                     return JSONResponse({"error": "Unauthorized"}, status_code=401)
             return await call_next(request)
-
-        app.add_middleware(BodySizeLimit, max_bytes=self.limits.max_request_bytes)  # outermost: before auth
 
         @app.get("/health")
         @app.get("/health_generate")
