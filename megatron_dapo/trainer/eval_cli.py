@@ -1,0 +1,225 @@
+"""`megatron-dapo eval CONFIG --checkpoint DIR [key.sub=value ...]`: held-out accuracy of one checkpoint.
+
+DIR is a training checkpoint (`<save_dir>/step_NNNNNN/`, or the save_dir itself: its `latest`), a
+megatron-core checkpoint written by `megatron-dapo convert hf-to-megatron` / Megatron-LM, or an HF
+model directory. Megatron checkpoints are converted to HF safetensors first (a temporary directory
+under `<logging.run_dir>/eval/`, removed afterwards). Then, as a run does, the weights go to the
+rollout servers: the servers of `rollout.servers` receive them through the weight-sync bridge (they
+keep them afterwards); otherwise `rollout.num_servers` servers (`rollout.engine`) are started on
+this machine and stopped at the end. Every prompt of `data.val_files` is sampled as `trainer.val`
+says and judged by `reward.*`; a table goes to stdout and a JSON (settings, prompt counts, metrics)
+to `--output` (default `<logging.run_dir>/eval/<checkpoint>.json`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class EvalError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class CheckpointSource:
+    kind: str  # "training" | "megatron" | "hf"
+    path: Path  # what is read: step_NNNNNN/model, the megatron checkpoint, or the HF directory
+    label: str  # names the output file
+    step: int | None = None
+
+
+def resolve_checkpoint(path: str | Path) -> CheckpointSource:
+    """What kind of checkpoint `path` is, and the directory that holds its weights."""
+    from megatron_dapo.trainer import checkpoint as ckpt
+
+    path = Path(path).resolve()
+    if not path.is_dir():
+        raise EvalError(f"--checkpoint {path} is not a directory")
+    if (path / ckpt.LATEST).is_file():
+        path = ckpt.latest_checkpoint(path)
+    if (path / "trainer.json").is_file():
+        step = ckpt.read_trainer_state(path).get("step")
+        return CheckpointSource("training", path / "model", path.name, None if step is None else int(step))
+    if (path / "latest_checkpointed_iteration.txt").is_file() or (path / "metadata.json").is_file():
+        return CheckpointSource("megatron", path, path.name)
+    if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
+        return CheckpointSource("hf", path, path.name)
+    raise EvalError(f"--checkpoint {path} is neither a training checkpoint (step_NNNNNN/ with trainer.json, or its "
+                    f"directory with `latest`), a megatron-core checkpoint (metadata.json or "
+                    f"latest_checkpointed_iteration.txt) nor an HF model directory (config.json + *.safetensors)")
+
+
+def hf_weights(source: CheckpointSource, cfg, work_dir: Path, layout: dict) -> Path:
+    """An HF directory with the checkpoint's weights (converted into `work_dir` when needed)."""
+    if source.kind == "hf":
+        return source.path
+    from megatron_dapo.bridge.checkpoint import HF_CONFIG_DIR
+    from megatron_dapo.bridge.convert import megatron_to_hf
+
+    # The checkpoint's own copy of the HF config when it has one (converter output), else the run's model.
+    own = source.path / HF_CONFIG_DIR
+    hf_config = own if (own / "config.json").is_file() else Path(cfg.model.hf_path)
+    return megatron_to_hf(source.path, work_dir / "hf", hf_config_dir=hf_config, **layout)
+
+
+def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> list[str]:
+    from megatron_dapo.rollout import launcher
+    from megatron_dapo.runtime.net import free_port
+
+    r = cfg.rollout
+    if r.engine == "embedded":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        servers = launcher.launch_embedded_servers(str(model_dir), r.num_servers, log_dir, api_key=r.api_key,
+                                                   device=device, deterministic_inference=r.deterministic_inference)
+        for s in servers:
+            stack.callback(s.stop)
+        return [s.url for s in servers]
+    urls = []
+    for i in range(r.num_servers):  # server i on GPUs [i * server_tp, (i + 1) * server_tp) of this node
+        args = launcher.SGLangServerArgs.from_config(cfg, str(model_dir), free_port(), random_seed=i,
+                                                     base_gpu_id=i * r.server_tp)
+        proc = launcher.launch_sglang(args, log_dir / f"server_{i}.log")
+        stack.callback(proc.stop)
+        urls.append(proc.url)
+    return urls
+
+
+def _push_weights(cfg, model_dir: Path, version: str) -> None:
+    """Send the checkpoint's weights to the running `rollout.servers`, as the trainer's weight sync does."""
+    from megatron_dapo.bridge.hf_io import HFCheckpointReader
+    from megatron_dapo.sync.bridge import WeightSyncBridge
+
+    r = cfg.rollout
+    reader = HFCheckpointReader(model_dir)
+    tp = r.server_tp if r.engine == "sglang" else 1
+    bridge = WeightSyncBridge(r.servers, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(r.servers))
+    bridge.connect()
+    try:
+        bridge.sync(((name, reader.read(name)) for name in sorted(reader.names())), version=version)
+    finally:
+        bridge.close()
+
+
+def _source_table(metrics: dict[str, float], prompts: dict[str, int]) -> str:
+    """One row per data source, one column per metric (mean@n, best@n, maj@n, greedy)."""
+    rows: dict[str, dict[str, float]] = {s: {} for s in prompts}
+    for key, value in metrics.items():
+        source, _, name = key.removeprefix("val/").rpartition("/acc/")
+        rows.setdefault(source, {})[name] = value
+    names = list(dict.fromkeys(n for r in rows.values() for n in r))
+    width = max(len("data source"), *(len(s) for s in rows))
+    lines = [f"{'data source':<{width}}  {'prompts':>7}" + "".join(f"  {n:>8}" for n in names)]
+    for source, values in rows.items():
+        cells = "".join(f"  {values[n]:>8.3f}" if n in values else f"  {'-':>8}" for n in names)
+        lines.append(f"{source:<{width}}  {prompts.get(source, 0):>7}{cells}")
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+
+
+def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: Path | None = None,
+             layout: dict | None = None) -> dict:
+    """Evaluate one checkpoint; returns (and writes) the result dict."""
+    from collections import Counter
+
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.trainer.evaluate import ValSettings, evaluate
+    from megatron_dapo.trainer.loop import reward_runner
+
+    if not cfg.data.val_files:
+        raise EvalError("data.val_files is empty: nothing to evaluate")
+    t0 = time.time()
+    source = resolve_checkpoint(checkpoint)
+    eval_dir = Path(cfg.logging.run_dir) / "eval"
+    output = Path(output) if output else eval_dir / f"{source.label}.json"
+    work = eval_dir / f".work-{source.label}-{os.getpid()}"
+    with ExitStack() as stack:
+        work.mkdir(parents=True, exist_ok=True)
+        stack.callback(shutil.rmtree, work, True)
+        model_dir = hf_weights(source, cfg, work, layout or {})
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        dataset = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
+        if cfg.rollout.servers:
+            _push_weights(cfg, model_dir, version=f"eval:{source.label}")
+            urls = list(cfg.rollout.servers)
+        else:
+            urls = _start_servers(cfg, model_dir, eval_dir / "logs", stack)
+        settings = ValSettings.from_config(cfg)
+        report = evaluate(urls, dataset, reward_runner(cfg), settings, api_key=cfg.rollout.api_key, tokenizer=tokenizer)
+    prompts = dict(sorted(Counter(o.data_source for o in report.outcomes).items()))
+    result = {
+        "checkpoint": str(source.path), "kind": source.kind, "step": source.step,
+        "val_files": list(cfg.data.val_files), "prompts": prompts,
+        "settings": {"n": settings.n, "greedy": settings.greedy, "seed": settings.seed,
+                     **{k: v for k, v in asdict(settings.sampling).items() if k not in ("n", "sampling_seed")}},
+        "metrics": report.metrics, "wall_s": round(time.time() - t0, 1),
+    }
+    _write_json(output, result)
+    if samples is not None:
+        _write_jsonl(Path(samples), report.samples)
+    result["table"] = _source_table(report.metrics, prompts)
+    result["output"] = str(output)
+    return result
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-dapo eval", description=__doc__.splitlines()[0])
+    p.add_argument("config", help="the run's YAML config (data.val_files, trainer.val, rollout, reward)")
+    p.add_argument("--checkpoint", required=True, help="step_NNNNNN/ or its save_dir, a megatron-core or an HF checkpoint")
+    p.add_argument("--output", default=None, help="result JSON (default <logging.run_dir>/eval/<checkpoint>.json)")
+    p.add_argument("--samples", default=None, help="also write every judged answer to this jsonl file")
+    p.add_argument("--tp", type=int, default=1, help="tensor parallel size to read a megatron checkpoint with")
+    p.add_argument("--pp", type=int, default=1, help="pipeline parallel size to read it with")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size to read it with (MoE)")
+    p.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. trainer.val.n=4")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.bridge.convert import ConversionError
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.data.dataset import DatasetError
+    from megatron_dapo.trainer.checkpoint import CheckpointError
+
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config, args.overrides)
+        result = run_eval(cfg, args.checkpoint, args.output, args.samples, dict(tp=args.tp, pp=args.pp, ep=args.ep))
+    except (ConfigError, EvalError, CheckpointError, ConversionError, DatasetError, FileNotFoundError) as e:
+        print(f"megatron-dapo eval: error: {e}", file=sys.stderr)
+        return 2
+    s = result["settings"]
+    step = f" (step {result['step']})" if result["step"] is not None else ""
+    print(f"{result['checkpoint']}{step}: n={s['n']} at temperature {s['temperature']}, top_p {s['top_p']}, "
+          f"max {s['max_new_tokens']} new tokens{', plus greedy' if s['greedy'] else ''}")
+    print(result["table"])
+    print(f"wrote {result['output']} ({result['wall_s']:.0f}s)")
+    return 0
