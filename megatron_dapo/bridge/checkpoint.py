@@ -66,6 +66,11 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     d = checkpoint_dir(ckpt)
     n = len(model_chunks)
     sharded = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
-    state = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RAISE_ALL)
+    state, missing, unexpected = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RETURN_ALL)
+    # A training checkpoint (trainer.actor) holds the optimizer's sharded state too: not model weights.
+    missing = {k for k in missing if not k.startswith("optimizer.")}
+    if missing or unexpected:
+        raise ValueError(f"{d} does not match the model: keys the model lacks {sorted(missing)[:8]}, "
+                         f"keys the checkpoint lacks {sorted(unexpected)[:8]}")
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)

@@ -2,11 +2,11 @@
 
 DIR is a training checkpoint (`<save_dir>/step_NNNNNN/`, or the save_dir itself: its `latest`), a
 megatron-core checkpoint written by `megatron-dapo convert hf-to-megatron` / Megatron-LM, or an HF
-model directory. Megatron checkpoints are converted to HF safetensors first (a temporary directory
-under `<logging.run_dir>/eval/`, removed afterwards). Then, as a run does, the weights go to the
-rollout servers: the servers of `rollout.servers` receive them through the weight-sync bridge (they
-keep them afterwards); otherwise `rollout.num_servers` servers (`rollout.engine`) are started on
-this machine and stopped at the end. Every prompt of `data.val_files` is sampled as `trainer.val`
+model directory. Megatron checkpoints are converted to HF safetensors (a temporary directory under
+`<logging.run_dir>/eval/`, removed afterwards) while the servers start. Servers are those of
+`rollout.servers` (they keep the checkpoint's weights afterwards), or else `rollout.num_servers`
+servers (`rollout.engine`) started on this machine from `model.hf_path` and stopped at the end; as
+in a run, the weights reach them through the weight-sync bridge. Every prompt of `data.val_files` is sampled as `trainer.val`
 says and judged by `reward.*`; a table goes to stdout and a JSON (settings, prompt counts, metrics)
 to `--output` (default `<logging.run_dir>/eval/<checkpoint>.json`).
 """
@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -97,15 +98,15 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
     return urls
 
 
-def _push_weights(cfg, model_dir: Path, version: str) -> None:
-    """Send the checkpoint's weights to the running `rollout.servers`, as the trainer's weight sync does."""
+def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
+    """Send the checkpoint's weights to the servers, as the trainer's weight sync does."""
     from megatron_dapo.bridge.hf_io import HFCheckpointReader
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
     r = cfg.rollout
     reader = HFCheckpointReader(model_dir)
     tp = r.server_tp if r.engine == "sglang" else 1
-    bridge = WeightSyncBridge(r.servers, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(r.servers))
+    bridge = WeightSyncBridge(urls, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(urls))
     bridge.connect()
     try:
         bridge.sync(((name, reader.read(name)) for name in sorted(reader.names())), version=version)
@@ -163,14 +164,16 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
     with ExitStack() as stack:
         work.mkdir(parents=True, exist_ok=True)
         stack.callback(shutil.rmtree, work, True)
-        model_dir = hf_weights(source, cfg, work, layout or {})
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         dataset = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
-        if cfg.rollout.servers:
-            _push_weights(cfg, model_dir, version=f"eval:{source.label}")
-            urls = list(cfg.rollout.servers)
-        else:
-            urls = _start_servers(cfg, model_dir, eval_dir / "logs", stack)
+        # Servers start from model.hf_path while the checkpoint converts, then get its weights as a run's do.
+        with ThreadPoolExecutor(1) as pool:
+            converted = pool.submit(hf_weights, source, cfg, work, layout or {})
+            try:
+                urls = list(cfg.rollout.servers) or _start_servers(cfg, Path(cfg.model.hf_path), eval_dir / "logs", stack)
+            finally:
+                model_dir = converted.result()
+        _push_weights(cfg, urls, model_dir, version=f"eval:{source.label}")
         settings = ValSettings.from_config(cfg)
         report = evaluate(urls, dataset, reward_runner(cfg), settings, api_key=cfg.rollout.api_key, tokenizer=tokenizer)
     prompts = dict(sorted(Counter(o.data_source for o in report.outcomes).items()))
@@ -208,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer.checkpoint import CheckpointError
 
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides may come before or after --checkpoint
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)
