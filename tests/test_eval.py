@@ -237,3 +237,15 @@ def test_eval_cli_on_a_tp2_training_checkpoint(tmp_path, capsys):
     assert m["val/s1/acc/mean@4"] == pytest.approx(sum(mean) / 6, abs=1e-12)
     assert m["val/s1/acc/best@4"] == pytest.approx(sum(best) / 6, abs=1e-12)
     assert m["val/s1/acc/maj@4"] == pytest.approx(sum(maj) / 6, abs=1e-12)
+
+
+def test_demo_prints_each_validation_step_per_data_source():
+    from megatron_dapo.trainer.demo import held_out_table
+
+    val = load_config(TINY).trainer.val
+    points = [(0, {"val/math_dapo/acc/mean@4": 0.1, "val/math_dapo/acc/maj@4": 0.05, "val/math_dapo/acc/greedy": 0.0}),
+              (10, {"val/math_dapo/acc/mean@4": 0.25, "val/math_dapo/acc/maj@4": 0.5, "val/math_dapo/acc/greedy": 0.3})]
+    lines = held_out_table(points, val).splitlines()
+    assert lines[0] == "held-out accuracy: 4 samples per problem at temperature 1.0, top_p 0.7"
+    assert lines[1].split() == ["[math_dapo]", "step", "mean@4", "maj@4", "greedy"]
+    assert lines[2].split() == ["0", "0.100", "0.050", "0.000"] and lines[3].split() == ["10", "0.250", "0.500", "0.300"]

@@ -114,21 +114,6 @@ def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
         bridge.close()
 
 
-def _source_table(metrics: dict[str, float], prompts: dict[str, int]) -> str:
-    """One row per data source, one column per metric (mean@n, best@n, maj@n, greedy)."""
-    rows: dict[str, dict[str, float]] = {s: {} for s in prompts}
-    for key, value in metrics.items():
-        source, _, name = key.removeprefix("val/").rpartition("/acc/")
-        rows.setdefault(source, {})[name] = value
-    names = list(dict.fromkeys(n for r in rows.values() for n in r))
-    width = max(len("data source"), *(len(s) for s in rows))
-    lines = [f"{'data source':<{width}}  {'prompts':>7}" + "".join(f"  {n:>8}" for n in names)]
-    for source, values in rows.items():
-        cells = "".join(f"  {values[n]:>8.3f}" if n in values else f"  {'-':>8}" for n in names)
-        lines.append(f"{source:<{width}}  {prompts.get(source, 0):>7}{cells}")
-    return "\n".join(lines)
-
-
 def _write_json(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
@@ -153,6 +138,7 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
     from megatron_dapo.data.dataset import PromptDataset
     from megatron_dapo.trainer.evaluate import ValSettings, evaluate
     from megatron_dapo.trainer.loop import reward_runner
+    from megatron_dapo.trainer.val_metrics import by_source, format_table
 
     if not cfg.data.val_files:
         raise EvalError("data.val_files is empty: nothing to evaluate")
@@ -187,7 +173,8 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
     _write_json(output, result)
     if samples is not None:
         _write_jsonl(Path(samples), report.samples)
-    result["table"] = _source_table(report.metrics, prompts)
+    rows = {source: {"prompts": count, **by_source(report.metrics).get(source, {})} for source, count in prompts.items()}
+    result["table"] = format_table("data source", rows)
     result["output"] = str(output)
     return result
 

@@ -274,6 +274,7 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             writer.log(step, res)
             val.setdefault("first", (step, res))
             val["last"] = (step, res)
+            val.setdefault("all", []).append((step, res))
             log.info("step %d validation: %s", step, res)
 
     if rank == 0:

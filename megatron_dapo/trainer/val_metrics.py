@@ -78,3 +78,28 @@ def validation_metrics(outcomes: Sequence[PromptOutcome], prefix: str = "val") -
         if greedy:
             out[f"{key}/greedy"] = _mean(map(float, greedy))
     return out
+
+
+def by_source(metrics: dict[str, float], prefix: str = "val") -> dict[str, dict[str, float]]:
+    """`{data_source: {"mean@n": ..., "greedy": ...}}` from the flat keys of `validation_metrics`."""
+    out: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if key.startswith(prefix + "/") and "/acc/" in key:
+            source, _, name = key.removeprefix(prefix + "/").rpartition("/acc/")
+            out.setdefault(source, {})[name] = value
+    return out
+
+
+def format_table(first_column: str, rows: dict[str, dict[str, float | int]]) -> str:
+    """A plain-text table: one row per label, one column per key (floats to 3 decimals, '-' if absent)."""
+    names = list(dict.fromkeys(n for r in rows.values() for n in r))
+    width = max(len(first_column), *(len(label) for label in rows))
+    cols = [max(8, len(n)) for n in names]
+
+    def cell(v, w):
+        return f"{'-':>{w}}" if v is None else f"{v:>{w}}" if isinstance(v, int) else f"{v:>{w}.3f}"
+
+    lines = [f"{first_column:<{width}}" + "".join(f"  {n:>{w}}" for n, w in zip(names, cols))]
+    lines += [f"{label:<{width}}" + "".join(f"  {cell(r.get(n), w)}" for n, w in zip(names, cols))
+              for label, r in rows.items()]
+    return "\n".join(lines)
