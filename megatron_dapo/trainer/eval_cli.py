@@ -6,9 +6,9 @@ model directory. Megatron checkpoints are converted to HF safetensors (a tempora
 `<logging.run_dir>/eval/`, removed afterwards) while the servers start. Servers are those of
 `rollout.servers` (they keep the checkpoint's weights afterwards), or else `rollout.num_servers`
 servers (`rollout.engine`) started on this machine from `model.hf_path` and stopped at the end; as
-in a run, the weights reach them through the weight-sync bridge. Every prompt of `data.val_files` is sampled as `trainer.val`
-says and judged by `reward.*`; a table goes to stdout and a JSON (settings, prompt counts, metrics)
-to `--output` (default `<logging.run_dir>/eval/<checkpoint>.json`).
+in a run, the weights reach them through the weight-sync bridge. Every prompt of `data.val_files` is
+sampled as `trainer.val` says and judged by `reward.*`; a table goes to stdout and a JSON (settings,
+prompt counts, metrics) to `--output` (default `<logging.run_dir>/eval/<checkpoint>.json`).
 """
 
 from __future__ import annotations
@@ -121,11 +121,18 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)
+def _serve_checkpoint(cfg, source: CheckpointSource, work: Path, layout: dict, log_dir: Path,
+                      stack: ExitStack) -> list[str]:
+    """Servers holding the checkpoint's weights; those started here are stopped when `stack` closes."""
+    # They start from model.hf_path while the checkpoint converts, then get its weights as a run's do.
+    with ThreadPoolExecutor(1) as pool:
+        converted = pool.submit(hf_weights, source, cfg, work, layout)
+        try:
+            urls = list(cfg.rollout.servers) or _start_servers(cfg, Path(cfg.model.hf_path), log_dir, stack)
+        finally:
+            model_dir = converted.result()
+    _push_weights(cfg, urls, model_dir, version=f"eval:{source.label}")
+    return urls
 
 
 def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: Path | None = None,
@@ -135,7 +142,7 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
 
     from transformers import AutoTokenizer
 
-    from megatron_dapo.data.dataset import PromptDataset
+    from megatron_dapo.data.dataset import PromptDataset, write_rows
     from megatron_dapo.trainer.evaluate import ValSettings, evaluate
     from megatron_dapo.trainer.loop import reward_runner
     from megatron_dapo.trainer.val_metrics import by_source, format_table
@@ -152,28 +159,23 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
         stack.callback(shutil.rmtree, work, True)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.hf_path)
         dataset = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
-        # Servers start from model.hf_path while the checkpoint converts, then get its weights as a run's do.
-        with ThreadPoolExecutor(1) as pool:
-            converted = pool.submit(hf_weights, source, cfg, work, layout or {})
-            try:
-                urls = list(cfg.rollout.servers) or _start_servers(cfg, Path(cfg.model.hf_path), eval_dir / "logs", stack)
-            finally:
-                model_dir = converted.result()
-        _push_weights(cfg, urls, model_dir, version=f"eval:{source.label}")
+        urls = _serve_checkpoint(cfg, source, work, layout or {}, eval_dir / "logs", stack)
         settings = ValSettings.from_config(cfg)
         report = evaluate(urls, dataset, reward_runner(cfg), settings, api_key=cfg.rollout.api_key, tokenizer=tokenizer)
     prompts = dict(sorted(Counter(o.data_source for o in report.outcomes).items()))
     result = {
         "checkpoint": str(source.path), "kind": source.kind, "step": source.step,
         "val_files": list(cfg.data.val_files), "prompts": prompts,
+        "dropped_too_long": dataset.num_dropped_too_long,  # prompts over data.max_prompt_length
         "settings": {"n": settings.n, "greedy": settings.greedy, "seed": settings.seed,
                      **{k: v for k, v in asdict(settings.sampling).items() if k not in ("n", "sampling_seed")}},
         "metrics": report.metrics, "wall_s": round(time.time() - t0, 1),
     }
     _write_json(output, result)
     if samples is not None:
-        _write_jsonl(Path(samples), report.samples)
-    rows = {source: {"prompts": count, **by_source(report.metrics).get(source, {})} for source, count in prompts.items()}
+        write_rows(samples, report.samples)
+    per_source = by_source(report.metrics)
+    rows = {source: {"prompts": count, **per_source.get(source, {})} for source, count in prompts.items()}
     result["table"] = format_table("data source", rows)
     result["output"] = str(output)
     return result
@@ -182,7 +184,8 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo eval", description=__doc__.splitlines()[0])
     p.add_argument("config", help="the run's YAML config (data.val_files, trainer.val, rollout, reward)")
-    p.add_argument("--checkpoint", required=True, help="step_NNNNNN/ or its save_dir, a megatron-core or an HF checkpoint")
+    p.add_argument("--checkpoint", required=True,
+                   help="step_NNNNNN/ or its save_dir, a megatron-core checkpoint or an HF model directory")
     p.add_argument("--output", default=None, help="result JSON (default <logging.run_dir>/eval/<checkpoint>.json)")
     p.add_argument("--samples", default=None, help="also write every judged answer to this jsonl file")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to read a megatron checkpoint with")
