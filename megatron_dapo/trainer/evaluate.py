@@ -67,8 +67,8 @@ async def _answers(router: Router, prompt: list[int], index: int, settings: ValS
     return sampled, greedy
 
 
-async def _evaluate(urls, dataset, rewards, settings: ValSettings, api_key, tokenizer) -> ValReport:
-    async with Router(urls, api_key=api_key) as router:
+async def _evaluate(urls, dataset, rewards, settings: ValSettings, api_key, tokenizer, timeout_s) -> ValReport:
+    async with Router(urls, api_key=api_key, client_kwargs={"timeout_s": timeout_s}) as router:
 
         async def one(i):
             rec = dataset[i]
@@ -91,6 +91,8 @@ async def _evaluate(urls, dataset, rewards, settings: ValSettings, api_key, toke
     return ValReport(validation_metrics(outcomes), outcomes, [r for _, recs in done for r in recs])
 
 
-def evaluate(urls, dataset, rewards, settings: ValSettings, api_key=None, tokenizer=None) -> ValReport:
-    """Sample and judge every prompt of `dataset` on the servers at `urls`."""
-    return asyncio.run(_evaluate(urls, dataset, rewards, settings, api_key, tokenizer))
+def evaluate(urls, dataset, rewards, settings: ValSettings, api_key=None, tokenizer=None,
+             timeout_s: float = 3600.0) -> ValReport:
+    """Sample and judge every prompt of `dataset` on the servers at `urls` (`timeout_s` per /generate:
+    one request carries all n samples of a prompt)."""
+    return asyncio.run(_evaluate(urls, dataset, rewards, settings, api_key, tokenizer, timeout_s))

@@ -270,7 +270,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             from megatron_dapo.trainer.evaluate import ValSettings, evaluate
 
             res = evaluate(server_urls, val_data, producer.rewards, ValSettings.from_config(cfg),
-                           api_key=cfg.rollout.api_key, tokenizer=producer.tokenizer).metrics
+                           api_key=cfg.rollout.api_key, tokenizer=producer.tokenizer,
+                           timeout_s=cfg.rollout.request_timeout_s).metrics
             writer.log(step, res)
             val.setdefault("first", (step, res))
             val["last"] = (step, res)
