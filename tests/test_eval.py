@@ -142,6 +142,19 @@ def test_resolve_checkpoint_kinds(tmp_path):
         resolve_checkpoint(tmp_path / "missing")
 
 
+def test_eval_cli_refuses_what_it_cannot_evaluate_in_one_line(tmp_path, capsys):
+    from megatron_dapo.trainer.eval_cli import main
+
+    assert main([str(TINY), "--checkpoint", str(tmp_path), f"logging.run_dir={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("megatron-dapo eval: error: --checkpoint") and "neither a training checkpoint" in err
+    assert main([str(TINY), "--checkpoint", str(tmp_path), "data.val_files=[]"]) == 2
+    assert capsys.readouterr().err.strip() == "megatron-dapo eval: error: data.val_files is empty: nothing to evaluate"
+    assert main([str(TINY), "--checkpoint", str(tmp_path), "trainer.val.top_p=0"]) == 2
+    assert "trainer.val.top_p=0.0 must be in (0, 1]" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 # ------------------------------------------------------------------------------------------ end to end
 
 

@@ -66,12 +66,15 @@ def hf_weights(source: CheckpointSource, cfg, work_dir: Path, layout: dict) -> P
     if source.kind == "hf":
         return source.path
     from megatron_dapo.bridge.checkpoint import HF_CONFIG_DIR
-    from megatron_dapo.bridge.convert import megatron_to_hf
+    from megatron_dapo.bridge.convert import ConversionError, megatron_to_hf
 
     # The checkpoint's own copy of the HF config when it has one (converter output), else the run's model.
     own = source.path / HF_CONFIG_DIR
     hf_config = own if (own / "config.json").is_file() else Path(cfg.model.hf_path)
-    return megatron_to_hf(source.path, work_dir / "hf", hf_config_dir=hf_config, **layout)
+    try:
+        return megatron_to_hf(source.path, work_dir / "hf", hf_config_dir=hf_config, **layout)
+    except ConversionError as e:
+        raise EvalError(f"converting {source.path} to HF: {e}") from None
 
 
 def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> list[str]:
@@ -138,6 +141,11 @@ def _serve_checkpoint(cfg, source: CheckpointSource, work: Path, layout: dict, l
 def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: Path | None = None,
              layout: dict | None = None) -> dict:
     """Evaluate one checkpoint; returns (and writes) the result dict."""
+    if not cfg.data.val_files:
+        raise EvalError("data.val_files is empty: nothing to evaluate")
+    t0 = time.time()
+    source = resolve_checkpoint(checkpoint)
+
     from collections import Counter
 
     from transformers import AutoTokenizer
@@ -146,11 +154,6 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
     from megatron_dapo.trainer.evaluate import ValSettings, evaluate
     from megatron_dapo.trainer.loop import reward_runner
     from megatron_dapo.trainer.val_metrics import by_source, format_table
-
-    if not cfg.data.val_files:
-        raise EvalError("data.val_files is empty: nothing to evaluate")
-    t0 = time.time()
-    source = resolve_checkpoint(checkpoint)
     eval_dir = Path(cfg.logging.run_dir) / "eval"
     output = Path(output) if output else eval_dir / f"{source.label}.json"
     work = eval_dir / f".work-{source.label}-{os.getpid()}"
@@ -197,7 +200,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_dapo.bridge.convert import ConversionError
     from megatron_dapo.config import ConfigError, load_config
     from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer.checkpoint import CheckpointError
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         result = run_eval(cfg, args.checkpoint, args.output, args.samples, dict(tp=args.tp, pp=args.pp, ep=args.ep))
-    except (ConfigError, EvalError, CheckpointError, ConversionError, DatasetError, FileNotFoundError) as e:
+    except (ConfigError, EvalError, CheckpointError, DatasetError, FileNotFoundError) as e:
         print(f"megatron-dapo eval: error: {e}", file=sys.stderr)
         return 2
     s = result["settings"]
