@@ -1,8 +1,8 @@
 """Reward functions by name, and a runner that never lets one crash or stall the run.
 
 A reward function is `fn(response: str, ground_truth: str, **extra) -> float | dict`; a dict has
-"score" and optionally "acc" and "pred" (the extracted answer; validation's maj@n votes on it). Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs
-the math-verify package). A custom function is registered with `@register_reward("name")` or
+"score" and optionally "acc" and "pred" (the extracted answer; validation's maj@n votes on it).
+Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs the math-verify package). A custom function is registered with `@register_reward("name")` or
 named in the config as `"package.module:function"`.
 
 `RewardRunner` calls the function with a time limit. A call that raises or runs past the limit
