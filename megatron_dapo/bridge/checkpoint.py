@@ -70,7 +70,8 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     # A training checkpoint (trainer.actor) holds the optimizer's sharded state too: not model weights.
     missing = {k for k in missing if not k.startswith("optimizer.")}
     if missing or unexpected:
-        raise ValueError(f"{d} does not match the model: keys the model lacks {sorted(missing)[:8]}, "
-                         f"keys the checkpoint lacks {sorted(unexpected)[:8]}")
+        raise ValueError(f"{d} does not match the model. Missing keys (in the checkpoint, not in the model): "
+                         f"{sorted(missing)[:8]}; unexpected keys (in the model, not in the checkpoint): "
+                         f"{sorted(unexpected)[:8]}")
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)
