@@ -76,6 +76,23 @@ def test_every_allowed_global_only_builds_data():
         assert "filled" in _leaks("builtins", "bytearray") and "filled" in _leaks("builtins", "bytes")
 
 
+def test_top_k_at_or_above_the_vocabulary_keeps_the_whole_vocabulary():
+    # SGLang clients send 1 << 30 (its own "all") or the vocabulary size for "no top-k"; only values the
+    # batch tensors cannot hold are refused.
+    from megatron_dapo.rollout.embedded.limits import sampling_range_problem
+    from megatron_dapo.rollout.embedded.sampling import filter_top_k_top_p
+    from megatron_dapo.rollout.embedded.schemas import SamplingParamsIn
+
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
+    top_p = torch.ones(3)
+    whole = filter_top_k_top_p(probs, torch.full((3,), -1), top_p)
+    for k in (50, 1 << 30):
+        assert torch.equal(filter_top_k_top_p(probs, torch.full((3,), k), top_p), whole)
+        assert sampling_range_problem(SamplingParamsIn(top_k=k), 50, "") is None
+    assert torch.allclose(whole, probs)
+    assert "top_k" in sampling_range_problem(SamplingParamsIn(top_k=2**31), 50, "")
+
+
 def test_unpickler_refuses_descriptor_classes_before_building_any():
     import io
     import pickle
@@ -191,7 +208,7 @@ def test_oversized_bodies_and_too_many_sequences_are_refused(server):
     assert ok.status_code == 200 and [a["output_ids"] for a in ok.json()] == [server.baseline] * MAX_N
 
 
-HOSTILE_SAMPLING = [({"top_k": 2**63}, "top_k"), ({"top_k": 257}, "top_k"), ({"top_k": 0}, "top_k"),
+HOSTILE_SAMPLING = [({"top_k": 2**63}, "top_k"), ({"top_k": 2**31}, "top_k"), ({"top_k": 0}, "top_k"),
                     ({"temperature": -1.0}, "temperature"), ({"temperature": float("inf")}, "temperature"),
                     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 2**40}, "max_new_tokens"),
                     ({"max_new_tokens": -1}, "max_new_tokens"), ({"sampling_seed": 2**64}, "sampling_seed"),

@@ -32,8 +32,10 @@ def sampling_range_problem(sp, vocab_size: int, at: str) -> str | None:
     Ranges are the real ones of the sampling step: a value that passes here cannot overflow or poison the
     tensors that every request of the batch shares.
     """
-    if sp.top_k is not None and sp.top_k != -1 and not 1 <= sp.top_k <= vocab_size:
-        return f"sampling_params{at}.top_k: {sp.top_k} is not -1 (whole vocabulary) or in 1..{vocab_size}"
+    # SGLang reads a top_k at or above the vocabulary as "whole vocabulary" (its own -1 becomes 1 << 30),
+    # so clients send such values: accept them up to what the int32 / int64 batch tensors hold.
+    if sp.top_k is not None and sp.top_k != -1 and not 1 <= sp.top_k <= INT32_MAX:
+        return f"sampling_params{at}.top_k: {sp.top_k} is not -1 (whole vocabulary) or in 1..{INT32_MAX}"
     if sp.temperature is not None and not math.isfinite(sp.temperature):
         return f"sampling_params{at}.temperature: {sp.temperature} is not a finite number >= 0"
     if sp.max_new_tokens is not None and sp.max_new_tokens > INT32_MAX:
