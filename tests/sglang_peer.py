@@ -124,7 +124,8 @@ class _RunningBatch:
 
 
 def build_peer(api_key: str | None, running_requests: int):
-    """SGLang's app wired to its own weight-update code over a recording model; returns (app, state)."""
+    """SGLang's control path wired to its own weight-update code over a recording model: returns the peer
+    tokenizer-manager class (built inside the serving loop), SGLang's http_server module and the scheduler."""
     import torch
     import torch.distributed as dist
 
@@ -261,9 +262,9 @@ def build_peer(api_key: str | None, running_requests: int):
         def auto_create_handle_loop(self):
             pass
 
-        async def _async_dispatch_to_scheduler(self, obj):
-            getattr(sched, type(obj).__name__.removesuffix("ReqInput").replace("Generation", "_generation")
-                    .lower())(obj)
+        async def _async_dispatch_to_scheduler(self, obj):  # what pause/continue send the scheduler
+            {"PauseGenerationReqInput": sched.pause_generation,
+             "ContinueGenerationReqInput": sched.continue_generation}[type(obj).__name__](obj)
 
         def abort_request(self, rid: str = "", abort_all: bool = False):
             if abort_all:
