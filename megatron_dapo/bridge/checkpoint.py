@@ -59,13 +59,17 @@ def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int |
 
 @torch.no_grad()
 def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
-    """Collective: load a dist_checkpointing checkpoint (any saved layout) into this rank's chunks."""
+    """Collective: load a dist_checkpointing checkpoint (any saved TP/PP/EP layout, stacked or per-layer
+    decoder layers) into this rank's chunks."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
+    from megatron_dapo.bridge.layer_layout import sharded_state_dict_metadata
+
     d = checkpoint_dir(ckpt)
     n = len(model_chunks)
-    sharded = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
+    meta = sharded_state_dict_metadata(model_chunks, d)  # stacked or per-layer decoder, as saved
+    sharded = {_model_key(i, n): c.sharded_state_dict(metadata=meta) for i, c in enumerate(model_chunks)}
     state = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RAISE_ALL)
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)
