@@ -94,6 +94,18 @@ def check_converted(hf_dir, ckpt, ids, ref, num_layers):
     print(f"RESULT converted rel={err:.3e}", flush=True)
     assert err < TOL, err
 
+    # A mixed dense / MoE model can never be stacked: loading this checkpoint into one is refused by name.
+    from megatron_dapo.bridge.layer_layout import sharded_state_dict_metadata
+    from megatron_dapo.models import build_gpt_model
+
+    mixed = build_gpt_model(hf_dir, {"tp": 1}, config_overrides={"moe_layer_freq": [0] + [1] * (num_layers - 1)})
+    try:
+        sharded_state_dict_metadata(mixed, release)
+    except ValueError as e:
+        assert "stores homogeneous (stacked) decoder layers" in str(e), e
+    else:
+        raise AssertionError("a stacked checkpoint was accepted for a mixed model")
+
 
 def check_old_per_layer(hf_dir, workdir, ids, ref, arch):
     from megatron_dapo.bridge import export_hf_weights, load_hf_into_megatron
