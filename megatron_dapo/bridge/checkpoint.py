@@ -70,6 +70,13 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     n = len(model_chunks)
     meta = sharded_state_dict_metadata(model_chunks, d)  # stacked or per-layer decoder, as saved
     sharded = {_model_key(i, n): c.sharded_state_dict(metadata=meta) for i, c in enumerate(model_chunks)}
-    state = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RAISE_ALL)
+    # Training checkpoints (this package's or Megatron-LM's) also hold optimizer and RNG state: skip those,
+    # but refuse model tensors missing from the checkpoint or present in it only (another model).
+    state, not_requested, absent = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RETURN_ALL)
+    model_roots = {name for c in model_chunks for name, _ in c.named_children()}
+    extra = sorted(k for k in not_requested if k.split(".")[0] in model_roots)
+    if absent or extra:
+        what = f"lacks model tensors {sorted(absent)[:4]}" if absent else f"holds tensors the model lacks {extra[:4]}"
+        raise ValueError(f"checkpoint {d} {what}: it is a checkpoint of another model")
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)

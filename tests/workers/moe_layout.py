@@ -12,12 +12,14 @@ TransformerConfig + get_gpt_layer_local_spec, default moe_layer_freq, nothing of
   plain_save     a randomly initialised plain model saved as Megatron-LM saves it (iter_0000010 +
                  tracker): its logits go to WORKDIR/plain_logits.pt for the test to compare through HF
   actor_resume   MegatronActor checkpoints (model + optimizer) of the stacked model, and of the
-                 per-layer model of before, resume exactly into today's actor
+                 per-layer model of before, resume exactly into today's actor, and load into a
+                 bridge model the way `convert megatron-to-hf` reads them
 Each prints `RESULT <check> rel=<err>` or `CHECK PASSED <check>`; any failure exits non-zero.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -128,6 +130,15 @@ def check_old_per_layer(hf_dir, workdir, ids, ref, arch):
     print(f"RESULT old_per_layer rel={err:.3e}", flush=True)
     assert err < TOL, err
 
+    # Per-layer keys of layers a smaller model does not have: refused, not silently dropped.
+    smaller = dataclasses.replace(arch, num_layers=2, moe_layers=(True, True))
+    try:
+        load_megatron_checkpoint(build_gpt_model(smaller, {"tp": 1}), ckpt.parent)
+    except ValueError as e:
+        assert "holds tensors the model lacks ['decoder.layers.2." in str(e), e
+    else:
+        raise AssertionError("a checkpoint with more layers than the model was accepted")
+
     reader = HFCheckpointReader(hf_dir)
     n = 0
     for name, tensor in export_hf_weights([new], dst_rank=None):
@@ -150,7 +161,11 @@ def check_plain_save(hf_dir, workdir, ids):
                 p.add_(0.2 * torch.randn_like(p))
     ckpt = Path(workdir) / "plain_ckpt"
     (ckpt / "iter_0000010").mkdir(parents=True)
-    state = {"model": plain.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 10}
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    # Megatron-LM also saves its RNG state (and optimizer): conversion must skip what is not the model.
+    rng = ShardedObject("rng_state", [{"random_rng_state": torch.get_rng_state()}], (1, 1), (0, 0), replica_id=0)
+    state = {"model": plain.sharded_state_dict(), "checkpoint_version": 3.0, "iteration": 10, "rng_state": rng}
     dist_checkpointing.save(state, str(ckpt / "iter_0000010"))
     (ckpt / "latest_checkpointed_iteration.txt").write_text("10")
     logits = megatron_logits([plain], ids, plain.vocab_size)
@@ -161,6 +176,8 @@ def check_plain_save(hf_dir, workdir, ids):
 def check_actor_resume(hf_dir, workdir):
     import megatron_dapo.models.provider as provider
     from actor_checks import exported, make_batch, make_config
+    from megatron_dapo.bridge import export_hf_weights, load_megatron_checkpoint
+    from megatron_dapo.models import build_gpt_model
     from megatron_dapo.trainer.actor import MegatronActor
 
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=64, ppo_mini_batch_size=3, train_batch_size=3)
@@ -184,6 +201,10 @@ def check_actor_resume(hf_dir, workdir):
         restored.load_checkpoint(ckpt)
         before = exported(actor)
         assert all(torch.equal(v, before[k]) for k, v in exported(restored).items()), layout
+        # The training checkpoint (model + optimizer) is also what `convert megatron-to-hf` reads.
+        (chunk,) = build_gpt_model(hf_dir, {"tp": 1})
+        load_megatron_checkpoint([chunk], ckpt)
+        assert all(torch.equal(t, before[k]) for k, t in export_hf_weights([chunk], dst_rank=None)), layout
         batch2.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch2)]
         actor.train_step(batch2)
         restored.train_step(batch2)
