@@ -32,14 +32,9 @@ def saved_layer_layout(ckpt_dir: str | Path) -> str | None:
     from megatron.core import dist_checkpointing
 
     keys = list(dist_checkpointing.load_tensors_metadata(str(ckpt_dir)))
-    per_layer = any(_PER_LAYER_KEY.search(k) for k in keys)
-    stacked = any(_STACKED_KEY.search(k) for k in keys)
-    if per_layer and stacked:
-        raise ValueError(f"checkpoint {ckpt_dir} mixes stacked (decoder.layers.<name>) and per-layer "
-                         "(decoder.layers.<i>.<name>) keys; megatron-core writes one or the other")
-    if per_layer:
+    if any(_PER_LAYER_KEY.search(k) for k in keys):
         return "per-layer"
-    return "stacked" if stacked else None
+    return "stacked" if any(_STACKED_KEY.search(k) for k in keys) else None
 
 
 def sharded_state_dict_metadata(model_chunks, ckpt_dir: str | Path) -> dict:
