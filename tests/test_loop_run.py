@@ -105,7 +105,7 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     for step in range(2):
         d = ckpts / f"step_{step:06d}"
-        assert (d / "model").is_dir() and (d / "rollout.pt").exists() and (d / "rng" / "rank_00001.pt").exists()
+        assert (d / "model").is_dir() and (d / "rollout.json").exists() and (d / "rng" / "rank_00001.json").exists()
         assert json.loads((d / "trainer.json").read_text())["version"] == step + 1
     assert not list(ckpts.glob("*.tmp"))
 
@@ -209,8 +209,8 @@ def test_killed_run_resumes_with_the_same_data_and_parameters(env, run_u):
     found = ckpt.latest_checkpoint(ckpts)
     assert found == ckpts / "step_000001"
     assert ckpt.read_trainer_state(found) == {"step": 1, "version": 2, "world_size": 2}
-    assert (found / "rollout.pt").exists() and (found / "model").is_dir()
-    assert sorted(p.name for p in (found / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert (found / "rollout.json").exists() and (found / "model").is_dir()
+    assert sorted(p.name for p in (found / "rng").iterdir()) == ["rank_00000.json", "rank_00001.json"]
     assert all((d / "trainer.json").exists() for d in ckpts.glob("step_*") if not d.name.endswith(".tmp"))
     assert sorted(d.name for d in ckpts.glob("step_*") if not d.name.endswith(".tmp")) == [
         "step_000000", "step_000001"]
