@@ -1,5 +1,7 @@
 """Checkpoint publication: an interrupted save never replaces the last good checkpoint."""
 
+import hashlib
+import json
 import random
 
 import pytest
@@ -64,3 +66,103 @@ def test_rng_round_trip(tmp_path):
     assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
     with pytest.raises(ck.CheckpointError, match="rank_00002.json missing"):
         ck.load_rng(tmp_path, rank=2)
+
+
+# ---------------------------------------------------------------- integrity: manifest, pointer, resume refusal
+
+
+def _flip(path, offset=0, n=16):
+    data = bytearray(path.read_bytes())
+    for i in range(offset, min(len(data), offset + n)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_and_names_the_corrupt_one(tmp_path):
+    final = _save(tmp_path, 1)
+    manifest = json.loads((final / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == ["model/weights.bin", "rng/rank_00000.json", "trainer.json"]
+    assert manifest["model/weights.bin"] == {"size": 16, "sha256": hashlib.sha256(bytes([1]) * 16).hexdigest()}
+    assert ck.find_resume_checkpoint(tmp_path) == final
+
+    _flip(final / "model" / "weights.bin")
+    with pytest.raises(ck.CheckpointError, match=r"weights.bin: SHA-256 differs from the manifest"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "weights.bin").write_bytes(bytes([1]) * 8)  # truncated
+    with pytest.raises(ck.CheckpointError, match=r"weights.bin: 8 bytes, the manifest says 16"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "weights.bin").unlink()
+    with pytest.raises(ck.CheckpointError, match=r"weights.bin: listed in the manifest but missing"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "weights.bin").write_bytes(bytes([1]) * 16)
+    (final / "model" / "extra.distcp").write_bytes(b"x")
+    with pytest.raises(ck.CheckpointError, match=r"extra.distcp: file not in the checkpoint's manifest"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "extra.distcp").unlink()
+    (final / "manifest.json").write_text('{"format": 1, "files": {"../../etc/passwd": {"size": 1, "sha256": "0"}}}')
+    with pytest.raises(ck.CheckpointError, match=r"manifest.json is not a valid manifest"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "manifest.json").write_text('{"format": 1, "fil')
+    with pytest.raises(ck.CheckpointError, match=r"manifest.json is not a valid manifest \(JSONDecodeError"):
+        ck.find_resume_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"../elsewhere\n", "does not hold a checkpoint name"),
+    (b"/tmp/step_000001\n", "does not hold a checkpoint name"),
+    (b"\xff\xfe garbage", "does not hold a checkpoint name"),
+    (b"step_000009\n", "names step_000009, which is not a complete checkpoint"),
+])
+def test_resume_refuses_a_bad_pointer_naming_the_newest_checkpoint(tmp_path, content, match):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != "latest"}
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(ck.CheckpointError, match=match) as e:
+        ck.find_resume_checkpoint(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "refusing to start over" in msg and f"echo step_000002 > {tmp_path / 'latest'}" in msg
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != "latest"} == before
+
+
+def test_resume_without_pointer_refuses_but_an_empty_dir_starts_fresh(tmp_path):
+    assert ck.find_resume_checkpoint(tmp_path / "none") is None
+    ck.begin_save(tmp_path, 3)  # an interrupted save only: nothing complete to lose
+    assert ck.find_resume_checkpoint(tmp_path) is None
+    _save(tmp_path, 4)
+    (tmp_path / "latest").unlink()
+    with pytest.raises(ck.CheckpointError, match=r"no latest pointer; refusing to start over .* step_000004"):
+        ck.find_resume_checkpoint(tmp_path)
+    # latest naming a symbolic link to a checkpoint elsewhere is refused too
+    (tmp_path / "step_000010").symlink_to(tmp_path / "step_000004")
+    (tmp_path / "latest").write_text("step_000010\n")
+    with pytest.raises(ck.CheckpointError, match="a symbolic link"):
+        ck.latest_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"step": 1, "vers', "trainer.json is not valid JSON"),
+    ('{"step": 1, "version": 2}', "trainer.json: key 'world_size' missing"),
+    ('{"step": "1", "version": 2, "world_size": 1}', "trainer.json: key 'step' missing or not a non-negative integer"),
+    ("[" * 100_000, "trainer.json is not valid JSON"),
+    (b"\xff\x00", "trainer.json is not valid JSON"),
+])
+def test_broken_trainer_state_is_a_named_error(tmp_path, content, match):
+    path = tmp_path / "trainer.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ck.CheckpointError, match=match) as e:
+        ck.read_trainer_state(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_rng_state_is_json_and_never_unpickled(tmp_path):
+    ck.save_rng(tmp_path, rank=0)
+    state = json.loads((tmp_path / "rng" / "rank_00000.json").read_text())
+    assert set(state) >= {"python", "numpy", "torch"}
+    (tmp_path / "rng" / "rank_00000.json").write_text('{"python": [3, [1, 2], null], "numpy": [], "torch": []}')
+    with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: expected RNG states"):
+        ck.load_rng(tmp_path, rank=0)
+    (tmp_path / "rng" / "rank_00000.json").write_text(
+        '{"python": [3, [1, 2], null], "numpy": ["MT19937", [1], 0, 0, 0.0], "torch": [1, 2]}')
+    with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: not a valid RNG state"):
+        ck.load_rng(tmp_path, rank=0)
