@@ -86,13 +86,15 @@ def test_failed_conversion_leaves_no_output(tmp_path, moe_ckpt):
     """A failure inside the ranks (the checkpoint does not fit the given HF config) removes the temp dir."""
     # Without the checkpoint's own hf_config/ copy the mismatch is only found by the ranks' load.
     ckpt = tmp_path / "ckpt_no_config"
-    shutil.copytree(moe_ckpt, ckpt, ignore=shutil.ignore_patterns("hf_config"))
+    # (and without the manifest that lists hf_config/: a checkpoint from elsewhere, converted unchecked)
+    shutil.copytree(moe_ckpt, ckpt, ignore=shutil.ignore_patterns("hf_config", "manifest.json"))
     dense = save_tiny_hf_model("qwen3", tmp_path / "dense")
     out = tmp_path / "never"
     r = _cli("-m", "megatron_dapo.cli", "convert", "megatron-to-hf", "--ckpt", str(ckpt), "--hf-config", str(dense),
              "--out", str(out))
     assert r.returncode == 1, r.stderr[-3000:]
     assert "megatron-dapo convert: error:" in r.stderr and "Missing keys" in r.stderr
+    assert "has no manifest.json: its files cannot be checked for corruption" in r.stderr
     assert not out.exists() and _no_partial(tmp_path) == []
 
 
