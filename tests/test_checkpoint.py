@@ -166,3 +166,36 @@ def test_rng_state_is_json_and_never_unpickled(tmp_path):
         '{"python": [3, [1, 2], null], "numpy": ["MT19937", [1], 0, 0, 0.0], "torch": [1, 2]}')
     with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: not a valid RNG state"):
         ck.load_rng(tmp_path, rank=0)
+
+
+class _RunsShell:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_crafted_dcp_metadata_is_refused_even_with_a_matching_manifest(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_dapo.bridge.manifest import write_manifest
+
+    final = _save(tmp_path, 1)
+    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(final / "model"))  # real DCP metadata passes
+    write_manifest(final)
+    assert ck.find_resume_checkpoint(tmp_path) == final
+    marker = tmp_path / "pwned"
+    (final / "model" / ".metadata").write_bytes(pickle.dumps({"x": _RunsShell(marker)}))
+    write_manifest(final)  # whoever can write the checkpoint can rewrite its manifest
+    with pytest.raises(ck.CheckpointError, match=r"model/.metadata: refers to posix.system, which a checkpoint"):
+        ck.find_resume_checkpoint(tmp_path)
+    assert not marker.exists()
+    (final / "model" / ".metadata").write_bytes(pickle.dumps(torch.nn.Linear))
+    write_manifest(final)
+    with pytest.raises(ck.CheckpointError, match=r"refers to torch.nn.modules.linear.Linear"):
+        ck.find_resume_checkpoint(tmp_path)

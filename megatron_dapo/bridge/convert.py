@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megatron_dapo.models.arch import QwenArch
 from megatron_dapo.models.provider import ModelParallel, check_divisibility
@@ -110,14 +111,17 @@ def _run(job: _Job, out: Path) -> Path:
 def verify_checkpoint_integrity(ckpt: Path) -> bool:
     """Check `ckpt` against its manifest: its own (hf-to-megatron output) or, for a training
     checkpoint's `model/` directory, the training checkpoint's. False when there is none (a
-    checkpoint of Megatron-LM or of an older version): it is then converted unchecked."""
+    checkpoint of Megatron-LM or of an older version): its files are then unchecked. Either way its
+    pickled DCP metadata is then checked against an allow-list, before torch reads it."""
     try:
         if (ckpt / MANIFEST).is_file():
             verify_manifest(ckpt)
         elif (ckpt.parent / MANIFEST).is_file():
             verify_manifest(ckpt.parent, subdir=ckpt.name)
         else:
+            check_dcp_metadata(ckpt)
             return False
+        check_dcp_metadata(ckpt)
     except ManifestError as e:
         raise ConversionError(str(e)) from None
     return True

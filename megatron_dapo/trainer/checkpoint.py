@@ -14,8 +14,8 @@ Layout of `save_dir`:
 A save writes everything into `<name>.tmp/`, hashes it into the manifest, renames it to `<name>/`
 and only then points `latest` at it (write `latest.tmp`, fsync, `os.replace`). A crash at any
 moment leaves `latest` naming the previous complete checkpoint. On resume the manifest is checked
-before anything is read, and nothing but JSON (and megatron-core's tensor files) is deserialized:
-no pickle from a checkpoint. `latest` may only name a `step_*` directory directly inside save_dir.
+before anything is read, and nothing but JSON and megatron-core's files is deserialized; the one
+pickle among those (torch_dist's `.metadata`) is first read with an allow-list (`bridge.dcp_metadata`). `latest` may only name a `step_*` directory directly inside save_dir.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import shutil
 import time
 from pathlib import Path
 
+from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 
 LATEST = "latest"
@@ -152,6 +153,7 @@ def find_resume_checkpoint(save_dir: str | Path) -> Path | None:
         return None
     try:
         verify_manifest(found)
+        check_dcp_metadata(found)
     except ManifestError as e:
         raise CheckpointError(str(e)) from None
     return found
