@@ -3,6 +3,7 @@
 import hashlib
 import json
 import random
+import shutil
 
 import pytest
 import torch
@@ -186,7 +187,7 @@ def test_crafted_dcp_metadata_is_refused_even_with_a_matching_manifest(tmp_path)
     from megatron_dapo.bridge.manifest import write_manifest
 
     final = _save(tmp_path, 1)
-    dcp.save({"w": torch.arange(4.0)}, checkpoint_id=str(final / "model"))  # real DCP metadata passes
+    dcp.save({"w": torch.arange(4.0), "sched": {"step": 3}}, checkpoint_id=str(final / "model"))  # real DCP passes
     write_manifest(final)
     assert ck.find_resume_checkpoint(tmp_path) == final
     marker = tmp_path / "pwned"
@@ -199,3 +200,10 @@ def test_crafted_dcp_metadata_is_refused_even_with_a_matching_manifest(tmp_path)
     write_manifest(final)
     with pytest.raises(ck.CheckpointError, match=r"refers to torch.nn.modules.linear.Linear"):
         ck.find_resume_checkpoint(tmp_path)
+    # DCP's non-tensor items are pickles inside the data files, loaded by torch with weights_only=False
+    shutil.rmtree(final / "model")
+    dcp.save({"w": torch.arange(4.0), "sched": _RunsShell(marker)}, checkpoint_id=str(final / "model"))
+    write_manifest(final)
+    with pytest.raises(ck.CheckpointError, match=r"\.distcp: item 'sched' is not plain data"):
+        ck.find_resume_checkpoint(tmp_path)
+    assert not marker.exists()
