@@ -4,6 +4,7 @@ import hashlib
 import json
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -207,3 +208,28 @@ def test_crafted_dcp_metadata_is_refused_even_with_a_matching_manifest(tmp_path)
     with pytest.raises(ck.CheckpointError, match=r"\.distcp: item 'sched' is not plain data"):
         ck.find_resume_checkpoint(tmp_path)
     assert not marker.exists()
+
+
+def test_unwritable_run_and_checkpoint_dirs_are_named_at_setup(tmp_path):
+    import os
+
+    from megatron_dapo.config import DapoConfig
+    from megatron_dapo.trainer.loop import prepare_output_dirs
+
+    cfg = DapoConfig()
+    cfg.logging.run_dir = str(tmp_path / "run")
+    prepare_output_dirs(cfg)
+    assert (tmp_path / "run" / "checkpoints").is_dir() and not list((tmp_path / "run").glob("tmp*"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg.logging.run_dir = str(blocker / "run")
+    with pytest.raises(OSError, match=f"logging.run_dir: cannot write to {blocker / 'run'} \\("):
+        prepare_output_dirs(cfg)
+    cfg.logging.run_dir = str(tmp_path / "run")
+    read_only = Path("/sys/megatron_dapo_test") if os.geteuid() == 0 else tmp_path / "ro"  # root ignores modes
+    if os.geteuid() != 0:
+        read_only.mkdir(mode=0o555)
+    cfg.checkpoint.save_dir = str(read_only / "ckpts")
+    with pytest.raises(OSError, match=f"checkpoint.save_dir: cannot write to {read_only / 'ckpts'}"):
+        prepare_output_dirs(cfg)
+    assert blocker.read_text() == "x"

@@ -151,6 +151,19 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
     return final
 
 
+def prepare_output_dirs(cfg) -> None:
+    """Create logging.run_dir and the checkpoint directory; OSError naming the key unless both are
+    writable directories (a file in the way, a read-only file system)."""
+    import tempfile
+
+    for key, d in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.save_dir", checkpoint_dir(cfg))):
+        try:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=d).close()
+        except OSError as e:
+            raise OSError(f"{key}: cannot write to {d} ({e.strerror or type(e).__name__})") from None
+
+
 def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
     """Rank 0, before anything collective: the verified checkpoint to resume from and its rollout state
     (None: no checkpoint, start from scratch). Every file of it is checked here, so that a broken
@@ -202,18 +215,20 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     run_dir = Path(cfg.logging.run_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, run_dir / "config.yaml")
 
-    # Data first, on rank 0, before anything collective: a bad dataset is reported on every
-    # rank at once instead of leaving the other ranks waiting in a collective.
+    # Output directories, data and the checkpoint to resume first, on rank 0, before anything
+    # collective: a bad one is reported on every rank at once instead of leaving the other ranks
+    # waiting in a collective (or failing at the first save, after a step of work).
     producer = writer = val_data = resumed = None
     error = None
     if rank == 0:
         from megatron_dapo.data.dataset import DatasetError, PromptDataset
 
         try:
+            prepare_output_dirs(cfg)
+            dump_yaml(cfg, run_dir / "config.yaml")
+            if resume:
+                resumed = _read_resume_checkpoint(cfg, dist.get_world_size())
             tokenizer = load_tokenizer(cfg)
             dataset = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length)
             log.info("train prompts: %d (%d dropped as longer than %d tokens)", len(dataset),
@@ -221,8 +236,6 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             if cfg.data.val_files:
                 val_data = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
             producer = _build_producer(cfg, server_urls, dataset, tokenizer)
-            if resume:
-                resumed = _read_resume_checkpoint(cfg, dist.get_world_size())
         except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
             error = f"{type(e).__name__}: {e}"
     error, found = _broadcast((error, resumed and str(resumed[0])))
