@@ -179,6 +179,21 @@ def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
     return found, ckpt.read_rollout_state(found)
 
 
+def _restore_rollout(producer: RolloutProducer, found: Path, state: dict) -> BatchInfo | None:
+    """Load a checkpoint's rollout state into the producer; returns the saved next batch. A state
+    that does not fit (missing keys, wrong types) is a CheckpointError naming the file."""
+    from megatron_dapo.data.dataset import DatasetError
+
+    try:
+        pending = _restore_next(state.pop("next_batch"))
+        producer.load_state_dict(state)
+    except DatasetError:  # a sampler state for another dataset: it says so
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"{found / 'rollout.json'} does not fit this run ({type(e).__name__}: {e})") from None
+    return pending
+
+
 def _restore_next(state: dict | None) -> BatchInfo | None:
     if state is None:
         return None
@@ -219,7 +234,7 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     # Output directories, data and the checkpoint to resume first, on rank 0, before anything
     # collective: a bad one is reported on every rank at once instead of leaving the other ranks
     # waiting in a collective (or failing at the first save, after a step of work).
-    producer = writer = val_data = resumed = None
+    producer = writer = val_data = resumed = restored_next = None
     error = None
     if rank == 0:
         from megatron_dapo.data.dataset import DatasetError, PromptDataset
@@ -236,6 +251,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             if cfg.data.val_files:
                 val_data = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
             producer = _build_producer(cfg, server_urls, dataset, tokenizer)
+            if resumed is not None:
+                restored_next = _restore_rollout(producer, *resumed)
         except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
             error = f"{type(e).__name__}: {e}"
     error, found = _broadcast((error, resumed and str(resumed[0])))
@@ -279,9 +296,7 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         ckpt.load_rng(found, rank)
         start_step = ckpt.read_trainer_state(found)["step"] + 1
         if rank == 0:
-            rollout = resumed[1]
-            pending = _restore_next(rollout.pop("next_batch"))
-            producer.load_state_dict(rollout)
+            pending = restored_next
             log.info("resumed from %s: next step %d", found, start_step)
     # Servers may hold anything (a previous run's weights, a resumed run's older ones): start them
     # from exactly the trainer's weights, at the version the first step is consumed at.
