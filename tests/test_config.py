@@ -150,8 +150,9 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
     top = tmp_path / "list.yaml"
     top.write_text("- a\n- b\n")
-    with pytest.raises(ConfigError, match="top level must be a mapping"):
+    with pytest.raises(ConfigError) as err:
         load_config(top)
+    assert _one_line(err) == f"{top}: top level must be a mapping of sections, got list ['a', 'b']"
 
 
 # ------------------------------------------------------------------------------------ cross-field rules

@@ -320,7 +320,8 @@ def config_from_dict(data: dict | None, overrides: Iterable[str] = (), source: s
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source or 'config'}: top level must be a mapping of sections, got {_got(data)}")
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}top level must be a mapping of sections, got {_got(data)}")
     _merge(cfg, data, "")
     for override in overrides:
         apply_override(cfg, override)
@@ -345,7 +346,7 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), validate
         raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     data = parse_yaml(text, str(path))
     try:
-        cfg = config_from_dict(data, source=str(path))
+        cfg = config_from_dict(data)
     except ConfigError as e:  # a key or value of the file: say which file
         raise ConfigError(f"{path}: {e}") from None
     for override in overrides:
