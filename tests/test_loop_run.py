@@ -98,6 +98,8 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
         assert r["actor/optimizer_steps"] == 2 and r["actor/skipped_steps"] == 0
         assert r["sync/verify_max_abs_diff"] < 1e-4  # servers hold exactly the trainer's new weights
         assert r["groups/kept"] == 4 and r["response/length_max"] <= 8
+        assert r["advantages/min"] < 0 < r["advantages/max"] and 0 <= r["reward/overlong_frac"] <= 1
+        assert 0 < r["prompt/length_min"] <= r["prompt/length_mean"] <= r["prompt/length_max"] <= 64
         probe.append(r["sync/probe_logprob_mean"])
     assert all(abs(a - b) > 1e-5 for a, b in zip(probe, probe[1:]))  # ... and they change at every sync
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
