@@ -196,13 +196,13 @@ def test_rollout_state_that_does_not_fit_is_a_named_error(env, run_a):
     """The real rollout.json of step 0 restores into a producer built as the run builds it; one with a
     key missing, or drawn from another dataset, is a named error at setup (before any collective)."""
     from megatron_dapo.config import load_config
-    from megatron_dapo.data.dataset import DatasetError, PromptDataset
+    from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer import checkpoint as ckpt
-    from megatron_dapo.trainer.loop import _build_producer, _restore_rollout, load_tokenizer
+    from megatron_dapo.trainer.loop import _build_producer, _restore_rollout, load_tokenizer, prompt_dataset
 
     cfg = load_config(CONFIG, _args(env, env["root"] / "unused", "algo.staleness=1"))
     tok = load_tokenizer(cfg)
-    data = PromptDataset(cfg.data.train_files, tok, cfg.data.max_prompt_length)
+    data = prompt_dataset(cfg, cfg.data.train_files, tok)
     found = run_a[0] / "checkpoints" / "step_000000"
     producer = _build_producer(cfg, env["urls"], data, tok)
     pending = _restore_rollout(producer, found, ckpt.read_rollout_state(found))
