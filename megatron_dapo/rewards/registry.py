@@ -1,8 +1,9 @@
 """Reward functions by name, and a runner that never lets one crash or stall the run.
 
 A reward function is `fn(response: str, ground_truth: str, **extra) -> float | dict`; a dict has
-"score" and optionally "acc". Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs
-the math-verify package). A custom function is registered with `@register_reward("name")` or
+"score" and optionally "acc" and "pred" (the extracted answer; validation's maj@n votes on it).
+Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs the math-verify
+package). A custom function is registered with `@register_reward("name")` or
 named in the config as `"package.module:function"`.
 
 `RewardRunner` calls the function with a time limit. A call that raises, runs past the limit or
@@ -73,6 +74,7 @@ class RewardResult:
     acc: bool
     failed: bool = False
     error: str | None = None
+    pred: str | None = None  # the answer the function extracted (a dict's "pred"), for majority votes
 
 
 class NonFiniteReward(ValueError):
@@ -85,12 +87,13 @@ def _as_result(out) -> RewardResult:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
         score = float(out["score"])
         acc = out.get("acc", score > 0)
+        pred = out.get("pred")
     else:
         score = float(out)
-        acc = score > 0
+        acc, pred = score > 0, None
     if not math.isfinite(score):
         raise NonFiniteReward(f"reward function returned a non-finite score {score}")
-    return RewardResult(score, bool(acc))
+    return RewardResult(score, bool(acc), pred=None if pred is None else str(pred))
 
 
 class RewardRunner:
