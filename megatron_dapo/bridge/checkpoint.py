@@ -27,7 +27,9 @@ def checkpoint_dir(ckpt: str | Path) -> Path:
     ckpt = Path(ckpt)
     tracker = ckpt / TRACKER
     if tracker.is_file():
-        it = tracker.read_text().strip()
+        it = tracker.read_bytes()[:64].decode("utf-8", "replace").strip()
+        if it != "release" and not it.isdigit():
+            raise ValueError(f"{tracker} holds {it!r}, not 'release' or an iteration number")
         d = ckpt / ("release" if it == "release" else f"iter_{int(it):07d}")
     else:
         d = ckpt
