@@ -58,9 +58,9 @@ def _http(peer) -> httpx.Client:
 
 
 def _sync_into_peer(peer, flatten: bool, pause: str | None, version: str, bucket_mb: float = 0.004):
-    cfg = SyncConfig(bucket_mb=bucket_mb, flatten_bucket=flatten, pause_generation=pause is not None)
-    bridge = WeightSyncBridge([peer.url], cfg, api_key=KEY, pause_mode=pause or "in_place",
-                              group_name=f"peer_{version}", backend="gloo")
+    cfg = SyncConfig(bucket_mb=bucket_mb, flatten_bucket=flatten, pause_generation=pause is not None,
+                     pause_mode=pause or "in_place")
+    bridge = WeightSyncBridge([peer.url], cfg, api_key=KEY, group_name=f"peer_{version}", backend="gloo")
     bridge.connect()
     try:
         return bridge.sync(_weights(), version=version)

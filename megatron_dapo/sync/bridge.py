@@ -138,7 +138,7 @@ class WeightSyncBridge:
         sync_cfg=None,  # megatron_dapo.config.schema.SyncConfig (bucket_mb, pause_generation, flatten_bucket, ...)
         api_key: str | None = None,
         server_tp_sizes: Sequence[int] | None = None,
-        pause_mode: str = "in_place",
+        pause_mode: str | None = None,  # default: sync_cfg.pause_mode
         group_name: str = "megatron_dapo_weight_sync",
         backend: str | None = None,
         master_address: str = LOOPBACK,
@@ -152,6 +152,7 @@ class WeightSyncBridge:
         self.tp_sizes = list(server_tp_sizes or [1] * len(self.urls))
         if len(self.tp_sizes) != len(self.urls):
             raise ValueError(f"server_tp_sizes has {len(self.tp_sizes)} entries for {len(self.urls)} servers")
+        pause_mode = pause_mode or self.cfg.pause_mode
         if pause_mode not in ("in_place", "retract", "abort"):
             raise ValueError(f"pause_mode must be in_place, retract or abort, got {pause_mode!r}")
         self.pause_mode = pause_mode
