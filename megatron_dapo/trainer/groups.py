@@ -49,6 +49,7 @@ class JudgedGroup:
     kept: bool = True
     token_versions: list[list[int]] = field(default_factory=list)
     draw: int = -1  # the sampler's draw number of this prompt (batches are ordered by it); -1 = unknown
+    v_traj: int = -1  # servers' weight version when the group was first dispatched (staleness slot); -1 = unknown
 
     @property
     def seq_rewards(self) -> list[float]:
