@@ -28,19 +28,23 @@ def test_reserve_fills_from_the_back_and_occupy_takes_the_earliest_slot():
     clock.t = 5.0
     assert c.occupy("c", "C") == (0, 0)  # completed: earliest empty slot, buffer 0
     assert c.reserve("e", 0) == (1, 0)  # the slot "c" left in buffer 1 is reserved again
+    assert c.reserve("f", 0) == (0, 1)
     assert c.oldest_reservation_age() == 5.0
     c.release("a")  # dropped by dynamic sampling: the slot is free for a fresh prompt
-    assert c.count(RESERVED) == 3 and c.count(OCCUPIED) == 1 and c.reservable(0) == 2
+    assert c.count(RESERVED) == 4 and c.count(OCCUPIED) == 1 and c.reservable(0) == 1
+    # "b" (reserved in buffer 1) completes first: it swaps with the earliest in-flight group whose
+    # bound allows buffer 1 ("f", V_traj 0), so the trainer's next buffer fills in completion order
+    assert c.occupy("b", "B") == (0, 1) and c.where["f"] == (1, 1)
     with pytest.raises(StalenessError, match="already holds a slot"):
         c.reserve("b", 0)
     with pytest.raises(StalenessError, match="holds no reservation"):
         c.occupy("c", "again")
     with pytest.raises(StalenessError, match="not full"):
         c.consume()
-    for k in "bde":
+    for k in "def":
         c.occupy(k, k.upper())
     assert c.ready() and c.consume() == ["C", "B", "D"] and c.next_buffer == 1
-    assert [item for _, _, item in c.occupied_items()] == ["E"]
+    assert [item for _, _, item in c.occupied_items()] == ["E", "F"]
 
 
 def test_staleness_zero_dispatches_nothing_while_the_batch_trains():
@@ -51,6 +55,18 @@ def test_staleness_zero_dispatches_nothing_while_the_batch_trains():
     c.consume()  # step 0 trains with version 0: buffer 1 needs version-1 samples
     assert c.reservable(0) == 0 and c.reserve("c", 0) is None
     assert c.reservable(1) == 2
+
+
+def test_a_group_never_swaps_into_a_slot_beyond_the_other_groups_bound():
+    c = StalenessController(slots=1, staleness=1)
+    assert c.reserve("old", 0) == (1, 0)
+    assert c.reserve("older", 0) == (0, 0)
+    c.occupy("old", "O")  # "older" may move to buffer 1 (0 + 1): swap
+    assert c.where == {"old": (0, 0), "older": (1, 0)}
+    c.consume()
+    assert c.reserve("new", 1) == (2, 0)
+    c.occupy("new", "N")  # "older" may not move to buffer 2: "new" stays in its own slot
+    assert c.where == {"new": (2, 0), "older": (1, 0)}
 
 
 def test_restore_checks_the_bound_and_the_slot():

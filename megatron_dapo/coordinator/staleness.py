@@ -9,7 +9,8 @@ comes from a version >= V_traj. With staleness bound s the group may be trained 
 - reserve: a group is dispatched only if a slot can be reserved in the highest open buffer
   <= V_traj + s (its worst case), taking that buffer's last empty slot (buffers fill from the back);
 - occupy: when it completes, its reservation is released and it takes the earliest empty slot of
-  the earliest open buffer, which is never later than the one it reserved;
+  the earliest open buffer, which is never later than the one it reserved (or the earliest slot
+  of an in-flight group that may move to its freed slot: see `occupy`);
 - release: a group dropped by dynamic sampling (or failed) gives its slot back, so a fresh prompt
   can be dispatched at once;
 - consume: the trainer takes the next buffer when all its slots are occupied, and moves on.
@@ -112,12 +113,22 @@ class StalenessController:
         del self.where[key]
 
     def occupy(self, key: Hashable, item: Any) -> tuple[int, int]:
-        """A reserved group completed: place it in the earliest empty slot; returns (buffer, slot)."""
+        """A reserved group completed: place it in the earliest slot it may take; returns (buffer, slot).
+
+        That is the earliest empty slot, or the earliest slot reserved by an in-flight group whose
+        bound still holds one buffer later, in the slot this group leaves (the two swap). PSRL takes
+        empty slots only; then the groups dispatched first, which reserved the latest buffer, can
+        never fill the trainer's next buffer, and the trainer waits for later ones while they sit done.
+        """
         b_res, i_res = self._reserved(key)
         v_traj = self.buffers[b_res][i_res].v_traj
         self.buffers[b_res][i_res] = Slot(since=self.clock())
-        b = self._open(b_res)[0]  # exists: the slot just freed is empty
-        i = next(j for j, s in enumerate(self.buffers[b]) if s.state == EMPTY)
+        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
+                    if s.state == EMPTY or (s.state == RESERVED and b_res <= s.v_traj + self.staleness))
+        moved = self.buffers[b][i]
+        if moved.state == RESERVED:  # its worst case moves later, still within its bound
+            self.buffers[b_res][i_res] = moved
+            self.where[moved.key] = (b_res, i_res)
         self.buffers[b][i] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
         self.where[key] = (b, i)
         return b, i
