@@ -151,21 +151,24 @@ def test_seeded_producers_regenerate_the_same_batches(setup):
 def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     """Both servers paused in abort mode every 0.3 s while a seeded producer runs (what a sync that
     aborts requests does to it): with partial rollout the aborted samples continue from their tokens
-    (resumes counted, nothing regenerated) and the batches equal an uninterrupted run's; without it
-    the aborted groups start over (their tokens counted as regenerated), again with equal batches."""
+    (resumes counted, nothing regenerated) and the batch equals an uninterrupted run's; without it
+    the aborted groups start over (their tokens counted as regenerated; two pauses only, or groups
+    longer than the pause interval would never finish), again with an equal batch."""
     import threading
 
     from megatron_dapo.rollout.client import SGLangClient
 
     ds, urls = setup
 
-    def interrupt_until(stop: threading.Event):
+    def interrupt_until(stop: threading.Event, pauses: int):
         import asyncio
 
         async def go():
             clients = [SGLangClient(u) for u in urls]
             try:
-                while not stop.wait(0.3):
+                for _ in range(pauses):
+                    if stop.wait(0.3):
+                        break
                     await asyncio.gather(*(c.pause_generation("abort") for c in clients))
                     await asyncio.gather(*(c.continue_generation() for c in clients))
             finally:
@@ -173,17 +176,16 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
 
         asyncio.run(go())
 
-    def run(interrupt, partial):
-        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=48,
+    def run(pauses, partial):
+        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32,
                       partial_rollout=partial, max_resubmits=50)
         stop = threading.Event()
-        t = threading.Thread(target=interrupt_until, args=(stop,)) if interrupt else None
+        t = threading.Thread(target=interrupt_until, args=(stop, pauses))
         out, resumes, regenerated = [], 0, 0
         p.start()
-        if t is not None:
-            t.start()
+        t.start()
         try:
-            for step in range(2):
+            for step in range(1):
                 info = p.take_batch(step, timeout_s=300)
                 out.append([(g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups])
                 assert all(not s.aborted for g in info.groups for s in g.samples)
@@ -191,12 +193,11 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
                 p.set_version(step + 1)  # the servers keep version 0: weights never change here
         finally:
             stop.set()
-            if t is not None:
-                t.join()
+            t.join()
             p.stop()
         return out, resumes, regenerated
 
-    plain, partial, restarted = run(False, True), run(True, True), run(True, False)
+    plain, partial, restarted = run(0, True), run(1000, True), run(2, False)
     assert plain[1:] == (0, 0)
     assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
