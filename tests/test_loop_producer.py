@@ -197,7 +197,55 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
             p.stop()
         return out, resumes, regenerated
 
+    def checkpointed():
+        """Paused in abort mode mid-generation and saved while the continuations wait; a new producer
+        loaded from that state continues the saved partial samples."""
+        import asyncio
+        import time
+
+        async def admin(method, *args, **kw):
+            clients = [SGLangClient(u) for u in urls]
+            try:
+                await asyncio.gather(*(getattr(c, method)(*args, **kw) for c in clients))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+
+        make = lambda: _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32)
+        p = make()
+        p.start()
+        try:
+            time.sleep(0.4)
+            asyncio.run(admin("pause_generation", "abort"))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with p._cv:
+                    if any(f.samples for f in p.flight.values()):
+                        break
+                time.sleep(0.05)
+            time.sleep(0.3)  # let the other aborted answers arrive
+            state = p.state_dict()
+        finally:
+            p.stop()
+            asyncio.run(admin("abort_request", abort_all=True))
+            asyncio.run(admin("continue_generation"))
+        q = make()
+        q.load_state_dict(state)
+        q.start()
+        try:
+            info = q.take_batch(0, timeout_s=300)
+        finally:
+            q.stop()
+        batch = [(g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups]
+        partial = [s for f in state["in_flight"] for s in f["samples"] or ()
+                   if s["finish_reason"] == "abort" and len(s["output_ids"]) < 32]
+        return batch, state, partial, info
+
     plain, partial, restarted = run(0, True), run(1000, True), run(2, False)
     assert plain[1:] == (0, 0)
+    batch, state, saved_partial, info = checkpointed()
+    assert state["in_flight"] and saved_partial and any(s["output_ids"] for s in saved_partial)
+    # every saved partial sample was continued (one request each), none regenerated, same batch
+    assert info.partial_resumes == len(saved_partial) and info.tokens_regenerated == 0
+    assert batch == plain[0][0]
     assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0

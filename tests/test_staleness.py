@@ -71,12 +71,15 @@ def test_a_group_never_swaps_into_a_slot_beyond_the_other_groups_bound():
 
 def test_restore_checks_the_bound_and_the_slot():
     c = StalenessController(slots=2, staleness=1, next_buffer=3)
-    c.restore_occupied("a", 2, "A", 3, 1)
+    c.restore("a", 2, 3, 1, "A")
     with pytest.raises(StalenessError, match="cannot sit in buffer 5"):
-        c.restore_occupied("b", 3, "B", 5, 0)
+        c.restore("b", 3, 5, 0, "B")
     with pytest.raises(StalenessError, match="taken"):
-        c.restore_occupied("c", 3, "C", 3, 1)
-    assert c.reserve("d", 3) == (4, 1)
+        c.restore("c", 3, 3, 1, "C")
+    c.restore("e", 3, 4, 1, state=RESERVED)  # in flight at save time: dispatched again
+    assert c.reserve("d", 3) == (4, 0)
+    c.occupy("e", "E")
+    assert [item for _, _, item in c.occupied_items()] == ["E", "A"]  # the earliest slot: (3, 0)
 
 
 def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop: float):

@@ -57,11 +57,13 @@ def merge_continuation(prefix: Sample, cont: Sample) -> Sample:
 
 async def finish_partial(generate: Callable[[list[int], SamplingParams], Awaitable[Sample]], sample: Sample,
                          sampling: SamplingParams, max_stalls: int = 3,
-                         on_resume: Callable[[], None] | None = None) -> Sample:
+                         on_resume: Callable[[], None] | None = None,
+                         on_progress: Callable[[Sample], None] | None = None) -> Sample:
     """Continue `sample` (of prompt `sample.prompt_ids`, drawn with `sampling`) until it is not aborted.
 
     `generate(input_ids, sampling)` sends one request (e.g. through the router, sticky to the group);
-    `on_resume()` is called per continuation request. Gives up after `max_stalls` + 1 aborts in a row
+    `on_resume()` is called per continuation request, `on_progress(merged)` after each (what a
+    checkpoint saves of a request still in flight). Gives up after `max_stalls` + 1 aborts in a row
     that added no token (a server that aborts everything would otherwise loop forever).
     """
     stalls = 0
@@ -76,4 +78,6 @@ async def finish_partial(generate: Callable[[list[int], SamplingParams], Awaitab
         piece = await generate(list(sample.prompt_ids) + list(sample.output_ids), cont)
         stalls = 0 if piece.output_ids else stalls + 1
         sample = merge_continuation(sample, piece)
+        if on_progress is not None:
+            on_progress(sample)
     return sample

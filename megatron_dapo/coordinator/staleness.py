@@ -151,9 +151,10 @@ class StalenessController:
         return pos
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def restore_occupied(self, key: Hashable, v_traj: int, item: Any, buffer: int, slot: int) -> None:
-        """Put a completed group back where a checkpoint saw it (reservations are not restored:
-        what was in flight is dispatched again)."""
+    def restore(self, key: Hashable, v_traj: int, buffer: int, slot: int, item: Any = None,
+                state: str = OCCUPIED) -> None:
+        """Put a group back where a checkpoint saw it: completed (`OCCUPIED`, with its item) or in
+        flight (`RESERVED`, to be dispatched again)."""
         if buffer < self.next_buffer or not 0 <= slot < self.slots:
             raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is outside the open buffers")
         if buffer > v_traj + self.staleness:
@@ -162,5 +163,5 @@ class StalenessController:
         s = self._buffer(buffer)[slot]
         if s.state != EMPTY or key in self.where:
             raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is taken or the group is placed twice")
-        self.buffers[buffer][slot] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
+        self.buffers[buffer][slot] = Slot(state, key, v_traj, item, since=self.clock())
         self.where[key] = (buffer, slot)

@@ -80,14 +80,16 @@ class JudgedGroup:
 
     @classmethod
     def from_state(cls, d: dict) -> "JudgedGroup":
-        from megatron_dapo.rollout.types import WeightVersionSpan
+        return cls(**{**d, "samples": [sample_from_state(s) for s in d["samples"]]})
 
-        samples = []
-        for s in d["samples"]:
-            s = dict(s)
-            s["weight_versions"] = [WeightVersionSpan(**w) for w in s.get("weight_versions") or []]
-            samples.append(Sample(**s))
-        return cls(**{**d, "samples": samples})
+
+def sample_from_state(d: dict) -> Sample:
+    """A Sample from its `dataclasses.asdict` form (checkpoints)."""
+    from megatron_dapo.rollout.types import WeightVersionSpan
+
+    d = dict(d)
+    d["weight_versions"] = [WeightVersionSpan(**w) for w in d.get("weight_versions") or []]
+    return Sample(**d)
 
 
 def judge_group(

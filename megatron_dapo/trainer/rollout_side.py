@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, replace
 from megatron_dapo.coordinator import StalenessController, finish_partial
 from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
 from megatron_dapo.rollout.types import Sample, SamplingParams
-from megatron_dapo.trainer.groups import JudgedGroup, judge_group
+from megatron_dapo.trainer.groups import JudgedGroup, judge_group, sample_from_state
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +111,15 @@ class BatchInfo:
                 "rollout/tokens_regenerated": self.tokens_regenerated}
 
 
+@dataclass
+class InFlight:
+    """A dispatched group not yet judged: what a checkpoint needs to dispatch it again."""
+
+    idx: int  # dataset index
+    v_traj: int
+    samples: list[Sample] | None = None  # the latest answers (aborted ones partial); None = none yet
+
+
 class RolloutProducer:
     def __init__(self, router_factory, dataset, sampler, reward_runner, settings: ProducerSettings, version: int = 0,
                  tokenizer=None, clock=time.monotonic):
@@ -129,6 +138,8 @@ class RolloutProducer:
         self.judged_since_take = 0
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
         self.resumes_since_take = self.regenerated_since_take = 0
+        self.flight: dict[int, InFlight] = {}  # draw -> its group in flight
+        self._redispatch: list[int] = []  # draws restored in flight from a checkpoint
         self.error: BaseException | None = None
         self.exhausted = False
         self._stop = False
@@ -195,10 +206,12 @@ class RolloutProducer:
             self._cv.notify_all()
         if self.exhausted:
             return []
-        picks = []
+        picks = [(self.flight[d].idx, d, self.flight[d].v_traj) for d in self._redispatch]
+        self._redispatch = []
         for _ in range(self.slots.reservable(self.version)):
             idx, draw = self.sampler.next_draw()
             self.slots.reserve(draw, self.version)
+            self.flight[draw] = InFlight(idx, self.version)
             picks.append((idx, draw, self.version))
         return picks
 
@@ -242,16 +255,28 @@ class RolloutProducer:
             self.resumes_since_take += resumes
             self.regenerated_since_take += regenerated
 
-    async def _generate_group(self, router, prompt: list[int], idx: int, draw: int) -> list[Sample]:
+    def _progress(self, draw: int, sample: Sample) -> None:
+        with self._cv:
+            if draw in self.flight:
+                self.flight[draw].samples[sample.index] = sample
+
+    async def _generate_group(self, router, prompt: list[int], idx: int, draw: int,
+                              resumed: list[Sample] | None = None) -> list[Sample]:
+        """The group's n finished samples; `resumed`: its answers saved by a checkpoint, continued."""
         for attempt in range(self.s.max_resubmits + 1):
-            # a fresh group id per attempt: rids of an aborted attempt may still be in flight
-            samples = await self._generate(router, prompt, draw, f"p{idx}-{uuid.uuid4().hex[:8]}")
-            samples = sorted(samples, key=lambda s: s.index)
-            for i, s in enumerate(samples):
-                s.index = i
+            if resumed is not None:
+                samples, resumed = resumed, None
+            else:
+                # a fresh group id per attempt: rids of an aborted attempt may still be in flight
+                samples = await self._generate(router, prompt, draw, f"p{idx}-{uuid.uuid4().hex[:8]}")
+                samples = sorted(samples, key=lambda s: s.index)
+                for i, s in enumerate(samples):
+                    s.index = i
             if not any(s.aborted for s in samples):
                 return samples
             if self.s.partial_rollout:
+                with self._cv:
+                    self.flight[draw].samples = list(samples)
                 return list(await asyncio.gather(*(self._finish(router, draw, s) for s in samples)))
             self._count(regenerated=sum(len(s.output_ids) for s in samples))
             log.info("group of prompt %d aborted by the server (attempt %d); resubmitting", idx, attempt)
@@ -266,12 +291,15 @@ class RolloutProducer:
             return piece
 
         return await finish_partial(generate, sample, self._sampling(draw, sample.index), self.s.max_resubmits,
-                                    on_resume=lambda: self._count(resumes=1))
+                                    on_resume=lambda: self._count(resumes=1),
+                                    on_progress=lambda merged: self._progress(draw, merged))
 
     async def _one_group(self, router, idx: int, draw: int, v_traj: int) -> None:
         rec = self.dataset[idx]
+        with self._cv:
+            resumed = self.flight[draw].samples
         try:
-            samples = await self._generate_group(router, list(rec.prompt_ids), idx, draw)
+            samples = await self._generate_group(router, list(rec.prompt_ids), idx, draw, resumed)
             extra = dict(rec.extra_info)
             items = [(response_text(s, self.tokenizer), rec.ground_truth, rec.data_source, extra) for s in samples]
             rewards = await asyncio.to_thread(self.rewards.score_many, items)
@@ -280,14 +308,17 @@ class RolloutProducer:
         except asyncio.CancelledError:
             with self._cv:
                 self.slots.release(draw)
+                self.flight.pop(draw, None)
             raise
         except BaseException as e:
             with self._cv:
                 self.slots.release(draw)
+                self.flight.pop(draw, None)
                 self.error = e
                 self._cv.notify_all()
             return
         with self._cv:
+            self.flight.pop(draw, None)
             self.judged_since_take += 1
             self.failures_since_take += group.reward_failures
             if group.kept:
@@ -352,9 +383,12 @@ class RolloutProducer:
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Data position and the completed, not yet trained groups with their slots. In-flight groups
-        are lost on resume (their slots are reserved afresh); the sampler position after them is
-        kept, so no prompt is drawn twice."""
+        """Data position, the completed groups not yet trained and the groups in flight, with their
+        slots. A resumed producer dispatches the in-flight groups again (same draw, V_traj and slot),
+        continuing the samples the servers had answered partially (partial rollout); so no prompt is
+        lost or drawn twice. Tokens a server had not yet answered are generated again."""
+        from dataclasses import asdict
+
         with self._cv:
             occupied = self.slots.occupied_items()
             return {
@@ -363,6 +397,11 @@ class RolloutProducer:
                 "version": self.version,
                 "buffer": [g.to_state() for _, _, g in occupied],
                 "slots": [[b, i] for b, i, _ in occupied],
+                "in_flight": [
+                    {"draw": d, "idx": f.idx, "v_traj": f.v_traj, "slot": list(self.slots.where[d]),
+                     "samples": None if f.samples is None else [asdict(s) for s in f.samples]}
+                    for d, f in sorted(self.flight.items())
+                ],
             }
 
     def load_state_dict(self, state: dict) -> None:
@@ -377,8 +416,14 @@ class RolloutProducer:
         slots = StalenessController(B, self.s.staleness, clock=self.clock, next_buffer=consumed // B)
         for n, (g, (b, i)) in enumerate(zip(groups, where)):
             v_traj = g.v_traj if g.v_traj >= 0 else g.min_version
-            slots.restore_occupied(g.draw if g.draw >= 0 else f"restored-{n}", v_traj, g, int(b), int(i))
+            slots.restore(g.draw if g.draw >= 0 else f"restored-{n}", v_traj, int(b), int(i), g)
+        flight = {}
+        for f in state.get("in_flight") or []:
+            draw = int(f["draw"])
+            slots.restore(draw, int(f["v_traj"]), int(f["slot"][0]), int(f["slot"][1]), state=RESERVED)
+            samples = None if f["samples"] is None else [sample_from_state(s) for s in f["samples"]]
+            flight[draw] = InFlight(int(f["idx"]), int(f["v_traj"]), samples)
         with self._cv:
             self.sampler.load_state_dict(state["sampler"])
             self.version = int(state["version"])
-            self.slots = slots
+            self.slots, self.flight, self._redispatch = slots, flight, sorted(flight)
