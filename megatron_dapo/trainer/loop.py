@@ -142,7 +142,8 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
         rollout = producer.state_dict()
         rollout["next_batch"] = None if next_info is None else {
             **{k: getattr(next_info, k) for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "gen_batches",
-                                                   "reward_failures", "wait_s")},
+                                                   "reward_failures", "wait_s", "reserved_slots",
+                                                   "occupied_slots", "partial_resumes", "tokens_regenerated")},
             "staleness": dict(next_info.staleness),
             "groups": [g.to_state() for g in next_info.groups],
         }
