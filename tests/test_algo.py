@@ -205,6 +205,42 @@ def test_loss_micro_batches_sum_to_one_batch(be):
         close(x.grad, full_x.grad, 1e-7, 1e-5, what=f"{mode} grad")
 
 
+@pytest.mark.parametrize("dual", [None, 3.0], ids=["no-dual", "dual"])
+@pytest.mark.parametrize("sign", [1.0, -1.0], ids=["A>0", "A<0"])
+def test_loss_extreme_log_ratios(be, sign, dual):
+    """Log-ratios of +-200 (exp overflows fp32 past ~88.7) on clipped and unclipped tokens: the
+    log-ratio is clamped to [-20, 20], so loss, gradient and metrics are finite and equal the
+    float64 reference; tokens beyond the clamp get no gradient; Triton equals the torch path."""
+    backend, dev = be
+    lp, old, _, mask, _ = _loss_batch(13, b=4, s=9)
+    mask[:, :6] = 1.0
+    # per row: +200 (A>0: upper clip; A<0: dual clip or unclipped), -200 (A>0: unclipped; A<0: lower
+    # clip), +-19.5 (inside the clamp, both branches), and ordinary tokens after them
+    lp[:, 0], lp[:, 1] = old[:, 0] + 200.0, old[:, 1] - 200.0
+    lp[:, 2], lp[:, 3] = old[:, 2] + 19.5, old[:, 3] - 19.5
+    adv = sign * torch.tensor([0.5, 1.0, 2.0, 0.25])
+    kw = dict(low=0.2, high=0.28, c=dual)
+    outs = []
+    for b, d in ((backend, dev), ("torch", torch.device("cpu"))):
+        for mode in ("token-mean", "seq-mean-token-sum-norm"):
+            x = lp.clone().to(d).requires_grad_()
+            loss, metrics = dispatch.dapo_policy_loss(x, old.to(d), adv.to(d), mask.to(d), 0.2, 0.28, dual, mode,
+                                                      token_sum_norm=16, backend=b)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), f"{b} {mode}: non-finite loss or grad"
+            assert all(torch.isfinite(v) for v in metrics.values()), f"{b} {mode}: non-finite metric"
+            assert (x.grad[:, :2] == 0).all(), "tokens beyond the clamp carry no gradient"
+            expected = ref_policy_loss(lp, old, adv, mask, mode=mode, norm=16, **kw)
+            close(loss, torch.tensor(expected), 1e-5, 1e-6, what=f"{b} {mode} loss")
+            close(x.grad, ref_policy_loss_grad(lp, old, adv, mask, mode=mode, norm=16, **kw), 1e-6, 1e-4,
+                  what=f"{b} {mode} grad")
+            close(metrics["ratio_max"], torch.tensor(math.exp(20.0)), 0.0, 1e-6, what="ratio_max")
+            outs.append((loss.detach().cpu(), x.grad.cpu()))
+    for (loss_a, grad_a), (loss_b, grad_b) in zip(outs[:2], outs[2:]):
+        close(loss_a, loss_b, 0.0, 1e-6, what=f"{backend} vs torch loss")
+        close(grad_a, grad_b, 1e-7, 1e-5, what=f"{backend} vs torch grad")
+
+
 # ---------------------------------------------------------------- vocab-parallel log-probs
 def _logits(seed, t=7, v=53, scale=3.0, extreme=False):
     g = torch.Generator().manual_seed(seed)

@@ -35,7 +35,7 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
 def test_defaults_are_dapo():
     cfg = DapoConfig()
     a, o = cfg.algo, cfg.optimizer
-    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, None)
+    assert (a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c) == (0.2, 0.28, 10.0)  # c: DAPO recipe scripts
     assert a.loss_agg_mode == "token-mean"
     assert (a.filter_groups.enable, a.filter_groups.metric, a.filter_groups.max_num_gen_batches) == (True, "acc", 10)
     assert (a.overlong_buffer.enable, a.overlong_buffer.len, a.overlong_buffer.penalty_factor) == (True, 4096, 1.0)

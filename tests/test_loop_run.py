@@ -101,6 +101,8 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
         # the staleness bound is kept by reservation: nothing over it, nothing discarded or regenerated
         assert r["groups/over_staleness_bound"] == 0 and r["rollout/tokens_regenerated"] == 0
         assert "groups/dropped_stale" not in r and r["rollout/reserved_slots"] + r["rollout/occupied_slots"] <= 4
+        assert r["advantages/min"] < 0 < r["advantages/max"] and 0 <= r["reward/overlong_frac"] <= 1
+        assert 0 < r["prompt/length_min"] <= r["prompt/length_mean"] <= r["prompt/length_max"] <= 64
         probe.append(r["sync/probe_logprob_mean"])
     assert all(abs(a - b) > 1e-5 for a, b in zip(probe, probe[1:]))  # ... and they change at every sync
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

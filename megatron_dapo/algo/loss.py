@@ -1,7 +1,7 @@
 """DAPO policy-gradient loss: asymmetric (clip-higher) PPO clip, optional dual clip, truncated
 rollout importance weights, and loss aggregation that is exact over the global batch.
 
-Per token (A = advantage, r = exp(logprob - old_logprob)):
+Per token (A = advantage, r = exp(clamp(logprob - old_logprob, -20, 20))):
 
     L_t = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
     L_t = min(L_t, -A clip_ratio_c)        if clip_ratio_c is set and A < 0   (dual clip)
@@ -10,6 +10,11 @@ Per token (A = advantage, r = exp(logprob - old_logprob)):
 Clipping counts as *active* only when strictly beyond the bound (upper: A > 0 and
 r > 1 + high; lower: A < 0 and r < 1 - low; dual: A < 0 and -A r > -A c, i.e. r > c); an active
 branch carries no gradient, a tie carries the unclipped gradient -A r.
+
+The log-ratio is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] = [-20, 20] before exp, as verl's
+`compute_policy_loss` does: without it a token with log-ratio above ~88.7 overflows exp in fp32,
+and its zero-weight branch still yields 0 * inf = NaN in backward. A token beyond the bound gets no
+gradient (the clamp is flat there), whichever branch is active; metrics use the clamped value too.
 
 Global normalisation (micro-batch losses that sum to the one-big-batch loss)
 ------------------------------------------------------------------------------
@@ -51,6 +56,8 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 # Columns of the per-sequence partial sums shared by the torch and Triton paths.
 ROW_LOSS, ROW_TOKENS, ROW_UPPER, ROW_LOWER, ROW_DUAL, ROW_RATIO, ROW_KL, ROW_RATIO_MAX = range(8)
 NUM_ROW_STATS = 8
+# |logprob - old_logprob| is clamped to this before exp (verl core_algos.compute_policy_loss).
+LOG_RATIO_BOUND = 20.0
 
 
 def check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
@@ -102,8 +109,9 @@ def row_stats_torch(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_lo
     cdtype = torch.promote_types(logprobs.dtype, torch.float32)
     mask = loss_mask.bool()
     adv = advantages.to(cdtype)
-    # Padding may hold any value: zero the log-ratio there so exp() cannot overflow into NaN grads.
+    # Padding may hold any value: zero the log-ratio there; the clamp keeps exp() finite on loss tokens.
     log_ratio = torch.where(mask, logprobs.to(cdtype) - old_logprobs.to(cdtype), torch.zeros((), dtype=cdtype))
+    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
     upper = mask & (adv > 0) & (ratio > 1 + clip_ratio_high)
     lower = mask & (adv < 0) & (ratio < 1 - clip_ratio_low)

@@ -67,6 +67,12 @@ def max_tokens_per_micro_batch(cfg: DapoConfig) -> int:
     return m if m is not None else cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
+def token_sum_norm(cfg: DapoConfig) -> float:
+    """The constant divisor of a sequence's token sum in seq-mean-token-sum-norm (never the padded width)."""
+    f = cfg.algo.loss_scale_factor
+    return float(f if f is not None else cfg.data.max_response_length)
+
+
 def lr_decay_steps(cfg: DapoConfig) -> int:
     d = cfg.optimizer.lr_decay_steps
     return d if d is not None else cfg.trainer.total_steps

@@ -251,9 +251,24 @@ def config_from_dict(data: dict | None, overrides: Iterable[str] = (), source: s
     if not isinstance(data, dict):
         raise ConfigError(f"{source or 'config'}: top level must be a mapping of sections, got {_got(data)}")
     _merge(cfg, data, "")
+    overrides = list(overrides)
     for override in overrides:
         apply_override(cfg, override)
+    _apply_clip_ratio(cfg, data, overrides)
     return cfg
+
+
+def _apply_clip_ratio(cfg: DapoConfig, data: dict, overrides: list[str]) -> None:
+    """algo.clip_ratio (verl's symmetric shorthand) fills clip_ratio_low / _high where they are not
+    given; one given with another value is left for validation to report as a conflict."""
+    if cfg.algo.clip_ratio is None:
+        return
+    algo = data.get("algo")
+    given = {f"algo.{k}" for k in algo} if isinstance(algo, dict) else set()
+    given |= {o.split("=", 1)[0].strip() for o in overrides}
+    for name in ("clip_ratio_low", "clip_ratio_high"):
+        if f"algo.{name}" not in given:
+            setattr(cfg.algo, name, cfg.algo.clip_ratio)
 
 
 def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), validate: bool = True) -> DapoConfig:

@@ -98,10 +98,18 @@ class RolloutISConfig:
 class AlgoConfig:
     adv_estimator: Literal["grpo"] = "grpo"  # group-normalised advantage
     norm_adv_by_std: bool = True  # False = Dr.GRPO (r - mean) without the std division
+    # Symmetric shorthand (verl's clip_ratio): sets both clip_ratio_low and clip_ratio_high; giving
+    # either of those explicitly with another value is an error. None = use the pair.
+    clip_ratio: Optional[float] = None
     clip_ratio_low: float = 0.2  # epsilon_low; DAPO clip-higher
     clip_ratio_high: float = 0.28  # epsilon_high; DAPO clip-higher
-    clip_ratio_c: Optional[float] = None  # dual-clip bound for A < 0 (verl uses 3.0); None = off
+    # Dual-clip bound c > 1 for A < 0; 10.0 as in verl's DAPO recipe scripts (recipe/dapo/*.sh set
+    # actor_rollout_ref.actor.clip_ratio_c=10.0; verl's own default is 3.0). None = off.
+    clip_ratio_c: Optional[float] = 10.0
     loss_agg_mode: LossAggMode = "token-mean"  # DAPO token-level loss over the global batch
+    # Constant divisor of each sequence's token sum in seq-mean-token-sum-norm (verl's
+    # loss_scale_factor); None = data.max_response_length. Only valid with that mode.
+    loss_scale_factor: Optional[float] = None
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False  # mask truncated responses out of the loss (kept in the group baseline)
@@ -109,7 +117,8 @@ class AlgoConfig:
     # slot in a buffer <= V_traj + staleness at dispatch (megatron_dapo.coordinator.staleness): never discarded.
     staleness: int = 3
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
-    kl_coef: float = 0.0  # DAPO drops the KL term
+    # Must be 0: DAPO removes the KL term (arXiv:2503.14476, sec. 2.3), so there is no reference policy.
+    kl_coef: float = 0.0
     entropy_coeff: float = 0.0
     train_batch_size: int = 512  # prompts (groups) per training step; DAPO
     ppo_mini_batch_size: int = 32  # prompts per optimizer step; DAPO
@@ -179,7 +188,12 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # parquet / jsonl, DAPO-Math-17k schema
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"  # column holding the chat messages
-    max_prompt_length: int = 2048  # longer prompts are dropped (and counted); DAPO
+    max_prompt_length: int = 2048  # DAPO; longer prompts are handled by `truncation`
+    # Prompts longer than max_prompt_length: drop (skip them, counted; what verl's
+    # filter_overlong_prompts=True does, as in its DAPO recipe), error (stop, naming file and row),
+    # or cut them to max_prompt_length keeping the left part, the right part, or both ends (middle),
+    # as verl's `truncation` left / right / middle.
+    truncation: Literal["drop", "error", "left", "right", "middle"] = "drop"
     max_response_length: int = 20480  # DAPO
     shuffle: bool = True
     seed: int = 1  # shuffling seed

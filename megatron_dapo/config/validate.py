@@ -110,8 +110,19 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"algo.clip_ratio_low={a.clip_ratio_low} must be in [0, 1)")
     if a.clip_ratio_high < 0.0:
         errors.append(f"algo.clip_ratio_high={a.clip_ratio_high} must be >= 0")
+    if a.clip_ratio is not None and (a.clip_ratio_low, a.clip_ratio_high) != (a.clip_ratio, a.clip_ratio):
+        errors.append(
+            f"algo.clip_ratio={a.clip_ratio} conflicts with algo.clip_ratio_low={a.clip_ratio_low} / "
+            f"algo.clip_ratio_high={a.clip_ratio_high}: give either the symmetric clip_ratio or the pair"
+        )
     if a.clip_ratio_c is not None and a.clip_ratio_c <= 1.0:
-        errors.append(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip; verl uses 3.0) or null")
+        errors.append(f"algo.clip_ratio_c={a.clip_ratio_c} must be > 1 (dual clip; DAPO recipe: 10.0) or null")
+    if a.loss_scale_factor is not None:
+        if not a.loss_scale_factor > 0:
+            errors.append(f"algo.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
+        if a.loss_agg_mode != "seq-mean-token-sum-norm":
+            errors.append(f"algo.loss_scale_factor={a.loss_scale_factor} only applies to "
+                          f"algo.loss_agg_mode=seq-mean-token-sum-norm (got {a.loss_agg_mode})")
     if a.train_batch_size < 1:
         errors.append(f"algo.train_batch_size={a.train_batch_size} must be >= 1")
     if a.ppo_mini_batch_size < 1:
@@ -126,8 +137,13 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"algo.gen_batch_size={a.gen_batch_size} must be >= 1 or null")
     if a.staleness < 0:
         errors.append(f"algo.staleness={a.staleness} must be >= 0 (0 = synchronous)")
-    if a.kl_coef < 0 or a.entropy_coeff < 0:
-        errors.append(f"algo.kl_coef={a.kl_coef} and algo.entropy_coeff={a.entropy_coeff} must be >= 0")
+    if a.kl_coef != 0:
+        errors.append(
+            f"algo.kl_coef={a.kl_coef} is not supported: DAPO removes the KL penalty (Yu et al. 2025, "
+            f"arXiv:2503.14476, sec. 2.3 'Removing KL Divergence'), so no reference policy is kept; set 0"
+        )
+    if a.entropy_coeff < 0:
+        errors.append(f"algo.entropy_coeff={a.entropy_coeff} must be >= 0")
     if a.filter_groups.enable and cfg.rollout.n_resp_per_prompt < 2:
         errors.append(
             f"algo.filter_groups.enable needs rollout.n_resp_per_prompt >= 2 (got {cfg.rollout.n_resp_per_prompt}): "

@@ -3,8 +3,8 @@
 A row has `prompt` (a list of chat messages `{"role", "content"}`), `reward_model.ground_truth`
 (the reference answer) and `data_source` (which reward function judges it). Files are parquet
 or jsonl. Rows are validated when loaded (a bad row names its file and row number), rendered
-through the tokenizer's chat template, and dropped when the prompt is longer than the limit;
-`PromptDataset.num_dropped_too_long` says how many.
+through the tokenizer's chat template; a prompt longer than the limit is dropped, refused or cut
+(`truncation`, verl's RLHFDataset options); `num_dropped_too_long` / `num_truncated` count them.
 """
 
 from __future__ import annotations
@@ -74,18 +74,18 @@ def write_rows(path: str | Path, rows: Iterable[dict]) -> Path:
     return path
 
 
-def validate_row(row: Any, where: str) -> tuple[list[dict], str, str]:
+def validate_row(row: Any, where: str, prompt_key: str = "prompt") -> tuple[list[dict], str, str]:
     """(messages, ground_truth, data_source) of a row, or DatasetError naming `where` and the field."""
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object, got {type(row).__name__}")
-    messages = row.get("prompt")
+    messages = row.get(prompt_key)
     if isinstance(messages, str):  # a bare string prompt is one user message
         messages = [{"role": "user", "content": messages}]
     if not messages or not isinstance(messages, (list, tuple)):
-        raise DatasetError(f"{where}: field 'prompt' is missing or empty (expected a list of chat messages)")
+        raise DatasetError(f"{where}: field {prompt_key!r} is missing or empty (expected a list of chat messages)")
     for j, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DatasetError(f"{where}: prompt[{j}] must be {{'role': str, 'content': str}}, got {m!r}")
+            raise DatasetError(f"{where}: {prompt_key}[{j}] must be {{'role': str, 'content': str}}, got {m!r}")
     reward_model = row.get("reward_model")
     gt = reward_model.get("ground_truth") if isinstance(reward_model, dict) else None
     if gt is None or (isinstance(gt, str) and not gt.strip()):
@@ -100,10 +100,15 @@ class PromptDataset:
     """Validated, tokenized prompts from one or more files, filtered by prompt length.
 
     `tokenizer` is a Hugging Face tokenizer with a chat template; each prompt is rendered with
-    `add_generation_prompt=True` so generation starts at the assistant's turn.
+    `add_generation_prompt=True` so generation starts at the assistant's turn. `prompt_key` is
+    the column of the chat messages; `truncation` handles prompts over `max_prompt_length`
+    (see `TRUNCATION_MODES`).
     """
 
-    def __init__(self, paths: str | Path | Iterable[str | Path], tokenizer, max_prompt_length: int | None = None):
+    def __init__(self, paths: str | Path | Iterable[str | Path], tokenizer, max_prompt_length: int | None = None,
+                 truncation: str = "drop", prompt_key: str = "prompt"):
+        if truncation not in TRUNCATION_MODES:
+            raise DatasetError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
         if isinstance(paths, (str, Path)):
             paths = [paths]
         self.paths = [Path(p) for p in paths]
@@ -112,15 +117,22 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         self.num_rows = 0
         self.num_dropped_too_long = 0
+        self.num_truncated = 0
         self.records: list[PromptRecord] = []
         for path in self.paths:
             for i, row in enumerate(read_rows(path)):
                 self.num_rows += 1
-                messages, gt, source = validate_row(row, f"{path}: row {i}")
+                messages, gt, source = validate_row(row, f"{path}: row {i}", prompt_key)
                 ids = encode_chat(tokenizer, messages)
                 if max_prompt_length is not None and len(ids) > max_prompt_length:
-                    self.num_dropped_too_long += 1
-                    continue
+                    if truncation == "drop":
+                        self.num_dropped_too_long += 1
+                        continue
+                    if truncation == "error":
+                        raise DatasetError(f"{path}: row {i}: prompt has {len(ids)} tokens, more than "
+                                           f"max_prompt_length={max_prompt_length} (data.truncation=error)")
+                    ids = truncate(ids, max_prompt_length, truncation)
+                    self.num_truncated += 1
                 extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
                 self.records.append(
                     PromptRecord(len(self.records), tuple(ids), gt, source, tuple(messages), dict(extra))
@@ -139,6 +151,24 @@ class PromptDataset:
 
     def __getitem__(self, i: int) -> PromptRecord:
         return self.records[i]
+
+
+TRUNCATION_MODES = ("drop", "error", "left", "right", "middle")
+
+
+def truncate(ids: list[int], max_length: int, mode: str) -> list[int]:
+    """The first (`right`: cut on the right), last (`left`) or first and last halves (`middle`) of
+    `ids`, max_length tokens in all: verl's RLHFDataset truncation of an overlong prompt."""
+    if len(ids) <= max_length:
+        return list(ids)
+    if mode == "right":
+        return list(ids[:max_length])
+    if mode == "left":
+        return list(ids[len(ids) - max_length:])
+    if mode == "middle":
+        head = max_length // 2
+        return list(ids[:head]) + list(ids[len(ids) - (max_length - head):])
+    raise ValueError(f"truncate: mode={mode!r}, expected left, right or middle")
 
 
 def encode_chat(tokenizer, messages: list[dict]) -> list[int]:

@@ -1,8 +1,8 @@
 """Fused Triton DAPO token loss: the GPU path of `megatron_dapo.algo.loss.dapo_policy_loss`.
 
-One program per sequence streams its tokens once: ratio, asymmetric / dual clip, truncated
-importance weight, masked sums and clip counts, giving the same per-sequence partials
-[B, NUM_ROW_STATS] as the torch path, plus d L_t / d logprob_t per token for backward. The
+One program per sequence streams its tokens once: clamped log-ratio, ratio, asymmetric / dual
+clip, truncated importance weight, masked sums and clip counts, giving the same per-sequence
+partials [B, NUM_ROW_STATS] as the torch path, plus d L_t / d logprob_t per token for backward. The
 aggregation over sequences and the global normalisation are the torch reference's
 `aggregate_rows`, so both backends share one definition of every loss mode and metric.
 Only `logprobs` receives a gradient (old logprobs, advantages and weights are data).
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megatron_dapo.algo.loss import NUM_ROW_STATS, aggregate_rows, as_rows, check_loss_inputs
+from megatron_dapo.algo.loss import LOG_RATIO_BOUND, NUM_ROW_STATS, aggregate_rows, as_rows, check_loss_inputs
 
 DEFAULT_BLOCK_S = 1024
 
@@ -22,7 +22,7 @@ DEFAULT_BLOCK_S = 1024
 @triton.jit
 def _dapo_loss_fwd_kernel(
     lp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, rows_ptr, dpg_ptr, seq_len,
-    clip_low, clip_high, clip_c, is_cap,
+    clip_low, clip_high, clip_c, is_cap, log_ratio_bound,
     HAS_DUAL: tl.constexpr, HAS_W: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -43,14 +43,17 @@ def _dapo_loss_fwd_kernel(
         lp = tl.load(lp_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
         old = tl.load(old_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
         adv = tl.load(adv_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
-        log_ratio = tl.where(m, lp - old, 0.0)
+        raw = tl.where(m, lp - old, 0.0)
+        # the torch path's clamp: finite exp, and no gradient beyond the bound (the clamp is flat there)
+        log_ratio = tl.minimum(tl.maximum(raw, -log_ratio_bound), log_ratio_bound)
+        flat = (raw > log_ratio_bound) | (raw < -log_ratio_bound)
         ratio = tl.exp(log_ratio)
         upper = m & (adv > 0) & (ratio > 1 + clip_high)
         lower = m & (adv < 0) & (ratio < 1 - clip_low)
         clipped = upper | lower
         bounded = tl.minimum(tl.maximum(ratio, 1 - clip_low), 1 + clip_high)
         pg = -adv * tl.where(clipped, bounded, ratio)
-        dpg = tl.where(clipped, 0.0, -adv * ratio)
+        dpg = tl.where(clipped | flat, 0.0, -adv * ratio)
         dual = upper & lower  # mutually exclusive: all False unless HAS_DUAL
         if HAS_DUAL:
             bound = -adv * clip_c
@@ -97,7 +100,7 @@ class _TritonRowStats(torch.autograd.Function):
             _dapo_loss_fwd_kernel[(b,)](
                 lp, old_logprobs.contiguous(), advantages.contiguous(), loss_mask.bool().to(torch.int8).contiguous(),
                 weights.contiguous() if weights is not None else lp, rows, dpg, s,
-                float(clip_low), float(clip_high), float(clip_c or 0.0), float(cap or 0.0),
+                float(clip_low), float(clip_high), float(clip_c or 0.0), float(cap or 0.0), LOG_RATIO_BOUND,
                 HAS_DUAL=clip_c is not None, HAS_W=weights is not None, HAS_CAP=cap is not None,
                 BLOCK=block_s,
             )

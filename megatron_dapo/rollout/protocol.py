@@ -10,15 +10,15 @@ where SGLang's source is present, re-extracts it first.
 
 | route (method)                          | body class                           | fields the client sends                              | answer                                |
 |-----------------------------------------|--------------------------------------|------------------------------------------------------|---------------------------------------|
-| /generate (POST)                        | GenerateReqInput                     | rid, input_ids, sampling_params, return_logprob, logprob_start_len | one dict, or a list when n > 1: `output_ids`, `text`, `meta_info` {id, finish_reason {type: stop/length/abort, ...}, prompt_tokens, completion_tokens, weight_version, weight_versions?, output_token_logprobs [(logprob, token_id, text)], input_token_logprobs} |
+| /generate (POST)                        | GenerateReqInput                     | rid, input_ids, sampling_params, return_logprob, logprob_start_len | one dict, or a list when n > 1: `output_ids`, `text`, `meta_info` {id, finish_reason {type: stop/length/abort, ...}, prompt_tokens, completion_tokens, cached_tokens, e2e_latency, weight_version, weight_versions, output_token_logprobs [(logprob, token_id, text)], input_token_logprobs} |
 | /health, /health_generate (GET)         | -                                    | -                                                    | 200 / 503, never needs the api key    |
 | /get_model_info, /model_info (GET)      | -                                    | -                                                    | {model_path, weight_version, ...}     |
 | /flush_cache (GET, POST)                | query `timeout`                      | -                                                    | 200 text, or 400 while busy           |
 | /abort_request (POST)                   | AbortReq                             | rid, abort_all                                       | 200, empty body                       |
 | /pause_generation (POST)                | PauseGenerationReqInput              | mode: abort / retract / in_place                     | {"message", "status": "ok"}           |
 | /continue_generation (POST)             | ContinueGenerationReqInput           | torch_empty_cache                                    | {"message", "status": "ok"}           |
-| /release_memory_occupation (GET, POST)  | ReleaseMemoryOccupationReqInput      | tags                                                 | 200                                   |
-| /resume_memory_occupation (GET, POST)   | ResumeMemoryOccupationReqInput       | tags                                                 | 200                                   |
+| /release_memory_occupation (GET, POST)  | ReleaseMemoryOccupationReqInput      | tags                                                 | 200, JSON `null`                      |
+| /resume_memory_occupation (GET, POST)   | ResumeMemoryOccupationReqInput       | tags                                                 | 200, JSON `null`                      |
 | /init_weights_update_group (POST)       | InitWeightsUpdateGroupReqInput       | master_address, master_port, rank_offset, world_size, group_name, backend | {success, message}; 400 on failure |
 | /destroy_weights_update_group (POST)    | DestroyWeightsUpdateGroupReqInput    | group_name                                           | {success, message}                    |
 | /update_weights_from_distributed (POST) | UpdateWeightsFromDistributedReqInput | names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version, load_format | {success, message}; 400 on failure |
@@ -39,7 +39,8 @@ Protocol facts that matter downstream (all from the 0.5.23 source):
   (`srt/layers/sampler.py`: `logprobs = log(probs)` of the temperature-scaled softmax, which is computed
   before `_sample_from_probs` filters); temperature < 1e-6 means greedy, reported as log_softmax(logits).
 - `meta_info.weight_version` is the version when the answer was built; `meta_info.weight_versions`
-  lists {version, start, end} spans of output tokens when the weights changed mid-request.
+  lists {version, start, end} spans of output tokens, on every finished request (one span when the
+  weights did not change mid-request; `utils/weight_versions.py`).
 """
 
 from __future__ import annotations

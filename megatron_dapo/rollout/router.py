@@ -16,6 +16,7 @@ failures a server is marked unhealthy and receives nothing until a background `/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections import OrderedDict
@@ -42,6 +43,7 @@ class ServerState:
     health_passes: int = 0
     completed: int = 0
     stats: dict = field(default_factory=lambda: {"failovers_from": 0})
+    slots: asyncio.Semaphore | None = None  # caps this server's in-flight /generate requests
 
 
 class Router:
@@ -56,12 +58,16 @@ class Router:
         wait_for_healthy_s: float = 60.0,
         sticky_groups: int = 100_000,
         client_kwargs: dict | None = None,
+        max_in_flight_per_server: int | None = None,
     ):
         if not urls:
             raise ValueError("Router needs at least one server URL")
         kw = dict(client_kwargs or {})
         kw.setdefault("retries", 1)  # the router fails over instead of hammering a dead server
         self.servers = [ServerState(u.rstrip("/"), SGLangClient(u, api_key=api_key, **kw)) for u in urls]
+        if max_in_flight_per_server is not None:  # rollout.concurrency
+            for s in self.servers:
+                s.slots = asyncio.Semaphore(max_in_flight_per_server)
         self.max_failures, self.recover_after = max_failures, recover_after
         self.health_interval_s = health_interval_s
         self.max_attempts = max_attempts or 2 * len(self.servers) + 1
@@ -161,9 +167,10 @@ class Router:
                 continue
             s.outstanding += 1
             try:
-                # A fresh rid per attempt: the failed server may still hold the old one.
-                samples = await s.client.generate(input_ids, sampling,
-                                                  rid=f"{rid or uuid.uuid4().hex}-a{attempt}" if attempt else rid)
+                async with s.slots or contextlib.nullcontext():
+                    # A fresh rid per attempt: the failed server may still hold the old one.
+                    samples = await s.client.generate(input_ids, sampling,
+                                                      rid=f"{rid or uuid.uuid4().hex}-a{attempt}" if attempt else rid)
             except (SGLangConnectionError, SGLangHTTPError) as e:
                 if isinstance(e, SGLangHTTPError) and e.status is not None and e.status < 500:
                     raise

@@ -41,6 +41,19 @@ log = logging.getLogger(__name__)
 _MAX_METRICS = ("actor/ratio_max",)
 
 
+def dapo_loss_options(cfg) -> dict:
+    """The config's keyword arguments of `dapo_policy_loss` (the same for every micro-batch).
+
+    token_sum_norm is a constant (algo.loss_scale_factor or data.max_response_length): left unset,
+    seq-mean-token-sum-norm would divide by each micro-batch's padded width instead."""
+    from megatron_dapo.config.derived import token_sum_norm
+
+    a = cfg.algo
+    return dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+                loss_agg_mode=a.loss_agg_mode, token_sum_norm=token_sum_norm(cfg),
+                rollout_is_cap=a.rollout_is.cap if a.rollout_is.enable else None)
+
+
 def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int) -> list[list[int]]:
     """Rows of `groups` for each of `dp` ranks: whole groups, greedily balancing token counts."""
     members: dict[int, list[int]] = {g: [] for g in groups}
@@ -76,7 +89,9 @@ class MegatronActor:
         arch = QwenArch.from_hf(source)
         par = ModelParallel(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, dtype=m.dtype,
                             sequence_parallel=p.sequence_parallel)
-        overrides = {"moe_token_dispatcher_type": p.moe_token_dispatcher} if arch.is_moe else {}
+        # grouped GEMM of the experts exists only with Transformer Engine (TEGroupedMLP)
+        overrides = ({"moe_token_dispatcher_type": p.moe_token_dispatcher,
+                      "moe_grouped_gemm": m.moe_grouped_gemm and self.use_te} if arch.is_moe else {})
         if m.recompute_granularity != "none":
             overrides["recompute_granularity"] = m.recompute_granularity
             if m.recompute_granularity == "full":
@@ -283,9 +298,11 @@ class MegatronActor:
                                  f"{resp} response tokens")
 
     def _mini_batch_step(self, batch, rows: list[int], old: dict[int, torch.Tensor]):
+        from megatron_dapo.algo.loss import LOG_RATIO_BOUND
         from megatron_dapo.kernels.dispatch import dapo_policy_loss
 
         a = self.cfg.algo
+        loss_options = dapo_loss_options(self.cfg)
         packs = self._packs(batch, rows)
         # The exact global normalisers of the mini-batch: loss tokens / sequences over every
         # micro-batch of every DP rank, known before the first backward.
@@ -318,12 +335,12 @@ class MegatronActor:
             adv = batch.advantages[mb.rows].float()
             dev = lp.device
             old_rows, roll_rows, mask, adv = old_rows.to(dev), roll_rows.to(dev), mask.to(dev), adv.to(dev)
-            is_weights = torch.exp(old_rows - roll_rows) * (mask > 0) if use_is else None
+            # clamped like the policy log-ratio, so a far-off rollout logprob cannot overflow exp
+            log_w = (old_rows - roll_rows).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+            is_weights = torch.exp(log_w) * (mask > 0) if use_is else None
             loss, metrics = dapo_policy_loss(
-                lp, old_rows, adv, mask, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c, a.loss_agg_mode,
-                global_num_tokens=max(global_tokens, 1.0), rollout_is_weights=is_weights,
-                global_num_seqs=max(global_seqs, 1.0), dp_world_size=self.dp_size,
-                rollout_is_cap=a.rollout_is.cap if use_is else None,
+                lp, old_rows, adv, mask, global_num_tokens=max(global_tokens, 1.0), rollout_is_weights=is_weights,
+                global_num_seqs=max(global_seqs, 1.0), dp_world_size=self.dp_size, **loss_options,
             )
             ent = mb.gather(ent_pos.float())
             # Token-mean entropy over the mini-batch, with the same global normalisation as the loss.

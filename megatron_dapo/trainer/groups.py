@@ -7,11 +7,15 @@ DAPO (task reward +-1, plus the soft overlong penalty, then group-normalised adv
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_dapo.algo import dynamic_sampling_filter, group_advantages, overlong_reward
 from megatron_dapo.rollout.types import Sample
+
+if TYPE_CHECKING:
+    from megatron_dapo.config.schema import OverlongBufferConfig
 
 
 def version_number(v: str | int | None) -> int:
@@ -97,7 +101,7 @@ def judge_group(
     samples: list[Sample],
     rewards,  # list[RewardResult], same order as samples
     max_response_length: int,
-    overlong_cfg=None,  # OverlongBufferConfig or None
+    overlong_cfg: OverlongBufferConfig | None = None,
     filter_metric: str | None = "acc",  # None = dynamic sampling off (every group kept)
 ) -> JudgedGroup:
     lengths = torch.tensor([len(s.output_ids) for s in samples])

@@ -29,7 +29,8 @@ from megatron_dapo.config.derived import checkpoint_dir, gen_batch_size, max_new
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer.batch import RolloutBatch, build_batch, probe_batch
 from megatron_dapo.trainer.groups import JudgedGroup
-from megatron_dapo.trainer.metrics import MetricsWriter, response_metrics, staleness_metrics
+from megatron_dapo.trainer.metrics import (MetricsWriter, batch_metrics, console_line, response_metrics,
+                                           staleness_metrics)
 from megatron_dapo.trainer.rollout_side import BatchInfo, ProducerSettings, RolloutProducer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,13 @@ def load_tokenizer(cfg):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(cfg.model.hf_path)
+
+
+def prompt_dataset(cfg, files, tokenizer):
+    from megatron_dapo.data.dataset import PromptDataset
+
+    d = cfg.data
+    return PromptDataset(files, tokenizer, d.max_prompt_length, truncation=d.truncation, prompt_key=d.prompt_key)
 
 
 def reward_runner(cfg):
@@ -103,8 +111,13 @@ def _build_producer(cfg, server_urls, dataset, tokenizer):
         partial_rollout=cfg.rollout.partial_rollout,
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    return RolloutProducer(lambda: Router(server_urls, api_key=cfg.rollout.api_key), dataset, sampler,
-                           reward_runner(cfg), settings, tokenizer=tokenizer)
+    r = cfg.rollout
+
+    def router():
+        return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
+                      client_kwargs={"timeout_s": r.request_timeout_s})
+
+    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
 
 
 def _broadcast(obj, src: int = 0):
@@ -115,6 +128,7 @@ def _broadcast(obj, src: int = 0):
 
 def _step_metrics(info: BatchInfo, cfg, batch: RolloutBatch) -> dict:
     m = response_metrics(info.groups)
+    m.update(batch_metrics(batch))
     m.update({
         "groups/kept": info.kept,
         "groups/dropped_all_correct": info.dropped_all_correct,
@@ -201,15 +215,15 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     producer = writer = val_data = None
     error = None
     if rank == 0:
-        from megatron_dapo.data.dataset import DatasetError, PromptDataset
+        from megatron_dapo.data.dataset import DatasetError
 
         try:
             tokenizer = load_tokenizer(cfg)
-            dataset = PromptDataset(cfg.data.train_files, tokenizer, cfg.data.max_prompt_length)
-            log.info("train prompts: %d (%d dropped as longer than %d tokens)", len(dataset),
-                     dataset.num_dropped_too_long, cfg.data.max_prompt_length)
+            dataset = prompt_dataset(cfg, cfg.data.train_files, tokenizer)
+            log.info("train prompts: %d (%d dropped, %d truncated as longer than %d tokens)", len(dataset),
+                     dataset.num_dropped_too_long, dataset.num_truncated, cfg.data.max_prompt_length)
             if cfg.data.val_files:
-                val_data = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
+                val_data = prompt_dataset(cfg, cfg.data.val_files, tokenizer)
             producer = _build_producer(cfg, server_urls, dataset, tokenizer)
         except (DatasetError, ValueError, OSError) as e:
             error = f"{type(e).__name__}: {e}"
@@ -320,6 +334,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
                 extra = {"prompt_indices": batch.prompt_indices, "weight_version": step + 1,
                          "sample_versions": [min(v) if v else step for v in batch.token_versions]}
                 writer.log(step, m, staleness=binfo.staleness, extra=extra)
+                if step % cfg.logging.log_every == 0 or step == total - 1:
+                    log.info("step %d: %s", step, console_line(m))
                 history.append({"step": step, **m})
                 if bar is not None:
                     bar.update(1)

@@ -5,6 +5,8 @@ Usage: actor_checks.py CHECK[,CHECK...] TMPDIR
   train_dp2: DP=2 x uneven packed micro-batches gives the update of one big batch on one process
              (HF model + the DAPO loss + torch AdamW), a non-finite loss skips the step, and a
              torch_dist checkpoint restores model + optimizer (the next step matches).
+  sum_norm:  the same with seq-mean-token-sum-norm: micro-batches of any padded width divide by
+             data.max_response_length, as the one-process reference does.
 """
 
 from __future__ import annotations
@@ -149,8 +151,10 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
         old_rows[i, :k], roll[i, :k] = old[i], torch.tensor(batch.rollout_logprobs[i])
         mask[i, :k] = batch.response_loss_mask[i]
     w = torch.exp(old_rows - roll) * (mask > 0)
+    # token_sum_norm: the one constant divisor of seq-mean-token-sum-norm (ignored by the other modes)
     loss, _ = dapo_policy_loss(lp, old_rows, batch.advantages.float(), mask, a.clip_ratio_low, a.clip_ratio_high,
-                               a.clip_ratio_c, a.loss_agg_mode, None, w, rollout_is_cap=a.rollout_is.cap)
+                               a.clip_ratio_c, a.loss_agg_mode, None, w, rollout_is_cap=a.rollout_is.cap,
+                               token_sum_norm=cfg.data.max_response_length)
     loss.backward()
     params = dict(model.named_parameters())
     decay = [p for p in params.values() if p.ndim > 1]
@@ -181,11 +185,12 @@ def exported(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in actor.export_weights(dst_rank=None)}
 
 
-def check_exact_update(hf_dir, ep=1, seed=5):
+def check_exact_update(hf_dir, ep=1, seed=5, **algo):
     """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor."""
     init_model_parallel(ep=ep, seed=1)  # DP=2
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
-    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3)
+    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3,
+                      **algo)
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     batch = make_batch(seed=seed)
     g = torch.Generator().manual_seed(9)
@@ -292,6 +297,8 @@ def main(argv):
             check_exact_update(moe_dir, ep=2, seed=8)
         elif check == "warmup":
             check_warmup(hf_dir)
+        elif check == "sum_norm":
+            check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm")
         else:
             raise SystemExit(f"unknown check {check!r}")
         dist.barrier()

@@ -40,7 +40,7 @@ def ref_filter(metric, group_ids, threshold=0.5):
 
 
 def ref_token_loss(lp, old, a, low, high, c, w, cap):
-    r = math.exp(lp - old)
+    r = math.exp(min(max(lp - old, -20.0), 20.0))  # verl clamps the log-ratio to [-20, 20] before exp
     loss = max(-a * r, -a * min(max(r, 1 - low), 1 + high))
     if c is not None and a < 0:
         loss = min(loss, -a * c)
@@ -50,8 +50,10 @@ def ref_token_loss(lp, old, a, low, high, c, w, cap):
 
 
 def ref_policy_loss(lp, old, adv, mask, *, low=0.2, high=0.28, c=None, mode="token-mean", n_tok=None,
-                    n_seq=None, dp=1, w=None, cap=2.0, norm=None):
-    """Loss of a [B, S] micro-batch as python floats; adv is [B] or [B, S]."""
+                    n_seq=None, dp=1, w=None, cap=2.0, norm=None, only=None):
+    """Loss of a [B, S] micro-batch as python floats; adv is [B] or [B, S].
+
+    only=(i, t): the share of token (i, t) alone (the others count but add 0), for gradients."""
     lp, old, mask = lp.double().tolist(), old.double().tolist(), mask.double().tolist()
     adv = adv.double()
     adv = adv[:, None].expand(len(lp), len(lp[0])).tolist() if adv.dim() == 1 else adv.tolist()
@@ -61,7 +63,8 @@ def ref_policy_loss(lp, old, adv, mask, *, low=0.2, high=0.28, c=None, mode="tok
         s, n = 0.0, 0
         for t in range(len(lp[i])):
             if mask[i][t] > 0:
-                s += ref_token_loss(lp[i][t], old[i][t], adv[i][t], low, high, c, None if w is None else w[i][t], cap)
+                if only is None or only == (i, t):
+                    s += ref_token_loss(lp[i][t], old[i][t], adv[i][t], low, high, c, None if w is None else w[i][t], cap)
                 n += 1
         seq_sums.append(s)
         seq_counts.append(n)
@@ -79,7 +82,8 @@ def ref_policy_loss(lp, old, adv, mask, *, low=0.2, high=0.28, c=None, mode="tok
 
 
 def ref_policy_loss_grad(lp, *args, h=1e-6, **kwargs):
-    """d loss / d logprobs by central differences of ref_policy_loss (float64)."""
+    """d loss / d logprobs by central differences of ref_policy_loss (float64), token by token: the
+    loss is a sum of per-token shares, and a share alone keeps full precision next to huge ones."""
     base = lp.double().clone()
     grad = torch.zeros_like(base)
     for i in range(base.shape[0]):
@@ -87,7 +91,8 @@ def ref_policy_loss_grad(lp, *args, h=1e-6, **kwargs):
             up, down = base.clone(), base.clone()
             up[i, t] += h
             down[i, t] -= h
-            grad[i, t] = (ref_policy_loss(up, *args, **kwargs) - ref_policy_loss(down, *args, **kwargs)) / (2 * h)
+            grad[i, t] = (ref_policy_loss(up, *args, only=(i, t), **kwargs)
+                          - ref_policy_loss(down, *args, only=(i, t), **kwargs)) / (2 * h)
     return grad
 
 

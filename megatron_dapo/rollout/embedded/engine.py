@@ -25,13 +25,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import re
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dapo.rollout.embedded.sampling import GREEDY_EPS, effective_temperature, sample
+from megatron_dapo.rollout.embedded.sampling import (
+    GREEDY_EPS,
+    Penalties,
+    apply_penalties,
+    effective_temperature,
+    logprob_rows,
+    sample,
+    top_logprobs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +60,24 @@ class GenRequest:
     return_logprob: bool = False
     logprob_start_len: int = -1
     sampling_seed: int | None = None  # draws depend on (seed, token position) only; None = engine stream
+    # SGLang's cheap sampling features, at their neutral values by default (see sampling.py)
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    stop_regex: tuple[str, ...] = ()
+    top_logprobs_num: int = 0  # with return_logprob: the k most likely tokens at every position
+    return_text_in_logprobs: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    created: float = field(default_factory=time.perf_counter)  # e2e_latency counts from here
     # state, owned by the engine
     output: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     input_logprobs: list | None = None
+    output_top: list = field(default_factory=list)  # per output token: (values, token ids)
+    input_top: list | None = None  # per input position from logprob_start_len: (values, ids), or None
     finish: dict | None = None
     abort_msg: str | None = None
     version_events: list[tuple[str, int]] = field(default_factory=list)
@@ -107,6 +131,12 @@ class Engine:
 
     def in_flight(self) -> int:
         return len(self._active)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) request counts, for /v1/loads and /server_info."""
+        batch = self._batch
+        with self._qlock:
+            return (len(batch.reqs) if batch is not None else 0), len(self._waiting)
 
     def is_paused(self) -> bool:
         return self._paused
@@ -197,7 +227,12 @@ class Engine:
         lp = torch.log_softmax(logits[:-1] / effective_temperature(r.temperature), dim=-1)
         vals = lp.gather(-1, torch.tensor(s[1:], device=lp.device).unsqueeze(-1)).squeeze(-1).tolist()
         full = [None] + vals
-        r.input_logprobs = [(full[t], s[t], None) for t in range(min(r.logprob_start_len, len(s)), len(s))]
+        start = min(r.logprob_start_len, len(s))
+        r.input_logprobs = [(full[t], s[t], None) for t in range(start, len(s))]
+        if r.top_logprobs_num > 0:
+            # position t is predicted by row t - 1; position 0 has no prediction (None, as SGLang)
+            top = [None] + list(zip(*top_logprobs(lp, r.top_logprobs_num)))
+            r.input_top = top[start:]
 
     @staticmethod
     def _wants_input_logprobs(r: GenRequest) -> bool:
@@ -286,26 +321,43 @@ class Engine:
         temp = torch.tensor([r.temperature for r in b.reqs], device=dev)
         top_p = torch.tensor([r.top_p for r in b.reqs], device=dev)
         top_k = torch.tensor([r.top_k for r in b.reqs], device=dev)
+        min_p = torch.tensor([r.min_p for r in b.reqs], device=dev) if any(r.min_p > 0 for r in b.reqs) else None
         seeds = [r.sampling_seed for r in b.reqs]
         positions = [len(r.prompt) + len(r.output) for r in b.reqs]  # where the drawn token will sit
-        tokens, lps = sample(last_logits, temp, top_p, top_k, self.generator, seeds=seeds, positions=positions)
+        logits = apply_penalties(last_logits, [r.output for r in b.reqs], [self._penalties(r) for r in b.reqs])
+        tokens, lps = sample(logits, temp, top_p, top_k, self.generator, seeds=seeds, positions=positions,
+                             min_p=min_p)
+        k = max((r.top_logprobs_num for r in b.reqs if r.return_logprob), default=0)
+        top = top_logprobs(logprob_rows(logits, temp), k) if k > 0 else None
         b.last_tokens = tokens
         for i, (r, tok, lp) in enumerate(zip(b.reqs, tokens.tolist(), lps.tolist())):
             if skip is not None and skip[i]:
                 continue
             r.output.append(tok)
             r.logprobs.append(lp)
+            if top is not None and r.top_logprobs_num > 0:
+                r.output_top.append((top[0][i][:r.top_logprobs_num], top[1][i][:r.top_logprobs_num]))
             r.finish = self._finish_reason(r, tok)
         self._retire_finished()
+
+    def _penalties(self, r: GenRequest) -> Penalties:
+        stop_ids = frozenset()
+        if r.min_new_tokens > len(r.output):  # SGLang blocks stop_token_ids, the model's and tokenizer's EOS
+            tok_eos = getattr(self.tokenizer, "eos_token_id", None)
+            stop_ids = r.stop_token_ids | self.eos_ids | ({tok_eos} if tok_eos is not None else set())
+        return Penalties(r.frequency_penalty, r.presence_penalty, r.repetition_penalty, r.min_new_tokens, stop_ids)
 
     def _finish_reason(self, r: GenRequest, tok: int) -> dict | None:
         if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
             return {"type": "stop", "matched": tok}
-        if r.stop_strs and self.tokenizer is not None:
+        if (r.stop_strs or r.stop_regex) and self.tokenizer is not None:
             text = self.tokenizer.decode(r.output)
             for s in r.stop_strs:
                 if s in text:
                     return {"type": "stop", "matched": s}
+            for pattern in r.stop_regex:
+                if re.search(pattern, text):
+                    return {"type": "stop", "matched": pattern}
         if self._budget(r) <= 0:
             return {"type": "length", "length": r.max_new_tokens}
         return None
@@ -363,29 +415,55 @@ class Engine:
         if not r.future.done():
             r.future.set_result(self.answer(r))
 
+    def _token_text(self, r: GenRequest, tok: int) -> str | None:
+        if not r.return_text_in_logprobs or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([tok])
+
+    def _top_entries(self, r: GenRequest, rows: list) -> list:
+        # SGLang's shape: per position a list of (logprob, token_id, text), or None where there is none
+        return [None if row is None else [(v, t, self._token_text(r, t)) for v, t in zip(*row)] for row in rows]
+
     def answer(self, r: GenRequest) -> dict:
-        """The /generate answer for a finished request, shaped as SGLang's."""
+        """The /generate answer for a finished request, shaped as SGLang's (tokenizer_manager.py)."""
         meta = {
             "id": r.rid,
             "finish_reason": r.finish,
             "prompt_tokens": len(r.prompt),
-            "completion_tokens": len(r.output),
-            "cached_tokens": 0,
             "weight_version": self.weight_version,
             "num_retractions": r.num_retractions,
+            "completion_tokens": len(r.output),
+            "cached_tokens": 0,  # no prefix cache outlives a batch here
         }
-        if r.version_events:
-            spans, start = [], 0
-            for version, end in r.version_events + [(self.weight_version, len(r.output))]:
-                if end > start or not spans:
-                    spans.append({"version": version, "start": start, "end": end})
-                    start = end
-            meta["weight_versions"] = spans
+        meta["weight_versions"] = weight_version_spans(r.version_events, self.weight_version, len(r.output))
         if r.return_logprob:
-            meta["output_token_logprobs"] = [(lp, tok, None) for lp, tok in zip(r.logprobs, r.output)]
-            meta["input_token_logprobs"] = r.input_logprobs or []
-        text = self.tokenizer.decode(r.output) if self.tokenizer is not None else ""
+            text_of = self._token_text
+            meta["input_token_logprobs"] = [(lp, tok, text_of(r, tok)) for lp, tok, _ in r.input_logprobs or []]
+            meta["output_token_logprobs"] = [(lp, tok, text_of(r, tok)) for lp, tok in zip(r.logprobs, r.output)]
+            meta["output_token_logprobs_length"] = len(r.output)
+            if r.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = self._top_entries(r, r.input_top or [])
+                meta["output_top_logprobs"] = self._top_entries(r, r.output_top)
+        meta["e2e_latency"] = time.perf_counter() - r.created
+        text = "" if self.tokenizer is None else self.tokenizer.decode(
+            r.output, skip_special_tokens=r.skip_special_tokens,
+            spaces_between_special_tokens=r.spaces_between_special_tokens)
         return {"text": text, "output_ids": list(r.output), "meta_info": meta}
+
+
+def weight_version_spans(events: list[tuple[str, int]], current: str, n_tokens: int) -> list[dict]:
+    """Which weight version produced which output tokens, as SGLang reports it for every finished
+    request (`utils/weight_versions.py`): `events` are (old version, tokens generated by then)."""
+    spans: list[dict] = []
+    for version, end in events + [(current, n_tokens)]:
+        end = min(end, n_tokens)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return [s for s in spans if s["start"] < n_tokens or s["start"] == 0]
 
 
 def greedy(temperature: float) -> bool:

@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import datetime
 import logging
 import os
 import secrets
@@ -34,18 +35,22 @@ from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
 from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
 from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, receive
 from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
+from megatron_dapo.rollout.protocol import SGLANG_VERSION
 from megatron_dapo.runtime.net import LOOPBACK
 from megatron_dapo.sync import group as wgroup
 
 log = logging.getLogger("megatron_dapo.embedded")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
+LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})  # /v1/loads include=
+FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
+                    "(When there are running or waiting requests, the operation will not be performed.)\n")
 
 
 def _field_message(exc: RequestValidationError | ValidationError, prefix: str = "") -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join([prefix] * bool(prefix) + [str(p) for p in err.get("loc", ()) if p != "body"])
-        msg = err.get("msg", "invalid")
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
         if err.get("type") == "extra_forbidden":
             msg = "not a field this server accepts (unknown to SGLang or not implemented here)"
         parts.append(f"{loc or 'body'}: {msg}")
@@ -84,11 +89,16 @@ class _UpdateGate:
 
 class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
-                 weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False):
+                 weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False,
+                 served_model_name: str | None = None):
         self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
                              batch_invariant=batch_invariant)
         self.loader = HFWeightLoader(model)
         self.model_path = model_path
+        self.served_model_name = served_model_name or model_path  # SGLang's default
+        self.startup_time = time.time()
+        self.launch_settings = {"random_seed": seed, "max_running_requests": max_batch,
+                                "enable_deterministic_inference": batch_invariant}
         self.api_key = api_key
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._recv_buffer: torch.Tensor | None = None
@@ -141,13 +151,55 @@ class EmbeddedServer:
                 return f"{name}: shape {list(shape)} != expected {list(dst.shape)}"
         return None
 
+    def _model_card(self, name: str) -> dict:
+        # SGLang's ModelCard (entrypoints/openai/protocol.py)
+        return {"id": name, "object": "model", "created": int(self.startup_time), "owned_by": "sglang",
+                "root": name, "parent": None, "max_model_len": self._context_length()}
+
+    def _context_length(self) -> int | None:
+        return getattr(self.engine.model.config, "max_position_embeddings", None)
+
+    def _accelerator(self) -> str | None:
+        dev = self.engine.device
+        return torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
+
+    def _load_snapshot(self) -> dict:
+        """The core fields of SGLang's LoadSnapshot (managers/load_snapshot.py) for the one DP rank."""
+        eng = self.engine
+        running, waiting = eng.load()
+        return {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
+                "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": 0,
+                "num_active_tokens": 0, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": 0,
+                "max_running_requests": eng.max_batch, "token_usage": 0.0, "gen_throughput": 0.0,
+                "cache_hit_rate": 0.0, "utilization": running / eng.max_batch, "total_prefill_uncached_tokens": 0,
+                "total_prefill_busy_us": 0, "decode_moments": None}
+
+    def _server_info(self) -> dict:
+        """SGLang's /server_info shape: the launch settings (ServerArgs names), then live state."""
+        eng = self.engine
+        running, waiting = eng.load()
+        return {
+            "model_path": self.model_path, "tokenizer_path": self.model_path,
+            "served_model_name": self.served_model_name, "skip_tokenizer_init": eng.tokenizer is None,
+            "device": eng.device.type, "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."),
+            "context_length": self._context_length(), "tp_size": 1, "dp_size": 1, "pp_size": 1,
+            "weight_version": eng.weight_version, **self.launch_settings,
+            "max_req_input_len": eng.max_context - 1, "startup_time": self.startup_time,
+            "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
+                                 "paused": eng.is_paused()}],
+            "version": SGLANG_VERSION, "frontend": "megatron-dapo embedded",
+        }
+
     def _make_requests(self, body: S.GenerateIn) -> list[GenRequest] | str:
         """The engine requests of a /generate body (one prompt, or a batch of prompts), or a 400 message."""
+        if body.text is not None and body.input_ids is not None:
+            return "text / input_ids: send one of them, not both (as SGLang)"
         if not body.is_batch:
             if isinstance(body.rid, list) or isinstance(body.sampling_params, list):
                 return "rid / sampling_params: a list needs a batch of prompts (input_ids as a list of lists)"
             return self._entry_requests(body, body.input_ids, body.sampling_params, body.rid, "", body.text)
-        k = len(body.input_ids)
+        prompts = body.input_ids if body.input_ids is not None else body.text
+        k = len(prompts)
         sps = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params] * k
         if body.rid is None:
             base = uuid.uuid4().hex
@@ -158,8 +210,9 @@ class EmbeddedServer:
             return (f"sampling_params / rid: {len(sps)} / {len(rids)} entries for a batch of {k} prompts "
                     "(need one each, or one sampling_params dict for all)")
         reqs = []
-        for i, (ids, sp, rid) in enumerate(zip(body.input_ids, sps, rids)):
-            entry = self._entry_requests(body, ids, sp, rid, f"[{i}]")
+        for i, (prompt, sp, rid) in enumerate(zip(prompts, sps, rids)):
+            ids, text = (None, prompt) if isinstance(prompt, str) else (prompt, None)
+            entry = self._entry_requests(body, ids, sp, rid, f"[{i}]", text)
             if isinstance(entry, str):
                 return entry
             if len(entry) > 1:
@@ -190,6 +243,9 @@ class EmbeddedServer:
         stop_strs = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
         if stop_strs and eng.tokenizer is None:
             return f"sampling_params{at}.stop: stop strings need a tokenizer; use stop_token_ids"
+        stop_regex = (sp.stop_regex,) if isinstance(sp.stop_regex, str) else tuple(sp.stop_regex or ())
+        if stop_regex and eng.tokenizer is None:
+            return f"sampling_params{at}.stop_regex: stop patterns need a tokenizer; use stop_token_ids"
         if len(ids) >= eng.max_context:
             return f"input_ids{at}: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
         n = sp.n or 1
@@ -210,6 +266,16 @@ class EmbeddedServer:
                 return_logprob=bool(body.return_logprob),
                 logprob_start_len=-1 if body.logprob_start_len is None else body.logprob_start_len,
                 sampling_seed=sp.sampling_seed,  # shared by the n copies, as in SGLang
+                min_p=sp.min_p or 0.0,
+                frequency_penalty=sp.frequency_penalty or 0.0,
+                presence_penalty=sp.presence_penalty or 0.0,
+                repetition_penalty=1.0 if sp.repetition_penalty is None else sp.repetition_penalty,
+                min_new_tokens=sp.min_new_tokens or 0,
+                stop_regex=stop_regex,
+                top_logprobs_num=body.top_logprobs_num or 0,
+                return_text_in_logprobs=body.return_text_in_logprobs,
+                skip_special_tokens=sp.skip_special_tokens is not False,
+                spaces_between_special_tokens=sp.spaces_between_special_tokens is not False,
             )
             for r in rids
         ]
@@ -251,11 +317,47 @@ class EmbeddedServer:
         async def model_info():
             cfg = eng.model.config
             return {
-                "model_path": self.model_path, "tokenizer_path": self.model_path if eng.tokenizer else None,
+                "model_path": self.model_path, "served_model_name": self.served_model_name,
+                # SGLang's tokenizer_path defaults to the model path, tokenizer files or not
+                "tokenizer_path": self.model_path,
                 "is_generation": True, "preferred_sampling_params": None,
                 "weight_version": eng.weight_version, "load_format": None,
+                "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+                "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
             }
+
+        @app.get("/get_server_info")
+        @app.get("/server_info")
+        async def server_info():
+            return self._server_info()
+
+        @app.get("/v1/models")
+        async def list_models():
+            return {"object": "list", "data": [self._model_card(self.served_model_name)]}
+
+        @app.get("/v1/models/{model:path}")
+        async def retrieve_model(model: str):
+            if model != self.served_model_name:
+                return JSONResponse({"error": {"message": f"The model '{model}' does not exist",
+                                               "type": "invalid_request_error", "param": "model",
+                                               "code": "model_not_found"}}, status_code=404)
+            return self._model_card(model)
+
+        @app.get("/v1/loads")
+        async def loads(dp_rank: int | None = None, include: str | None = None, format: str | None = None):
+            sections = {s.strip() for s in include.split(",")} if include else None
+            if sections is not None and not sections <= LOAD_SECTIONS:
+                return JSONResponse({"detail": f"Invalid include sections: {sections - LOAD_SECTIONS}. "
+                                     f"Valid options: {sorted(LOAD_SECTIONS)}"}, status_code=400)
+            rows = [] if dp_rank not in (None, 0) else [self._load_snapshot()]
+            if format == "prometheus":
+                text = "".join(f"# TYPE sglang_{k} gauge\nsglang_{k}{{dp_rank=\"0\"}} {v}\n" for row in rows
+                               for k, v in row.items() if isinstance(v, (int, float)) and k != "dp_rank")
+                return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+            return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "version": SGLANG_VERSION, "accelerator": self._accelerator(), "num_accelerators": 1,
+                    "loads": rows}
 
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(body: S.GenerateIn):
@@ -275,8 +377,8 @@ class EmbeddedServer:
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache():
-            # No prefix cache outlives a batch here; nothing to flush.
-            return PlainTextResponse("Cache flushed.\n")
+            # No prefix cache outlives a batch here; nothing to flush. SGLang answers this text.
+            return PlainTextResponse(FLUSH_CACHE_TEXT)
 
         @app.post("/abort_request")
         async def abort_request(body: S.AbortIn):
@@ -301,7 +403,7 @@ class EmbeddedServer:
                         eng.model.to("cpu")
                         torch.cuda.empty_cache()
                 await asyncio.to_thread(_off)
-            return Response(status_code=200)
+            return None  # SGLang's handler returns None: a JSON `null` body
 
         @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
         async def resume_memory(body: S.MemoryIn):
@@ -310,7 +412,7 @@ class EmbeddedServer:
                     with eng.step_lock:
                         eng.model.to(eng.device)
                 await asyncio.to_thread(_on)
-            return Response(status_code=200)
+            return None  # as SGLang: a JSON `null` body
 
         @app.post("/init_weights_update_group")
         async def init_group(body: S.InitGroupIn):
@@ -449,6 +551,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
+    p.add_argument("--served-model-name", default=None, help="the name /v1/models reports (default: --model)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
     p.add_argument("--enable-deterministic-inference", action="store_true",
@@ -469,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer = load_model(args.model, args.device, args.dtype)
     server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
                             weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
-                            batch_invariant=args.enable_deterministic_inference)
+                            batch_invariant=args.enable_deterministic_inference,
+                            served_model_name=args.served_model_name)
     print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
           f"listening on http://{args.host}:{args.port}", flush=True)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
