@@ -3,12 +3,13 @@
 `RolloutProducer` runs an asyncio loop on its own thread (trainer rank 0). It submits prompt
 groups (one `/generate` with n samples each; a batch of n seeded ones when seeded) through the
 router; when a group's n samples are back it is scored (reward runner, overlong shaping) and judged
-by dynamic sampling; kept groups enter a FIFO buffer that the trainer drains with `take_batch(step)`.
+by dynamic sampling; kept groups occupy staleness slots, and the trainer takes step t's full buffer
+with `take_batch(t)`.
 
 Bounded staleness, by reservation (megatron_dapo.coordinator.staleness). The trainer at step t
 holds weights version t and consumes buffer t. A group is dispatched only if it can reserve a slot
 in a buffer no later than V_traj + s (V_traj: the servers' version at dispatch, bound s); when it
-completes it occupies the earliest empty slot, never a later buffer than it reserved. So the bound
+completes it occupies the earliest slot it may take, never a later buffer than it reserved. So the bound
 holds by construction: no group is ever too old when trained, and none is thrown away for it (a
 slow group holds its buffer back instead). A group dropped by dynamic sampling frees its slot and
 a fresh prompt is dispatched at once. With s = 0 the producer generates exactly the next batch
@@ -17,7 +18,9 @@ a fresh prompt is dispatched at once. With s = 0 the producer generates exactly 
 Partial rollout (`partial_rollout`, megatron_dapo.coordinator.partial). A sample the server aborted
 (e.g. a weight update that aborts requests) continues from its tokens and logprobs, on the same
 seed, with the weights the server holds now; its spans record the version of every token. Without
-it the whole group is generated again from scratch (its tokens counted as regenerated).
+it the whole group is generated again from scratch (its tokens counted as regenerated). A
+checkpoint keeps the groups in flight with their slots and partial samples; a resumed producer
+dispatches them again, continuing what the servers had answered.
 
 Seeded rollouts. With `settings.seed` set, sample i of the prompt at draw number d (the sampler's
 position, see `PromptSampler.next_draw`) is generated with `sampling_seed = sample_seed(seed, d, i)`,
@@ -42,7 +45,7 @@ import math
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from megatron_dapo.coordinator import StalenessController, finish_partial
