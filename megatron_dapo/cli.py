@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_dapo.config.cli:main", "show / validate a resolved config"),
     "convert": ("megatron_dapo.bridge.cli:main", "HF <-> Megatron checkpoint conversion"),
     "train": ("megatron_dapo.trainer.cli:main", "run DAPO training from a YAML config"),
+    "eval": ("megatron_dapo.trainer.eval_cli:main", "held-out accuracy (mean@n, best@n, maj@n) of a checkpoint"),
     "demo": ("megatron_dapo.trainer.demo:main", "the tiny end-to-end DAPO run on CPU"),
     "smoke": ("megatron_dapo.runtime.smoke:main", "a tiny megatron-core training run (TP=2, gloo)"),
     "plan": ("megatron_dapo.config.plan:main", "process layout and memory estimate for a cluster"),

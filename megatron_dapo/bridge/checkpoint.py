@@ -66,6 +66,10 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     d = checkpoint_dir(ckpt)
     n = len(model_chunks)
     sharded = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
-    state = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RAISE_ALL)
+    # A training checkpoint (trainer.actor) also holds the optimizer's sharded state, which the model does
+    # not ask for: there only the model's own keys must all be found.
+    training = any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(str(d)))
+    strict = StrictHandling.RAISE_UNEXPECTED if training else StrictHandling.RAISE_ALL
+    state = dist_checkpointing.load(sharded, str(d), strict=strict)
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)

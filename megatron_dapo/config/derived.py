@@ -56,6 +56,11 @@ def max_new_tokens(cfg: DapoConfig) -> int:
     return s if s is not None else cfg.data.max_response_length
 
 
+def val_max_new_tokens(cfg: DapoConfig) -> int:
+    v = cfg.trainer.val.max_new_tokens
+    return v if v is not None else cfg.data.max_response_length
+
+
 def gen_batch_size(cfg: DapoConfig) -> int:
     """Prompts submitted per generation batch of dynamic sampling."""
     g = cfg.algo.gen_batch_size

@@ -207,6 +207,19 @@ class RewardConfig:
 
 
 @dataclass
+class ValConfig:
+    """Held-out evaluation as the DAPO paper reports it: avg@32 on AIME, i.e. n = 32 samples per problem at
+    temperature 1.0, top_p 0.7 (verl's DAPO recipe, `val_kwargs`). Per data source: mean@n (= avg@n),
+    best@n (any of the n correct) and maj@n (majority vote over the reward's extracted answers)."""
+
+    n: int = 32  # samples per held-out prompt; 0 = none (then greedy must be on)
+    temperature: float = 1.0
+    top_p: float = 0.7
+    max_new_tokens: Optional[int] = None  # None = data.max_response_length
+    greedy: bool = False  # also one greedy (temperature 0) answer per prompt: the `greedy` metric
+
+
+@dataclass
 class TrainerConfig:
     backend: Literal["megatron", "fsdp2"] = "megatron"
     launcher: Literal["ray", "torchrun"] = "ray"  # torchrun: trainer ranks from torchrun, external servers
@@ -218,7 +231,8 @@ class TrainerConfig:
     # (rollout.num_servers * rollout.server_tp when engine is sglang and no external servers are given).
     world_size: Optional[int] = None
     ray_address: Optional[str] = None  # None = start a local Ray cluster; "auto" = join the running one
-    val_every: int = 0  # steps between validations; 0 = off
+    val_every: int = 0  # steps between validations (and one before the first step); 0 = off
+    val: ValConfig = field(default_factory=ValConfig)  # how validation and `megatron-dapo eval` sample
 
 
 @dataclass

@@ -268,6 +268,7 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"trainer.total_steps={t.total_steps} must be >= 1")
     if t.val_every < 0:
         errors.append(f"trainer.val_every={t.val_every} must be >= 0")
+    _check_val(cfg, errors)
     if t.world_size is not None and t.world_size < 1:
         errors.append(f"trainer.world_size={t.world_size} must be >= 1 or null")
     if cfg.logging.log_every < 1:
@@ -277,6 +278,20 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"checkpoint.save_every={c.save_every} must be >= 0")
     if c.keep_last < 0:
         errors.append(f"checkpoint.keep_last={c.keep_last} must be >= 0")
+
+
+def _check_val(cfg: DapoConfig, errors: list[str]) -> None:
+    v = cfg.trainer.val
+    if v.n < 0:
+        errors.append(f"trainer.val.n={v.n} must be >= 0")
+    elif v.n == 0 and not v.greedy:
+        errors.append("trainer.val.n=0 with trainer.val.greedy=false evaluates nothing: set n >= 1 or greedy")
+    if v.temperature <= 0:
+        errors.append(f"trainer.val.temperature={v.temperature} must be > 0 (greedy answers: trainer.val.greedy)")
+    if not 0.0 < v.top_p <= 1.0:
+        errors.append(f"trainer.val.top_p={v.top_p} must be in (0, 1]")
+    if v.max_new_tokens is not None and v.max_new_tokens < 1:
+        errors.append(f"trainer.val.max_new_tokens={v.max_new_tokens} must be >= 1 or null")
 
 
 def validate_config(cfg: DapoConfig) -> list[str]:

@@ -1,8 +1,8 @@
 """Reward functions by name, and a runner that never lets one crash or stall the run.
 
 A reward function is `fn(response: str, ground_truth: str, **extra) -> float | dict`; a dict has
-"score" and optionally "acc". Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs
-the math-verify package). A custom function is registered with `@register_reward("name")` or
+"score" and optionally "acc" and "pred" (the extracted answer; validation's maj@n votes on it).
+Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs the math-verify package). A custom function is registered with `@register_reward("name")` or
 named in the config as `"package.module:function"`.
 
 `RewardRunner` calls the function with a time limit. A call that raises or runs past the limit
@@ -70,6 +70,7 @@ class RewardResult:
     acc: bool
     failed: bool = False
     error: str | None = None
+    pred: str | None = None  # the answer the function extracted (a dict's "pred"), for majority votes
 
 
 def _as_result(out) -> RewardResult:
@@ -77,7 +78,8 @@ def _as_result(out) -> RewardResult:
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
         score = float(out["score"])
-        return RewardResult(score, bool(out.get("acc", score > 0)))
+        pred = out.get("pred")
+        return RewardResult(score, bool(out.get("acc", score > 0)), pred=None if pred is None else str(pred))
     score = float(out)
     return RewardResult(score, score > 0)
 

@@ -28,16 +28,22 @@ def init_weight_update_group(
     group_name: str,
     backend: str | None = None,
     timeout_s: float = 300.0,
+    connect_timeout_s: float | None = None,
 ) -> dist.ProcessGroup:
-    """Join (rank 0: host) the weight-update group; blocks until all `world_size` ranks have joined."""
+    """Join (rank 0: host) the weight-update group; blocks until all `world_size` ranks have joined.
+
+    `timeout_s` bounds each collective of the group; `connect_timeout_s` (default: the same) bounds reaching
+    rank 0's store, so an unreachable address fails in that time.
+    """
     backend = backend or default_backend()
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' requested for the weight-update group, but CUDA is not available")
     timeout = datetime.timedelta(seconds=timeout_s)
+    connect_timeout = datetime.timedelta(seconds=connect_timeout_s or timeout_s)
     # What `rendezvous("tcp://...")` builds outside torchelastic: rank 0 hosts the store. Built by hand
     # because under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make every rank a client
     # of a store nobody hosts.
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=timeout,
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=connect_timeout,
                           multi_tenant=True)
     store = dist.PrefixStore(group_name, store)
     # The private helper is what both SGLang and torch's own new_group use to build a group from a

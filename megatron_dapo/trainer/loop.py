@@ -286,13 +286,15 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
 
     def validate(step):
         if rank == 0 and val_data is not None:
-            from megatron_dapo.trainer.evaluate import evaluate
+            from megatron_dapo.trainer.evaluate import ValSettings, evaluate
 
-            res = evaluate(server_urls, val_data, producer.rewards, sampling_params(cfg), api_key=cfg.rollout.api_key,
-                           tokenizer=producer.tokenizer)
+            res = evaluate(server_urls, val_data, producer.rewards, ValSettings.from_config(cfg),
+                           api_key=cfg.rollout.api_key, tokenizer=producer.tokenizer,
+                           timeout_s=cfg.rollout.request_timeout_s).metrics
             writer.log(step, res)
             val.setdefault("first", (step, res))
             val["last"] = (step, res)
+            val.setdefault("all", []).append((step, res))
             log.info("step %d validation: %s", step, res)
 
     if rank == 0:

@@ -8,6 +8,12 @@ leaves open for probes. Malformed bodies answer 400 with a message naming the fi
 Weight updates follow SGLang's locking: while generation is paused an update proceeds at once; otherwise
 it waits for in-flight requests to finish and holds new ones back until it is done.
 
+Hardening beyond SGLang (limits.py): a body-size limit, a cap on the sequences of one /generate,
+sampling values checked to the ranges the shared batch step can hold, `text` tokenized off the event
+loop. Calls that wait on a peer (forming, destroying or receiving over a weight-update group) run in
+their own daemon threads: they never hold up the admin routes or a SIGTERM, group formation answers
+within --weight-group-timeout-s, and a group that forms after its client was answered is destroyed.
+
     megatron-dapo serve --model DIR [--port P] [--api-key K] [--host H] [--device cpu|cuda]
 """
 
@@ -18,11 +24,14 @@ import asyncio
 import base64
 import contextlib
 import datetime
+import functools
 import logging
 import os
 import secrets
+import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from fastapi import FastAPI, Request
@@ -32,8 +41,9 @@ from pydantic import ValidationError
 
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+from megatron_dapo.rollout.embedded.limits import BodySizeLimit, ServerLimits, sampling_range_problem
 from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
-from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, receive
+from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, announcement_problem, receive
 from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
 from megatron_dapo.rollout.protocol import SGLANG_VERSION
 from megatron_dapo.runtime.net import LOOPBACK
@@ -44,6 +54,32 @@ OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_aut
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})  # /v1/loads include=
 FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
                     "(When there are running or waiting requests, the operation will not be performed.)\n")
+SHUTDOWN_GRACE_S = 5  # SIGTERM: in-flight requests get this long, then are cancelled
+
+
+def in_daemon_thread(fn, *args) -> asyncio.Future:
+    """Run blocking `fn` in a thread of its own that neither an executor nor interpreter exit waits for:
+    for calls that wait on a peer, which may never answer."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def run():
+        result, error = None, None
+        try:
+            result = fn(*args)
+        except BaseException as e:  # handed to the awaiting route
+            error = e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop closed meanwhile (shutdown): nobody waits any more
+            pass
+
+    threading.Thread(target=run, name=f"embedded-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
 
 
 def _field_message(exc: RequestValidationError | ValidationError, prefix: str = "") -> str:
@@ -90,7 +126,7 @@ class _UpdateGate:
 class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
                  weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False,
-                 served_model_name: str | None = None):
+                 served_model_name: str | None = None, limits: ServerLimits | None = None):
         self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
                              batch_invariant=batch_invariant)
         self.loader = HFWeightLoader(model)
@@ -103,6 +139,10 @@ class EmbeddedServer:
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
         self._recv_buffer: torch.Tensor | None = None
         self.homes = FlatBucketHomes(self.loader)
+        self.limits = limits or ServerLimits()
+        # Own threads, so that neither long tokenizations nor waits on a peer can delay an admin command.
+        self._admin_pool = ThreadPoolExecutor(2, thread_name_prefix="embedded-admin")
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="embedded-tokenize")
         self.app = self._build_app()
 
     # ---- helpers -------------------------------------------------------------------------------
@@ -117,12 +157,40 @@ class EmbeddedServer:
         """Run blocking `fn` in a thread, as a weight update: at once if paused, else after draining."""
         async with self._update_lock:
             if self.engine.is_paused():
-                return await asyncio.to_thread(fn, *args)
+                return await in_daemon_thread(fn, *args)
             await self.gate.acquire_write()
             try:
-                return await asyncio.to_thread(fn, *args)
+                return await in_daemon_thread(fn, *args)
             finally:
                 await self.gate.release_write()
+
+    async def _admin(self, request: Request, fn, *args):
+        """Apply an admin command on the admin threads, unless its client has already given up on it."""
+        if await request.is_disconnected():
+            log.warning("%s: the client gave up before it was applied; not applied", request.url.path)
+            return None
+        return await asyncio.get_running_loop().run_in_executor(self._admin_pool, fn, *args)
+
+    async def _drop_group(self, name: str, pg=None) -> None:
+        """Destroy the weight-update group `name` (only if it is still `pg`, when given: a failed update must not
+        take down the group that replaced its own). In a daemon thread: a dead peer may hang the teardown."""
+        if pg is not None and self.groups.get(name) is not pg:
+            return
+        pg = self.groups.pop(name, None)
+        if pg is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(in_daemon_thread(wgroup.destroy_weight_update_group, pg)),
+                                       self.limits.group_timeout_s)
+
+    async def _tokenized(self, body: S.GenerateIn) -> S.GenerateIn:
+        """`body` with its `text` tokenized (off the event loop: a long text takes seconds)."""
+        if body.text is None or body.input_ids is not None or self.engine.tokenizer is None:
+            return body
+        encode = self.engine.tokenizer.encode
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenize_pool,
+                                                               lambda: [encode(t) for t in texts])
+        return body.model_copy(update={"input_ids": ids if isinstance(body.text, list) else ids[0], "text": None})
 
     def _scratch_buffer(self, layout) -> torch.Tensor:
         """Receive buffer for a flattened bucket that will not be loaded (a refused update must still take
@@ -132,6 +200,10 @@ class EmbeddedServer:
         if self._recv_buffer is None or self._recv_buffer.numel() < layout.nbytes:
             self._recv_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
         return self._recv_buffer[:layout.nbytes]
+
+    def _max_update_bytes(self) -> int:
+        # No update carries more than every parameter at twice its size (a float64 sender to a float32 server).
+        return 2 * sum(p.numel() * p.element_size() for p in self.loader.params.values())
 
     def _load(self, named, weight_version, home=None):
         with self.engine.step_lock:
@@ -209,6 +281,8 @@ class EmbeddedServer:
         if len(sps) != k or len(rids) != k:
             return (f"sampling_params / rid: {len(sps)} / {len(rids)} entries for a batch of {k} prompts "
                     "(need one each, or one sampling_params dict for all)")
+        if k > self.limits.max_n:
+            return f"input_ids: a batch of {k} prompts is above the limit of {self.limits.max_n} (server flag --max-n)"
         reqs = []
         for i, (prompt, sp, rid) in enumerate(zip(prompts, sps, rids)):
             ids, text = (None, prompt) if isinstance(prompt, str) else (prompt, None)
@@ -233,6 +307,8 @@ class EmbeddedServer:
             ids = eng.tokenizer.encode(text)
         if not ids:
             return f"input_ids{at}: empty prompt"
+        if len(ids) >= eng.max_context:  # first: bounds the per-token check below
+            return f"input_ids{at}: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
         for i, t in enumerate(ids):
             if not 0 <= t < eng.vocab_size:
                 return f"input_ids{at}[{i}]={t} is outside the vocabulary [0, {eng.vocab_size})"
@@ -240,14 +316,17 @@ class EmbeddedServer:
             sp = S.SamplingParamsIn.model_validate(sp_raw or {})
         except ValidationError as e:
             return _field_message(e, prefix=f"sampling_params{at}")
+        problem = sampling_range_problem(sp, eng.vocab_size, at)
+        if problem is not None:
+            return problem
+        if (sp.n or 1) > self.limits.max_n:
+            return f"sampling_params{at}.n: {sp.n} is above the limit of {self.limits.max_n} (server flag --max-n)"
         stop_strs = (sp.stop,) if isinstance(sp.stop, str) else tuple(sp.stop or ())
         if stop_strs and eng.tokenizer is None:
             return f"sampling_params{at}.stop: stop strings need a tokenizer; use stop_token_ids"
         stop_regex = (sp.stop_regex,) if isinstance(sp.stop_regex, str) else tuple(sp.stop_regex or ())
         if stop_regex and eng.tokenizer is None:
             return f"sampling_params{at}.stop_regex: stop patterns need a tokenizer; use stop_token_ids"
-        if len(ids) >= eng.max_context:
-            return f"input_ids{at}: prompt of {len(ids)} tokens does not fit the context of {eng.max_context}"
         n = sp.n or 1
         rid = rid or uuid.uuid4().hex
         rids = [rid] if n == 1 else [f"{rid}_{i}" for i in range(n)]
@@ -286,6 +365,8 @@ class EmbeddedServer:
         async def lifespan(_app):
             yield
             eng.close()
+            for pool in (self._admin_pool, self._tokenize_pool):
+                pool.shutdown(wait=False, cancel_futures=True)
 
         app = FastAPI(title="megatron-dapo embedded SGLang-compatible server", lifespan=lifespan)
         self.gate = _UpdateGate()
@@ -297,6 +378,10 @@ class EmbeddedServer:
             # SGLang answers 400, not FastAPI's 422, with this shape.
             return JSONResponse({"object": "error", "message": f"{request.url.path}: {_field_message(exc)}",
                                  "type": "Bad Request", "param": None, "code": 400}, status_code=400)
+
+        # Added first, so it runs inside the auth check: a client without the key is refused before any
+        # of its body is read.
+        app.add_middleware(BodySizeLimit, max_bytes=self.limits.max_request_bytes)
 
         @app.middleware("http")
         async def _auth(request: Request, call_next):
@@ -361,7 +446,7 @@ class EmbeddedServer:
 
         @app.api_route("/generate", methods=["POST", "PUT"])
         async def generate(body: S.GenerateIn):
-            reqs = self._make_requests(body)
+            reqs = self._make_requests(await self._tokenized(body))
             if isinstance(reqs, str):
                 return self._bad(reqs)
             await self._wait_unpaused()
@@ -381,18 +466,18 @@ class EmbeddedServer:
             return PlainTextResponse(FLUSH_CACHE_TEXT)
 
         @app.post("/abort_request")
-        async def abort_request(body: S.AbortIn):
-            await asyncio.to_thread(eng.abort, body.rid, body.abort_all)
+        async def abort_request(body: S.AbortIn, request: Request):
+            await self._admin(request, eng.abort, body.rid, body.abort_all)
             return Response(status_code=200)
 
         @app.post("/pause_generation")
-        async def pause_generation(body: S.PauseIn):
-            await asyncio.to_thread(eng.pause, body.mode)
+        async def pause_generation(body: S.PauseIn, request: Request):
+            await self._admin(request, eng.pause, body.mode)
             return {"message": "Generation paused successfully.", "status": "ok"}
 
         @app.post("/continue_generation")
-        async def continue_generation(body: S.ContinueIn):
-            eng.resume()
+        async def continue_generation(body: S.ContinueIn, request: Request):
+            await self._admin(request, eng.resume)
             return {"message": "Generation continued successfully.", "status": "ok"}
 
         @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
@@ -415,32 +500,50 @@ class EmbeddedServer:
             return None  # as SGLang: a JSON `null` body
 
         @app.post("/init_weights_update_group")
-        async def init_group(body: S.InitGroupIn):
+        async def init_group(body: S.InitGroupIn, request: Request):
             if body.rank_offset >= body.world_size:
                 return JSONResponse({"success": False, "message":
                                      f"rank_offset: {body.rank_offset} >= world_size {body.world_size}"}, 400)
-            stale = self.groups.pop(body.group_name, None)
-            if stale is not None:
+            if body.group_name in self.groups:
                 # As SGLang does, a new group replaces one of the same name: its trainer may have died
                 # (killed, then resumed) without destroying it. A peer that is gone cannot take part
                 # in the teardown, which therefore tolerates failures.
                 log.warning("init_weights_update_group: replacing existing group %r", body.group_name)
-                await asyncio.to_thread(wgroup.destroy_weight_update_group, stale)
+                await self._drop_group(body.group_name)
+            timeout = self.limits.group_timeout_s
+            forming = in_daemon_thread(functools.partial(
+                wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
+                body.world_size, body.group_name, body.backend, connect_timeout_s=timeout))
+
+            def destroy_late(done: asyncio.Future):  # formed after its client was answered: never used
+                if not done.cancelled() and done.exception() is None:
+                    log.warning("init_weights_update_group: group %r formed after its request was answered; "
+                                "destroyed", body.group_name)
+                    threading.Thread(target=wgroup.destroy_weight_update_group, args=(done.result(),),
+                                     daemon=True).start()
             try:
-                pg = await asyncio.to_thread(
-                    wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
-                    body.world_size, body.group_name, body.backend)
+                pg = await asyncio.wait_for(asyncio.shield(forming), timeout)
+            except asyncio.TimeoutError:
+                forming.add_done_callback(destroy_late)
+                return JSONResponse({"success": False, "message": (
+                    f"Failed to init group: {body.group_name!r} at {body.master_address}:{body.master_port} did "
+                    f"not form within {timeout:g}s (server flag --weight-group-timeout-s)")}, 400)
+            except asyncio.CancelledError:
+                forming.add_done_callback(destroy_late)
+                raise
             except Exception as e:
                 return JSONResponse({"success": False, "message": f"Failed to init group: {e}"}, 400)
+            if await request.is_disconnected():
+                destroy_late(forming)
+                return JSONResponse({"success": False, "message": "the client gave up; group destroyed"}, 400)
             self.groups[body.group_name] = pg
             return {"success": True, "message": "Succeeded to initialize custom process group."}
 
         @app.post("/destroy_weights_update_group")
         async def destroy_group(body: S.DestroyGroupIn):
-            pg = self.groups.pop(body.group_name, None)
-            if pg is None:
+            if body.group_name not in self.groups:
                 return JSONResponse({"success": False, "message": f"group_name: no group {body.group_name!r}"}, 400)
-            await asyncio.to_thread(wgroup.destroy_weight_update_group, pg)
+            await self._drop_group(body.group_name)
             return {"success": True, "message": "Succeeded to destroy custom process group."}
 
         @app.post("/update_weights_from_distributed")
@@ -449,10 +552,13 @@ class EmbeddedServer:
             if pg is None:
                 return JSONResponse({"success": False, "message": f"group_name: no group {body.group_name!r}; "
                                      "call /init_weights_update_group first"}, 400)
-            if not (len(body.names) == len(body.dtypes) == len(body.shapes)) or not body.names:
-                return JSONResponse({"success": False, "message": "names/dtypes/shapes: must be non-empty lists "
-                                     f"of equal length, got {len(body.names)}/{len(body.dtypes)}/{len(body.shapes)}"},
-                                    400)
+            unreceivable = announcement_problem(body.names, body.dtypes, body.shapes, self._max_update_bytes())
+            if unreceivable is not None:
+                # The sender broadcasts regardless; bytes left on the wire would be loaded by the next update.
+                await self._drop_group(body.group_name, pg)
+                return JSONResponse({"success": False, "message": (
+                    f"Failed to update weights: {unreceivable}; its broadcast cannot be received, so group "
+                    f"{body.group_name!r} was destroyed: call /init_weights_update_group again")}, 400)
             if body.abort_all_requests:
                 await asyncio.to_thread(eng.abort, None, True)
             problem = self._check_known(body.names, body.shapes)
@@ -482,7 +588,11 @@ class EmbeddedServer:
             try:
                 await self._exclusive(run)
             except Exception as e:
-                return JSONResponse({"success": False, "message": f"Failed to update weights: {e}"}, 400)
+                # A receive that failed part-way leaves the group out of step with the sender.
+                await self._drop_group(body.group_name, pg)
+                return JSONResponse({"success": False, "message": (
+                    f"Failed to update weights: {e}; group {body.group_name!r} was destroyed: "
+                    "call /init_weights_update_group again")}, 400)
             if problem is not None:
                 return JSONResponse({"success": False, "message": f"Failed to update weights: {problem}"}, 400)
             msg = "Succeeded to update parameter online."
@@ -497,9 +607,11 @@ class EmbeddedServer:
                                      f"rank, got {len(body.serialized_named_tensors)} entries"}, 400)
             if body.abort_all_requests:
                 await asyncio.to_thread(eng.abort, None, True)
-            try:
+            def decode():  # off the event loop: a large or deeply nested payload takes a while
                 raw = base64.b64decode(body.serialized_named_tensors[0], validate=True)
-                named = load_named_tensors(raw, flattened=body.load_format == "flattened_bucket")
+                return load_named_tensors(raw, flattened=body.load_format == "flattened_bucket")
+            try:
+                named = await asyncio.to_thread(decode)
             except Exception as e:
                 return JSONResponse({"success": False,
                                      "message": f"serialized_named_tensors: cannot deserialize ({e})"}, 400)
@@ -510,14 +622,13 @@ class EmbeddedServer:
             return {"success": True, "message": "Success"}
 
         @app.post("/update_weight_version")
-        async def update_version(body: S.UpdateVersionIn):
-            if body.abort_all_requests:
-                await asyncio.to_thread(eng.abort, None, True)
-
+        async def update_version(body: S.UpdateVersionIn, request: Request):
             def run():
+                if body.abort_all_requests:
+                    eng.abort(None, True)
                 with eng.step_lock:
                     eng.set_weight_version(body.new_version)
-            await asyncio.to_thread(run)
+            await self._admin(request, run)
             return {"success": True, "message": f"Weight version updated to {body.new_version}",
                     "new_version": body.new_version}
 
@@ -558,13 +669,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="batch-invariant generation (SGLang's flag name): a request's tokens and logprobs do not "
                         "depend on the other requests; one forward per sequence and step (slower). "
                         "sampling_seed is honoured either way")
+    defaults = ServerLimits()
+    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
+                   help="largest request body; larger ones are answered 400 before they are read whole")
+    p.add_argument("--max-n", type=int, default=defaults.max_n,
+                   help="most sequences one /generate may start (its n, or the prompts of a batch)")
+    p.add_argument("--weight-group-timeout-s", type=float, default=defaults.group_timeout_s,
+                   help="/init_weights_update_group answers with an error if the group has not formed by then")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        limits = ServerLimits(args.max_request_bytes, args.max_n, args.weight_group_timeout_s)
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -573,8 +696,11 @@ def main(argv: list[str] | None = None) -> int:
     server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
                             weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
                             batch_invariant=args.enable_deterministic_inference,
-                            served_model_name=args.served_model_name)
+                            served_model_name=args.served_model_name, limits=limits)
     print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
           f"listening on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level)
+    # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,
+    # say) instead of waiting for it; calls that wait on a peer run in daemon threads nobody joins.
+    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     return 0

@@ -9,7 +9,11 @@ metadata class (srt/weight_sync/tensor_bucket.py).
 
 Unpickling runs only an explicit allow-list of globals, as SGLang's `SafeUnpickler` does
 (srt/utils/common.py): data types and torch's tensor / storage rebuild functions, never whole
-modules (torch.* holds callables such as torch.load). SGLang's metadata class is mapped onto
+modules (torch.* holds callables such as torch.load), nothing that fills memory it is asked for by
+size, and nothing that makes a descriptor, process, thread or socket: `multiprocessing.resource_sharer.
+DupFd` duplicates a descriptor when it is built and starts a listener thread to hand it out, so a
+refused payload of them filled the fd table. Storages therefore arrive by shared-memory file name
+only (what `forking_dumps` sends), never by fd. SGLang's metadata class is mapped onto
 `FlattenedTensorMetadata` here, so a payload built with SGLang installed loads without it.
 """
 
@@ -41,16 +45,15 @@ _REBUILD = {
                      "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage",
                      "_rebuild_device_tensor_from_cpu_tensor"],
     "torch._tensor": ["_rebuild_from_type_v2"],
-    "torch.storage": ["UntypedStorage", "TypedStorage", "_UntypedStorage"],
+    "torch.storage": ["UntypedStorage", "TypedStorage"],
     "torch.serialization": ["_get_layout"],
     "torch.nn.parameter": ["Parameter"],
     "torch.multiprocessing.reductions": ["rebuild_tensor", "rebuild_cuda_tensor", "rebuild_meta_tensor",
-                                         "rebuild_storage_fd", "rebuild_storage_filename", "rebuild_storage_empty",
+                                         "rebuild_storage_filename", "rebuild_storage_empty",
                                          "rebuild_typed_storage", "rebuild_typed_storage_child"],
-    "multiprocessing.resource_sharer": ["DupFd"],
-    "multiprocessing.reduction": ["_rebuild_partial", "rebuild_fd"],
-    "builtins": ["bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list", "set", "slice", "str",
-                 "tuple"],
+    # not bytes / bytearray: called with a size they fill that many bytes (a 30-byte payload asking for
+    # 16 GiB); pickles carry byte strings as opcodes, without the class
+    "builtins": ["bool", "dict", "float", "frozenset", "int", "list", "set", "slice", "str", "tuple"],
     "collections": ["OrderedDict"],
     "copyreg": ["__newobj__", "__newobj_ex__", "_reconstructor"],
     "torch": ["Size", "device", "dtype", "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor",

@@ -8,6 +8,8 @@ bad name fails this update with a message instead of leaving the trainer blocked
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_dapo.sync import group as wgroup
@@ -19,6 +21,30 @@ def torch_dtype(name: str) -> torch.dtype:
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"dtypes: {name!r} is not a torch dtype")
     return dt
+
+
+def announcement_problem(names, dtypes, shapes, max_bytes: int) -> str | None:
+    """Why an announced update cannot be received at all, or None.
+
+    The receiver must post exactly the broadcasts the sender makes, with the same sizes; if it cannot
+    (no dtype, no size, more bytes than it could hold), the group is out of step with the sender and
+    the next update would receive this one's bytes.
+    """
+    if not names or not len(names) == len(dtypes) == len(shapes):
+        return (f"names/dtypes/shapes: must be non-empty lists of equal length, got "
+                f"{len(names)}/{len(dtypes)}/{len(shapes)}")
+    total = 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        try:
+            dt = torch_dtype(dtype)
+        except ValueError as e:
+            return f"{name}: {e}"
+        if any(d < 0 for d in shape):
+            return f"{name}: shape {list(shape)} has a negative size"
+        total += math.prod(shape) * dt.itemsize
+    if total > max_bytes:
+        return f"the update announces {total} bytes, more than this server receives at once ({max_bytes})"
+    return None
 
 
 def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None,
