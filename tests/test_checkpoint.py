@@ -1,6 +1,10 @@
 """Checkpoint publication: an interrupted save never replaces the last good checkpoint."""
 
+import hashlib
+import json
 import random
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +17,7 @@ def _save(save_dir, step, keep_last=0, payload=None):
     (tmp / "model").mkdir()
     (tmp / "model" / "weights.bin").write_bytes(bytes([step % 256]) * 16)
     ck.save_rng(tmp, rank=0)
-    ck.write_trainer_state(tmp, {"step": step, **(payload or {})})
+    ck.write_trainer_state(tmp, {"step": step, "version": step, "world_size": 1, **(payload or {})})
     return ck.commit_save(save_dir, step, keep_last)
 
 
@@ -27,7 +31,7 @@ def test_latest_points_at_complete_checkpoints_and_prunes(tmp_path):
 
 
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
-    _save(tmp_path, 3, payload={"version": 3})
+    _save(tmp_path, 3, payload={"version": 4})
     # a save of step 5 dies half-way: model written, trainer.json never
     tmp = ck.begin_save(tmp_path, 5)
     (tmp / "model").mkdir()
@@ -36,7 +40,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
     with pytest.raises(ck.CheckpointError, match="trainer.json missing"):
         ck.commit_save(tmp_path, 5)
     assert ck.latest_checkpoint(tmp_path).name == "step_000003"
-    assert ck.read_trainer_state(ck.latest_checkpoint(tmp_path)) == {"step": 3, "version": 3}
+    assert ck.read_trainer_state(ck.latest_checkpoint(tmp_path)) == {"step": 3, "version": 4, "world_size": 1}
     # the retry of step 5 starts from a clean temporary directory
     _save(tmp_path, 5)
     assert not (tmp_path / "step_000005.tmp").exists()
@@ -48,7 +52,7 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path):
 
 def test_dangling_pointer_is_a_clear_error(tmp_path):
     (tmp_path / "latest").write_text("step_000042\n")
-    with pytest.raises(ck.CheckpointError, match="step_000042, which is not a complete checkpoint"):
+    with pytest.raises(ck.CheckpointError, match="names step_000042, which is not a complete checkpoint"):
         ck.latest_checkpoint(tmp_path)
 
 
@@ -62,5 +66,170 @@ def test_rng_round_trip(tmp_path):
     ck.load_rng(tmp_path, rank=1)
     got = (torch.rand(3), random.random(), np.random.rand())
     assert torch.equal(want[0], got[0]) and want[1:] == got[1:]
-    with pytest.raises(ck.CheckpointError, match="rank_00002.pt missing"):
+    with pytest.raises(ck.CheckpointError, match="rank_00002.json missing"):
         ck.load_rng(tmp_path, rank=2)
+
+
+# ---------------------------------------------------------------- integrity: manifest, pointer, resume refusal
+
+
+def _flip(path, offset=0, n=16):
+    data = bytearray(path.read_bytes())
+    for i in range(offset, min(len(data), offset + n)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_manifest_lists_every_file_and_names_the_corrupt_one(tmp_path):
+    final = _save(tmp_path, 1)
+    manifest = json.loads((final / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == ["model/weights.bin", "rng/rank_00000.json", "trainer.json"]
+    assert manifest["model/weights.bin"] == {"size": 16, "sha256": hashlib.sha256(bytes([1]) * 16).hexdigest()}
+    assert ck.find_resume_checkpoint(tmp_path) == final
+
+    _flip(final / "model" / "weights.bin")
+    with pytest.raises(ck.CheckpointError, match=r"weights.bin: SHA-256 differs from the manifest"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "weights.bin").write_bytes(bytes([1]) * 8)  # truncated
+    with pytest.raises(ck.CheckpointError, match=r"weights.bin: 8 bytes, the manifest says 16"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "weights.bin").unlink()
+    with pytest.raises(ck.CheckpointError, match=r"weights.bin: listed in the manifest but missing"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "weights.bin").write_bytes(bytes([1]) * 16)
+    (final / "model" / "extra.distcp").write_bytes(b"x")
+    with pytest.raises(ck.CheckpointError, match=r"extra.distcp: file not in the checkpoint's manifest"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "model" / "extra.distcp").unlink()
+    (final / "manifest.json").write_text('{"format": 1, "files": {"../../etc/passwd": {"size": 1, "sha256": "0"}}}')
+    with pytest.raises(ck.CheckpointError, match=r"manifest.json is not a valid manifest"):
+        ck.find_resume_checkpoint(tmp_path)
+    (final / "manifest.json").write_text('{"format": 1, "fil')
+    with pytest.raises(ck.CheckpointError, match=r"manifest.json is not a valid manifest \(JSONDecodeError"):
+        ck.find_resume_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"../elsewhere\n", "does not hold a checkpoint name"),
+    (b"/tmp/step_000001\n", "does not hold a checkpoint name"),
+    (b"\xff\xfe garbage", "does not hold a checkpoint name"),
+    (b"step_000009\n", "names step_000009, which is not a complete checkpoint"),
+])
+def test_resume_refuses_a_bad_pointer_naming_the_newest_checkpoint(tmp_path, content, match):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    before = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != "latest"}
+    (tmp_path / "latest").write_bytes(content)
+    with pytest.raises(ck.CheckpointError, match=match) as e:
+        ck.find_resume_checkpoint(tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "refusing to start over" in msg and f"echo step_000002 > {tmp_path / 'latest'}" in msg
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != "latest"} == before
+
+
+def test_resume_without_pointer_refuses_but_an_empty_dir_starts_fresh(tmp_path):
+    assert ck.find_resume_checkpoint(tmp_path / "none") is None
+    ck.begin_save(tmp_path, 3)  # an interrupted save only: nothing complete to lose
+    assert ck.find_resume_checkpoint(tmp_path) is None
+    _save(tmp_path, 4)
+    (tmp_path / "latest").unlink()
+    with pytest.raises(ck.CheckpointError, match=r"no latest pointer; refusing to start over .* step_000004"):
+        ck.find_resume_checkpoint(tmp_path)
+    # latest naming a symbolic link to a checkpoint elsewhere is refused too
+    (tmp_path / "step_000010").symlink_to(tmp_path / "step_000004")
+    (tmp_path / "latest").write_text("step_000010\n")
+    with pytest.raises(ck.CheckpointError, match="a symbolic link"):
+        ck.latest_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("content, match", [
+    ('{"step": 1, "vers', "trainer.json is not valid JSON"),
+    ('{"step": 1, "version": 2}', "trainer.json: key 'world_size' missing"),
+    ('{"step": "1", "version": 2, "world_size": 1}', "trainer.json: key 'step' missing or not a non-negative integer"),
+    ("[" * 100_000, "trainer.json is not valid JSON"),
+    (b"\xff\x00", "trainer.json is not valid JSON"),
+])
+def test_broken_trainer_state_is_a_named_error(tmp_path, content, match):
+    path = tmp_path / "trainer.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ck.CheckpointError, match=match) as e:
+        ck.read_trainer_state(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_rng_state_is_json_and_never_unpickled(tmp_path):
+    ck.save_rng(tmp_path, rank=0)
+    state = json.loads((tmp_path / "rng" / "rank_00000.json").read_text())
+    assert set(state) >= {"python", "numpy", "torch"}
+    (tmp_path / "rng" / "rank_00000.json").write_text('{"python": [3, [1, 2], null], "numpy": [], "torch": []}')
+    with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: expected RNG states"):
+        ck.load_rng(tmp_path, rank=0)
+    (tmp_path / "rng" / "rank_00000.json").write_text(
+        '{"python": [3, [1, 2], null], "numpy": ["MT19937", [1], 0, 0, 0.0], "torch": [1, 2]}')
+    with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: not a valid RNG state"):
+        ck.load_rng(tmp_path, rank=0)
+
+
+class _RunsShell:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_crafted_dcp_metadata_is_refused_even_with_a_matching_manifest(tmp_path):
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_dapo.bridge.manifest import write_manifest
+
+    final = _save(tmp_path, 1)
+    dcp.save({"w": torch.arange(4.0), "sched": {"step": 3}}, checkpoint_id=str(final / "model"))  # real DCP passes
+    write_manifest(final)
+    assert ck.find_resume_checkpoint(tmp_path) == final
+    marker = tmp_path / "pwned"
+    (final / "model" / ".metadata").write_bytes(pickle.dumps({"x": _RunsShell(marker)}))
+    write_manifest(final)  # whoever can write the checkpoint can rewrite its manifest
+    with pytest.raises(ck.CheckpointError, match=r"model/.metadata: refers to posix.system, which a checkpoint"):
+        ck.find_resume_checkpoint(tmp_path)
+    assert not marker.exists()
+    (final / "model" / ".metadata").write_bytes(pickle.dumps(torch.nn.Linear))
+    write_manifest(final)
+    with pytest.raises(ck.CheckpointError, match=r"refers to torch.nn.modules.linear.Linear"):
+        ck.find_resume_checkpoint(tmp_path)
+    # DCP's non-tensor items are pickles inside the data files, loaded by torch with weights_only=False
+    shutil.rmtree(final / "model")
+    dcp.save({"w": torch.arange(4.0), "sched": _RunsShell(marker)}, checkpoint_id=str(final / "model"))
+    write_manifest(final)
+    with pytest.raises(ck.CheckpointError, match=r"\.distcp: item 'sched' is not plain data"):
+        ck.find_resume_checkpoint(tmp_path)
+    assert not marker.exists()
+
+
+def test_unwritable_run_and_checkpoint_dirs_are_named_at_setup(tmp_path):
+    import os
+
+    from megatron_dapo.config import DapoConfig
+    from megatron_dapo.trainer.loop import prepare_output_dirs
+
+    cfg = DapoConfig()
+    cfg.logging.run_dir = str(tmp_path / "run")
+    prepare_output_dirs(cfg)
+    assert (tmp_path / "run" / "checkpoints").is_dir() and not list((tmp_path / "run").glob("tmp*"))
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    cfg.logging.run_dir = str(blocker / "run")
+    with pytest.raises(OSError, match=f"logging.run_dir: cannot write to {blocker / 'run'} \\("):
+        prepare_output_dirs(cfg)
+    cfg.logging.run_dir = str(tmp_path / "run")
+    read_only = Path("/sys/megatron_dapo_test") if os.geteuid() == 0 else tmp_path / "ro"  # root ignores modes
+    if os.geteuid() != 0:
+        read_only.mkdir(mode=0o555)
+    cfg.checkpoint.save_dir = str(read_only / "ckpts")
+    with pytest.raises(OSError, match=f"checkpoint.save_dir: cannot write to {read_only / 'ckpts'}"):
+        prepare_output_dirs(cfg)
+    assert blocker.read_text() == "x"

@@ -150,8 +150,9 @@ def test_bad_yaml_and_missing_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
     top = tmp_path / "list.yaml"
     top.write_text("- a\n- b\n")
-    with pytest.raises(ConfigError, match="top level must be a mapping"):
+    with pytest.raises(ConfigError) as err:
         load_config(top)
+    assert _one_line(err) == f"{top}: top level must be a mapping of sections, got list ['a', 'b']"
 
 
 # ------------------------------------------------------------------------------------ cross-field rules
@@ -329,3 +330,118 @@ def test_cli_error_is_one_line_on_stderr(capsys):
     assert captured.err.count("\n") == 1 and "parallel.tp=3" in captured.err
     assert main(["validate", str(TINY)]) == 0
     assert capsys.readouterr().out.strip().endswith(": ok")
+
+
+# ---------------------------------------------------------------------------------- hostile input
+
+
+def _float_fields(cls=DapoConfig, prefix=""):
+    import typing
+
+    from megatron_dapo.config.load import _hints
+
+    out = []
+    for f in dataclasses.fields(cls):
+        tp = _hints(cls)[f.name]
+        if dataclasses.is_dataclass(tp):
+            out += _float_fields(tp, f"{prefix}{f.name}.")
+        elif tp is float or float in typing.get_args(tp):
+            out.append(f"{prefix}{f.name}")
+    return out
+
+
+FLOAT_FIELDS = _float_fields()
+
+
+def test_every_float_field_refuses_non_finite_values():
+    assert "reward.timeout_s" in FLOAT_FIELDS and "optimizer.lr" in FLOAT_FIELDS and len(FLOAT_FIELDS) > 15
+    for key in FLOAT_FIELDS:
+        for value in (".nan", ".inf", "-.inf", "1e400"):
+            with pytest.raises(ConfigError) as err:
+                load_config(TINY, [f"{key}={value}"])
+            assert f"{key}: expected" in _one_line(err), (key, value)
+
+
+def test_non_finite_and_huge_values_in_a_file_name_the_file_and_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(TINY.read_text() + "\nreward:\n  timeout_s: .nan\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert _one_line(err).startswith(f"{path}: reward.timeout_s: expected a finite float, got float nan")
+    path.write_text(TINY.read_text().replace("trainer:\n", f"trainer:\n  seed: {2**70}\n", 1))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}: trainer.seed: int {2**70} is out of range" in _one_line(err)
+
+
+@pytest.mark.parametrize("override, expected", [
+    (f"trainer.seed={2**70}", f"trainer.seed: int {2**70} is out of range (a 64-bit integer)"),
+    ("parallel.tp=1.0e+30", "parallel.tp: int 1000000000000000019884624838656 is out of range"),
+    (f"trainer.seed={2**40}", f"trainer.seed={2**40} must be in [0, 2**32)"),
+    ("data.seed=-1", "data.seed=-1 must be in [0, 2**32)"),
+])
+def test_out_of_range_ints_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, [override])
+    assert expected in _one_line(err)
+
+
+def test_duplicate_keys_are_an_error_naming_key_and_line(tmp_path):
+    path = tmp_path / "dup.yaml"
+    path.write_text("trainer:\n  seed: 1\n  total_steps: 2\n  seed: 7\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, validate=False)
+    assert _one_line(err) == f"{path}:4:3: invalid YAML: duplicate key 'seed' (first at line 2)"
+    path.write_text("trainer: {seed: 1}\ntrainer: {seed: 2}\n")
+    with pytest.raises(ConfigError, match="duplicate key 'trainer'"):
+        load_config(path, validate=False)
+    # merge keys may be overridden by explicit keys: that is no duplicate
+    path.write_text("base: &b {a: 1, b: 2}\nreward:\n  kwargs: {<<: *b, a: 3}\n")
+    with pytest.raises(ConfigError, match="unknown key 'base'"):
+        load_config(path, validate=False)
+
+
+def _bomb(levels: int = 9) -> str:
+    lines = ['  l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    for i in range(1, levels):
+        lines.append(f"  l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]")
+    return "reward:\n  kwargs:\n" + "\n".join("  " + ln for ln in lines) + "\n"
+
+
+def test_alias_bomb_and_recursive_alias_are_refused_anchors_allowed(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(TINY.read_text() + "\n" + _bomb())  # 9**9 = 387M strings once expanded
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"{path}: more than 100000 values once aliases are expanded" in _one_line(err)
+    path.write_text(TINY.read_text() + "\nreward:\n  kwargs: &a {x: *a}\n")
+    with pytest.raises(ConfigError, match="nested deeper than 64 levels"):  # a recursive alias
+        load_config(path)
+    with pytest.raises(ConfigError, match="override 'reward.kwargs.x': more than 100000 values"):
+        load_config(TINY, ["reward.kwargs.x=" + "{a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a], "
+                           "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c], "
+                           "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]}"])
+    path.write_text(TINY.read_text() + "\nreward:\n  kwargs: {a: &x [1, 2], b: *x}\n")
+    assert load_config(path).reward.kwargs == {"a": [1, 2], "b": [1, 2]}
+
+
+def test_alias_bomb_does_not_hang_config_show(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(TINY.read_text() + "\n" + _bomb())
+    r = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "show", str(path)],
+                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "alias" in r.stderr
+
+
+@pytest.mark.parametrize("content, expected", [
+    (b"reward:\n  kwargs: " + b"[" * 100 + b"]" * 100 + b"\n", "nested deeper than 64 levels"),
+    (b"reward:\n  kwargs: " + b"[" * 50_000 + b"]" * 50_000 + b"\n", "invalid YAML: nested deeper than the parser"),
+    (b"trainer:\n  seed: 1\n# caf\xe9\n", "c.yaml:3: not UTF-8 text (byte 24: invalid continuation byte)"),
+    (b"trainer: !!python/object/apply:os.system [echo hi]\n", "invalid YAML: could not determine a constructor"),
+])
+def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path, content, expected):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, validate=False)
+    assert _one_line(err).startswith(str(path)) and expected in str(err.value)

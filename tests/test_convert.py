@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_dapo.bridge.cli import main as convert_main
+from megatron_dapo.bridge.layer_layout import saved_layer_layout
 from megatron_dapo.models.tiny import save_tiny_hf_model
 from tests.dist_utils import run_torchrun
 
@@ -52,6 +53,8 @@ def test_convert_tp2_load_elsewhere_and_back_to_hf(tmp_path, moe_hf, moe_ckpt):
     ckpt, back = moe_ckpt, tmp_path / "hf_back"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "release"
     assert (ckpt / "release" / "metadata.json").is_file() and (ckpt / "hf_config" / "config.json").is_file()
+    # mlp_only_layers=[0] mixes dense and MoE layers: megatron-core stores them per layer
+    assert saved_layer_layout(ckpt / "release") == "per-layer"
 
     # saved at TP2, loaded at TP1 (DP2), PP2 and EP2: logits equal HF's
     out = run_torchrun("bridge_ckpt_load.py", 2, str(moe_hf), str(ckpt), "tp1", "pp2", "ep2", timeout=240)
@@ -86,13 +89,15 @@ def test_failed_conversion_leaves_no_output(tmp_path, moe_ckpt):
     """A failure inside the ranks (the checkpoint does not fit the given HF config) removes the temp dir."""
     # Without the checkpoint's own hf_config/ copy the mismatch is only found by the ranks' load.
     ckpt = tmp_path / "ckpt_no_config"
-    shutil.copytree(moe_ckpt, ckpt, ignore=shutil.ignore_patterns("hf_config"))
+    # (and without the manifest that lists hf_config/: a checkpoint from elsewhere, converted unchecked)
+    shutil.copytree(moe_ckpt, ckpt, ignore=shutil.ignore_patterns("hf_config", "manifest.json"))
     dense = save_tiny_hf_model("qwen3", tmp_path / "dense")
     out = tmp_path / "never"
     r = _cli("-m", "megatron_dapo.cli", "convert", "megatron-to-hf", "--ckpt", str(ckpt), "--hf-config", str(dense),
              "--out", str(out))
     assert r.returncode == 1, r.stderr[-3000:]
-    assert "megatron-dapo convert: error:" in r.stderr and "Missing keys" in r.stderr
+    assert "megatron-dapo convert: error:" in r.stderr and "it is a checkpoint of another model" in r.stderr
+    assert "has no manifest.json: its files cannot be checked for corruption" in r.stderr
     assert not out.exists() and _no_partial(tmp_path) == []
 
 
@@ -158,3 +163,63 @@ def test_existing_output_is_not_overwritten(tmp_path, capsys, dense_hf):
     (out / "keep").write_text("x")
     assert "already exists" in _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", str(out))
     assert (out / "keep").read_text() == "x"
+
+
+def test_truncated_safetensors_and_index_are_named(tmp_path, capsys, dense_hf):
+    out = str(tmp_path / "o")
+    shard = dense_hf / "model.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    err = _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out)
+    assert f"error: {shard}: not a readable safetensors file" in err.splitlines()[-1]
+    shard.write_bytes(data)
+    (dense_hf / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model.safe')
+    err = _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out)
+    assert "model.safetensors.index.json is not a valid index" in err
+    assert not Path(out).exists() and _no_partial(tmp_path) == []
+
+
+def test_unwritable_output_paths_are_named(tmp_path, capsys, dense_hf):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    err = _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", str(blocker / "o"))
+    assert f"cannot create the output directory {blocker / 'o'}: {blocker} is a file, not a directory" in err
+    assert blocker.read_text() == "x"
+    if os.geteuid() == 0:  # root writes into any mode-0555 directory: use a read-only file system
+        target = Path("/sys/megatron_dapo_convert_test/o")
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+        target = ro / "o"
+    err = _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", str(target))
+    assert f"error: cannot create the output directory {target}:" in err.splitlines()[-1]
+    assert not target.exists()
+
+
+@pytest.mark.parametrize("size", ["-1", "0", "nan", "inf", "abc"])
+def test_bad_shard_size_is_refused(tmp_path, capsys, size):
+    with pytest.raises(SystemExit) as e:
+        convert_main(["megatron-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-size-gb", size])
+    assert e.value.code == 2
+    assert f"--max-shard-size-gb: expected a positive size in GB, got '{size}'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_corrupt_checkpoint_is_refused_by_megatron_to_hf(tmp_path, capsys, moe_ckpt):
+    files = json.loads((moe_ckpt / "manifest.json").read_text())["files"]
+    assert {"latest_checkpointed_iteration.txt", "release/metadata.json", "hf_config/config.json"} <= set(files)
+    bad = tmp_path / "bad"
+    shutil.copytree(moe_ckpt, bad)
+    shard = max((bad / "release").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[4096:8192] = bytes(b ^ 0xFF for b in data[4096:8192])  # 4 KB of flipped bytes, same size
+    shard.write_bytes(bytes(data))
+    err = _convert_error(capsys, "megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "o"))
+    assert f"error: {shard}: SHA-256 differs from the manifest" in err.splitlines()[-1]
+    shard.write_bytes(bytes(data[:4096]))
+    err = _convert_error(capsys, "megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "o"))
+    assert f"{shard}: 4096 bytes, the manifest says" in err
+    (bad / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\x00garbage")
+    err = _convert_error(capsys, "megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "o"))
+    assert "latest_checkpointed_iteration.txt holds" in err and "not 'release' or an iteration number" in err
+    assert not (tmp_path / "o").exists() and _no_partial(tmp_path) == []

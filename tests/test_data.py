@@ -63,6 +63,20 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer):
         read_rows(tmp_path / "broken.jsonl")
 
 
+def test_undecodable_files_are_named_errors(tmp_path):
+    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(_row()).encode() + b"\n" + '{"x": "café"}'.encode("latin-1") + b"\n")
+    with pytest.raises(DatasetError, match=r"latin1\.jsonl: row 1 \(line 2\) is not UTF-8 text \(byte 10 of the line"):
+        read_rows(tmp_path / "latin1.jsonl")
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(DatasetError, match=r"deep\.jsonl: row 0 \(line 1\) is not valid JSON"):
+        read_rows(tmp_path / "deep.jsonl")
+    good = write_rows(tmp_path / "ok.parquet", [_row(), _row()])
+    (tmp_path / "cut.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(DatasetError, match=r"cut\.parquet: not a readable parquet file \(") as e:
+        read_rows(tmp_path / "cut.parquet")
+    assert "\n" not in str(e.value)
+
+
 def test_empty_and_missing_dataset(tmp_path, tokenizer):
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DatasetError, match="empty"):

@@ -75,3 +75,7 @@ def test_fsdp2_loop_trains_syncs_and_checkpoints(env):
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     for step in range(2):
         assert (ckpts / f"step_{step:06d}" / "model" / ".metadata").exists()  # a DCP checkpoint
+    from megatron_dapo.trainer.checkpoint import find_resume_checkpoint
+
+    # resumable: the manifest matches and DCP's pickles hold only what the allow-lists accept
+    assert find_resume_checkpoint(ckpts) == ckpts / "step_000001"

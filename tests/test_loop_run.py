@@ -110,7 +110,7 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
     assert (ckpts / "latest").read_text().strip() == "step_000001"
     for step in range(2):
         d = ckpts / f"step_{step:06d}"
-        assert (d / "model").is_dir() and (d / "rollout.pt").exists() and (d / "rng" / "rank_00001.pt").exists()
+        assert (d / "model").is_dir() and (d / "rollout.json").exists() and (d / "rng" / "rank_00001.json").exists()
         assert json.loads((d / "trainer.json").read_text())["version"] == step + 1
     assert not list(ckpts.glob("*.tmp"))
 
@@ -154,6 +154,81 @@ def test_resume_continues_with_same_data_and_parameters(env, run_a):
     assert moved > 1e-4  # step 1 changed the parameters, so equality below means something
     diff = max(float((want[k] - got[k]).abs().max()) for k in want)
     assert diff <= 1e-6, f"resumed step 1 differs from the uninterrupted one by {diff}"
+
+
+def test_checkpoint_holds_data_only_with_a_manifest_of_every_file(run_a):
+    from megatron_dapo.trainer import checkpoint as ckpt
+
+    ckpts = run_a[0] / "checkpoints"
+    assert ckpt.find_resume_checkpoint(ckpts) == ckpts / "step_000001"  # every file verified
+    for d in ckpt.complete_checkpoints(ckpts):
+        files = json.loads((d / "manifest.json").read_text())["files"]
+        on_disk = sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file() and p.name != "manifest.json")
+        assert sorted(files) == on_disk and any(f.startswith("model/") and f.endswith(".distcp") for f in files)
+        # outside megatron-core's model/ directory, JSON only: nothing a loader could unpickle
+        assert {Path(f).suffix for f in files if not f.startswith("model/")} == {".json"}
+        rollout = json.loads((d / "rollout.json").read_text())
+        assert rollout["consumed"] > 0 and (rollout["next_batch"] is None) == (d.name == "step_000001")
+
+
+def test_corrupt_checkpoint_is_refused_by_resume_and_convert(env, run_a, tmp_path, capsys):
+    """4 KB of flipped bytes in a real model shard: resume and megatron-to-hf both name the file."""
+    from megatron_dapo.bridge.cli import main as convert_main
+    from megatron_dapo.trainer import checkpoint as ckpt
+
+    save = tmp_path / "ckpts"
+    shutil.copytree(run_a[0] / "checkpoints" / "step_000000", save / "step_000000")
+    (save / "latest").write_text("step_000000\n")
+    shard = max((save / "step_000000" / "model").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    data[4096:8192] = bytes(b ^ 0xFF for b in data[4096:8192])
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ckpt.CheckpointError, match=f"{shard}: SHA-256 differs from the manifest"):
+        ckpt.find_resume_checkpoint(save)
+    out = tmp_path / "hf"
+    assert convert_main(["megatron-to-hf", "--ckpt", str(save / "step_000000" / "model"),
+                         "--hf-config", str(env["model"]), "--out", str(out)]) == 1
+    assert f"{shard}: SHA-256 differs from the manifest" in capsys.readouterr().err and not out.exists()
+    (save / "step_000000" / "rollout.json").write_text('{"next_batch": null}')  # the manifest catches any edit
+    shard.write_bytes(bytes(b ^ 0xFF if 4096 <= i < 8192 else b for i, b in enumerate(data)))
+    with pytest.raises(ckpt.CheckpointError, match="rollout.json: .* bytes, the manifest says"):
+        ckpt.find_resume_checkpoint(save)
+
+
+def test_rollout_state_that_does_not_fit_is_a_named_error(env, run_a):
+    """The real rollout.json of step 0 restores into a producer built as the run builds it; one with a
+    key missing, or drawn from another dataset, is a named error at setup (before any collective)."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.data.dataset import DatasetError
+    from megatron_dapo.trainer import checkpoint as ckpt
+    from megatron_dapo.trainer.loop import _build_producer, _restore_rollout, load_tokenizer, prompt_dataset
+
+    cfg = load_config(CONFIG, _args(env, env["root"] / "unused", "algo.staleness=1"))
+    tok = load_tokenizer(cfg)
+    data = prompt_dataset(cfg, cfg.data.train_files, tok)
+    found = run_a[0] / "checkpoints" / "step_000000"
+    producer = _build_producer(cfg, env["urls"], data, tok)
+    pending = _restore_rollout(producer, found, ckpt.read_rollout_state(found))
+    assert pending is not None and len(pending.groups) == 4 and producer.version == 1
+    state = ckpt.read_rollout_state(found)
+    del state["sampler"]
+    with pytest.raises(ckpt.CheckpointError, match=r"rollout.json does not fit this run \(KeyError: 'sampler'\)"):
+        _restore_rollout(_build_producer(cfg, env["urls"], data, tok), found, state)
+    state = ckpt.read_rollout_state(found)
+    state["sampler"]["size"] += 1
+    with pytest.raises(DatasetError, match="sampler state is for a dataset of"):
+        _restore_rollout(_build_producer(cfg, env["urls"], data, tok), found, state)
+
+
+def test_resume_without_latest_refuses_and_overwrites_nothing(env, run_a):
+    save = env["root"] / "n_ckpt"
+    shutil.copytree(run_a[0] / "checkpoints", save, ignore=shutil.ignore_patterns("latest"))
+    before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
+    out = _run(env, "n", "trainer.total_steps=2", "checkpoint.save_every=1", f"checkpoint.save_dir={save}",
+               "checkpoint.resume=true", expect_fail=True, timeout=120)
+    assert "RUN SETUP ERROR" in out and "holds checkpoints but no latest pointer; refusing to start over" in out
+    assert f"echo step_000001 > {save / 'latest'}" in out
+    assert {p: p.read_bytes() for p in save.rglob("*") if p.is_file()} == before
 
 
 SYNC_RUN = ("trainer.total_steps=4", "algo.staleness=0", "checkpoint.save_every=1", "checkpoint.keep_last=0")
@@ -214,8 +289,8 @@ def test_killed_run_resumes_with_the_same_data_and_parameters(env, run_u):
     found = ckpt.latest_checkpoint(ckpts)
     assert found == ckpts / "step_000001"
     assert ckpt.read_trainer_state(found) == {"step": 1, "version": 2, "world_size": 2}
-    assert (found / "rollout.pt").exists() and (found / "model").is_dir()
-    assert sorted(p.name for p in (found / "rng").iterdir()) == ["rank_00000.pt", "rank_00001.pt"]
+    assert (found / "rollout.json").exists() and (found / "model").is_dir()
+    assert sorted(p.name for p in (found / "rng").iterdir()) == ["rank_00000.json", "rank_00001.json"]
     assert all((d / "trainer.json").exists() for d in ckpts.glob("step_*") if not d.name.endswith(".tmp"))
     assert sorted(d.name for d in ckpts.glob("step_*") if not d.name.endswith(".tmp")) == [
         "step_000000", "step_000001"]

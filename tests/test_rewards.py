@@ -4,6 +4,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from megatron_dapo.rewards import RewardRunner, get_reward, register_reward
 from megatron_dapo.rewards.math_dapo import INVALID, compute_score, extract_answer, normalize_answer
@@ -87,4 +88,30 @@ def test_runner_counts_raising_and_slow_functions_without_crashing():
     assert [r.score for r in out] == [1.0, -1.0, -1.0, 1.0]
     assert [r.failed for r in out] == [False, True, True, False]
     assert "reward server down" in out[1].error and "timed out" in out[2].error
-    assert runner.counters() == {"scored": 4, "errors": 1, "timeouts": 1}
+    assert runner.counters() == {"scored": 4, "errors": 1, "timeouts": 1, "nonfinite": 0}
+
+
+def test_non_finite_rewards_are_scored_as_failures_and_counted():
+    import numpy as np
+
+    from megatron_dapo.rollout.types import Sample
+    from megatron_dapo.trainer.groups import batch_advantages, judge_group
+
+    values = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "npnan": np.float32("nan"),
+              "dictnan": {"score": float("nan"), "acc": True}, "good": 1.0, "bad": -1.0}
+
+    def fn(response, ground_truth, **_):
+        return values[response]
+
+    runner = RewardRunner(default=fn, timeout_s=5, failure_score=-2.0)
+    out = runner.score_many([(k, "", "x", {}) for k in values])
+    assert [r.score for r in out] == [-2.0] * 5 + [1.0, -1.0]  # the worst score, never NaN
+    assert [r.acc for r in out] == [False] * 5 + [True, False]
+    assert all("non-finite score" in r.error for r in out[:5])
+    assert runner.counters() == {"scored": 7, "errors": 0, "timeouts": 0, "nonfinite": 5}
+    # the scores reach the advantages without the non-finite check there firing
+    samples = [Sample(rid=str(i), prompt_ids=[1], output_ids=[2, 3], logprobs=[-0.1, -0.2], finish_reason="stop",
+                      weight_version="0") for i in range(len(out))]
+    group = judge_group(0, samples, out, max_response_length=8, filter_metric=None)
+    assert group.reward_failures == 5
+    assert torch.isfinite(batch_advantages([group])).all()

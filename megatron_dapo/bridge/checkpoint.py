@@ -27,7 +27,9 @@ def checkpoint_dir(ckpt: str | Path) -> Path:
     ckpt = Path(ckpt)
     tracker = ckpt / TRACKER
     if tracker.is_file():
-        it = tracker.read_text().strip()
+        it = tracker.read_bytes()[:64].decode("utf-8", "replace").strip()
+        if it != "release" and not it.isdigit():
+            raise ValueError(f"{tracker} holds {it!r}, not 'release' or an iteration number")
         d = ckpt / ("release" if it == "release" else f"iter_{int(it):07d}")
     else:
         d = ckpt
@@ -59,17 +61,29 @@ def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int |
 
 @torch.no_grad()
 def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
-    """Collective: load a dist_checkpointing checkpoint (any saved layout) into this rank's chunks."""
+    """Collective: load a dist_checkpointing checkpoint (any saved TP/PP/EP layout, stacked or per-layer
+    decoder layers) into this rank's chunks."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from megatron_dapo.bridge.layer_layout import sharded_state_dict_metadata
 
     d = checkpoint_dir(ckpt)
     n = len(model_chunks)
-    sharded = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
-    # A training checkpoint (trainer.actor) also holds the optimizer's sharded state, which the model does
-    # not ask for: there only the model's own keys must all be found.
-    training = any(k.startswith("optimizer.") for k in dist_checkpointing.load_tensors_metadata(str(d)))
-    strict = StrictHandling.RAISE_UNEXPECTED if training else StrictHandling.RAISE_ALL
-    state = dist_checkpointing.load(sharded, str(d), strict=strict)
+    meta = sharded_state_dict_metadata(model_chunks, d)  # stacked or per-layer decoder, as saved
+    sharded = {_model_key(i, n): c.sharded_state_dict(metadata=meta) for i, c in enumerate(model_chunks)}
+    # Training checkpoints (this package's or Megatron-LM's) also hold optimizer and RNG state: skip those,
+    # but refuse model tensors missing from the checkpoint or present in it only (another model).
+    saved = {sh.key for sh in load_sharded_metadata(str(d)).values()}
+    absent = sorted({sh.key for sh in nested_values(sharded) if hasattr(sh, "key")} - saved)
+    if absent:  # checked before loading: megatron-core fails obscurely on a partial load of merged tensors
+        raise ValueError(f"checkpoint {d} lacks model tensors {absent[:4]}: it is a checkpoint of another model")
+    state, not_requested, _ = dist_checkpointing.load(sharded, str(d), strict=StrictHandling.RETURN_ALL)
+    model_roots = {name for c in model_chunks for name, _ in c.named_children()}
+    extra = sorted(k for k in not_requested if k.split(".")[0] in model_roots)
+    if extra:
+        raise ValueError(f"checkpoint {d} holds tensors the model lacks {extra[:4]}: it is a checkpoint of another model")
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)

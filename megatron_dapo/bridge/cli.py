@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+
+def _positive_gb(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value * 1024**3 >= 1):
+        raise argparse.ArgumentTypeError(f"expected a positive size in GB, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--ckpt", required=True, help="checkpoint directory (written by hf-to-megatron or training)")
     b.add_argument("--hf-config", default=None, help="HF directory with config.json / tokenizer (default: CKPT/hf_config)")
     b.add_argument("--out", required=True, help="output HF directory (must not exist)")
-    b.add_argument("--max-shard-size-gb", type=float, default=5.0, help="safetensors shard size")
+    b.add_argument("--max-shard-size-gb", type=_positive_gb, default=5.0, help="safetensors shard size")
     layout(b, "used to read the checkpoint")
     return p
 
@@ -43,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.ckpt, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep,
                 etp=args.etp, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
             )
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         print(f"megatron-dapo convert: error: {e}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

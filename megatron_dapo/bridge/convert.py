@@ -4,11 +4,14 @@
 parallel sizes, tensor names and shapes), then spawn `world` ranks on loopback that do the work
 through the bridge. Output goes to a temporary sibling directory that is renamed into place at the
 end; on any failure it is removed, so a failed conversion leaves no output directory.
+A megatron-core checkpoint written by `hf_to_megatron` gets a manifest (size + SHA-256 of every
+file, `bridge.manifest`); `megatron_to_hf` verifies it (or the training checkpoint's) first.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -16,12 +19,15 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
+from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megatron_dapo.models.arch import QwenArch
 from megatron_dapo.models.provider import ModelParallel, check_divisibility
 
 # Files of an HF model directory that are not weights: copied along with the config.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+log = logging.getLogger(__name__)
 
 
 class ConversionError(RuntimeError):
@@ -69,10 +75,16 @@ def _run(job: _Job, out: Path) -> Path:
     if out.exists():
         raise ConversionError(f"output directory {out} already exists; remove it or choose another --out")
     tmp = Path(job.tmp_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    blocker = next((p for p in (out.parent, *out.parent.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        raise ConversionError(f"cannot create the output directory {out}: {blocker} is a file, not a directory")
+    try:  # e.g. a read-only parent: say so before any rank starts
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise ConversionError(f"cannot create the output directory {out}: {e.strerror}") from None
     world = world_size_for(job.parallel)
     try:
-        tmp.mkdir()
         ctx = mp.start_processes(
             _worker, args=(world, LOOPBACK, free_port(), job), nprocs=world, start_method="spawn", join=False
         )
@@ -87,11 +99,32 @@ def _run(job: _Job, out: Path) -> Path:
             raise ConversionError(msg) from None
         except mp.ProcessExitedException as e:
             raise ConversionError(f"a conversion rank died: {e}") from None
+        if job.kind == "hf-to-megatron":
+            write_manifest(tmp)  # last: a checkpoint with a manifest is complete
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def verify_checkpoint_integrity(ckpt: Path) -> bool:
+    """Check `ckpt` against its manifest: its own (hf-to-megatron output) or, for a training
+    checkpoint's `model/` directory, the training checkpoint's. False when there is none (a
+    checkpoint of Megatron-LM or of an older version): its files are then unchecked. Either way its
+    pickled DCP metadata is then checked against an allow-list, before torch reads it."""
+    try:
+        if (ckpt / MANIFEST).is_file():
+            verify_manifest(ckpt)
+        elif (ckpt.parent / MANIFEST).is_file():
+            verify_manifest(ckpt.parent, subdir=ckpt.name)
+        else:
+            check_dcp_metadata(ckpt)
+            return False
+        check_dcp_metadata(ckpt)
+    except ManifestError as e:
+        raise ConversionError(str(e)) from None
+    return True
 
 
 def _worker(local_rank: int, world: int, addr: str, port: int, job: _Job) -> None:
@@ -204,7 +237,11 @@ def megatron_to_hf(
     from megatron_dapo.bridge.checkpoint import HF_CONFIG_DIR, checkpoint_dir
 
     ckpt, out = Path(ckpt), Path(out)
+    if not (isinstance(max_shard_bytes, int) and max_shard_bytes >= 1):
+        raise ConversionError(f"max shard size must be a positive number of bytes, got {max_shard_bytes!r}")
     checkpoint_dir(ckpt)
+    if not verify_checkpoint_integrity(ckpt.resolve()):
+        log.warning("%s has no manifest.json: its files cannot be checked for corruption", ckpt)
     hf_config_dir = Path(hf_config_dir) if hf_config_dir else ckpt / HF_CONFIG_DIR
     if not (hf_config_dir / "config.json").is_file():
         raise ConversionError(f"no config.json in {hf_config_dir}: pass --hf-config DIR of the HF model")

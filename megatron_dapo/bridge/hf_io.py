@@ -18,6 +18,16 @@ class CheckpointError(ValueError):
     pass
 
 
+def _safe_open(path: Path):
+    """safe_open, with an unreadable file (truncated, not safetensors) as a CheckpointError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(str(path), "pt")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+
+
 class HFCheckpointReader:
     """Lazy, slice-wise access to the tensors of an HF checkpoint directory.
 
@@ -29,7 +39,10 @@ class HFCheckpointReader:
         self.dir = Path(hf_dir)
         index = self.dir / INDEX_NAME
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_bytes()).get("weight_map")
+            except (ValueError, AttributeError, RecursionError) as e:
+                raise CheckpointError(f"{index} is not a valid index ({type(e).__name__})") from None
             if not isinstance(weight_map, dict):
                 raise CheckpointError(f"{index} has no 'weight_map'")
             self.files = {name: self.dir / f for name, f in weight_map.items()}
@@ -42,7 +55,7 @@ class HFCheckpointReader:
                 raise CheckpointError(f"no *.safetensors files (and no {INDEX_NAME}) in {self.dir}")
             self.files = {}
             for f in shards:
-                with safe_open(str(f), "pt") as s:
+                with _safe_open(f) as s:
                     for name in s.keys():
                         if name in self.files:
                             raise CheckpointError(f"tensor {name!r} is in both {self.files[name].name} and {f.name}")
@@ -54,7 +67,7 @@ class HFCheckpointReader:
             raise CheckpointError(f"tensor {name!r} is missing from the HF checkpoint in {self.dir}")
         f = self.files[name]
         if f not in self._handles:
-            self._handles[f] = safe_open(str(f), "pt")
+            self._handles[f] = _safe_open(f)
         return self._handles[f]
 
     def names(self) -> set[str]:

@@ -23,6 +23,67 @@ from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 
 
+# ---------------------------------------------------------------------------------------------- YAML
+
+# Bounds on a parsed document: anchors and aliases are fine, an alias bomb (a few lines expanding
+# to billions of nodes) or a recursive alias is not; nor is nesting deeper than any config needs.
+MAX_YAML_NODES = 100_000
+MAX_YAML_DEPTH = 64
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate keys in a mapping (YAML says they are an error; PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: the base class reports it
+                continue
+            if first is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
+
+
+def _check_expanded_size(data: Any, where: str) -> None:
+    """ConfigError when `data`, with every alias expanded, exceeds the node or depth bound."""
+    count, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > MAX_YAML_NODES:
+            raise ConfigError(f"{where}: more than {MAX_YAML_NODES} values once aliases are expanded "
+                              f"(an alias bomb or a recursive alias?)")
+        if depth > MAX_YAML_DEPTH:
+            raise ConfigError(f"{where}: nested deeper than {MAX_YAML_DEPTH} levels")
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text -> plain data, strictly (no duplicate keys, bounded size and depth); one-line ConfigError."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}{at}: invalid YAML: {problem}") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: invalid YAML: nested deeper than the parser can follow") from None
+    _check_expanded_size(data, where)
+    return data
+
+
 # --------------------------------------------------------------------------------------------- types
 
 
@@ -115,14 +176,22 @@ def _convert(value: Any, tp: Any, path: str, current: Any = None) -> Any:
             return value
         raise _wrong_type(path, value, tp)
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise ConfigError(f"{path}: {_got(value)} is out of range (a 64-bit integer)")
+            return value
         raise _wrong_type(path, value, tp)
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{path}: expected a finite float, got {_got(value)}")
+            return number
         # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; accept it as the number it means.
         if isinstance(value, str):
             try:
@@ -189,8 +258,8 @@ def _merge(obj: Any, data: dict, prefix: str) -> Any:
 def _parse_override_value(raw: str, tp: Any) -> Any:
     """YAML-parse an override value; a str field keeps the text as written (`run_dir=007` stays "007")."""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
+        value = yaml.load(raw, Loader=_StrictLoader) if raw.strip() else ""  # noqa: S506 - a SafeLoader subclass
+    except (yaml.YAMLError, RecursionError):
         value = raw
     accepts_str = tp is str or (typing.get_origin(tp) in (Union, types.UnionType) and str in typing.get_args(tp))
     if accepts_str and value is not None and not isinstance(value, str):
@@ -217,6 +286,7 @@ def apply_override(cfg: DapoConfig, override: str) -> None:
         tp = _hints(cls)[name]
         if i == len(parts) - 1:
             value = _parse_override_value(raw, tp)
+            _check_expanded_size(value, f"override {path!r}")
             setattr(obj, name, _convert(value, tp, path, getattr(obj, name)))
         elif _is_mapping_type(tp):
             # Free-form mapping (model.hf_config, reward.kwargs): the rest of the path are its keys.
@@ -228,6 +298,7 @@ def apply_override(cfg: DapoConfig, override: str) -> None:
                 node[key] = dict(child) if isinstance(child, dict) else {}
                 node = node[key]
             node[parts[-1]] = _parse_override_value(raw, Any)
+            _check_expanded_size(updated, f"override {path!r}")
             setattr(obj, name, _convert(updated, tp, sub_path, current))
             return
         else:
@@ -249,7 +320,8 @@ def config_from_dict(data: dict | None, overrides: Iterable[str] = (), source: s
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{source or 'config'}: top level must be a mapping of sections, got {_got(data)}")
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}top level must be a mapping of sections, got {_got(data)}")
     _merge(cfg, data, "")
     overrides = list(overrides)
     for override in overrides:
@@ -279,17 +351,21 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), validate
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as e:
         raise ConfigError(f"cannot read config file {str(path)!r}: {e.strerror}") from None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{path}{where}: invalid YAML: {problem}") from None
-    cfg = config_from_dict(data, overrides, source=str(path))
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    data = parse_yaml(text, str(path))
+    try:
+        cfg = config_from_dict(data)
+    except ConfigError as e:  # a key or value of the file: say which file
+        raise ConfigError(f"{path}: {e}") from None
+    for override in overrides:
+        apply_override(cfg, override)
     if validate:
         import logging
 

@@ -264,6 +264,9 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
     if cfg.reward.timeout_s <= 0:
         errors.append(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
     t = cfg.trainer
+    for key, seed in (("trainer.seed", t.seed), ("data.seed", d.seed)):
+        if not 0 <= seed < 2**32:  # numpy and megatron-core's seeding take 32-bit unsigned seeds
+            errors.append(f"{key}={seed} must be in [0, 2**32)")
     if t.total_steps < 1:
         errors.append(f"trainer.total_steps={t.total_steps} must be >= 1")
     if t.val_every < 0:

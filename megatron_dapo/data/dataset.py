@@ -40,17 +40,26 @@ def read_rows(path: str | Path) -> list[dict]:
     if suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except (OSError, ValueError) as e:  # truncated or not parquet (pyarrow's errors derive from these)
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise DatasetError(f"{path}: not a readable parquet file ({reason[:200]})") from None
     if suffix in (".jsonl", ".json"):
         rows = []
-        with path.open() as f:
-            for lineno, line in enumerate(f):
+        with path.open("rb") as f:
+            for lineno, raw in enumerate(f):
+                where = f"{path}: row {len(rows)} (line {lineno + 1})"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise DatasetError(f"{where} is not UTF-8 text (byte {e.start} of the line: {e.reason})") from None
                 if not line.strip():
                     continue
                 try:
                     rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise DatasetError(f"{path}: row {len(rows)} (line {lineno + 1}) is not valid JSON: {e}") from e
+                except (json.JSONDecodeError, RecursionError) as e:
+                    raise DatasetError(f"{where} is not valid JSON: {str(e) or type(e).__name__}") from None
         return rows
     raise DatasetError(f"dataset file {path}: unsupported format {suffix!r} (expected .parquet or .jsonl)")
 

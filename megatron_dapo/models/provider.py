@@ -103,6 +103,20 @@ def check_divisibility(arch: QwenArch, par: ModelParallel) -> None:
         raise ValueError(f"vpp={par.vpp} needs pp >= 2 (got pp={par.pp})")
 
 
+def moe_layer_freq(arch: QwenArch) -> int | list[int]:
+    """megatron-core's `moe_layer_freq` for `arch`: 1 when every layer is MoE, else a per-layer list.
+
+    The value decides the checkpoint layout. With 1 (megatron-core's default, what Megatron-LM trains
+    Qwen3-30B-A3B with) the layers are homogeneous and dist_checkpointing stacks them under
+    `decoder.layers.<name>` with a layer axis; a list switches megatron-core to per-layer keys
+    (`decoder.layers.<i>.<name>`), which only a truly mixed model (mlp_only_layers,
+    decoder_sparse_step > 1) needs.
+    """
+    if all(arch.moe_layers):
+        return 1
+    return [1 if m else 0 for m in arch.moe_layers]
+
+
 def transformer_config(arch: QwenArch, par: ModelParallel, use_te: bool | None = None, **overrides):
     """megatron-core TransformerConfig for `arch` at layout `par`; `overrides` are extra config fields.
 
@@ -167,7 +181,7 @@ def transformer_config(arch: QwenArch, par: ModelParallel, use_te: bool | None =
             moe_aux_loss_coeff=arch.router_aux_loss_coef,
             moe_router_dtype="fp32",
             moe_token_dispatcher_type="alltoall",
-            moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
+            moe_layer_freq=moe_layer_freq(arch),
             moe_grouped_gemm=use_te,  # TEGroupedMLP; the local spec's grouped MLP needs the grouped_gemm package
             moe_shared_expert_intermediate_size=None,
         )

@@ -43,7 +43,7 @@ def _replace_norms(spec):
 def decoder_block_spec(config, use_te: bool, vp_stage: int | None):
     """The TransformerBlockSubmodules for this rank's pipeline stage / virtual chunk.
 
-    Dense and MoE layers mix per `config.moe_layer_freq` (a per-layer list for Qwen3-MoE).
+    Dense and MoE layers mix per `config.moe_layer_freq` (1 for all-MoE Qwen3, a per-layer list for mixed models).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

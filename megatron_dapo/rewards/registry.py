@@ -2,11 +2,14 @@
 
 A reward function is `fn(response: str, ground_truth: str, **extra) -> float | dict`; a dict has
 "score" and optionally "acc" and "pred" (the extracted answer; validation's maj@n votes on it).
-Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs the math-verify package). A custom function is registered with `@register_reward("name")` or
+Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs the math-verify
+package). A custom function is registered with `@register_reward("name")` or
 named in the config as `"package.module:function"`.
 
-`RewardRunner` calls the function with a time limit. A call that raises or runs past the limit
-scores the sample `failure_score` and is counted (`num_errors`, `num_timeouts`); the run goes on.
+`RewardRunner` calls the function with a time limit. A call that raises, runs past the limit or
+returns a non-finite score (NaN, +-inf) scores the sample `failure_score` (the worst score) and is
+counted (`num_errors`, `num_timeouts`, `num_nonfinite`; the run's `reward/failures` metric); the
+run goes on.
 Calls run on daemon threads: a function stuck forever is abandoned (Python cannot kill a
 thread) but holds up neither the batch nor interpreter exit.
 """
@@ -14,6 +17,7 @@ thread) but holds up neither the batch nor interpreter exit.
 from __future__ import annotations
 
 import importlib
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -73,15 +77,23 @@ class RewardResult:
     pred: str | None = None  # the answer the function extracted (a dict's "pred"), for majority votes
 
 
+class NonFiniteReward(ValueError):
+    """A reward function returned NaN or +-inf: scored as a failure, never fed to the advantages."""
+
+
 def _as_result(out) -> RewardResult:
     if isinstance(out, dict):
         if "score" not in out:
             raise ValueError(f"reward function returned a dict without 'score': {sorted(out)}")
         score = float(out["score"])
+        acc = out.get("acc", score > 0)
         pred = out.get("pred")
-        return RewardResult(score, bool(out.get("acc", score > 0)), pred=None if pred is None else str(pred))
-    score = float(out)
-    return RewardResult(score, score > 0)
+    else:
+        score = float(out)
+        acc, pred = score > 0, None
+    if not math.isfinite(score):
+        raise NonFiniteReward(f"reward function returned a non-finite score {score}")
+    return RewardResult(score, bool(acc), pred=None if pred is None else str(pred))
 
 
 class RewardRunner:
@@ -101,6 +113,7 @@ class RewardRunner:
         self.num_scored = 0
         self.num_errors = 0
         self.num_timeouts = 0
+        self.num_nonfinite = 0
         self.last_error: str | None = None
         self._lock = threading.Lock()
 
@@ -137,6 +150,8 @@ class RewardRunner:
                     self.last_error = res.error
                     if res.error and res.error.startswith("timed out"):
                         self.num_timeouts += 1
+                    elif res.error and res.error.startswith(NonFiniteReward.__name__):
+                        self.num_nonfinite += 1
                     else:
                         self.num_errors += 1
         return results
@@ -145,4 +160,5 @@ class RewardRunner:
         return self.score_many([(response, ground_truth, data_source, extra or {})])[0]
 
     def counters(self) -> dict:
-        return {"scored": self.num_scored, "errors": self.num_errors, "timeouts": self.num_timeouts}
+        return {"scored": self.num_scored, "errors": self.num_errors, "timeouts": self.num_timeouts,
+                "nonfinite": self.num_nonfinite}

@@ -415,11 +415,11 @@ class MegatronActor:
         return bool(ok), float(grad_norm if grad_norm is not None else norm)
 
     # ---------------------------------------------------------------- checkpoints and weights
-    def _sharded_state_dict(self, is_loading: bool = False):
+    def _sharded_state_dict(self, is_loading: bool = False, metadata: dict | None = None):
         model_sd = {}
         for i, m in enumerate(self.model):
             key = "model" if len(self.model) == 1 else f"model{i}"
-            model_sd[key] = m.module.sharded_state_dict()
+            model_sd[key] = m.module.sharded_state_dict(metadata=metadata)
         return {
             **model_sd,
             # dp_reshardable: each rank writes its own optimizer shard, no gather (resume keeps TP/PP/EP).
@@ -448,8 +448,12 @@ class MegatronActor:
 
         if not os.path.isdir(path):
             raise FileNotFoundError(f"actor checkpoint {path} does not exist")
+        from megatron_dapo.bridge.layer_layout import sharded_state_dict_metadata
+
         self._materialize_optimizer_state()
-        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True), path)
+        # Checkpoints of all-MoE models saved before they were built stacked hold per-layer keys.
+        meta = sharded_state_dict_metadata([m.module for m in self.model], path)
+        state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True, metadata=meta), path)
         for i, m in enumerate(self.model):
             m.module.load_state_dict(state["model" if len(self.model) == 1 else f"model{i}"])
         with torch.no_grad():  # the fp32 main params are views of the model's leaf parameters

@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.config import ConfigError, load_config
     from megatron_dapo.trainer.launch import LaunchError, run_with_ray, run_with_torchrun
+    from megatron_dapo.trainer.loop import RunSetupError
 
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
             result = run_with_torchrun(cfg, resume=cfg.checkpoint.resume)
         else:
             result = run_with_ray(cfg, resume=cfg.checkpoint.resume)
-    except (LaunchError, ConfigError) as e:
+    except (LaunchError, ConfigError, RunSetupError) as e:  # bad data or checkpoint: named on every rank
         print(f"megatron-dapo train: {e}", file=sys.stderr)
         return 2
     if result is not None:

@@ -161,12 +161,55 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
             "staleness": dict(next_info.staleness),
             "groups": [g.to_state() for g in next_info.groups],
         }
-        torch.save(rollout, tmp / "rollout.pt")
+        ckpt.write_rollout_state(tmp, rollout)
         ckpt.write_trainer_state(tmp, {"step": step, "version": version, "world_size": dist.get_world_size()})
         final = ckpt.commit_save(save_dir, step, cfg.checkpoint.keep_last)
         log.info("checkpoint saved: %s", final)
     dist.barrier()
     return final
+
+
+def prepare_output_dirs(cfg) -> None:
+    """Create logging.run_dir and the checkpoint directory; OSError naming the key unless both are
+    writable directories (a file in the way, a read-only file system)."""
+    import tempfile
+
+    for key, d in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.save_dir", checkpoint_dir(cfg))):
+        try:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=d).close()
+        except OSError as e:
+            raise OSError(f"{key}: cannot write to {d} ({e.strerror or type(e).__name__})") from None
+
+
+def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
+    """Rank 0, before anything collective: the verified checkpoint to resume from and its rollout state
+    (None: no checkpoint, start from scratch). Every file of it is checked here, so that a broken
+    checkpoint is one named error on every rank instead of a failure inside a collective."""
+    found = ckpt.find_resume_checkpoint(checkpoint_dir(cfg))
+    if found is None:
+        return None
+    state = ckpt.read_trainer_state(found)
+    if state["world_size"] != world_size:
+        raise ckpt.CheckpointError(f"{found} was saved by {state['world_size']} trainer ranks, this run has {world_size}")
+    for r in range(world_size):
+        ckpt.read_rng(found, r)
+    return found, ckpt.read_rollout_state(found)
+
+
+def _restore_rollout(producer: RolloutProducer, found: Path, state: dict) -> BatchInfo | None:
+    """Load a checkpoint's rollout state into the producer; returns the saved next batch. A state
+    that does not fit (missing keys, wrong types) is a CheckpointError naming the file."""
+    from megatron_dapo.data.dataset import DatasetError
+
+    try:
+        pending = _restore_next(state.pop("next_batch"))
+        producer.load_state_dict(state)
+    except DatasetError:  # a sampler state for another dataset: it says so
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ckpt.CheckpointError(f"{found / 'rollout.json'} does not fit this run ({type(e).__name__}: {e})") from None
+    return pending
 
 
 def _restore_next(state: dict | None) -> BatchInfo | None:
@@ -206,18 +249,20 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
     run_dir = Path(cfg.logging.run_dir)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        dump_yaml(cfg, run_dir / "config.yaml")
 
-    # Data first, on rank 0, before anything collective: a bad dataset is reported on every
-    # rank at once instead of leaving the other ranks waiting in a collective.
-    producer = writer = val_data = None
+    # Output directories, data and the checkpoint to resume first, on rank 0, before anything
+    # collective: a bad one is reported on every rank at once instead of leaving the other ranks
+    # waiting in a collective (or failing at the first save, after a step of work).
+    producer = writer = val_data = resumed = restored_next = None
     error = None
     if rank == 0:
         from megatron_dapo.data.dataset import DatasetError
 
         try:
+            prepare_output_dirs(cfg)
+            dump_yaml(cfg, run_dir / "config.yaml")
+            if resume:
+                resumed = _read_resume_checkpoint(cfg, dist.get_world_size())
             tokenizer = load_tokenizer(cfg)
             dataset = prompt_dataset(cfg, cfg.data.train_files, tokenizer)
             log.info("train prompts: %d (%d dropped, %d truncated as longer than %d tokens)", len(dataset),
@@ -225,9 +270,11 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             if cfg.data.val_files:
                 val_data = prompt_dataset(cfg, cfg.data.val_files, tokenizer)
             producer = _build_producer(cfg, server_urls, dataset, tokenizer)
-        except (DatasetError, ValueError, OSError) as e:
+            if resumed is not None:
+                restored_next = _restore_rollout(producer, *resumed)
+        except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
             error = f"{type(e).__name__}: {e}"
-    error = _broadcast(error)
+    error, found = _broadcast((error, resumed and str(resumed[0])))
     if error is not None:
         raise RunSetupError(error)
     if rank == 0:
@@ -260,24 +307,16 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
 
 
     start_step, pending = 0, None
-    if resume:
-        found = ckpt.latest_checkpoint(checkpoint_dir(cfg))
-        if found is None:
-            if rank == 0:
-                log.warning("resume requested but %s holds no checkpoint: starting from scratch", checkpoint_dir(cfg))
-        else:
-            state = ckpt.read_trainer_state(found)
-            if state["world_size"] != dist.get_world_size():
-                raise ckpt.CheckpointError(f"{found} was saved by {state['world_size']} trainer ranks, this run "
-                                           f"has {dist.get_world_size()}")
-            actor.load_checkpoint(str(found / "model"))
-            ckpt.load_rng(found, rank)
-            start_step = int(state["step"]) + 1
-            if rank == 0:
-                rollout = torch.load(found / "rollout.pt", weights_only=False)
-                pending = _restore_next(rollout.pop("next_batch"))
-                producer.load_state_dict(rollout)
-                log.info("resumed from %s: next step %d", found, start_step)
+    if resume and found is None and rank == 0:
+        log.warning("resume requested but %s holds no checkpoint: starting from scratch", checkpoint_dir(cfg))
+    if found is not None:
+        found = Path(found)
+        actor.load_checkpoint(str(found / "model"))
+        ckpt.load_rng(found, rank)
+        start_step = ckpt.read_trainer_state(found)["step"] + 1
+        if rank == 0:
+            pending = restored_next
+            log.info("resumed from %s: next step %d", found, start_step)
     # Servers may hold anything (a previous run's weights, a resumed run's older ones): start them
     # from exactly the trainer's weights, at the version the first step is consumed at.
     sync(start_step)
