@@ -29,8 +29,8 @@ from typing import Any
 EMPTY, RESERVED, OCCUPIED = "empty", "reserved", "occupied"
 
 
-class StalenessError(RuntimeError):
-    """A reserve / occupy / consume call that would break the protocol (a caller's bug)."""
+class StalenessError(ValueError):
+    """A reserve / occupy / consume call, or a restored state, that would break the protocol."""
 
 
 @dataclass
