@@ -323,11 +323,15 @@ def config_from_dict(data: dict | None, overrides: Iterable[str] = (), source: s
         where = f"{source}: " if source else ""
         raise ConfigError(f"{where}top level must be a mapping of sections, got {_got(data)}")
     _merge(cfg, data, "")
+    _apply_overrides(cfg, data, overrides)
+    return cfg
+
+
+def _apply_overrides(cfg: DapoConfig, data: dict, overrides: Iterable[str]) -> None:
     overrides = list(overrides)
     for override in overrides:
         apply_override(cfg, override)
     _apply_clip_ratio(cfg, data, overrides)
-    return cfg
 
 
 def _apply_clip_ratio(cfg: DapoConfig, data: dict, overrides: list[str]) -> None:
@@ -364,8 +368,7 @@ def load_config(path: str | os.PathLike, overrides: Iterable[str] = (), validate
         cfg = config_from_dict(data)
     except ConfigError as e:  # a key or value of the file: say which file
         raise ConfigError(f"{path}: {e}") from None
-    for override in overrides:
-        apply_override(cfg, override)
+    _apply_overrides(cfg, data or {}, overrides)  # override errors name the key, not the file
     if validate:
         import logging
 
