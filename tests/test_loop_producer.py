@@ -43,7 +43,7 @@ def _set_server_version(urls, version):
     asyncio.run(go())
 
 
-def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None):
+def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None, max_new_tokens=6, **kw):
     from megatron_dapo.config.schema import OverlongBufferConfig
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rewards import RewardRunner
@@ -52,9 +52,10 @@ def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_s
     from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
 
     settings = ProducerSettings(
-        train_batch_size=B, n=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=6), max_response_length=6,
+        train_batch_size=B, n=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+        max_response_length=max_new_tokens,
         staleness=staleness, gen_batch_size=B, max_num_gen_batches=max_gen, filter_metric="acc",
-        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5), seed=sampling_seed,
+        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5), seed=sampling_seed, **kw,
     )
     return RolloutProducer(lambda: Router(urls), ds, PromptSampler(len(ds), seed=seed),
                            RewardRunner(default=reward, timeout_s=5), settings)
@@ -145,3 +146,106 @@ def test_seeded_producers_regenerate_the_same_batches(setup):
         for _, _, outputs in batch:
             assert len(set(outputs)) == 4, outputs  # n distinct seeds, n distinct samples
     assert [o for _, _, o in c[0]] != [o for _, _, o in a[0]]
+
+
+def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
+    """Both servers paused in abort mode every 0.3 s while a seeded producer runs (what a sync that
+    aborts requests does to it): with partial rollout the aborted samples continue from their tokens
+    (resumes counted, nothing regenerated) and the batch equals an uninterrupted run's; without it
+    the aborted groups start over (their tokens counted as regenerated; two pauses only, or groups
+    longer than the pause interval would never finish), again with an equal batch."""
+    import threading
+
+    from megatron_dapo.rollout.client import SGLangClient
+
+    ds, urls = setup
+
+    def interrupt_until(stop: threading.Event, pauses: int):
+        import asyncio
+
+        async def go():
+            clients = [SGLangClient(u) for u in urls]
+            try:
+                for _ in range(pauses):
+                    if stop.wait(0.3):
+                        break
+                    await asyncio.gather(*(c.pause_generation("abort") for c in clients))
+                    await asyncio.gather(*(c.continue_generation() for c in clients))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+
+        asyncio.run(go())
+
+    def run(pauses, partial):
+        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32,
+                      partial_rollout=partial, max_resubmits=50)
+        stop = threading.Event()
+        t = threading.Thread(target=interrupt_until, args=(stop, pauses))
+        out, resumes, regenerated = [], 0, 0
+        p.start()
+        t.start()
+        try:
+            for step in range(1):
+                info = p.take_batch(step, timeout_s=300)
+                out.append([(g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups])
+                assert all(not s.aborted for g in info.groups for s in g.samples)
+                resumes, regenerated = resumes + info.partial_resumes, regenerated + info.tokens_regenerated
+                p.set_version(step + 1)  # the servers keep version 0: weights never change here
+        finally:
+            stop.set()
+            t.join()
+            p.stop()
+        return out, resumes, regenerated
+
+    def checkpointed():
+        """Paused in abort mode mid-generation and saved while the continuations wait; a new producer
+        loaded from that state continues the saved partial samples."""
+        import asyncio
+        import time
+
+        async def admin(method, *args, **kw):
+            clients = [SGLangClient(u) for u in urls]
+            try:
+                await asyncio.gather(*(getattr(c, method)(*args, **kw) for c in clients))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+
+        make = lambda: _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32)
+        p = make()
+        p.start()
+        try:
+            time.sleep(0.4)
+            asyncio.run(admin("pause_generation", "abort"))
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                with p._cv:
+                    if any(f.samples for f in p.flight.values()):
+                        break
+                time.sleep(0.05)
+            time.sleep(0.3)  # let the other aborted answers arrive
+            state = p.state_dict()
+        finally:
+            p.stop()
+            asyncio.run(admin("abort_request", abort_all=True))
+            asyncio.run(admin("continue_generation"))
+        q = make()
+        q.load_state_dict(state)
+        q.start()
+        try:
+            info = q.take_batch(0, timeout_s=300)
+        finally:
+            q.stop()
+        batch = [(g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups]
+        partial = [s for f in state["in_flight"] for s in f["samples"] or ()
+                   if s["finish_reason"] == "abort" and len(s["output_ids"]) < 32]
+        return batch, state, partial, info
+
+    plain, partial, restarted = run(0, True), run(1000, True), run(2, False)
+    assert plain[1:] == (0, 0)
+    batch, state, saved_partial, info = checkpointed()
+    assert state["in_flight"] and saved_partial and any(s["output_ids"] for s in saved_partial)
+    # every saved partial sample was continued (one request each), none regenerated, same batch
+    assert info.partial_resumes == len(saved_partial) and info.tokens_regenerated == 0
+    assert batch == plain[0][0]
+    assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
+    assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0

@@ -98,6 +98,9 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
         assert r["actor/optimizer_steps"] == 2 and r["actor/skipped_steps"] == 0
         assert r["sync/verify_max_abs_diff"] < 1e-4  # servers hold exactly the trainer's new weights
         assert r["groups/kept"] == 4 and r["response/length_max"] <= 8
+        # the staleness bound is kept by reservation: nothing over it, nothing discarded or regenerated
+        assert r["groups/over_staleness_bound"] == 0 and r["rollout/tokens_regenerated"] == 0
+        assert "groups/dropped_stale" not in r and r["rollout/reserved_slots"] + r["rollout/occupied_slots"] <= 4
         assert r["advantages/min"] < 0 < r["advantages/max"] and 0 <= r["reward/overlong_frac"] <= 1
         assert 0 < r["prompt/length_min"] <= r["prompt/length_mean"] <= r["prompt/length_max"] <= 64
         probe.append(r["sync/probe_logprob_mean"])

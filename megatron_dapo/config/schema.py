@@ -113,7 +113,9 @@ class AlgoConfig:
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
     overlong_filter: bool = False  # mask truncated responses out of the loss (kept in the group baseline)
-    staleness: int = 3  # max weight versions a consumed sample may lag; 0 = synchronous on-policy
+    # max weight versions a consumed sample may lag; 0 = synchronous on-policy. Enforced by reserving a
+    # slot in a buffer <= V_traj + staleness at dispatch (megatron_dapo.coordinator.staleness): never discarded.
+    staleness: int = 3
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     # Must be 0: DAPO removes the KL term (arXiv:2503.14476, sec. 2.3), so there is no reference policy.
     kl_coef: float = 0.0
@@ -177,6 +179,10 @@ class RolloutConfig:
     # batch-invariant logprobs, so a resumed synchronous run reproduces the uninterrupted one exactly.
     # Costs generation throughput (the embedded server then runs one forward per sequence).
     deterministic_inference: bool = False
+    # Partial rollout: a sample the server aborts (an update that aborts requests, a pause in abort
+    # mode) continues from its tokens and logprobs, same seed, max_new_tokens reduced; each token keeps
+    # the weight version that made it. False = the aborted group is generated again from scratch.
+    partial_rollout: bool = True
     sync: SyncConfig = field(default_factory=SyncConfig)
 
 

@@ -53,6 +53,7 @@ class JudgedGroup:
     kept: bool = True
     token_versions: list[list[int]] = field(default_factory=list)
     draw: int = -1  # the sampler's draw number of this prompt (batches are ordered by it); -1 = unknown
+    v_traj: int = -1  # servers' weight version when the group was first dispatched (staleness slot); -1 = unknown
 
     @property
     def seq_rewards(self) -> list[float]:
@@ -83,14 +84,16 @@ class JudgedGroup:
 
     @classmethod
     def from_state(cls, d: dict) -> "JudgedGroup":
-        from megatron_dapo.rollout.types import WeightVersionSpan
+        return cls(**{**d, "samples": [sample_from_state(s) for s in d["samples"]]})
 
-        samples = []
-        for s in d["samples"]:
-            s = dict(s)
-            s["weight_versions"] = [WeightVersionSpan(**w) for w in s.get("weight_versions") or []]
-            samples.append(Sample(**s))
-        return cls(**{**d, "samples": samples})
+
+def sample_from_state(d: dict) -> Sample:
+    """A Sample from its `dataclasses.asdict` form (checkpoints)."""
+    from megatron_dapo.rollout.types import WeightVersionSpan
+
+    d = dict(d)
+    d["weight_versions"] = [WeightVersionSpan(**w) for w in d.get("weight_versions") or []]
+    return Sample(**d)
 
 
 def judge_group(

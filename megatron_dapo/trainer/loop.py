@@ -108,6 +108,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer):
         filter_metric=fg.metric if fg.enable else None,
         overlong=cfg.algo.overlong_buffer,
         seed=cfg.trainer.seed if cfg.rollout.sampling.seeded else None,
+        partial_rollout=cfg.rollout.partial_rollout,
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     r = cfg.rollout
@@ -132,10 +133,12 @@ def _step_metrics(info: BatchInfo, cfg, batch: RolloutBatch) -> dict:
         "groups/kept": info.kept,
         "groups/dropped_all_correct": info.dropped_all_correct,
         "groups/dropped_all_wrong": info.dropped_all_wrong,
-        "groups/dropped_stale": info.dropped_stale,
         "groups/gen_batches": info.gen_batches,
         "reward/failures": info.reward_failures,
+        # measured on the batch, not assumed: the reservation protocol keeps it at 0
+        "groups/over_staleness_bound": sum(n for k, n in info.staleness.items() if k > cfg.algo.staleness),
     })
+    m.update(info.metrics())
     m.update(staleness_metrics(info.staleness, cfg.algo.staleness))
     return m
 
@@ -152,8 +155,9 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
     if rank == 0:
         rollout = producer.state_dict()
         rollout["next_batch"] = None if next_info is None else {
-            **{k: getattr(next_info, k) for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "dropped_stale",
-                                                   "gen_batches", "reward_failures", "wait_s")},
+            **{k: getattr(next_info, k) for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "gen_batches",
+                                                   "reward_failures", "wait_s", "reserved_slots",
+                                                   "occupied_slots", "partial_resumes", "tokens_regenerated")},
             "staleness": dict(next_info.staleness),
             "groups": [g.to_state() for g in next_info.groups],
         }
@@ -211,6 +215,7 @@ def _restore_rollout(producer: RolloutProducer, found: Path, state: dict) -> Bat
 def _restore_next(state: dict | None) -> BatchInfo | None:
     if state is None:
         return None
+    state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
     return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
                      staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}), **state)
 

@@ -3,14 +3,24 @@
 `RolloutProducer` runs an asyncio loop on its own thread (trainer rank 0). It submits prompt
 groups (one `/generate` with n samples each; a batch of n seeded ones when seeded) through the
 router; when a group's n samples are back it is scored (reward runner, overlong shaping) and judged
-by dynamic sampling; kept groups enter a FIFO buffer that the trainer drains with `take_batch(step)`.
+by dynamic sampling; kept groups occupy staleness slots, and the trainer takes step t's full buffer
+with `take_batch(t)`.
 
-Bounded staleness. The trainer at step t holds weights version t; a group whose oldest token
-came from version w has staleness t - w. With bound s, the producer running at version v may
-have at most (v + s + 1) * B groups produced in total (B = train_batch_size): those consumed,
-buffered, and in flight. So with s = 0 it generates exactly one step ahead of nothing (on-policy),
-with s = 1 it works on step v + 1's batch while step v trains. A buffered group that is still
-too old when taken (a slow request) is dropped and counted, never trained on.
+Bounded staleness, by reservation (megatron_dapo.coordinator.staleness). The trainer at step t
+holds weights version t and consumes buffer t. A group is dispatched only if it can reserve a slot
+in a buffer no later than V_traj + s (V_traj: the servers' version at dispatch, bound s); when it
+completes it occupies the earliest slot it may take, never a later buffer than it reserved. So the bound
+holds by construction: no group is ever too old when trained, and none is thrown away for it (a
+slow group holds its buffer back instead). A group dropped by dynamic sampling frees its slot and
+a fresh prompt is dispatched at once. With s = 0 the producer generates exactly the next batch
+(on-policy); with s = 1 it works on step v + 1's batch while step v trains.
+
+Partial rollout (`partial_rollout`, megatron_dapo.coordinator.partial). A sample the server aborted
+(e.g. a weight update that aborts requests) continues from its tokens and logprobs, on the same
+seed, with the weights the server holds now; its spans record the version of every token. Without
+it the whole group is generated again from scratch (its tokens counted as regenerated). A
+checkpoint keeps the groups in flight with their slots and partial samples; a resumed producer
+dispatches them again, continuing what the servers had answered.
 
 Seeded rollouts. With `settings.seed` set, sample i of the prompt at draw number d (the sampler's
 position, see `PromptSampler.next_draw`) is generated with `sampling_seed = sample_seed(seed, d, i)`,
@@ -35,11 +45,13 @@ import math
 import threading
 import time
 import uuid
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_dapo.rollout.types import SamplingParams
-from megatron_dapo.trainer.groups import JudgedGroup, judge_group
+from megatron_dapo.coordinator import StalenessController, finish_partial
+from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
+from megatron_dapo.rollout.types import Sample, SamplingParams
+from megatron_dapo.trainer.groups import JudgedGroup, judge_group, sample_from_state
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +86,8 @@ class ProducerSettings:
     max_num_gen_batches: int = 10  # 0 = no limit
     filter_metric: str | None = "acc"  # None = dynamic sampling off
     overlong: object = None  # OverlongBufferConfig
-    max_resubmits: int = 3  # a group aborted by the server (e.g. during an update) is sent again
+    max_resubmits: int = 3  # aborts in a row without a new token (partial) / group restarts (not partial)
+    partial_rollout: bool = True  # continue aborted samples from their tokens instead of regenerating the group
     seed: int | None = None  # base of per-sample sampling seeds (see the module doc); None = unseeded
 
 
@@ -86,16 +99,33 @@ class BatchInfo:
     kept: int
     dropped_all_correct: int
     dropped_all_wrong: int
-    dropped_stale: int
     gen_batches: int
     reward_failures: int
     staleness: Counter = field(default_factory=Counter)  # staleness -> groups
     wait_s: float = 0.0
+    reserved_slots: int = 0  # groups in flight holding a reservation, when the batch was taken
+    occupied_slots: int = 0  # completed groups left in later buffers, when the batch was taken
+    partial_resumes: int = 0  # continuation requests of aborted samples since the last batch
+    tokens_regenerated: int = 0  # generated tokens thrown away (aborted groups restarted) since the last batch
+
+    def metrics(self) -> dict[str, float]:
+        return {"rollout/reserved_slots": self.reserved_slots, "rollout/occupied_slots": self.occupied_slots,
+                "rollout/partial_resumes": self.partial_resumes,
+                "rollout/tokens_regenerated": self.tokens_regenerated}
+
+
+@dataclass
+class InFlight:
+    """A dispatched group not yet judged: what a checkpoint needs to dispatch it again."""
+
+    idx: int  # dataset index
+    v_traj: int
+    samples: list[Sample] | None = None  # the latest answers (aborted ones partial); None = none yet
 
 
 class RolloutProducer:
     def __init__(self, router_factory, dataset, sampler, reward_runner, settings: ProducerSettings, version: int = 0,
-                 tokenizer=None):
+                 tokenizer=None, clock=time.monotonic):
         """`router_factory()` builds the router inside the producer's event loop (aiohttp sessions
         belong to the loop that creates them). With `tokenizer`, responses are judged on their
         tokens decoded here (special tokens skipped), whatever text the server returns."""
@@ -103,20 +133,37 @@ class RolloutProducer:
         self.router_factory = router_factory
         self.dataset, self.sampler, self.rewards = dataset, sampler, reward_runner
         self.s = settings
+        self.clock = clock
         self.gen_batch_size = settings.gen_batch_size or settings.train_batch_size
         self._cv = threading.Condition()
         self.version = version
-        self.consumed = 0  # groups handed to the trainer, ever (after resume: restored)
-        self.buffer: deque[JudgedGroup] = deque()
-        self.in_flight = 0
+        self.slots = StalenessController(settings.train_batch_size, settings.staleness, clock=clock)
         self.judged_since_take = 0
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
+        self.resumes_since_take = self.regenerated_since_take = 0
+        self.flight: dict[int, InFlight] = {}  # draw -> its group in flight
+        self._redispatch: list[int] = []  # draws restored in flight from a checkpoint
         self.error: BaseException | None = None
         self.exhausted = False
         self._stop = False
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+
+    # ---- views of the staleness buffers (under self._cv) ----------------------------------------
+    @property
+    def consumed(self) -> int:
+        """Groups handed to the trainer, ever (after resume: restored)."""
+        return self.slots.next_buffer * self.s.train_batch_size
+
+    @property
+    def in_flight(self) -> int:
+        return self.slots.count(RESERVED)
+
+    @property
+    def buffer(self) -> list[JudgedGroup]:
+        """Completed groups waiting to be trained on, in buffer and slot order."""
+        return [g for _, _, g in self.slots.occupied_items()]
 
     # ---- lifecycle (trainer thread) --------------------------------------------------------------
     def start(self) -> None:
@@ -136,19 +183,14 @@ class RolloutProducer:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def set_version(self, version: int) -> None:
-        """Servers now hold `version` (after a weight sync): more groups may be submitted."""
+        """Servers now hold `version` (after a weight sync): later buffers open for reservations."""
         with self._cv:
             self.version = version
         self._poke()
 
-    # ---- capacity ------------------------------------------------------------------------------
-    def _capacity(self) -> int:
-        budget = (self.version + self.s.staleness + 1) * self.s.train_batch_size
-        return budget - self.consumed - len(self.buffer) - self.in_flight
-
     def _limit_reached(self) -> bool:
         limit = self.s.max_num_gen_batches * self.gen_batch_size
-        return limit > 0 and self.judged_since_take >= limit and len(self.buffer) < self.s.train_batch_size
+        return limit > 0 and self.judged_since_take >= limit and not self.slots.ready()
 
     # ---- the event loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -160,6 +202,22 @@ class RolloutProducer:
                 self.error = e
                 self._cv.notify_all()
 
+    def _dispatchable(self) -> list[tuple[int, int, int]]:
+        """Draw a prompt for every slot that can be reserved now: (dataset index, draw, V_traj)."""
+        if self._limit_reached():
+            self.exhausted = True
+            self._cv.notify_all()
+        if self.exhausted:
+            return []
+        picks = [(self.flight[d].idx, d, self.flight[d].v_traj) for d in self._redispatch]
+        self._redispatch = []
+        for _ in range(self.slots.reservable(self.version)):
+            idx, draw = self.sampler.next_draw()
+            self.slots.reserve(draw, self.version)
+            self.flight[draw] = InFlight(idx, self.version)
+            picks.append((idx, draw, self.version))
+        return picks
+
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
@@ -170,14 +228,9 @@ class RolloutProducer:
                 with self._cv:
                     if self._stop:
                         break
-                    if self._limit_reached():
-                        self.exhausted = True
-                        self._cv.notify_all()
-                    n_new = 0 if self.exhausted else max(0, self._capacity())
-                    picks = [self.sampler.next_draw() for _ in range(n_new)]
-                    self.in_flight += n_new
-                for idx, draw in picks:
-                    t = asyncio.create_task(self._one_group(router, idx, draw))
+                    picks = self._dispatchable()
+                for idx, draw, v_traj in picks:
+                    t = asyncio.create_task(self._one_group(router, idx, draw, v_traj))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
                 self._wake.clear()
@@ -186,122 +239,194 @@ class RolloutProducer:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
+    def _sampling(self, draw: int, index: int) -> SamplingParams:
+        """Sample `index`'s own parameters (its seed when seeded)."""
+        seed = None if self.s.seed is None else sample_seed(self.s.seed, draw, index)
+        return replace(self.s.sampling, n=1, sampling_seed=seed)
+
     async def _generate(self, router, prompt: list[int], draw: int, group_id: str) -> list:
         if self.s.seed is None:
             sampling = SamplingParams(**{**self.s.sampling.__dict__, "n": self.s.n})
             return await router.generate(prompt, sampling, group_id=group_id)
 
         # one batch request: the server takes the group at once (n requests would straggle in)
-        seeded = [replace(self.s.sampling, n=1, sampling_seed=sample_seed(self.s.seed, draw, i))
-                  for i in range(self.s.n)]
+        seeded = [self._sampling(draw, i) for i in range(self.s.n)]
         return await router.generate(prompt, seeded, group_id=group_id, rid=group_id)
 
-    async def _one_group(self, router, idx: int, draw: int = -1) -> None:
-        rec = self.dataset[idx]
-        try:
-            for attempt in range(self.s.max_resubmits + 1):
-                # a fresh group id per attempt: rids of an aborted attempt may still be in flight
-                samples = await self._generate(router, list(rec.prompt_ids), draw, f"p{idx}-{uuid.uuid4().hex[:8]}")
-                if not any(s.aborted for s in samples):
-                    break
-                log.info("group of prompt %d aborted by the server (attempt %d); resubmitting", idx, attempt)
+    def _count(self, resumes: int = 0, regenerated: int = 0) -> None:
+        with self._cv:
+            self.resumes_since_take += resumes
+            self.regenerated_since_take += regenerated
+
+    def _progress(self, draw: int, sample: Sample) -> None:
+        with self._cv:
+            if draw in self.flight:
+                self.flight[draw].samples[sample.index] = sample
+
+    async def _generate_group(self, router, prompt: list[int], idx: int, draw: int,
+                              resumed: list[Sample] | None = None) -> list[Sample]:
+        """The group's n finished samples; `resumed`: its answers saved by a checkpoint, continued."""
+        for attempt in range(self.s.max_resubmits + 1):
+            if resumed is not None:
+                samples, resumed = resumed, None
             else:
-                raise RuntimeError(f"prompt {idx}: generation aborted {self.s.max_resubmits + 1} times")
-            samples = sorted(samples, key=lambda s: s.index)
-            for i, s in enumerate(samples):
-                s.index = i
+                # a fresh group id per attempt: rids of an aborted attempt may still be in flight
+                samples = await self._generate(router, prompt, draw, f"p{idx}-{uuid.uuid4().hex[:8]}")
+                samples = sorted(samples, key=lambda s: s.index)
+                for i, s in enumerate(samples):
+                    s.index = i
+            if not any(s.aborted for s in samples):
+                return samples
+            if self.s.partial_rollout:
+                with self._cv:
+                    self.flight[draw].samples = list(samples)
+                return list(await asyncio.gather(*(self._finish(router, draw, s) for s in samples)))
+            self._count(regenerated=sum(len(s.output_ids) for s in samples))
+            log.info("group of prompt %d aborted by the server (attempt %d); resubmitting", idx, attempt)
+        raise RuntimeError(f"prompt {idx}: generation aborted {self.s.max_resubmits + 1} times")
+
+    async def _finish(self, router, draw: int, sample: Sample) -> Sample:
+        """Partial rollout of one aborted sample, on its group's server when it can."""
+
+        async def generate(input_ids, sampling):
+            rid = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:6]}"
+            (piece,) = await router.generate(input_ids, sampling, group_id=sample.group_id, rid=rid)
+            return piece
+
+        return await finish_partial(generate, sample, self._sampling(draw, sample.index), self.s.max_resubmits,
+                                    on_resume=lambda: self._count(resumes=1),
+                                    on_progress=lambda merged: self._progress(draw, merged))
+
+    async def _one_group(self, router, idx: int, draw: int, v_traj: int) -> None:
+        rec = self.dataset[idx]
+        with self._cv:
+            resumed = self.flight[draw].samples
+        try:
+            samples = await self._generate_group(router, list(rec.prompt_ids), idx, draw, resumed)
             extra = dict(rec.extra_info)
             items = [(response_text(s, self.tokenizer), rec.ground_truth, rec.data_source, extra) for s in samples]
             rewards = await asyncio.to_thread(self.rewards.score_many, items)
             group = judge_group(idx, samples, rewards, self.s.max_response_length, self.s.overlong, self.s.filter_metric)
-            group.draw = draw
+            group.draw, group.v_traj = draw, v_traj
         except asyncio.CancelledError:
             with self._cv:
-                self.in_flight -= 1
+                self.slots.release(draw)
+                self.flight.pop(draw, None)
             raise
         except BaseException as e:
             with self._cv:
-                self.in_flight -= 1
+                self.slots.release(draw)
+                self.flight.pop(draw, None)
                 self.error = e
                 self._cv.notify_all()
             return
         with self._cv:
-            self.in_flight -= 1
+            self.flight.pop(draw, None)
             self.judged_since_take += 1
             self.failures_since_take += group.reward_failures
             if group.kept:
-                self.buffer.append(group)
-            elif group.accs and all(group.accs):
-                self.dropped_correct += 1
-            else:
-                self.dropped_wrong += 1
+                self.slots.occupy(draw, group)
+            else:  # dynamic sampling: the slot goes to a fresh prompt at once
+                self.slots.release(draw)
+                if group.accs and all(group.accs):
+                    self.dropped_correct += 1
+                else:
+                    self.dropped_wrong += 1
             self._cv.notify_all()
         self._wake.set()
 
     # ---- the trainer's side --------------------------------------------------------------------
     def take_batch(self, step: int, timeout_s: float = 3600.0) -> BatchInfo:
-        """Block until B groups no older than `staleness` versions relative to `step` are buffered."""
-        B, s = self.s.train_batch_size, self.s.staleness
+        """Block until step `step`'s buffer is full, then hand over its B groups (in draw order)."""
+        B = self.s.train_batch_size
         t0 = time.monotonic()
-        dropped_stale = 0
         with self._cv:
+            if step != self.slots.next_buffer:
+                raise ValueError(f"take_batch({step}): the next buffer is step {self.slots.next_buffer}'s")
             while True:
                 if self.error is not None:
                     raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
-                while self.buffer and step - self.buffer[0].min_version > s:
-                    self.buffer.popleft()  # too old by now: never trained on; frees capacity
-                    dropped_stale += 1
-                    self._poke()
-                if len(self.buffer) >= B:
+                if self.slots.ready():
                     break
+                kept = self.slots.count(OCCUPIED, step)
                 if self.exhausted:
                     raise DynamicSamplingExhausted(
                         f"dynamic sampling: {self.judged_since_take} groups judged in "
                         f"{math.ceil(self.judged_since_take / self.gen_batch_size)} generation batches "
                         f"(algo.filter_groups.max_num_gen_batches={self.s.max_num_gen_batches}, "
-                        f"{self.gen_batch_size} prompts each), only {len(self.buffer)} kept; dropped "
+                        f"{self.gen_batch_size} prompts each), only {kept} kept; dropped "
                         f"{self.dropped_correct} all-correct and {self.dropped_wrong} all-wrong groups; "
                         f"train_batch_size needs {B}. Raise max_num_gen_batches or n_resp_per_prompt, "
                         f"or use an easier / warmer start."
                     )
                 if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError(f"no full batch for step {step} after {timeout_s}s "
-                                       f"({len(self.buffer)}/{B} groups kept, {self.in_flight} in flight)")
+                                       f"({kept}/{B} groups kept, {self.in_flight} in flight)")
                 self._cv.wait(1.0)
             # Draw order, not finishing order: the order of a batch (hence its mini-batches) does not
             # depend on timing.
-            groups = sorted((self.buffer.popleft() for _ in range(B)), key=lambda g: g.draw)
-            # Judged groups beyond this batch (already buffered) count towards the next one.
-            judged = self.judged_since_take - len(self.buffer)
+            groups = sorted(self.slots.consume(), key=lambda g: g.draw)
+            later = self.slots.count(OCCUPIED)
+            # Judged groups beyond this batch (already in later buffers) count towards the next one.
+            judged = self.judged_since_take - later
             info = BatchInfo(
-                groups, B, self.dropped_correct, self.dropped_wrong, dropped_stale,
+                groups, B, self.dropped_correct, self.dropped_wrong,
                 gen_batches=max(1, math.ceil(judged / self.gen_batch_size)),
                 reward_failures=self.failures_since_take,
                 staleness=Counter(step - g.min_version for g in groups),
                 wait_s=time.monotonic() - t0,
+                reserved_slots=self.in_flight, occupied_slots=later,
+                partial_resumes=self.resumes_since_take, tokens_regenerated=self.regenerated_since_take,
             )
-            self.consumed += B  # stale drops free their budget: only trained groups count
-            self.judged_since_take = len(self.buffer)
+            self.judged_since_take = later
             self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
+            self.resumes_since_take = self.regenerated_since_take = 0
         self._poke()
         return info
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Data position and the buffered (judged, not yet trained) groups. In-flight groups are lost
-        on resume; the sampler position after them is kept, so no prompt is drawn twice."""
+        """Data position, the completed groups not yet trained and the groups in flight, with their
+        slots. A resumed producer dispatches the in-flight groups again (same draw, V_traj and slot),
+        continuing the samples the servers had answered partially (partial rollout); so no prompt is
+        lost or drawn twice. Tokens a server had not yet answered are generated again."""
+        from dataclasses import asdict
+
         with self._cv:
+            occupied = self.slots.occupied_items()
             return {
                 "sampler": self.sampler.state_dict(),
                 "consumed": self.consumed,
                 "version": self.version,
-                "buffer": [g.to_state() for g in self.buffer],
+                "buffer": [g.to_state() for _, _, g in occupied],
+                "slots": [[b, i] for b, i, _ in occupied],
+                "in_flight": [
+                    {"draw": d, "idx": f.idx, "v_traj": f.v_traj, "slot": list(self.slots.where[d]),
+                     "samples": None if f.samples is None else [asdict(s) for s in f.samples]}
+                    for d, f in sorted(self.flight.items())
+                ],
             }
 
     def load_state_dict(self, state: dict) -> None:
+        B = self.s.train_batch_size
+        consumed = int(state["consumed"])
+        if consumed % B:
+            raise ValueError(f"rollout state: {consumed} groups consumed is not a multiple of "
+                             f"train_batch_size {B}")
+        groups = [JudgedGroup.from_state(g) for g in state["buffer"]]
+        # checkpoints older than the staleness slots: completed groups fill the next buffers in order
+        where = state.get("slots") or [(consumed // B + i // B, i % B) for i in range(len(groups))]
+        slots = StalenessController(B, self.s.staleness, clock=self.clock, next_buffer=consumed // B)
+        for n, (g, (b, i)) in enumerate(zip(groups, where)):
+            v_traj = g.v_traj if g.v_traj >= 0 else g.min_version
+            slots.restore(g.draw if g.draw >= 0 else f"restored-{n}", v_traj, int(b), int(i), g)
+        flight = {}
+        for f in state.get("in_flight") or []:
+            draw = int(f["draw"])
+            slots.restore(draw, int(f["v_traj"]), int(f["slot"][0]), int(f["slot"][1]), state=RESERVED)
+            samples = None if f["samples"] is None else [sample_from_state(s) for s in f["samples"]]
+            flight[draw] = InFlight(int(f["idx"]), int(f["v_traj"]), samples)
         with self._cv:
             self.sampler.load_state_dict(state["sampler"])
             self.version = int(state["version"])
-            self.buffer = deque(JudgedGroup.from_state(g) for g in state["buffer"])
-            # What was in flight at save time is gone: the budget counts only what exists.
-            self.consumed = int(state["consumed"])
+            self.slots, self.flight, self._redispatch = slots, flight, sorted(flight)

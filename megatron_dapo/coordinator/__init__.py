@@ -1,0 +1,11 @@
+"""The rollout coordinator's policies: staleness by reservation, partial rollout.
+
+Plain classes and pure functions with an injectable clock and no I/O, so that the async producer
+(megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
+"""
+
+from megatron_dapo.coordinator.partial import continuation_sampling, finish_partial, merge_continuation
+from megatron_dapo.coordinator.staleness import StalenessController, StalenessError
+
+__all__ = ["StalenessController", "StalenessError", "continuation_sampling", "finish_partial",
+           "merge_continuation"]

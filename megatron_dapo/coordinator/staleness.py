@@ -1,0 +1,167 @@
+"""Bounded staleness by reservation (PSRL's reserve / occupy / consume), for whole prompt groups.
+
+There is one buffer per training version: buffer b holds the `slots` groups that training step b
+consumes (with weights version b). A group's trajectory version V_traj is the servers' version when
+it is first dispatched; it never changes (partial rollout keeps it), and every token of the group
+comes from a version >= V_traj. With staleness bound s the group may be trained at any step in
+[V_traj, V_traj + s], so:
+
+- reserve: a group is dispatched only if a slot can be reserved in the highest open buffer
+  <= V_traj + s (its worst case), taking that buffer's last empty slot (buffers fill from the back);
+- occupy: when it completes, its reservation is released and it takes the earliest empty slot of
+  the earliest open buffer, which is never later than the one it reserved (or the earliest slot
+  of an in-flight group that may move to its freed slot: see `occupy`);
+- release: a group dropped by dynamic sampling (or failed) gives its slot back, so a fresh prompt
+  can be dispatched at once;
+- consume: the trainer takes the next buffer when all its slots are occupied, and moves on.
+
+The bound therefore holds by construction and nothing completed is ever discarded for staleness:
+a slow group holds its buffer back (the trainer waits) instead of being thrown away.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+EMPTY, RESERVED, OCCUPIED = "empty", "reserved", "occupied"
+
+
+class StalenessError(ValueError):
+    """A reserve / occupy / consume call, or a restored state, that would break the protocol."""
+
+
+@dataclass
+class Slot:
+    state: str = EMPTY
+    key: Hashable | None = None
+    v_traj: int = -1
+    item: Any = None
+    since: float = 0.0  # clock() when the slot took its current state
+
+
+class StalenessController:
+    """Reserve / occupy / consume over per-version buffers of `slots` group slots.
+
+    Not thread-safe: the caller holds its own lock. `clock` (seconds, monotonic) only timestamps
+    slots, for the ages and waits a scheduler may look at; it never changes a decision.
+    """
+
+    def __init__(self, slots: int, staleness: int, clock: Callable[[], float] = time.monotonic,
+                 next_buffer: int = 0):
+        if slots < 1:
+            raise ValueError(f"staleness buffers need at least one slot, got {slots}")
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0, got {staleness}")
+        self.slots, self.staleness, self.clock = slots, staleness, clock
+        self.next_buffer = next_buffer  # the buffer the trainer consumes next; earlier ones are gone
+        self.buffers: dict[int, list[Slot]] = {}
+        self.where: dict[Hashable, tuple[int, int]] = {}  # key -> (buffer, slot), reserved or occupied
+
+    # ---- queries -------------------------------------------------------------------------------
+    def _buffer(self, b: int) -> list[Slot]:
+        if b not in self.buffers:
+            self.buffers[b] = [Slot(since=self.clock()) for _ in range(self.slots)]
+        return self.buffers[b]
+
+    def _open(self, hi: int) -> list[int]:
+        """Buffers that may still take a group, from the next one up to `hi`."""
+        return [b for b in range(self.next_buffer, hi + 1) if any(s.state == EMPTY for s in self._buffer(b))]
+
+    def reservable(self, v_traj: int) -> int:
+        """Empty slots a group dispatched now at version `v_traj` could reserve."""
+        return sum(sum(s.state == EMPTY for s in self._buffer(b)) for b in self._open(v_traj + self.staleness))
+
+    def count(self, state: str, buffer: int | None = None) -> int:
+        bufs = [self.buffers[buffer]] if buffer in self.buffers else [] if buffer is not None else self.buffers.values()
+        return sum(s.state == state for buf in bufs for s in buf)
+
+    def ready(self) -> bool:
+        """The next buffer is full of completed groups: the trainer may consume it."""
+        return self.count(OCCUPIED, self.next_buffer) == self.slots
+
+    def occupied_items(self) -> list[tuple[int, int, Any]]:
+        """(buffer, slot, item) of every completed, not yet consumed group, in buffer and slot order."""
+        return [(b, i, s.item) for b in sorted(self.buffers) for i, s in enumerate(self.buffers[b])
+                if s.state == OCCUPIED]
+
+    def oldest_reservation_age(self) -> float:
+        now = self.clock()
+        return max((now - s.since for buf in self.buffers.values() for s in buf if s.state == RESERVED), default=0.0)
+
+    # ---- the protocol --------------------------------------------------------------------------
+    def reserve(self, key: Hashable, v_traj: int) -> tuple[int, int] | None:
+        """Reserve the worst-case slot for a group about to be dispatched; None = may not dispatch."""
+        if key in self.where:
+            raise StalenessError(f"group {key!r} already holds a slot at {self.where[key]}")
+        open_ = self._open(v_traj + self.staleness)
+        if not open_:
+            return None
+        b = open_[-1]
+        buf = self.buffers[b]
+        i = max(j for j, s in enumerate(buf) if s.state == EMPTY)
+        buf[i] = Slot(RESERVED, key, v_traj, since=self.clock())
+        self.where[key] = (b, i)
+        return b, i
+
+    def release(self, key: Hashable) -> None:
+        """Give a reserved slot back (the group was dropped, failed, or is abandoned)."""
+        b, i = self._reserved(key)
+        self.buffers[b][i] = Slot(since=self.clock())
+        del self.where[key]
+
+    def occupy(self, key: Hashable, item: Any) -> tuple[int, int]:
+        """A reserved group completed: place it in the earliest slot it may take; returns (buffer, slot).
+
+        That is the earliest empty slot, or the earliest slot reserved by an in-flight group whose
+        bound still holds one buffer later, in the slot this group leaves (the two swap). PSRL takes
+        empty slots only; then the groups dispatched first, which reserved the latest buffer, can
+        never fill the trainer's next buffer, and the trainer waits for later ones while they sit done.
+        """
+        b_res, i_res = self._reserved(key)
+        v_traj = self.buffers[b_res][i_res].v_traj
+        self.buffers[b_res][i_res] = Slot(since=self.clock())
+        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
+                    if s.state == EMPTY or (s.state == RESERVED and b_res <= s.v_traj + self.staleness))
+        moved = self.buffers[b][i]
+        if moved.state == RESERVED:  # its worst case moves later, still within its bound
+            self.buffers[b_res][i_res] = moved
+            self.where[moved.key] = (b_res, i_res)
+        self.buffers[b][i] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
+        self.where[key] = (b, i)
+        return b, i
+
+    def consume(self) -> list[Any]:
+        """The next buffer's items in slot order; the trainer moves on to the buffer after it."""
+        if not self.ready():
+            raise StalenessError(f"buffer {self.next_buffer} is not full: "
+                                 f"{self.count(OCCUPIED, self.next_buffer)}/{self.slots} slots occupied")
+        buf = self.buffers.pop(self.next_buffer)
+        for s in buf:
+            del self.where[s.key]
+        self.next_buffer += 1
+        return [s.item for s in buf]
+
+    def _reserved(self, key: Hashable) -> tuple[int, int]:
+        pos = self.where.get(key)
+        if pos is None or self.buffers[pos[0]][pos[1]].state != RESERVED:
+            raise StalenessError(f"group {key!r} holds no reservation")
+        return pos
+
+    # ---- checkpoints ---------------------------------------------------------------------------
+    def restore(self, key: Hashable, v_traj: int, buffer: int, slot: int, item: Any = None,
+                state: str = OCCUPIED) -> None:
+        """Put a group back where a checkpoint saw it: completed (`OCCUPIED`, with its item) or in
+        flight (`RESERVED`, to be dispatched again)."""
+        if buffer < self.next_buffer or not 0 <= slot < self.slots:
+            raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is outside the open buffers")
+        if buffer > v_traj + self.staleness:
+            raise StalenessError(f"group {key!r} of version {v_traj} cannot sit in buffer {buffer} "
+                                 f"(staleness {self.staleness})")
+        s = self._buffer(buffer)[slot]
+        if s.state != EMPTY or key in self.where:
+            raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is taken or the group is placed twice")
+        self.buffers[buffer][slot] = Slot(state, key, v_traj, item, since=self.clock())
+        self.where[key] = (buffer, slot)

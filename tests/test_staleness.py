@@ -1,0 +1,188 @@
+"""Staleness by reservation (reserve / occupy / consume) and partial-rollout merging: pure, fast."""
+
+import asyncio
+import random
+
+import pytest
+
+from megatron_dapo.coordinator import StalenessController, StalenessError, finish_partial, merge_continuation
+from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
+from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
+from megatron_dapo.trainer.groups import token_versions
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_reserve_fills_from_the_back_and_occupy_takes_the_earliest_slot():
+    clock = FakeClock()
+    c = StalenessController(slots=3, staleness=1, clock=clock)
+    assert c.reservable(0) == 6  # buffers 0 and 1
+    # worst case first: the highest buffer <= V_traj + s, its last empty slot
+    assert [c.reserve(k, 0) for k in "abcd"] == [(1, 2), (1, 1), (1, 0), (0, 2)]
+    clock.t = 5.0
+    assert c.occupy("c", "C") == (0, 0)  # completed: earliest empty slot, buffer 0
+    assert c.reserve("e", 0) == (1, 0)  # the slot "c" left in buffer 1 is reserved again
+    assert c.reserve("f", 0) == (0, 1)
+    assert c.oldest_reservation_age() == 5.0
+    c.release("a")  # dropped by dynamic sampling: the slot is free for a fresh prompt
+    assert c.count(RESERVED) == 4 and c.count(OCCUPIED) == 1 and c.reservable(0) == 1
+    # "b" (reserved in buffer 1) completes first: it swaps with the earliest in-flight group whose
+    # bound allows buffer 1 ("f", V_traj 0), so the trainer's next buffer fills in completion order
+    assert c.occupy("b", "B") == (0, 1) and c.where["f"] == (1, 1)
+    with pytest.raises(StalenessError, match="already holds a slot"):
+        c.reserve("b", 0)
+    with pytest.raises(StalenessError, match="holds no reservation"):
+        c.occupy("c", "again")
+    with pytest.raises(StalenessError, match="not full"):
+        c.consume()
+    for k in "def":
+        c.occupy(k, k.upper())
+    assert c.ready() and c.consume() == ["C", "B", "D"] and c.next_buffer == 1
+    assert [item for _, _, item in c.occupied_items()] == ["E", "F"]
+
+
+def test_staleness_zero_dispatches_nothing_while_the_batch_trains():
+    c = StalenessController(slots=2, staleness=0)
+    for k in "ab":
+        c.reserve(k, 0)
+        c.occupy(k, k)
+    c.consume()  # step 0 trains with version 0: buffer 1 needs version-1 samples
+    assert c.reservable(0) == 0 and c.reserve("c", 0) is None
+    assert c.reservable(1) == 2
+
+
+def test_a_group_never_swaps_into_a_slot_beyond_the_other_groups_bound():
+    c = StalenessController(slots=1, staleness=1)
+    assert c.reserve("old", 0) == (1, 0)
+    assert c.reserve("older", 0) == (0, 0)
+    c.occupy("old", "O")  # "older" may move to buffer 1 (0 + 1): swap
+    assert c.where == {"old": (0, 0), "older": (1, 0)}
+    c.consume()
+    assert c.reserve("new", 1) == (2, 0)
+    c.occupy("new", "N")  # "older" may not move to buffer 2: "new" stays in its own slot
+    assert c.where == {"new": (2, 0), "older": (1, 0)}
+
+
+def test_restore_checks_the_bound_and_the_slot():
+    c = StalenessController(slots=2, staleness=1, next_buffer=3)
+    c.restore("a", 2, 3, 1, "A")
+    with pytest.raises(StalenessError, match="cannot sit in buffer 5"):
+        c.restore("b", 3, 5, 0, "B")
+    with pytest.raises(StalenessError, match="taken"):
+        c.restore("c", 3, 3, 1, "C")
+    c.restore("e", 3, 4, 1, state=RESERVED)  # in flight at save time: dispatched again
+    assert c.reserve("d", 3) == (4, 0)
+    c.occupy("e", "E")
+    assert [item for _, _, item in c.occupied_items()] == ["E", "A"]  # the earliest slot: (3, 0)
+
+
+def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop: float):
+    """One run of the protocol: a producer that dispatches whenever it may, groups that complete in a
+    random order (some dropped by dynamic sampling), a trainer that consumes ready buffers and syncs
+    weights at random times. Checks every invariant along the way."""
+    clock = FakeClock()
+    c = StalenessController(slots, staleness, clock=clock)
+    version, draw = 0, 0
+    in_flight: dict[int, int] = {}  # draw -> V_traj
+    dispatched, dropped, kept, trained = [], set(), set(), []
+    while c.next_buffer < steps:
+        for _ in range(c.reservable(version)):
+            b, _ = c.reserve(draw, version)
+            assert version <= b + staleness and b <= version + staleness
+            in_flight[draw] = version
+            dispatched.append(draw)
+            draw += 1
+        actions = []
+        if in_flight:
+            actions += ["complete"] * 3
+        if c.ready() and version == c.next_buffer:
+            actions.append("consume")
+        if version < c.next_buffer:  # a step trained: its weights reach the servers at some point
+            actions.append("sync")
+        assert actions, "deadlock: nothing in flight, nothing to train, nothing to sync"
+        act = rng.choice(actions)
+        if act == "complete":
+            key = rng.choice(sorted(in_flight))
+            v_traj = in_flight.pop(key)
+            if rng.random() < p_drop:
+                c.release(key)
+                dropped.add(key)
+            else:
+                b, _ = c.occupy(key, (key, v_traj, version))  # tokens come from versions in [V_traj, version]
+                assert b <= v_traj + staleness
+                kept.add(key)
+        elif act == "consume":
+            b = c.next_buffer
+            items = c.consume()
+            assert len(items) == slots  # every buffer fills
+            for key, v_traj, _ in items:
+                assert b - v_traj <= staleness  # the bound, worst token included (all >= V_traj)
+                trained.append(key)
+        else:
+            version += 1
+        clock.t += rng.random()
+    waiting = [item[0] for _, _, item in c.occupied_items()]
+    # no prompt lost or duplicated; nothing completed was discarded
+    assert len(trained) == len(set(trained)) == steps * slots
+    assert sorted(trained + waiting + list(in_flight) + sorted(dropped)) == dispatched
+    assert kept == set(trained) | set(waiting)
+    return len(dropped)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_property_bound_kept_and_nothing_lost(staleness):
+    total_dropped = 0
+    for seed in range(40):
+        rng = random.Random(1000 * staleness + seed)
+        total_dropped += _simulate(rng, slots=rng.randint(1, 6), staleness=staleness, steps=rng.randint(3, 12),
+                                   p_drop=rng.choice([0.0, 0.3, 0.7]))
+    assert total_dropped > 0  # dynamic sampling was exercised
+
+
+def _piece(out, version, reason, spans=(), prompt=(1, 2)):
+    return Sample(rid="x", prompt_ids=list(prompt), output_ids=list(out), logprobs=[-0.1 * t for t in out],
+                  finish_reason=reason, weight_version=version, weight_versions=[WeightVersionSpan(*s) for s in spans],
+                  text="".join(chr(96 + t) for t in out), group_id="g", index=2)
+
+
+def test_merge_continuation_keeps_tokens_logprobs_and_versions():
+    a = _piece([1, 2, 3], "4", "abort")
+    b = _piece([4, 5], "5", "abort", prompt=(1, 2, 1, 2, 3))
+    c = _piece([6], "6", "stop", spans=[("5", 0, 0), ("6", 0, 1)], prompt=(1, 2, 1, 2, 3, 4, 5))
+    m = merge_continuation(merge_continuation(a, b), c)
+    assert m.prompt_ids == [1, 2] and m.output_ids == [1, 2, 3, 4, 5, 6] and m.index == 2
+    assert m.logprobs == pytest.approx([-0.1 * t for t in range(1, 7)]) and m.text == "abcdef"
+    assert m.finish_reason == "stop" and token_versions(m) == [4, 4, 4, 5, 5, 6]
+    # an empty last piece at a newer version does not relabel the tokens
+    same = merge_continuation(_piece([1], "3", "abort"), _piece([], "4", "abort", prompt=(1, 2, 1)))
+    assert token_versions(same) == [3] and same.weight_version == "3" and same.aborted
+
+
+def test_finish_partial_continues_with_fewer_tokens_and_gives_up_without_progress():
+    calls = []
+
+    async def generate(input_ids, sampling):
+        calls.append((list(input_ids), sampling.max_new_tokens, sampling.sampling_seed))
+        n = len(input_ids) - 2
+        return _piece([n + 1], str(n), "abort" if n < 3 else "stop", prompt=input_ids)
+
+    sp = SamplingParams(max_new_tokens=10, sampling_seed=7)
+    resumes = []
+    out = asyncio.run(finish_partial(generate, _piece([1], "0", "abort"), sp, on_resume=lambda: resumes.append(1)))
+    assert out.output_ids == [1, 2, 3, 4] and out.finish_reason == "stop" and len(resumes) == 3
+    assert calls == [([1, 2, 1], 9, 7), ([1, 2, 1, 2], 8, 7), ([1, 2, 1, 2, 3], 7, 7)]
+    assert token_versions(out) == [0, 1, 2, 3]
+
+    async def stuck(input_ids, sampling):
+        return _piece([], "0", "abort", prompt=input_ids)
+
+    with pytest.raises(RuntimeError, match="without a new token"):
+        asyncio.run(finish_partial(stuck, _piece([1], "0", "abort"), sp, max_stalls=2))
+    full = asyncio.run(finish_partial(stuck, _piece(list(range(1, 11)), "0", "abort"), sp))
+    assert full.finish_reason == "length" and len(full.output_ids) == 10
