@@ -67,12 +67,14 @@ def raw_broadcast_seconds(bridge: WeightSyncBridge, flat: torch.Tensor) -> float
                 "flush_cache": False, "abort_all_requests": False, "load_format": "flattened_bucket"})
             for c in bridge.clients), return_exceptions=True)
 
+    bridge._each("begin_weight_update")  # untimed: the baseline is the broadcast alone
     t0 = time.perf_counter()
     answers = bridge._loop.submit(announce())
     wgroup.broadcast(flat, bridge.pg)
     seconds = time.perf_counter() - t0
     for a in answers.result(600):  # the servers refuse to *load* it, after receiving every byte
         assert RAW_NAME in str(a), f"unexpected answer to the raw baseline: {a!r}"
+    bridge._each("end_weight_update")
     return seconds
 
 

@@ -20,3 +20,49 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+SGLANG_PEER_KEY = "peer-secret"
+
+
+@pytest.fixture(scope="module")
+def sglang_peer(tmp_path_factory):
+    """A peer built from SGLang 0.5.23's own code (tests/sglang_peer.py), api key SGLANG_PEER_KEY, one
+    placeholder request in its running batch. Installs SGLang into the cache on first use; fails, never
+    skips, when that is impossible."""
+    import sys
+    import time
+    import urllib.error
+    import urllib.request
+    from pathlib import Path
+
+    from megatron_dapo.rollout.launcher import ServerProcess
+    from megatron_dapo.runtime.net import free_port
+    from tests import sglang_peer as peer
+
+    peer.ensure_installed()
+    root = Path(__file__).resolve().parent.parent
+    port = free_port()
+    env = {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    server = ServerProcess([sys.executable, "-m", "tests.sglang_peer", "serve", "--port", str(port),
+                            "--running-requests", "1"], port, log_path=tmp_path_factory.mktemp("peer") / "peer.log",
+                           env={**env, "SGLANG_PEER_API_KEY": SGLANG_PEER_KEY}).start(wait=False)
+    no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + 300
+    try:
+        while True:  # SGLang's /health asks its scheduler; the peer's own state route says it is up
+            if not server.alive():
+                raise RuntimeError(f"SGLang peer exited during start-up:\n{server.log_tail()}")
+            try:
+                with no_proxy.open(f"{server.url}/peer/state", timeout=2.0):
+                    break
+            except urllib.error.HTTPError:  # 401 without the key: it is serving
+                break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SGLang peer not up after 300 s:\n{server.log_tail()}")
+            time.sleep(0.5)
+        yield server
+    finally:
+        server.stop()

@@ -139,6 +139,8 @@ def server(model_dir, tmp_path_factory):
     srv.start(timeout_s=120)
     try:
         srv.baseline = _post(srv, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()["output_ids"]
+        # updates are refused outside a weight-update session (as in SGLang): the hostile set runs inside one
+        assert _post(srv, "/begin_weight_update", {"selector": "all"}).status_code == 200
         yield srv
     finally:
         srv.stop()

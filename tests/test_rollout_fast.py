@@ -17,8 +17,11 @@ SNAPSHOT = protocol.load_snapshot()
 
 
 def _sglang_source_root() -> Path | None:
-    """A directory holding SGLang's `sglang/` sources: the unpacked download, or an installed package."""
-    for cand in [Path("/tmp/sglang_src")]:
+    """A directory holding SGLang's `sglang/` sources: the unpacked download, the SGLang peer's install
+    (tests/sglang_peer.py), or an installed package."""
+    from tests.sglang_peer import CACHE
+
+    for cand in [Path("/tmp/sglang_src"), CACHE]:
         if (cand / protocol.IO_STRUCT).is_file():
             return cand
     spec = importlib.util.find_spec("sglang")
@@ -65,6 +68,8 @@ def _all_client_bodies() -> dict[str, list[dict]]:
         "/resume_memory_occupation": [payloads.memory_body(["kv_cache"])],
         "/init_weights_update_group": [payloads.init_group_body("127.0.0.1", 1234, 1, 3, "g", "gloo")],
         "/destroy_weights_update_group": [payloads.destroy_group_body("g")],
+        "/begin_weight_update": [payloads.begin_update_body(), payloads.begin_update_body("target")],
+        "/end_weight_update": [payloads.end_update_body()],
         "/update_weights_from_distributed": [
             payloads.update_distributed_body(["a"], ["float32"], [[2, 3]], "g", True, False, "7", "flattened_bucket"),
             payloads.update_distributed_body(["a"], ["bfloat16"], [[2]])],
@@ -95,7 +100,8 @@ def test_embedded_server_accepts_only_sglang_field_names():
              S.ContinueIn: "ContinueGenerationReqInput", S.MemoryIn: "ReleaseMemoryOccupationReqInput",
              S.InitGroupIn: "InitWeightsUpdateGroupReqInput", S.DestroyGroupIn: "DestroyWeightsUpdateGroupReqInput",
              S.UpdateDistributedIn: "UpdateWeightsFromDistributedReqInput",
-             S.UpdateTensorIn: "UpdateWeightsFromTensorReqInput", S.UpdateVersionIn: "UpdateWeightVersionReqInput"}
+             S.UpdateTensorIn: "UpdateWeightsFromTensorReqInput", S.UpdateVersionIn: "UpdateWeightVersionReqInput",
+             S.BeginUpdateIn: "BeginWeightUpdateReqInput", S.EndUpdateIn: "EndWeightUpdateReqInput"}
     for model, cls in pairs.items():
         assert set(model.model_fields) <= set(SNAPSHOT["classes"][cls]["fields"]), cls
     assert set(S.SamplingParamsIn.model_fields) <= set(SNAPSHOT["SamplingParams"]["fields"])

@@ -150,10 +150,14 @@ def test_malformed_payloads_answer_400_naming_the_field(servers):
                                               "group_name": "nope"}, "group_name"),
     ]
     with httpx.Client(trust_env=False, timeout=30) as http:
-        for path, body, field in cases:
-            r = http.post(url + path, json=body, headers=h)
-            assert r.status_code == 400, (path, body, r.text)
-            assert field in r.text, (path, field, r.text)
+        assert http.post(url + "/begin_weight_update", json={}, headers=h).status_code == 200
+        try:
+            for path, body, field in cases:
+                r = http.post(url + path, json=body, headers=h)
+                assert r.status_code == 400, (path, body, r.text)
+                assert field in r.text, (path, field, r.text)
+        finally:
+            assert http.post(url + "/end_weight_update", json={}, headers=h).status_code == 200
         r = http.post(url + "/generate", content=b"{not json", headers={**h, "Content-Type": "application/json"})
         assert r.status_code == 400
 
@@ -270,19 +274,23 @@ def test_update_weights_from_tensor_loads_sglang_payloads_and_refuses_code(model
         async def go():
             async with _client(server.url) as c:  # its bodies are checked for conformance below too
                 before = await c.prompt_logprobs(probe)
-                await c.update_weights_from_tensor([serialize_named_tensors(new[:half])], weight_version="t1")
-                await c.update_weights_from_tensor([_sglang_flattened_payload(new[half:], monkeypatch)],
-                                                   load_format="flattened_bucket", weight_version="t2")
+                with pytest.raises(SGLangHTTPError, match="must run between begin_weight_update"):
+                    await c.update_weights_from_tensor([serialize_named_tensors(new[:half])], weight_version="t1")
+                async with c.weight_update_session():
+                    await c.update_weights_from_tensor([serialize_named_tensors(new[:half])], weight_version="t1")
+                    await c.update_weights_from_tensor([_sglang_flattened_payload(new[half:], monkeypatch)],
+                                                       load_format="flattened_bucket", weight_version="t2")
                 after = await c.prompt_logprobs(probe)
                 version = (await c.get_model_info())["weight_version"]
                 errors = []
-                for bad in (pickle.dumps(print), b"cos\nsystem\n(S'true'\ntR.",
-                            pickle.dumps([("model.norm.weight", torch.load)])):
-                    with pytest.raises(SGLangHTTPError) as e:
-                        await c.update_weights_from_tensor([bad])
-                    errors.append(str(e.value))
-                with pytest.raises(SGLangHTTPError, match="one TP rank, got 2"):
-                    await c.update_weights_from_tensor([serialize_named_tensors(new[:1])] * 2)
+                async with c.weight_update_session():
+                    for bad in (pickle.dumps(print), b"cos\nsystem\n(S'true'\ntR.",
+                                pickle.dumps([("model.norm.weight", torch.load)])):
+                        with pytest.raises(SGLangHTTPError) as e:
+                            await c.update_weights_from_tensor([bad])
+                        errors.append(str(e.value))
+                    with pytest.raises(SGLangHTTPError, match="one TP rank, got 2"):
+                        await c.update_weights_from_tensor([serialize_named_tensors(new[:1])] * 2)
                 return before, after, version, errors, await c.prompt_logprobs(probe)
 
         before, after, version, errors, unchanged = asyncio.run(go())
@@ -381,11 +389,17 @@ def test_a_new_update_group_replaces_one_whose_trainer_was_killed_mid_update(ser
     joiner.join(60)
     try:
         assert answer.get("success"), answer
+        # the killed trainer left its weight-update session open: SGLang refuses a second begin until it ends
+        with pytest.raises(SGLangHTTPError, match="already open"):
+            asyncio.run(call("begin_weight_update"))
+        assert asyncio.run(call("end_weight_update"))["success"]
+        assert asyncio.run(call("begin_weight_update"))["success"]
         upd = in_thread(done, "update_weights_from_distributed", [name], ["float32"], [list(weight.shape)], group,
                         weight_version="resumed")
         wgroup.broadcast(weight, pg)
         upd.join(60)
         assert done.get("success"), done
+        assert asyncio.run(call("end_weight_update"))["success"]
         assert time.time() - t0 < 30, "the stale group held the new one up"
         (s,) = asyncio.run(call("generate", [9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=4)))
         assert s.weight_version == "resumed"

@@ -152,6 +152,9 @@ class SyncConfig:
 
     bucket_mb: int = 512  # tensors are broadcast in buckets of about this many MiB
     pause_generation: bool = True  # pause servers during an update; False = let in-flight requests finish
+    # SGLang pause mode: in_place (running requests keep their KV, no cache flush), retract (re-prefilled
+    # with the new weights, cache flushed) or abort; see README "Rollout and weight sync"
+    pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
     flatten_bucket: bool = False  # broadcast one flat buffer per bucket instead of one per tensor
     verify: bool = False  # after a sync, compare server and trainer logprobs on a probe sequence
     verify_tolerance: float = 1e-4  # max abs logprob difference accepted by verify

@@ -9,6 +9,7 @@ mid-request raises `SGLangConnectionError`, so a router can resend the request e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import uuid
@@ -238,6 +239,27 @@ class SGLangClient:
         body = payloads.destroy_group_body(group_name)
         return _check_success("/destroy_weights_update_group", await self._post("/destroy_weights_update_group", body))
 
+    async def begin_weight_update(self, selector: str = "all") -> dict:
+        """Open SGLang's weight-update session; updates are refused outside one."""
+        return _check_success("/begin_weight_update",
+                              await self._post("/begin_weight_update", payloads.begin_update_body(selector)))
+
+    async def end_weight_update(self) -> dict:
+        return _check_success("/end_weight_update", await self._post("/end_weight_update", payloads.end_update_body()))
+
+    @contextlib.asynccontextmanager
+    async def weight_update_session(self, selector: str = "all"):
+        """`async with client.weight_update_session(): await client.update_weights_from_tensor(...)`;
+        the session is closed also when an update fails (the update's error is the one raised)."""
+        await self.begin_weight_update(selector)
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(SGLangError):
+                await self.end_weight_update()
+            raise
+        await self.end_weight_update()
+
     async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = payloads.DEFAULT_GROUP,
                                               flush_cache: bool = True, abort_all_requests: bool = False,
                                               weight_version: str | None = None,
@@ -251,6 +273,7 @@ class SGLangClient:
                                          load_format: str | None = None, flush_cache: bool = True,
                                          abort_all_requests: bool = False,
                                          weight_version: str | None = None) -> dict:
+        """One update; call it inside `weight_update_session()` (SGLang refuses it outside a session)."""
         body = payloads.update_tensor_body(serialized_named_tensors, load_format, flush_cache, abort_all_requests,
                                            weight_version)
         return _check_success("/update_weights_from_tensor", await self._post("/update_weights_from_tensor", body))

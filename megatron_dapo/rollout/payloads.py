@@ -70,6 +70,16 @@ def init_group_body(
     }
 
 
+def begin_update_body(selector: str = "all") -> dict:
+    if selector not in ("all", "target", "draft"):
+        raise ValueError(f"weight-update selector must be all, target or draft, got {selector!r}")
+    return {"selector": selector}
+
+
+def end_update_body() -> dict:
+    return {}
+
+
 def destroy_group_body(group_name: str = DEFAULT_GROUP) -> dict:
     return {"group_name": group_name}
 

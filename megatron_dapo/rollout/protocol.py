@@ -21,11 +21,18 @@ where SGLang's source is present, re-extracts it first.
 | /resume_memory_occupation (GET, POST)   | ResumeMemoryOccupationReqInput       | tags                                                 | 200, JSON `null`                      |
 | /init_weights_update_group (POST)       | InitWeightsUpdateGroupReqInput       | master_address, master_port, rank_offset, world_size, group_name, backend | {success, message}; 400 on failure |
 | /destroy_weights_update_group (POST)    | DestroyWeightsUpdateGroupReqInput    | group_name                                           | {success, message}                    |
+| /begin_weight_update (POST)             | BeginWeightUpdateReqInput            | selector: all / target / draft                       | {success, message}; 400 if a session is open |
+| /end_weight_update (POST)               | EndWeightUpdateReqInput              | - (empty body)                                       | {success, message}; 400 if none is open |
 | /update_weights_from_distributed (POST) | UpdateWeightsFromDistributedReqInput | names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version, load_format | {success, message}; 400 on failure |
 | /update_weights_from_tensor (POST)      | UpdateWeightsFromTensorReqInput      | serialized_named_tensors (base64), load_format, flush_cache, abort_all_requests, weight_version | {success, message} |
 | /update_weight_version (POST)           | UpdateWeightVersionReqInput          | new_version, abort_all_requests                      | {success, message, new_version}       |
 
 Protocol facts that matter downstream (all from the 0.5.23 source):
+- `/update_weights_from_distributed` and `/update_weights_from_tensor` answer 400 unless a weight-update
+  session is open (`/begin_weight_update` before, `/end_weight_update` after;
+  `srt/managers/scheduler_components/weight_updater.py`). `flush_cache=True` on an update fails the call
+  ("Weights were updated, but the cache was not flushed ...") while requests are running or queued
+  (queued ones do not count while paused); `/flush_cache` answers 400 then.
 - Validation errors answer 400 (SGLang overrides FastAPI's 422) with `{"object": "error", "message", "type",
   "code"}`; other failures `{"error": {"message": ...}}`.
 - With an api key, `Authorization: Bearer <key>` is required everywhere except `/health*`, `/ready` and
@@ -64,6 +71,8 @@ ROUTE_CLASSES: dict[str, str] = {
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
     "/init_weights_update_group": "InitWeightsUpdateGroupReqInput",
     "/destroy_weights_update_group": "DestroyWeightsUpdateGroupReqInput",
+    "/begin_weight_update": "BeginWeightUpdateReqInput",
+    "/end_weight_update": "EndWeightUpdateReqInput",
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/update_weights_from_tensor": "UpdateWeightsFromTensorReqInput",
     "/update_weight_version": "UpdateWeightVersionReqInput",

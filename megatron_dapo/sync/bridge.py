@@ -8,10 +8,30 @@ and only trainer rank 0 talks to servers. On rank 0 the tensors are grouped into
 then rank 0 broadcasts the bucket's tensors (one broadcast each, or with `flatten_bucket` one flat
 uint8 buffer in SGLang's `flattened_bucket` layout) over the weight-update group, then the answers
 are awaited; meanwhile the next bucket is produced and staged. The last bucket carries
-`weight_version` and `flush_cache`, so a server reports the new version only once all of it is
-loaded. With `pause_generation`, the servers are paused (mode `pause_mode`, default in_place) before
-the first bucket and continued after the last; without it a server finishes its in-flight requests
-before loading, as SGLang does.
+`weight_version`, so a server reports the new version only once all of it is loaded.
+
+One sync, as SGLang 0.5.23 requires it (`scheduler_components/weight_updater.py`, `scheduler.py`):
+
+    pause_generation(mode)      if sync.pause_generation
+    begin_weight_update         on every server; SGLang refuses updates outside a session (400)
+    update_weights_from_distributed x buckets   (flush_cache on the last one, per mode below)
+    end_weight_update           on every server, also when a bucket failed
+    continue_generation         if paused, also when a bucket failed
+
+SGLang flushes the radix cache after an update only when no request is running (nor queued, unless
+paused); otherwise `flush_cache=True` FAILS the update ("Weights were updated, but the cache was not
+flushed ..."). What each pause mode leaves behind decides what the bridge asks for:
+- in_place: the running batch stays in the scheduler with its KV cache (the point of the mode: those
+  requests go on after continue, their `weight_versions` record the switch). A flush would fail, so
+  no update sets `flush_cache`; the radix cache keeps prefixes computed with the old weights, which a
+  new request sharing a prefix may reuse, just as the paused requests reuse their own KV. Use
+  `retract` where every token after a sync must be computed with the new weights.
+- retract: the running requests go back to the waiting queue without their KV (re-prefilled with the
+  new weights after continue); the scheduler counts as idle, so the last update flushes the cache.
+- abort: SGLang aborts every request and waits until none is in flight; idle, the last update flushes.
+- no pause (`pause_generation: false`): the server holds new requests and lets the running ones
+  finish before it loads (its model-update lock), so the scheduler is idle and the last update flushes.
+The embedded server applies the same gate and flush rule, so CPU tests catch a wrong combination.
 
     bridge = WeightSyncBridge(urls, cfg.rollout.sync)        # on every trainer rank
     bridge.connect()                                          # collective over rank 0 + servers
@@ -42,6 +62,12 @@ log = logging.getLogger(__name__)
 
 class WeightSyncError(RuntimeError):
     pass
+
+
+def flushes_cache(pause_generation: bool, pause_mode: str) -> bool:
+    """Whether the last update of a sync may ask SGLang to flush its cache (see the module docstring):
+    not after an in_place pause, where requests still run and the flush would fail the update."""
+    return not (pause_generation and pause_mode == "in_place")
 
 
 @dataclass
@@ -89,9 +115,16 @@ class _LoopThread:
 class _InFlight:
     """One bucket on its way: the servers' pending HTTP answers and the running broadcasts."""
 
-    answers: concurrent.futures.Future  # of the HTTP loop thread
+    answers: concurrent.futures.Future  # of the HTTP loop thread: one answer or exception per server
     works: list
     payload: list[torch.Tensor]  # kept alive until the broadcasts complete
+    names: list[str]
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, SGLangError):
+        return e.server_message if e.status is not None else str(e)
+    return repr(e)
 
 
 def _is_sender() -> bool:
@@ -105,7 +138,7 @@ class WeightSyncBridge:
         sync_cfg=None,  # megatron_dapo.config.schema.SyncConfig (bucket_mb, pause_generation, flatten_bucket, ...)
         api_key: str | None = None,
         server_tp_sizes: Sequence[int] | None = None,
-        pause_mode: str = "in_place",
+        pause_mode: str | None = None,  # default: sync_cfg.pause_mode
         group_name: str = "megatron_dapo_weight_sync",
         backend: str | None = None,
         master_address: str = LOOPBACK,
@@ -119,6 +152,7 @@ class WeightSyncBridge:
         self.tp_sizes = list(server_tp_sizes or [1] * len(self.urls))
         if len(self.tp_sizes) != len(self.urls):
             raise ValueError(f"server_tp_sizes has {len(self.tp_sizes)} entries for {len(self.urls)} servers")
+        pause_mode = pause_mode or self.cfg.pause_mode
         if pause_mode not in ("in_place", "retract", "abort"):
             raise ValueError(f"pause_mode must be in_place, retract or abort, got {pause_mode!r}")
         self.pause_mode = pause_mode
@@ -201,13 +235,17 @@ class WeightSyncBridge:
         version = str(version)
         bucket_bytes = int(self.cfg.bucket_mb * 1024 * 1024)
         t0 = time.perf_counter()
-        paused = False
+        paused = in_session = False
+        failed = True  # until the last bucket is answered: then errors at the end are raised, not logged
         n_tensors = n_bytes = n_buckets = 0
         inflight: _InFlight | None = None
+        flush = flushes_cache(self.cfg.pause_generation, self.pause_mode)
         try:
             if self.cfg.pause_generation:
                 self._all("pause_generation", self.pause_mode)
                 paused = True
+            self._begin_sessions()
+            in_session = True
             present = ((n, t) for n, t in named_tensors if t is not None)
             # Pipelined: while bucket i is on the wire, bucket i+1 is produced (the export's gathers)
             # and staged (device copy, flattening); its update is posted only once bucket i is answered,
@@ -217,7 +255,7 @@ class WeightSyncBridge:
                 if inflight is not None:
                     self._finish(inflight)
                 # the last bucket carries the version: a server reports it only once all of it is loaded
-                inflight = self._start(bucket, payload, version if bucket.last else None)
+                inflight = self._start(bucket, payload, version if bucket.last else None, flush and bucket.last)
                 n_tensors += len(bucket.tensors)
                 n_bytes += bucket.nbytes
                 n_buckets += 1
@@ -225,11 +263,16 @@ class WeightSyncBridge:
                 raise WeightSyncError("sync(): the weight iterator yielded no tensors")
             self._finish(inflight)
             inflight = None
+            failed = False
         finally:
             if inflight is not None and not inflight.answers.done():  # failed while a bucket was on its way
                 self._abandon(inflight)
-            if paused:
-                self._all("continue_generation")
+            try:
+                if in_session:
+                    self._each("end_weight_update", quiet=failed)
+            finally:
+                if paused:
+                    self._all("continue_generation")
         stats = SyncStats(version, n_tensors, n_bytes, n_buckets, time.perf_counter() - t0)
         log.info("synced %d tensors (%.1f MB, %d buckets) to %d servers in %.2fs (%.2f GB/s), version %s",
                  n_tensors, n_bytes / 1e6, n_buckets, len(self.urls), stats.seconds, stats.gbps, version)
@@ -240,6 +283,31 @@ class WeightSyncBridge:
             return await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients))
         return self._loop.run(go(), self.timeout_s)
 
+    def _begin_sessions(self) -> None:
+        """Open a weight-update session on every server. A session left open by a trainer that died
+        mid-sync (SGLang then refuses a new one) is closed first: this bridge is the servers' only writer."""
+        async def go():
+            return await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
+        for url, c, e in zip(self.urls, self.clients, self._loop.run(go(), self.timeout_s)):
+            if isinstance(e, SGLangError) and "already open" in str(e):
+                log.warning("%s: closing a weight-update session left open by an earlier sync", url)
+                self._loop.run(c.end_weight_update(), self.timeout_s)
+                self._loop.run(c.begin_weight_update(), self.timeout_s)
+            elif isinstance(e, BaseException):
+                raise WeightSyncError(f"begin_weight_update failed on {url}: {e}") from e
+
+    def _each(self, method: str, quiet: bool = False) -> None:
+        """`method` on every server, even when some fail; then raise naming each server that failed
+        (or only log, with `quiet`, when an earlier error is already on its way)."""
+        async def go():
+            return await asyncio.gather(*(getattr(c, method)() for c in self.clients), return_exceptions=True)
+        errors = [f"{url}: {e}" for url, e in zip(self.urls, self._loop.run(go(), self.timeout_s))
+                  if isinstance(e, BaseException)]
+        if errors and quiet:
+            log.warning("%s failed after an error: %s", method, "; ".join(errors))
+        elif errors:
+            raise WeightSyncError(f"{method} failed on {len(errors)} server(s): {'; '.join(errors)}")
+
     def _stage(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
         """What goes on the wire for `bucket`: its tensors on the broadcast device, or one flat buffer."""
         if not self.cfg.flatten_bucket:
@@ -248,30 +316,36 @@ class WeightSyncBridge:
             bucket.tensors = [(n, t.to(self.device)) for n, t in bucket.tensors]
         return [bucket.flatten(self._staging_for(bucket.nbytes, slot))]
 
-    def _start(self, bucket: Bucket, payload: list[torch.Tensor], version: str | None) -> "_InFlight":
-        last = version is not None
-
+    def _start(self, bucket: Bucket, payload: list[torch.Tensor], version: str | None,
+               flush_cache: bool) -> "_InFlight":
         async def post_all():
             return await asyncio.gather(*(
                 c.update_weights_from_distributed(
-                    bucket.names, bucket.dtypes, bucket.shapes, group_name=self.group_name, flush_cache=last,
-                    weight_version=version, load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None)
-                for c in self.clients))
+                    bucket.names, bucket.dtypes, bucket.shapes, group_name=self.group_name,
+                    flush_cache=flush_cache, weight_version=version,
+                    load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None)
+                for c in self.clients), return_exceptions=True)
 
         answers = self._loop.submit(post_all())
         works = [wgroup.broadcast(t, self.pg, async_op=True) for t in payload]
-        return _InFlight(answers, works, payload)
+        return _InFlight(answers, works, payload, list(bucket.names))
 
     def _finish(self, inflight: "_InFlight") -> None:
         # A server answers only once it has received (and loaded) the whole bucket, so waiting for the
         # answers waits for the broadcasts without polling them; and a server that refused the update,
         # and so never joins the broadcast, surfaces here instead of leaving us blocked in it.
         try:
-            inflight.answers.result(self.timeout_s)
-        except SGLangError as e:
-            raise WeightSyncError(f"a server refused or failed a weight update: {e}") from e
+            answers = inflight.answers.result(self.timeout_s)
         except concurrent.futures.TimeoutError as e:
-            raise WeightSyncError(f"no answer to a weight update in {self.timeout_s}s") from e
+            raise WeightSyncError(f"no answer to a weight update in {self.timeout_s}s (bucket from tensor "
+                                  f"{inflight.names[0]!r}, {len(inflight.names)} tensors)") from e
+        failed = [(url, e) for url, e in zip(self.urls, answers) if isinstance(e, BaseException)]
+        if failed:
+            what = (f"the update of tensor {inflight.names[0]!r}" if len(inflight.names) == 1 else
+                    f"the update of the bucket from tensor {inflight.names[0]!r} to {inflight.names[-1]!r} "
+                    f"({len(inflight.names)} tensors)")
+            raise WeightSyncError(f"{what} failed on " + "; ".join(f"{url}: {_reason(e)}" for url, e in failed)) \
+                from failed[0][1]
         for w in inflight.works:
             w.wait()
 

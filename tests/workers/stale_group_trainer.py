@@ -1,5 +1,6 @@
-"""A trainer that forms the weight-update group with one server, announces an update, then waits to be
-killed before broadcasting anything (the server is left receiving from a dead peer).
+"""A trainer that forms the weight-update group with one server, opens a weight-update session, announces an
+update, then waits to be killed before broadcasting anything (the server is left receiving from a dead peer,
+its session open).
 
 usage: stale_group_trainer.py URL API_KEY MASTER_PORT GROUP_NAME TENSOR_NAME SHAPE_JSON
 """
@@ -28,6 +29,7 @@ def main():
     init.start()
     wgroup.init_weight_update_group(LOOPBACK, int(port), 0, 2, group, "gloo", timeout_s=60)
     init.join()
+    assert post("/begin_weight_update", payloads.begin_update_body()).json()["success"]
     body = payloads.update_distributed_body([name], ["float32"], [json.loads(shape)], group)
     threading.Thread(target=post, args=("/update_weights_from_distributed", body), daemon=True).start()
     print("announced", os.getpid(), flush=True)

@@ -141,6 +141,12 @@ class Engine:
     def is_paused(self) -> bool:
         return self._paused
 
+    def is_idle(self) -> bool:
+        """SGLang's test before flushing its cache (`Scheduler.is_fully_idle(ignore_waiting=paused)`):
+        nothing running, and nothing queued unless paused (a paused queue holds no KV yet)."""
+        with self._qlock:
+            return self._batch is None and (self._paused or not self._waiting)
+
     def abort(self, rid: str | None = None, abort_all: bool = False, message: str = "Aborted by request") -> int:
         """Mark requests aborted; they finish at the next step boundary (at once when idle or paused)."""
         with self._qlock:

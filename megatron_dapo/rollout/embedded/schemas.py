@@ -229,3 +229,11 @@ class UpdateTensorIn(_Strict):
 class UpdateVersionIn(_Strict):
     new_version: str
     abort_all_requests: bool = True  # SGLang's default for this request
+
+
+class BeginUpdateIn(_Strict):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndUpdateIn(_Strict):
+    pass

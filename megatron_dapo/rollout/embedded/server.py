@@ -6,7 +6,10 @@ route requires `Authorization: Bearer <key>` and answers 401 otherwise, except `
 leaves open for probes. Malformed bodies answer 400 with a message naming the field.
 
 Weight updates follow SGLang's locking: while generation is paused an update proceeds at once; otherwise
-it waits for in-flight requests to finish and holds new ones back until it is done.
+it waits for in-flight requests to finish and holds new ones back until it is done. As in SGLang 0.5.23,
+updates are refused outside a `/begin_weight_update` ... `/end_weight_update` session, and an update
+with `flush_cache` loads the weights but fails when requests are still running (or queued, unless
+paused), as after an in_place pause: SGLang would keep serving their stale cache.
 
 Hardening beyond SGLang (limits.py): a body-size limit, a cap on the sequences of one /generate,
 sampling values checked to the ranges the shared batch step can hold, `text` tokenized off the event
@@ -54,6 +57,13 @@ OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_aut
 LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})  # /v1/loads include=
 FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
                     "(When there are running or waiting requests, the operation will not be performed.)\n")
+# SGLang 0.5.23's own messages (srt/managers/scheduler_components/weight_updater.py, http_server.py)
+NO_SESSION = "{route} must run between begin_weight_update() and end_weight_update()"
+SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
+NO_SESSION_TO_END = "no weight-update session is open; call begin_weight_update() first"
+NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
+               "queued. Retract or finish them, then call /flush_cache.")
+FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 SHUTDOWN_GRACE_S = 5  # SIGTERM: in-flight requests get this long, then are cancelled
 
 
@@ -137,6 +147,7 @@ class EmbeddedServer:
                                 "enable_deterministic_inference": batch_invariant}
         self.api_key = api_key
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
+        self.update_session: str | None = None  # the selector of the open weight-update session
         self._recv_buffer: torch.Tensor | None = None
         self.homes = FlatBucketHomes(self.loader)
         self.limits = limits or ServerLimits()
@@ -205,13 +216,28 @@ class EmbeddedServer:
         # No update carries more than every parameter at twice its size (a float64 sender to a float32 server).
         return 2 * sum(p.numel() * p.element_size() for p in self.loader.params.values())
 
-    def _load(self, named, weight_version, home=None):
+    def _load(self, named, weight_version, home=None, flush_cache: bool = False) -> bool:
+        """Load; returns False when `flush_cache` asked for a flush that SGLang would refuse (busy)."""
         with self.engine.step_lock:
             if home is not None:
                 self.homes.adopt(*home, named)
             self.loader.load(named)
             if weight_version is not None:
                 self.engine.set_weight_version(weight_version)
+            return not flush_cache or self.engine.is_idle()
+
+    def _refused(self, route: str) -> JSONResponse | None:
+        if self.update_session is None:
+            return JSONResponse({"success": False, "message": NO_SESSION.format(route=route)}, 400)
+        return None
+
+    @staticmethod
+    def _loaded(flushed: bool, message: str) -> dict | JSONResponse:
+        """The answer to an update that loaded: with flush_cache, SGLang fails it unless the cache was
+        flushed, i.e. the engine was idle right after the load (`_load` tells)."""
+        if not flushed:
+            return JSONResponse({"success": False, "message": NOT_FLUSHED}, 400)
+        return {"success": True, "message": message}
 
     def _check_known(self, names, shapes) -> str | None:
         for name, shape in zip(names, shapes):
@@ -462,7 +488,10 @@ class EmbeddedServer:
 
         @app.api_route("/flush_cache", methods=["GET", "POST"])
         async def flush_cache():
-            # No prefix cache outlives a batch here; nothing to flush. SGLang answers this text.
+            # No prefix cache outlives a batch here; nothing to flush, but a busy server refuses as SGLang's
+            # does, with SGLang's texts.
+            if not eng.is_idle():
+                return PlainTextResponse(FLUSH_FAILED_TEXT, status_code=400)
             return PlainTextResponse(FLUSH_CACHE_TEXT)
 
         @app.post("/abort_request")
@@ -546,8 +575,28 @@ class EmbeddedServer:
             await self._drop_group(body.group_name)
             return {"success": True, "message": "Succeeded to destroy custom process group."}
 
+        @app.post("/begin_weight_update")
+        async def begin_weight_update(body: S.BeginUpdateIn):
+            if self.update_session is not None:
+                return JSONResponse({"success": False, "message": SESSION_OPEN}, 400)
+            self.update_session = body.selector
+            return {"success": True, "message": "Success"}
+
+        @app.post("/end_weight_update")
+        async def end_weight_update(body: S.EndUpdateIn):
+            if self.update_session is None:
+                return JSONResponse({"success": False, "message": NO_SESSION_TO_END}, 400)
+            self.update_session = None
+            return {"success": True, "message": "Success"}
+
         @app.post("/update_weights_from_distributed")
         async def update_distributed(body: S.UpdateDistributedIn):
+            if (refused := self._refused("update_weights_from_distributed")) is not None:
+                if body.group_name in self.groups:
+                    # as below: the sender broadcasts anyway, and the next update must not load its bytes
+                    log.warning("update outside a weight-update session: group %r destroyed", body.group_name)
+                    await self._drop_group(body.group_name)
+                return refused
             pg = self.groups.get(body.group_name)
             if pg is None:
                 return JSONResponse({"success": False, "message": f"group_name: no group {body.group_name!r}; "
@@ -583,10 +632,11 @@ class EmbeddedServer:
                                 flattened=body.load_format == "flattened_bucket",
                                 into=into if problem is None else None, flat_buffer=flat_buffer)
                 if problem is None:
-                    self._load(named, body.weight_version, home=received[0] if received else None)
+                    return self._load(named, body.weight_version, home=received[0] if received else None,
+                                      flush_cache=body.flush_cache)
 
             try:
-                await self._exclusive(run)
+                flushed = await self._exclusive(run)
             except Exception as e:
                 # A receive that failed part-way leaves the group out of step with the sender.
                 await self._drop_group(body.group_name, pg)
@@ -598,10 +648,12 @@ class EmbeddedServer:
             msg = "Succeeded to update parameter online."
             if body.weight_version is not None:
                 msg += f" Weight version updated to {body.weight_version}."
-            return {"success": True, "message": msg}
+            return self._loaded(flushed, msg)
 
         @app.post("/update_weights_from_tensor")
         async def update_tensor(body: S.UpdateTensorIn):
+            if (refused := self._refused("update_weights_from_tensor")) is not None:
+                return refused
             if len(body.serialized_named_tensors) != 1:
                 return JSONResponse({"success": False, "message": "serialized_named_tensors: this server has one TP "
                                      f"rank, got {len(body.serialized_named_tensors)} entries"}, 400)
@@ -618,8 +670,8 @@ class EmbeddedServer:
             problem = self._check_known([n for n, _ in named], [list(t.shape) for _, t in named])
             if problem is not None:
                 return JSONResponse({"success": False, "message": f"Failed to update weights: {problem}"}, 400)
-            await self._exclusive(self._load, named, body.weight_version)
-            return {"success": True, "message": "Success"}
+            flushed = await self._exclusive(self._load, named, body.weight_version, None, body.flush_cache)
+            return self._loaded(flushed, "Success")
 
         @app.post("/update_weight_version")
         async def update_version(body: S.UpdateVersionIn, request: Request):

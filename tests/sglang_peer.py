@@ -1,0 +1,374 @@
+"""An SGLang 0.5.23 peer for the tests, built from SGLang's own code (installed, never copied here).
+
+`ensure_installed()` pip-installs sglang==0.5.23 without dependencies, plus the small packages its HTTP
+layer imports, into a cache directory (reused when present). The peer process (`python -m
+tests.sglang_peer serve ...`) then runs, unmodified:
+- SGLang's FastAPI app (`srt/entrypoints/http_server.py`) and its api-key middleware (`srt/utils/auth.py`);
+- the tokenizer manager's control path (`TokenizerManager.pause_generation` / `continue_generation` and
+  `TokenizerControlMixin`: the pause condition, the model-update lock, begin/end, the update calls);
+- the scheduler's weight-update manager (`SchedulerWeightUpdaterManager`: the session gate, the flush rule)
+  with `Scheduler.is_fully_idle` / `Scheduler.flush_cache` as the flush test;
+- the model runner's `WeightUpdater` (process-group init, `receive_weights_from_distributed`,
+  `FlattenedTensorBucket`) and `TpModelWorker`'s group and deserialization methods.
+Replaced: the model (records every tensor it is given to load), the process topology (one TP rank on
+gloo) and generation (no forward pass: `scheduler.running_batch` holds placeholder requests; pause
+modes move them as SGLang's scheduler moves its requests). Stubbed, because they are GPU-only or
+cannot be installed beside torch 2.13 on CPU: see STUBBED.
+
+`POST /peer/parse` (a list of /generate bodies) answers what SGLang's
+`GenerateReqInput.normalize_batch_and_arguments` and `SamplingParams(...).normalize/verify` make of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+SGLANG = "sglang==0.5.23"
+# What the HTTP layer, the request classes and the weight-update code import, beyond this project's
+# own dependencies (pinned as SGLang 0.5.23 pins them where it does).
+PACKAGES = (SGLANG, "openai==2.8.0", "xgrammar==0.2.7", "apache-tvm-ffi", "msgspec", "pyzmq", "orjson",
+            "pybase64", "dill", "distro", "jiter", "python-multipart", "sniffio", "sentencepiece", "einops",
+            "setproctitle", "gguf")
+CACHE = Path(os.environ.get("MEGATRON_DAPO_SGLANG_CACHE", Path.home() / ".cache" / "megatron-dapo" / "sglang-0.5.23"))
+# GPU-only kernels and libraries, plus torchvision (its wheels need a newer torch), soundfile and
+# IPython (audio and notebook helpers): none of them is on the paths this peer runs.
+STUBBED = ("sgl_kernel", "flashinfer", "triton_kernels", "vllm", "deep_gemm", "deep_ep", "sgl_deepep", "cuda",
+           "cutlass", "quack", "flash_attn", "mooncake", "torchao", "compressed_tensors", "pynvml", "nvidia",
+           "decord", "outlines", "llguidance", "partial_json_parser", "torchvision", "soundfile", "IPython")
+
+
+def ensure_installed(cache: Path = CACHE) -> Path:
+    """The cache directory with SGLang installed; raises (never skips) when PyPI cannot provide it."""
+    done = cache / ".complete"
+    if done.exists():
+        return cache
+    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp), *PACKAGES]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"could not install {SGLANG} into {tmp} (pip install --no-deps from PyPI failed); "
+                           f"the SGLang peer tests need it: {proc.stderr.strip()[-2000:]}")
+    (tmp / ".complete").write_text(" ".join(PACKAGES) + "\n")
+    if cache.exists():  # a concurrent install won; use it
+        return cache
+    tmp.rename(cache)
+    return cache
+
+
+class _Stub(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Stub(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(cls, name, value)
+        return value
+
+
+class _StubModule(types.ModuleType):
+    __path__: list = []
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _Stub(name, (), {"__init__": lambda self, *a, **k: None})
+        setattr(self, name, value)
+        return value
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in STUBBED:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        return _StubModule(spec.name)
+
+    def exec_module(self, module):
+        pass
+
+
+def import_sglang(cache: Path = CACHE) -> None:
+    """Make `import sglang` work in this process (call only in a process of its own: stubs stay)."""
+    from transformers.utils import import_utils
+
+    # transformers caches whether torchvision exists; ask before the stub makes it look present
+    import_utils.is_torchvision_available()
+    import_utils.is_torchvision_greater_or_equal("0")
+    sys.path.insert(0, str(cache))
+    sys.meta_path.insert(0, _StubFinder())
+
+
+# ---- the peer server -------------------------------------------------------------------------------
+def _placeholder_request(i: int):
+    """A request in the running batch: it holds KV until retracted (what the flush test reads)."""
+    return types.SimpleNamespace(rid=f"running-{i}", finished=lambda: False, kv=types.SimpleNamespace(holds_kv=True))
+
+
+class _RunningBatch:
+    def __init__(self, reqs):
+        self.reqs = list(reqs)
+        self.batch_is_full = False
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+def build_peer(api_key: str | None, running_requests: int):
+    """SGLang's control path wired to its own weight-update code over a recording model: returns the peer
+    tokenizer-manager class (built inside the serving loop), SGLang's http_server module and the scheduler."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{free_port()}", rank=0, world_size=1)
+
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.managers import tokenizer_manager as tm_mod
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.utils.aio_rwlock import RWLock
+
+    get_context().set_server_args(ServerArgs(model_path="megatron-dapo/sglang-peer", device="cpu",
+                                             api_key=api_key, skip_tokenizer_init=True))
+    # one TP rank; its "group" is what SGLang's barriers use (distributed init would build it)
+    get_parallel().override_permanently(tp_rank=0, tp_size=1,
+                                        tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1))
+
+    class RecordingModel(torch.nn.Module):
+        """The model SGLang loads into: keeps a copy of every tensor it is given, in order."""
+
+        def __init__(self):
+            super().__init__()
+            self.received: list[tuple[str, torch.Tensor]] = []
+
+        def load_weights(self, weights):
+            self.received += [(name, t.detach().clone()) for name, t in weights]
+
+    model = RecordingModel()
+    runner = types.SimpleNamespace(model=model)
+    runner.weight_updater = WeightUpdater(
+        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
+        get_model=lambda: model, update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: runner)
+    worker = types.SimpleNamespace(model_runner=runner, _model_runner=runner)
+    for name in ("init_weights_update_group", "destroy_weights_update_group", "deserialize_own_rank",
+                 "weight_update_runners"):
+        setattr(worker, name, types.MethodType(getattr(TpModelWorker, name), worker))
+
+    class PeerScheduler:
+        """The scheduler state SGLang's flush test reads; generation itself is not run."""
+
+        def __init__(self):
+            self.running_batch = _RunningBatch(_placeholder_request(i) for i in range(running_requests))
+            self.waiting_queue: list = []
+            self.chunked_req = self.last_batch = self.cur_batch_for_debug = self.draft_worker = None
+            self.enable_overlap = self.enable_hisparse = self.enable_hierarchical_cache = self.enable_lmcache = False
+            self._engine_paused = False
+            self.disaggregation_mode = DisaggregationMode.NULL
+            self.dllm_manager = types.SimpleNamespace(any_staging_reqs=lambda: False)
+            self.grammar_manager = types.SimpleNamespace(grammar_queue=[], clear=lambda: None)
+            self.flushes = 0
+            self.tree_cache = types.SimpleNamespace(reset=self._count_flush)
+            self.req_to_token_pool = types.SimpleNamespace(clear=lambda: None, reset_aux_cache_allocator=lambda: None)
+            self.token_to_kv_pool_allocator = types.SimpleNamespace(clear=lambda: None)
+            self.metrics_reporter = types.SimpleNamespace(reset_metrics=lambda: None, is_stats_logging_rank=False)
+            self.weight_version = "default"
+            self.is_fully_idle = types.MethodType(Scheduler.is_fully_idle, self)
+            self.flush_cache = types.MethodType(Scheduler.flush_cache, self)
+
+        def _count_flush(self):
+            self.flushes += 1
+
+        def _pp_microbatches_drained(self) -> bool:
+            return True
+
+        def record_weight_version_change(self, new_version):
+            if new_version is not None:
+                self.weight_version = new_version
+
+        # what Scheduler.pause_generation / continue_generation do to the requests, without a KV pool
+        def pause_generation(self, req):
+            assert req.mode in ("in_place", "retract")
+            self._engine_paused = True
+            if req.mode == "retract":  # back to the queue, their KV released (retract_all)
+                for r in self.running_batch.reqs:
+                    r.kv.holds_kv = False
+                self.waiting_queue += self.running_batch.reqs
+                self.running_batch.reqs = []
+
+        def continue_generation(self, req):
+            self._engine_paused = False
+
+        def abort_all(self):
+            self.running_batch.reqs, self.waiting_queue = [], []
+
+    sched = PeerScheduler()
+    manager = SchedulerWeightUpdaterManager(
+        tp_worker=worker, draft_worker=None, memory_saver_adapter=None, flush_cache=sched.flush_cache,
+        is_fully_idle=sched.is_fully_idle, scheduler=sched)
+    sched.manager, sched.model = manager, model
+
+    class PeerTokenizerManager(tm_mod.TokenizerManager):
+        """SGLang's TokenizerManager without its subprocesses: control calls reach the manager above."""
+
+        def __init__(self):  # the real one spawns the scheduler and detokenizer processes
+            self.server_args = get_context().server_args
+            self.is_pause = False
+            self.is_pause_cond = asyncio.Condition()
+            self.model_update_lock = RWLock()
+            self.mm_processor = None
+            self.model_path = self.served_model_name = "megatron-dapo/sglang-peer"
+            self.model_config = types.SimpleNamespace(hf_config=None, is_generation=True, context_len=4096,
+                                                      is_image_understandable_model=False,
+                                                      is_audio_understandable_model=False)
+            self.is_generation = True
+            flush = SchedulerFlushWrapper(flush_cache=sched.flush_cache, is_fully_idle=sched.is_fully_idle,
+                                          send_output=lambda out, req: None)
+            self.flush_cache_communicator = self._to_scheduler(flush.handle)
+            for name, method in (("init_weights_update_group", "init_weights_update_group"),
+                                 ("destroy_weights_update_group", "destroy_weights_update_group"),
+                                 ("begin_weight_update", "begin_weight_update"),
+                                 ("end_weight_update", "end_weight_update"),
+                                 ("update_weights_from_distributed", "update_weights_from_distributed"),
+                                 ("update_weights_from_tensor", "update_weights_from_tensor")):
+                setattr(self, f"{name}_communicator", self._to_scheduler(getattr(manager, method)))
+
+        @staticmethod
+        def _to_scheduler(fn):
+            async def call(obj):
+                out = await asyncio.to_thread(fn, obj)
+                if isinstance(out, tuple):  # init/destroy answer (success, message) from the tp worker
+                    return [types.SimpleNamespace(success=out[0], message=out[1])]
+                return [out]
+            return call
+
+        def auto_create_handle_loop(self):
+            pass
+
+        async def _async_dispatch_to_scheduler(self, obj):  # what pause/continue send the scheduler
+            {"PauseGenerationReqInput": sched.pause_generation,
+             "ContinueGenerationReqInput": sched.continue_generation}[type(obj).__name__](obj)
+
+        def abort_request(self, rid: str = "", abort_all: bool = False):
+            if abort_all:
+                sched.abort_all()
+
+    return PeerTokenizerManager, http_server, sched
+
+
+def serve(port: int, api_key: str | None, running_requests: int) -> None:
+    import_sglang()  # first: fastapi looks for orjson (installed beside SGLang) when it is imported
+    import uvicorn
+    from fastapi.responses import JSONResponse, Response
+    from safetensors.torch import save
+
+    make_tm, http_server, sched = build_peer(api_key, running_requests)
+    app = http_server.app
+
+    @app.get("/peer/state")
+    async def peer_state():
+        return {"weight_version": sched.weight_version, "flushes": sched.flushes,
+                "names": [n for n, _ in sched.model.received],
+                "running": len(sched.running_batch.reqs), "waiting": len(sched.waiting_queue),
+                "session_open": sched.manager._session is not None}
+
+    @app.get("/peer/received")
+    async def peer_received():
+        # names may repeat across syncs: the last value of each, as the model would hold it
+        return Response(save({n: t.contiguous() for n, t in sched.model.received}),
+                        media_type="application/octet-stream")
+
+    async def peer_parse(request):  # a plain Starlette route: the request itself, no FastAPI parsing
+        return JSONResponse(json.loads(json.dumps(parse_payloads(await request.json()), default=repr)))
+
+    app.add_route("/peer/parse", peer_parse, methods=["POST"])
+
+    @app.post("/peer/reset")
+    async def peer_reset(running: int = running_requests):
+        """Forget what was received; `running` placeholder requests in the running batch."""
+        sched.model.received.clear()
+        sched.running_batch.reqs = [_placeholder_request(i) for i in range(running)]
+        sched.waiting_queue, sched.flushes = [], 0
+        return {}
+
+    async def main():
+        http_server.set_global_state(http_server._GlobalState(tokenizer_manager=make_tm(), template_manager=None,
+                                                              scheduler_info={}))
+        if api_key:
+            from sglang.srt.utils.auth import add_api_key_middleware
+            add_api_key_middleware(app, api_key=api_key, admin_api_key=None)
+        # lifespan off: SGLang's starts the OpenAI handlers and the warmup request, which need a tokenizer
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+        print(f"sglang peer listening on {port}", flush=True)
+        await uvicorn.Server(config).serve()
+
+    asyncio.run(main())
+
+
+# ---- SGLang's parsing of client payloads -----------------------------------------------------------
+def parse_payloads(bodies: list[dict]) -> list[dict]:
+    """For each /generate body: SGLang's normalized view of it, or the error its parsing raised."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    out = []
+    for body in bodies:
+        try:
+            req = GenerateReqInput(**body)
+            req.normalize_batch_and_arguments()
+            sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params]
+            parsed = []
+            for sp in sps:
+                p = SamplingParams(**(sp or {}))
+                p.normalize(None)
+                p.verify(vocab_size=1 << 20)
+                parsed.append({k: getattr(p, k) for k in ("n", "temperature", "top_p", "top_k", "max_new_tokens",
+                                                          "sampling_seed", "stop_token_ids")})
+            rid = req.rid
+            out.append({"ok": True, "batch_size": getattr(req, "batch_size", 1), "is_single": req.is_single,
+                        "rid": rid, "return_logprob": req.return_logprob,
+                        "logprob_start_len": req.logprob_start_len, "input_ids": req.input_ids,
+                        "sampling": [{k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
+                                     for d in parsed]})
+        except Exception as e:  # what SGLang's parsing said
+            out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve")
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--api-key", default=os.environ.get("SGLANG_PEER_API_KEY"),
+                   help="(default: $SGLANG_PEER_API_KEY, kept off the command line)")
+    s.add_argument("--running-requests", type=int, default=0,
+                   help="placeholder requests in the running batch (as generation in flight would leave)")
+    sub.add_parser("install")
+    args = p.parse_args(argv)
+    if args.cmd == "install":
+        print(ensure_installed())
+    else:
+        serve(args.port, args.api_key, args.running_requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

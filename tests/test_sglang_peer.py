@@ -1,0 +1,223 @@
+"""SGLang 0.5.23's own code judges the bridge, the client's payloads and the embedded server's gate.
+
+The peer (tests/sglang_peer.py) runs SGLang's HTTP app, tokenizer-manager control path, scheduler
+weight-update manager and model-runner receive code; only the model (it records what it loads) and
+generation are replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+import torch
+from safetensors.torch import load
+
+from megatron_dapo.config.schema import SyncConfig
+from megatron_dapo.rollout import payloads
+from megatron_dapo.rollout.client import SGLangClient, SGLangHTTPError
+from megatron_dapo.rollout.embedded.tensor_payload import serialize_named_tensors
+from megatron_dapo.rollout.types import SamplingParams
+from megatron_dapo.sync import bridge as bridge_mod
+from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError
+from tests.conftest import SGLANG_PEER_KEY as KEY
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def embedded(tmp_path_factory):
+    """An embedded server with the peer's api key, to hold against SGLang's answers."""
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.launcher import launch_embedded
+
+    tmp = tmp_path_factory.mktemp("embedded")
+    server = launch_embedded(str(save_tiny_hf_model("qwen3", tmp / "model")), tmp / "server.log", api_key=KEY,
+                             timeout_s=120)
+    server.model_dir = tmp / "model"
+    yield server
+    server.stop()
+
+
+def _weights() -> list[tuple[str, torch.Tensor]]:
+    """Mixed bf16 / fp32 tensors of odd sizes (flattened offsets must respect each dtype's alignment)."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [("model.embed_tokens.weight", (97, 24), torch.bfloat16),
+              ("model.layers.0.self_attn.q_proj.weight", (24, 24), torch.float32),
+              ("model.layers.0.input_layernorm.weight", (24,), torch.bfloat16),
+              ("model.layers.0.mlp.up_proj.weight", (33, 24), torch.float32),
+              ("model.layers.0.mlp.down_proj.weight", (24, 33), torch.bfloat16),
+              ("model.norm.weight", (7,), torch.float32),
+              ("lm_head.weight", (97, 24), torch.float32)]
+    return [(n, torch.randn(s, generator=g).to(dt)) for n, s, dt in shapes]
+
+
+def _http(peer) -> httpx.Client:
+    return httpx.Client(base_url=peer.url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False, timeout=60)
+
+
+def _sync_into_peer(peer, flatten: bool, pause: str | None, version: str, bucket_mb: float = 0.004):
+    cfg = SyncConfig(bucket_mb=bucket_mb, flatten_bucket=flatten, pause_generation=pause is not None,
+                     pause_mode=pause or "in_place")
+    bridge = WeightSyncBridge([peer.url], cfg, api_key=KEY, group_name=f"peer_{version}", backend="gloo")
+    bridge.connect()
+    try:
+        return bridge.sync(_weights(), version=version)
+    finally:
+        bridge.close()
+
+
+@pytest.mark.parametrize("flatten,pause,running", [
+    (False, "in_place", 1), (True, "in_place", 1), (True, "retract", 1), (False, "abort", 1), (True, None, 0)])
+def test_bridge_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatten, pause, running):
+    """Sessions opened and closed, several buckets, per-tensor and flattened, each pause mode: SGLang's
+    receive code gets every tensor with its dtype, shape and bits, and reports the new version. With no
+    pause SGLang drains running requests before it loads, so the peer starts idle then."""
+    version = f"v-{int(flatten)}-{pause}"
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": running}).raise_for_status()
+        stats = _sync_into_peer(sglang_peer, flatten, pause, version)
+        state = http.get("/peer/state").json()
+        got = load(http.get("/peer/received").content)
+        info = http.get("/get_model_info").json()
+    want = _weights()
+    assert stats.num_buckets >= 3 and stats.num_tensors == len(want)
+    assert state["names"] == [n for n, _ in want]  # each once, in the order sent
+    for name, t in want:
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    assert info["weight_version"] == version == state["weight_version"]
+    assert not state["session_open"]
+    # in_place keeps the running request (and no flush is asked for); retract re-queues it; abort ends it
+    expect = {"in_place": (1, 0, 0), "retract": (0, 1, 1), "abort": (0, 0, 1), None: (0, 0, 1)}[pause]
+    assert (state["running"], state["waiting"], state["flushes"]) == expect
+
+
+def test_bridge_closes_a_session_a_dead_trainer_left_open(sglang_peer):
+    """SGLang refuses a second begin while a session is open (as a trainer killed mid-sync leaves it):
+    the bridge ends that session and opens its own."""
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 0}).raise_for_status()
+        assert http.post("/begin_weight_update", json=payloads.begin_update_body()).json()["success"]
+        stats = _sync_into_peer(sglang_peer, False, "retract", "after-a-dead-trainer", bucket_mb=64)
+        state = http.get("/peer/state").json()
+    assert stats.num_tensors == len(_weights()) and state["weight_version"] == "after-a-dead-trainer"
+    assert not state["session_open"]
+
+
+def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_server(sglang_peer, embedded,
+                                                                                    monkeypatch):
+    """The old bridge (flush_cache on the last bucket after an in_place pause) fails in SGLang with its own
+    message, and the embedded server says the same; the bridge's error names the server and the tensor."""
+    monkeypatch.setattr(bridge_mod, "flushes_cache", lambda pause_generation, pause_mode: True)
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 1}).raise_for_status()
+        with pytest.raises(WeightSyncError) as e:
+            _sync_into_peer(sglang_peer, False, "in_place", "flush-in-place", bucket_mb=64)
+        state = http.get("/peer/state").json()
+    msg = str(e.value)
+    assert "the cache was not flushed because requests are still running or queued" in msg
+    assert sglang_peer.url in msg and "'model.embed_tokens.weight'" in msg
+    assert not state["session_open"], "the bridge must end the session after a failed bucket"
+    assert state["weight_version"] == "flush-in-place"  # SGLang loaded the weights, then failed the call
+
+    # the embedded server, with a request really running when paused in place
+    from safetensors.torch import load_file
+
+    new = sorted(load_file(str(embedded.model_dir / "model.safetensors")).items())[:2]  # its own values
+
+    async def go():
+        async with SGLangClient(embedded.url, api_key=KEY) as c:
+            long = asyncio.ensure_future(c._post("/generate", {
+                "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
+            await asyncio.sleep(0.3)
+            await c.pause_generation("in_place")
+            assert not long.done(), "the request must still be running when paused"
+            async with c.weight_update_session():
+                with pytest.raises(SGLangHTTPError) as refused:
+                    await c.update_weights_from_tensor([serialize_named_tensors(new)], flush_cache=True)
+                kept = await c.update_weights_from_tensor([serialize_named_tensors(new)], flush_cache=False)
+            with pytest.raises(SGLangHTTPError) as busy:
+                await c.flush_cache()
+            await c.continue_generation()
+            await long
+            await c.flush_cache()  # idle again: flushes
+            return refused.value, kept, busy.value
+
+    refused, kept, busy = asyncio.run(go())
+    assert refused.status == 400 and refused.server_message in msg
+    assert kept["success"] and busy.status == 400
+
+
+def test_update_session_gate_answers_as_sglang_does(sglang_peer, embedded):
+    """Update outside a session, begin twice, end without begin: status and body equal SGLang's."""
+    steps = [("/update_weights_from_distributed", payloads.update_distributed_body(["x"], ["float32"], [[1]])),
+             ("/update_weights_from_tensor", payloads.update_tensor_body([serialize_named_tensors([])])),
+             ("/end_weight_update", payloads.end_update_body()),
+             ("/begin_weight_update", payloads.begin_update_body()),
+             ("/begin_weight_update", payloads.begin_update_body()),
+             ("/end_weight_update", payloads.end_update_body())]
+    answers = {}
+    for name, url in (("sglang", sglang_peer.url), ("embedded", embedded.url)):
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False,
+                          timeout=60) as http:
+            answers[name] = [(r.status_code, r.json()) for r in (http.post(p, json=b) for p, b in steps)]
+    assert answers["embedded"] == answers["sglang"]
+    assert [s for s, _ in answers["sglang"]] == [400, 400, 400, 200, 400, 200]
+
+
+def test_api_key_behaviour_agrees_route_by_route(sglang_peer, embedded):
+    routes = [("GET", "/health"), ("GET", "/health_generate"), ("GET", "/get_model_info"), ("GET", "/model_info"),
+              ("POST", "/generate"), ("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/abort_request"),
+              ("POST", "/pause_generation"), ("POST", "/continue_generation"),
+              ("POST", "/init_weights_update_group"), ("POST", "/destroy_weights_update_group"),
+              ("POST", "/begin_weight_update"), ("POST", "/end_weight_update"),
+              ("POST", "/update_weights_from_distributed"), ("POST", "/update_weights_from_tensor"),
+              ("POST", "/update_weight_version"), ("POST", "/release_memory_occupation"),
+              ("POST", "/resume_memory_occupation")]
+    headers = {"none": {}, "wrong": {"Authorization": "Bearer nope"}, "scheme": {"Authorization": f"Basic {KEY}"}}
+    table = {}
+    for name, url in (("sglang", sglang_peer.url), ("embedded", embedded.url)):
+        with httpx.Client(base_url=url, trust_env=False, timeout=60) as http:
+            for method, path in routes:
+                for h, hdr in headers.items():
+                    # refused (401), or let through to the route, whatever it then answers: the peer's
+                    # /health* ask a scheduler it does not run, and fail
+                    try:
+                        r = http.request(method, path, headers={**hdr, "Connection": "close"},
+                                         json={} if method == "POST" else None)
+                        refused = r.status_code == 401
+                    except httpx.TransportError:
+                        refused = False
+                    table.setdefault((method, path, h), {})[name] = refused
+    differ = {k: v for k, v in table.items() if v["sglang"] != v["embedded"]}
+    assert not differ, differ
+    assert table[("GET", "/health", "none")] == {"sglang": False, "embedded": False}
+    assert table[("POST", "/begin_weight_update", "wrong")] == {"sglang": True, "embedded": True}
+
+
+def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
+    """The client's /generate bodies, built by payloads.generate_body, through SGLang's own
+    GenerateReqInput.normalize_batch_and_arguments and SamplingParams.normalize/verify."""
+    one = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=16, stop_token_ids=[5, 7])
+    bodies = [
+        payloads.generate_body([1, 2, 3], one, rid="r1"),
+        payloads.generate_body([1, 2, 3], SamplingParams(n=4, temperature=1.0, max_new_tokens=8, sampling_seed=11)),
+        payloads.generate_body([4, 5], [SamplingParams(max_new_tokens=8, sampling_seed=s) for s in (1, 2, 3)], rid="g"),
+        payloads.generate_body([1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=0), rid="p",
+                               logprob_start_len=0),
+        payloads.generate_body([9], SamplingParams(temperature=0.0, max_new_tokens=2), return_logprob=False),
+    ]
+    with _http(sglang_peer) as http:
+        parsed = http.post("/peer/parse", json=bodies).raise_for_status().json()
+    assert all(p["ok"] for p in parsed), parsed
+    single, group, batch, prompt, greedy = parsed
+    assert single["is_single"] and single["rid"] == "r1" and single["return_logprob"] is True
+    assert single["sampling"] == [{"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16,
+                                   "sampling_seed": None, "stop_token_ids": [5, 7]}]
+    # n=4 in one request: SGLang expands it to a batch of 4 copies of the prompt, sharing the seed
+    assert group["batch_size"] == 1 and group["sampling"][0]["n"] == 4 and group["sampling"][0]["sampling_seed"] == 11
+    assert not batch["is_single"] and batch["batch_size"] == 3 and batch["rid"] == ["g-0", "g-1", "g-2"]
+    assert [s["sampling_seed"] for s in batch["sampling"]] == [1, 2, 3] and batch["input_ids"] == [[4, 5]] * 3
+    assert prompt["logprob_start_len"] == 0 and prompt["sampling"][0]["max_new_tokens"] == 0
+    assert greedy["return_logprob"] is False and greedy["sampling"][0]["top_k"] == 1  # SGLang's greedy form
