@@ -113,22 +113,26 @@ class StalenessController:
         del self.where[key]
 
     def occupy(self, key: Hashable, item: Any) -> tuple[int, int]:
-        """A reserved group completed: place it in the earliest slot it may take; returns (buffer, slot).
+        """A reserved group completed: place it in the earliest empty slot; returns (buffer, slot).
 
-        That is the earliest empty slot, or the earliest slot reserved by an in-flight group whose
-        bound still holds one buffer later, in the slot this group leaves (the two swap). PSRL takes
-        empty slots only; then the groups dispatched first, which reserved the latest buffer, can
-        never fill the trainer's next buffer, and the trainer waits for later ones while they sit done.
+        First, as PSRL's occupy does, the slot this group leaves goes to the earliest in-flight group
+        reserved before it (earlier buffer, or earlier slot of the same buffer) whose bound still
+        holds there: that group gets one more buffer of time, and the early buffers fill with groups
+        in completion order instead of waiting for the ones reserved in them.
         """
         b_res, i_res = self._reserved(key)
         v_traj = self.buffers[b_res][i_res].v_traj
         self.buffers[b_res][i_res] = Slot(since=self.clock())
-        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
-                    if s.state == EMPTY or (s.state == RESERVED and b_res <= s.v_traj + self.staleness))
-        moved = self.buffers[b][i]
-        if moved.state == RESERVED:  # its worst case moves later, still within its bound
+        later = next(((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
+                      if (b, i) < (b_res, i_res) and s.state == RESERVED and b_res <= s.v_traj + self.staleness),
+                     None)
+        if later is not None:  # its worst case moves later, still within its bound
+            moved = self.buffers[later[0]][later[1]]
             self.buffers[b_res][i_res] = moved
             self.where[moved.key] = (b_res, i_res)
+            self.buffers[later[0]][later[1]] = Slot(since=self.clock())
+        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
+                    if s.state == EMPTY)
         self.buffers[b][i] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
         self.where[key] = (b, i)
         return b, i
