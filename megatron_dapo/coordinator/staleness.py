@@ -8,15 +8,44 @@ comes from a version >= V_traj. With staleness bound s the group may be trained 
 
 - reserve: a group is dispatched only if a slot can be reserved in the highest open buffer
   <= V_traj + s (its worst case), taking that buffer's last empty slot (buffers fill from the back);
-- occupy: when it completes, its reservation is released and it takes the earliest empty slot of
-  the earliest open buffer, which is never later than the one it reserved (or the earliest slot
-  of an in-flight group that may move to its freed slot: see `occupy`);
+- occupy: when it completes, its reservation is released; the slot it leaves goes to the earliest
+  in-flight group reserved before it that may still be trained there (that group gets one buffer
+  more time), and the completed group takes the earliest empty slot, never later than the one it
+  reserved;
 - release: a group dropped by dynamic sampling (or failed) gives its slot back, so a fresh prompt
   can be dispatched at once;
 - consume: the trainer takes the next buffer when all its slots are occupied, and moves on.
 
 The bound therefore holds by construction and nothing completed is ever discarded for staleness:
 a slow group holds its buffer back (the trainer waits) instead of being thrown away.
+
+Against PSRL's `StalenessInventory` (psrl/workers/ps/staleness_controller.py, Somoku/psrl
+19c0474), read line by line; every decision is the same, and benchmarks/staleness_reservation.py
+--psrl-src runs PSRL's own class in the same simulation to the same throughput:
+- how many groups may be in flight: the same, every empty slot of the buffers [V, V + s] (PSRL:
+  `can_reserve_data`, `get_empty_entries_total_num`); neither counts anything else against them.
+- which buffer a request reserves: the same, the highest one <= V + s with an empty slot, its last
+  empty slot (`reserve_data`: max candidate, `get_last_non_reserved`).
+- where a completed group goes: the same, first the earliest reservation before it (earliest buffer
+  from V_traj, or an earlier slot of its own buffer) whose bound allows the freed buffer moves into
+  the freed slot (`clear_reserved_entries(move_across_buffer=True)`), then the group takes the
+  earliest empty slot of the earliest buffer (`occupy_data_with_reserve`). Until this revision this
+  class moved a reservation only when no empty slot came before it; with a producer that fills every
+  reservable slot at once both rules place every group identically (the benchmark's numbers did not
+  change), with a lagging producer PSRL's rule empties early buffers of in-flight groups sooner.
+- a group dropped by dynamic sampling: the same, its reservation is cleared in place and a fresh
+  prompt dispatched (PSRL's agent-loop manager calls `clear_reserved_entries` without moving across
+  buffers, then `_retry_data`).
+- what this class leaves out: PSRL's slot order inside a buffer (it keeps occupied slots first and
+  reservations last by moving entries; here a slot's index carries no meaning beyond consume order),
+  per-trajectory reservations joined into a group entry (`request_idx` lists; here a group is
+  reserved and dispatched whole), and buffers larger than the batch (`READY_WITH_CAPACITY`, used
+  only by redundant rollout, issue 15).
+The cost of the guarantee is the same in both: with a heavy-tailed length distribution a buffer
+waits for its slowest group of version b - s, and with every slot <= V + s taken nothing else may be
+dispatched. PSRL does not fix that in the controller but around it (issue 15): redundant rollout
+(B' > B prompts or N' > N samples, the surplus aborted; its docs: "cut tail latency") and the
+proactive filter `retry` on a STUCK buffer; migration helps only when a server, not a response, is slow.
 """
 
 from __future__ import annotations
