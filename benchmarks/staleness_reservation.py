@@ -107,6 +107,7 @@ class Result:
     wasted_time: float
     staleness_sum: int
     trainer_busy: float
+    trained_at: dict  # group (draw) -> the step that trained it
 
 
 def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float, p_drop: float, sigma: float,
@@ -121,6 +122,7 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
     queue: deque = deque()  # dispatched groups waiting for a free server slot
     running = in_flight = consumed = 0
     trained = discarded = stale_sum = 0
+    trained_at: dict[int, int] = {}
     gen_time = wasted = busy = 0.0
     training = False
 
@@ -169,6 +171,7 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
         consumed += batch
         trained += batch
         stale_sum += sum(step - v for _, v, _ in taken)
+        trained_at.update((d, step) for d, _, _ in taken)
         training = True
         busy += train_s
         heapq.heappush(events, (now + train_s, 0, None))
@@ -193,7 +196,7 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
                 fifo.append((d, v, duration))
         try_take()
         dispatch()
-    return Result(now + train_s, trained, discarded, gen_time, wasted, stale_sum, busy)  # ends after the last step
+    return Result(now + train_s, trained, discarded, gen_time, wasted, stale_sum, busy, trained_at)  # ends after the last step
 
 
 def main():
@@ -214,11 +217,12 @@ def main():
     print("| s | policy | groups/s | x discard | discarded | wasted gen % | mean staleness | trainer busy % |")
     print("|---|---|---|---|---|---|---|---|")
     for s in (0, 1, 2, 3):
-        rows = {}
+        rows, trained_at = {}, {}
         for policy in ("discard", "reserve") + (("psrl",) if args.psrl_src else ()):
             rs = [simulate(policy, s, args.batch, args.steps, args.train_s, args.p_drop, args.sigma, seed,
                            args.capacity, args.max_time, args.psrl_src)
                   for seed in range(args.seeds)]
+            trained_at[policy] = [r.trained_at for r in rs]
             rows[policy] = (sum(r.trained / r.time for r in rs) / len(rs), sum(r.discarded for r in rs) / len(rs),
                             100 * sum(r.wasted_time / r.gen_time for r in rs) / len(rs),
                             sum(r.staleness_sum / r.trained for r in rs) / len(rs),
@@ -226,6 +230,11 @@ def main():
         for policy, (gps, disc, waste, stale, busy) in rows.items():
             print(f"| {s} | {policy} | {gps:.2f} | {gps / rows['discard'][0]:.2f} | {disc:.1f} | {waste:.1f} "
                   f"| {stale:.2f} | {busy:.1f} |")
+        if "psrl" in trained_at:
+            pairs = [(a, b) for a, b in zip(trained_at["psrl"], trained_at["reserve"], strict=True)]
+            same = sum(sum(a.get(d) == step for d, step in b.items()) for a, b in pairs)
+            total = sum(len(b) for _, b in pairs)
+            print(f"s={s}: groups PSRL's controller trains at the same step as ours: {same}/{total}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ The bound therefore holds by construction and nothing completed is ever discarde
 a slow group holds its buffer back (the trainer waits) instead of being thrown away.
 
 Against PSRL's `StalenessInventory` (psrl/workers/ps/staleness_controller.py, Somoku/psrl
-19c0474), read line by line; every decision is the same, and benchmarks/staleness_reservation.py
---psrl-src runs PSRL's own class in the same simulation to the same throughput:
+19c0474), read line by line: the rules are the same, and benchmarks/staleness_reservation.py
+--psrl-src runs PSRL's own class in the same simulation: same throughput, and every group trained at
+the same step as here except a few when two reservations of one buffer tie (see slot order below):
 - how many groups may be in flight: the same, every empty slot of the buffers [V, V + s] (PSRL:
   `can_reserve_data`, `get_empty_entries_total_num`); neither counts anything else against them.
 - which buffer a request reserves: the same, the highest one <= V + s with an empty slot, its last
@@ -37,7 +38,8 @@ Against PSRL's `StalenessInventory` (psrl/workers/ps/staleness_controller.py, So
   prompt dispatched (PSRL's agent-loop manager calls `clear_reserved_entries` without moving across
   buffers, then `_retry_data`).
 - what this class leaves out: PSRL's slot order inside a buffer (it keeps occupied slots first and
-  reservations last by moving entries; here a slot's index carries no meaning beyond consume order),
+  reservations last by moving entries; here a slot's index carries no meaning beyond consume order,
+  so when several reservations of one buffer may move, the one moved can differ from PSRL's),
   per-trajectory reservations joined into a group entry (`request_idx` lists; here a group is
   reserved and dispatched whole), and buffers larger than the batch (`READY_WITH_CAPACITY`, used
   only by redundant rollout, issue 15).
