@@ -30,10 +30,10 @@ the same step as here except a few when two reservations of one buffer tie (see 
 - where a completed group goes: the same, first the earliest reservation before it (earliest buffer
   from V_traj, or an earlier slot of its own buffer) whose bound allows the freed buffer moves into
   the freed slot (`clear_reserved_entries(move_across_buffer=True)`), then the group takes the
-  earliest empty slot of the earliest buffer (`occupy_data_with_reserve`). Until this revision this
-  class moved a reservation only when no empty slot came before it; with a producer that fills every
-  reservable slot at once both rules place every group identically (the benchmark's numbers did not
-  change), with a lagging producer PSRL's rule empties early buffers of in-flight groups sooner.
+  earliest empty slot of the earliest buffer (`occupy_data_with_reserve`). (Moving a reservation
+  only when no empty slot comes before it, as this class once did, places every group the same way
+  while the producer fills every reservable slot at once, but leaves in-flight groups in early
+  buffers when it lags.)
 - a group dropped by dynamic sampling: the same, its reservation is cleared in place and a fresh
   prompt dispatched (PSRL's agent-loop manager calls `clear_reserved_entries` without moving across
   buffers, then `_retry_data`).
