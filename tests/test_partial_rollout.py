@@ -49,8 +49,10 @@ async def _interrupted(url, sampling, between_pauses):
                 if done.is_set():
                     break
                 await admin.pause_generation("abort")
-                await between_pauses(admin, k)
-                await admin.continue_generation()
+                try:
+                    await between_pauses(admin, k)
+                finally:  # a failing callback must not leave the server paused (the request would hang)
+                    await admin.continue_generation()
                 k += 1
 
     async with SGLangClient(url) as c:
@@ -107,12 +109,13 @@ def test_weights_changing_mid_request_give_exact_token_versions(server, models):
 
     async def update(admin, k):  # during the first two pauses: versions 1 and 2
         if k < 2:
-            await admin.update_weights_from_tensor([serialize_named_tensors(new_weights[k + 1])],
-                                                   weight_version=str(k + 1))
+            async with admin.weight_update_session():
+                await admin.update_weights_from_tensor([serialize_named_tensors(new_weights[k + 1])],
+                                                       weight_version=str(k + 1))
 
     async def go():
         out = await _interrupted(server.url, sampling, update)
-        async with SGLangClient(server.url) as admin:  # back to the first model for the other tests
+        async with SGLangClient(server.url) as admin, admin.weight_update_session():  # back to the first model
             await admin.update_weights_from_tensor([serialize_named_tensors(new_weights[0])], weight_version="0")
         return out
 
