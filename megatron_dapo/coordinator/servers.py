@@ -41,6 +41,7 @@ class ServerRegistry:
         self.urls = list(self.records)
         self._waiting: Counter = Counter()  # V_traj -> requests at the router waiting for a routable server
         self._listeners: list[Callable[[], None]] = []
+        self._events: list[dict] = []  # completed syncs not yet taken by `take_events`
 
     def add_listener(self, fn: Callable[[], None]) -> None:
         with self._lock:
@@ -107,6 +108,8 @@ class ServerRegistry:
             r.sync_s += self.clock() - r.sync_started
             if version is not None:
                 r.version, r.syncs = version, r.syncs + 1
+                self._events.append({"server": self.urls.index(url), "version": version,
+                                     "start": r.sync_started, "end": self.clock()})
         self._notify()
 
     def publish_all(self, version: int, seconds: float = 0.0) -> None:
@@ -129,6 +132,12 @@ class ServerRegistry:
             return [ServerStatus(r.url, r.version, running=r.outstanding, syncing=r.syncing,
                                  routable=sum(n for v, n in self._waiting.items() if v <= r.version))
                     for r in self.records.values()]
+
+    def take_events(self) -> list[dict]:
+        """Per-server syncs completed since the last call: server index, version, start and end times."""
+        with self._lock:
+            events, self._events = self._events, []
+            return events
 
     def metrics(self) -> dict[str, float]:
         with self._lock:

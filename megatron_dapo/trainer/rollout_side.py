@@ -183,10 +183,17 @@ class RolloutProducer:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def set_version(self, version: int) -> None:
-        """Servers now hold `version` (after a weight sync): later buffers open for reservations."""
+        """A server now holds `version` (after a weight sync): later buffers open for reservations.
+        Never backwards: with per-server sync, publishes of two servers may arrive out of order."""
         with self._cv:
-            self.version = version
+            self.version = max(self.version, version)
         self._poke()
+
+    def fail(self, error: BaseException) -> None:
+        """Something outside the producer (a per-server weight sync) failed: take_batch raises it."""
+        with self._cv:
+            self.error = self.error or error
+            self._cv.notify_all()
 
     def _limit_reached(self) -> bool:
         limit = self.s.max_num_gen_batches * self.gen_batch_size
