@@ -162,7 +162,7 @@ class PerServerSync:
         async def loads():
             import asyncio
 
-            return await asyncio.gather(*(self._clients[s.url].get_load() for s in lagging))
+            return await asyncio.gather(*(self._clients[s.url].load() for s in lagging))
 
         for s, row in zip(lagging, self._http.run(loads(), 30) if lagging else []):
             s.running, s.waiting = int(row["num_running_reqs"]), int(row["num_waiting_reqs"])
