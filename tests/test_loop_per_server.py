@@ -18,7 +18,7 @@ from tests.test_loop_run import _run, env  # noqa: F401  (the module fixture: se
 
 pytestmark = pytest.mark.slow
 
-STEPS = 3
+STEPS = 2
 
 
 def _hf_model(env):
