@@ -136,3 +136,22 @@ def test_weight_store_keeps_host_copies_and_immutable_snapshots():
     with pytest.raises(RuntimeError, match="no tensors"):
         store.put(3, iter([]))
     assert store.snapshot().version == 2
+
+
+def test_weight_store_holds_at_most_two_copies():
+    """A new version waits while a sync still reads a snapshot older than the current one."""
+    import threading
+
+    from megatron_dapo.sync.per_server import WeightStore
+
+    store = WeightStore()
+    store.put(1, iter([("w", torch.zeros(2))]))
+    slow = store.acquire()  # a server syncing version 1 ...
+    store.put(2, iter([("w", torch.ones(2))]))  # ... does not hold back version 2 (two copies)
+    third = threading.Thread(target=store.put, args=(3, iter([("w", torch.ones(2))])))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and store.snapshot().version == 2  # a third copy would be needed: waits
+    store.release(slow)
+    third.join(10)
+    assert not third.is_alive() and store.snapshot().version == 3

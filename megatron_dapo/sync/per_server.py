@@ -3,8 +3,9 @@ trainer's newest weights when its policy says so, while training goes on.
 
 `WeightStore` keeps the newest exported weights (HF names) in host memory of trainer rank 0: the
 trainer has moved on by the time a lagging server syncs, so the live model no longer holds that
-version. A snapshot is immutable: `put` builds the next one while a server may still be reading the
-previous one (so the store peaks at two copies of the model).
+version. A snapshot is immutable: `put` builds the next one while servers may still be reading the
+current one, but first waits until none reads an older one, so the store never holds more than two
+copies of the model (the wait happens only when one sync outlasts a whole training step).
 
 `PerServerSync` runs on a thread of trainer rank 0. Every `check_interval_ms` (or at once when a new
 version is stored, or a sync ends) it asks the policy (megatron_dapo.coordinator.sync_policy) which
@@ -46,13 +47,18 @@ class WeightSnapshot:
 
 class WeightStore:
     def __init__(self):
-        self._lock = threading.Lock()
+        self._cv = threading.Condition()
         self._snap: WeightSnapshot | None = None
+        self._readers: dict[int, int] = {}  # version -> syncs reading that snapshot
 
     def put(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor | None]],
             probe_logprobs: Sequence[float] | None = None) -> None:
         """Every trainer rank calls this (the export's gathers are collective); rank 0 keeps a host copy."""
         keep = _is_sender()
+        if keep:
+            with self._cv:  # at most two copies: the current snapshot (maybe being read) and the new one
+                self._cv.wait_for(lambda: self._snap is None or
+                                  not any(n for v, n in self._readers.items() if v < self._snap.version))
         tensors = []
         for name, t in named_tensors:
             if keep and t is not None:
@@ -62,12 +68,26 @@ class WeightStore:
                 raise RuntimeError("WeightStore.put: the weight iterator yielded no tensors")
             snap = WeightSnapshot(int(version), tuple(tensors),
                                   None if probe_logprobs is None else tuple(float(x) for x in probe_logprobs))
-            with self._lock:
+            with self._cv:
                 self._snap = snap
 
     def snapshot(self) -> WeightSnapshot | None:
-        with self._lock:
+        with self._cv:
             return self._snap
+
+    def acquire(self) -> WeightSnapshot:
+        """The current snapshot, for one server's sync; `release` it when the sync is over."""
+        with self._cv:
+            snap = self._snap
+            self._readers[snap.version] = self._readers.get(snap.version, 0) + 1
+            return snap
+
+    def release(self, snap: WeightSnapshot) -> None:
+        with self._cv:
+            self._readers[snap.version] -= 1
+            if not self._readers[snap.version]:
+                del self._readers[snap.version]
+            self._cv.notify_all()
 
 
 class PerServerSync:
@@ -104,10 +124,10 @@ class PerServerSync:
 
     def sync_all(self) -> None:
         """Bring every server to the store's version now (before rollout starts), in parallel."""
-        snap = self.store.snapshot()
         for url in self.bridges:
             self.registry.begin_sync(url)
-        list(self._pool.map(lambda u: self._sync_one(u, snap, raise_errors=True), list(self.bridges)))
+        snaps = {u: self.store.acquire() for u in self.bridges}
+        list(self._pool.map(lambda u: self._sync_one(u, snaps[u], raise_errors=True), list(self.bridges)))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="per-server-sync", daemon=True)
@@ -151,7 +171,7 @@ class PerServerSync:
                 break
             for url in chosen:
                 self.registry.begin_sync(url)
-                self._pool.submit(self._sync_one, url, snap)
+                self._pool.submit(self._sync_one, url, self.store.acquire())
 
     def _with_loads(self, statuses, latest: int):
         """status_based: each lagging server's own load (running, waiting, throughput, KV use)."""
@@ -187,6 +207,7 @@ class PerServerSync:
                 raise
             self._fail(e)
         finally:
+            self.store.release(snap)
             self.registry.end_sync(url, version)
             self._wake.set()  # a server freed: the policy may choose again
         if self.on_publish is not None and version is not None:
