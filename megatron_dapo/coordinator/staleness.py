@@ -8,15 +8,46 @@ comes from a version >= V_traj. With staleness bound s the group may be trained 
 
 - reserve: a group is dispatched only if a slot can be reserved in the highest open buffer
   <= V_traj + s (its worst case), taking that buffer's last empty slot (buffers fill from the back);
-- occupy: when it completes, its reservation is released and it takes the earliest empty slot of
-  the earliest open buffer, which is never later than the one it reserved (or the earliest slot
-  of an in-flight group that may move to its freed slot: see `occupy`);
+- occupy: when it completes, its reservation is released; the slot it leaves goes to the earliest
+  in-flight group reserved before it that may still be trained there (that group gets one buffer
+  more time), and the completed group takes the earliest empty slot, never later than the one it
+  reserved;
 - release: a group dropped by dynamic sampling (or failed) gives its slot back, so a fresh prompt
   can be dispatched at once;
 - consume: the trainer takes the next buffer when all its slots are occupied, and moves on.
 
 The bound therefore holds by construction and nothing completed is ever discarded for staleness:
 a slow group holds its buffer back (the trainer waits) instead of being thrown away.
+
+Against PSRL's `StalenessInventory` (psrl/workers/ps/staleness_controller.py, Somoku/psrl
+19c0474), read line by line: the rules are the same, and benchmarks/staleness_reservation.py
+--psrl-src runs PSRL's own class in the same simulation: same throughput, and every group trained at
+the same step as here except a few when two reservations of one buffer tie (see slot order below):
+- how many groups may be in flight: the same, every empty slot of the buffers [V, V + s] (PSRL:
+  `can_reserve_data`, `get_empty_entries_total_num`); neither counts anything else against them.
+- which buffer a request reserves: the same, the highest one <= V + s with an empty slot, its last
+  empty slot (`reserve_data`: max candidate, `get_last_non_reserved`).
+- where a completed group goes: the same, first the earliest reservation before it (earliest buffer
+  from V_traj, or an earlier slot of its own buffer) whose bound allows the freed buffer moves into
+  the freed slot (`clear_reserved_entries(move_across_buffer=True)`), then the group takes the
+  earliest empty slot of the earliest buffer (`occupy_data_with_reserve`). (Moving a reservation
+  only when no empty slot comes before it, as this class once did, places every group the same way
+  while the producer fills every reservable slot at once, but leaves in-flight groups in early
+  buffers when it lags.)
+- a group dropped by dynamic sampling: the same, its reservation is cleared in place and a fresh
+  prompt dispatched (PSRL's agent-loop manager calls `clear_reserved_entries` without moving across
+  buffers, then `_retry_data`).
+- what this class leaves out: PSRL's slot order inside a buffer (it keeps occupied slots first and
+  reservations last by moving entries; here a slot's index carries no meaning beyond consume order,
+  so when several reservations of one buffer may move, the one moved can differ from PSRL's),
+  per-trajectory reservations joined into a group entry (`request_idx` lists; here a group is
+  reserved and dispatched whole), and buffers larger than the batch (`READY_WITH_CAPACITY`, used
+  only by redundant rollout, issue 15).
+The cost of the guarantee is the same in both: with a heavy-tailed length distribution a buffer
+waits for its slowest group of version b - s, and with every slot <= V + s taken nothing else may be
+dispatched. PSRL does not fix that in the controller but around it (issue 15): redundant rollout
+(B' > B prompts or N' > N samples, the surplus aborted; its docs: "cut tail latency") and the
+proactive filter `retry` on a STUCK buffer; migration helps only when a server, not a response, is slow.
 """
 
 from __future__ import annotations
@@ -113,22 +144,26 @@ class StalenessController:
         del self.where[key]
 
     def occupy(self, key: Hashable, item: Any) -> tuple[int, int]:
-        """A reserved group completed: place it in the earliest slot it may take; returns (buffer, slot).
+        """A reserved group completed: place it in the earliest empty slot; returns (buffer, slot).
 
-        That is the earliest empty slot, or the earliest slot reserved by an in-flight group whose
-        bound still holds one buffer later, in the slot this group leaves (the two swap). PSRL takes
-        empty slots only; then the groups dispatched first, which reserved the latest buffer, can
-        never fill the trainer's next buffer, and the trainer waits for later ones while they sit done.
+        First, as PSRL's occupy does, the slot this group leaves goes to the earliest in-flight group
+        reserved before it (earlier buffer, or earlier slot of the same buffer) whose bound still
+        holds there: that group gets one more buffer of time, and the early buffers fill with groups
+        in completion order instead of waiting for the ones reserved in them.
         """
         b_res, i_res = self._reserved(key)
         v_traj = self.buffers[b_res][i_res].v_traj
         self.buffers[b_res][i_res] = Slot(since=self.clock())
-        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
-                    if s.state == EMPTY or (s.state == RESERVED and b_res <= s.v_traj + self.staleness))
-        moved = self.buffers[b][i]
-        if moved.state == RESERVED:  # its worst case moves later, still within its bound
+        later = next(((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
+                      if (b, i) < (b_res, i_res) and s.state == RESERVED and b_res <= s.v_traj + self.staleness),
+                     None)
+        if later is not None:  # its worst case moves later, still within its bound
+            moved = self.buffers[later[0]][later[1]]
             self.buffers[b_res][i_res] = moved
             self.where[moved.key] = (b_res, i_res)
+            self.buffers[later[0]][later[1]] = Slot(since=self.clock())
+        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
+                    if s.state == EMPTY)
         self.buffers[b][i] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
         self.where[key] = (b, i)
         return b, i
