@@ -122,6 +122,7 @@ def test_unknown_key_in_yaml_file(tmp_path):
     [
         ("algo.clip_ratio_high=abc", "algo.clip_ratio_high: expected float, got str 'abc'"),
         ("parallel.tp=2.5", "parallel.tp: expected int, got float 2.5"),
+        ("rollout.sync.policy=eager", "rollout.sync.policy: expected one of 'all_at_once' | 'greedy' | 'status_based'"),
         ("parallel.tp=true", "parallel.tp: expected int, got bool True"),
         ("parallel.sequence_parallel=1", "parallel.sequence_parallel: expected bool, got int 1"),
         ("rollout.servers=http://a:1", "rollout.servers: expected list[str], got str"),
@@ -189,6 +190,7 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["algo.overlong_buffer.len=32"], "algo.overlong_buffer.len=32 must be in (0, data.max_response_length=32)"),
         (["algo.max_tokens_per_micro_batch=50"], "algo.max_tokens_per_micro_batch=50 is below one full sequence"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
+        (["rollout.sync.check_interval_ms=0"], "rollout.sync.check_interval_ms=0.0 must be > 0"),
         (["rollout.sampling.max_new_tokens=64"], "rollout.sampling.max_new_tokens=64 must be in [1, data.max_respon"),
         (["rollout.server_tp=2"], "rollout.server_tp=2: the embedded engine has no tensor parallelism"),
         (["rollout.servers=[localhost:3000]"], "rollout.servers[0]='localhost:3000' must be an http://"),

@@ -224,3 +224,16 @@ def test_cli(capsys):
     # The cluster shape is validated: 1 node of 8 GPUs leaves no trainer GPU after 8 x TP 2 engines.
     assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "1", "--gpus-per-node", "8"]) == 2
     assert "trainer world size is -8" in capsys.readouterr().err
+
+
+def test_weight_store_of_per_server_sync_is_reported():
+    """greedy / status_based keep two bf16 copies of the HF weights on trainer rank 0; all_at_once none."""
+    from megatron_dapo.config.memory import weight_store_bytes
+
+    cfg = _cluster("qwen3_8b.yaml", 4, "rollout.sync.policy=greedy")
+    plan = make_plan(cfg, gpu_mem_gib=80)
+    # Qwen3-8B: untied embeddings and head, 36 layers, qk-norm (counted by hand in the test above)
+    want = 2 * 2 * 8_190_735_360
+    assert weight_store_bytes(cfg, plan.shape) == want == 2 * 2 * total_params(plan.shape)
+    assert f"weight store (rollout.sync.policy=greedy): {want / GiB:.2f} GiB" in format_plan(plan)
+    assert "weight store" not in format_plan(make_plan(_cluster("qwen3_8b.yaml", 4), gpu_mem_gib=80))

@@ -294,3 +294,11 @@ def rollout_memory(cfg: DapoConfig, shape: ModelShape, gpu_mem_bytes: int) -> Ro
         seq_len=seq_len,
         full_sequences=tokens // seq_len,
     )
+
+
+def weight_store_bytes(cfg: DapoConfig, shape: ModelShape) -> int:
+    """Host memory of trainer rank 0 for per-server sync (megatron_dapo.sync.per_server.WeightStore): the
+    newest exported weights, and the previous ones a lagging server may still be reading. 0 for all_at_once."""
+    if cfg.rollout.sync.policy == "all_at_once":
+        return 0
+    return 2 * total_params(shape) * _dtype_bytes(cfg.model.dtype)

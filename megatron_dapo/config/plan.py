@@ -27,6 +27,7 @@ from megatron_dapo.config.memory import (
     rollout_memory,
     total_params,
     training_memory,
+    weight_store_bytes,
 )
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
@@ -258,6 +259,10 @@ def format_plan(plan: Plan) -> str:
             f"KV cache {max(ro.kv_pool, 0) / GiB:.2f} = {ro.kv_tokens} tokens "
             f"({ro.kv_bytes_per_token} B/token), {ro.full_sequences} full sequences of {ro.seq_len} tokens"
         )
+    store = weight_store_bytes(cfg, s)
+    if store:
+        out.append(f"weight store (rollout.sync.policy={r.sync.policy}): {store / scale:.2f} {unit} of host memory on "
+                   f"trainer rank 0 (the newest weights and the previous ones a lagging server may still read)")
     out.append(f"usable per GPU: {plan.usable_bytes / GiB:.2f} GiB; largest training GPU: {worst.total / scale:.2f} {unit}")
     return "\n".join(out)
 

@@ -158,6 +158,15 @@ class SyncConfig:
     flatten_bucket: bool = False  # broadcast one flat buffer per bucket instead of one per tensor
     verify: bool = False  # after a sync, compare server and trainer logprobs on a probe sequence
     verify_tolerance: float = 1e-4  # max abs logprob difference accepted by verify
+    # When each server takes new weights (megatron_dapo.coordinator.sync_policy): all_at_once = every
+    # server after each step, inline (the default); greedy = a server as soon as it lags; status_based =
+    # a lagging server when idle enough (indicator <= threshold). greedy / status_based serve each server
+    # from a host-memory weight store on trainer rank 0 (one update group per server) while training goes on.
+    policy: Literal["all_at_once", "greedy", "status_based"] = "all_at_once"
+    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"  # status_based load measure
+    threshold: float = 0.0  # status_based: sync a lagging server when its indicator is <= this
+    check_interval_ms: float = 100.0  # greedy / status_based: how often the servers are examined
+    check_req_before_sync: bool = True  # status_based: not while the router holds requests it could serve
 
 
 @dataclass

@@ -248,6 +248,8 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"rollout.sync.bucket_mb={r.sync.bucket_mb} must be >= 1")
     if r.sync.verify_tolerance <= 0:
         errors.append(f"rollout.sync.verify_tolerance={r.sync.verify_tolerance} must be > 0")
+    if r.sync.check_interval_ms <= 0:
+        errors.append(f"rollout.sync.check_interval_ms={r.sync.check_interval_ms} must be > 0")
 
 
 def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:

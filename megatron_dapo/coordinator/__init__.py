@@ -1,4 +1,5 @@
-"""The rollout coordinator's policies: staleness by reservation, partial rollout.
+"""The rollout coordinator's policies: staleness by reservation, partial rollout, per-server sync
+decisions and the registry of each server's weight version (servers.py).
 
 Plain classes and pure functions with an injectable clock and no I/O, so that the async producer
 (megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.

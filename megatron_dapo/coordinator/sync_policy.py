@@ -11,9 +11,9 @@ PSRL's sync strategies (psrl/workers/gen/rollout_coordination/sync_and_migrate):
   tokens/s, or `kv_cache` fraction in use) is at or below `threshold`, and, with
   `check_req_before_sync`, while the router holds no request it could still serve at its version.
 
-A server already syncing is never chosen again. These are decisions only: the loop that applies
-them (stop routing to the server, abort or pause its requests, which return through partial
-rollout, load, publish its version) needs per-server weight updates, not built yet.
+A server already syncing is never chosen again. These are decisions only: all_at_once is applied
+inline by the training loop; greedy and status_based by megatron_dapo.sync.per_server, which stops
+routing to the chosen server, pauses it, loads the stored weights, publishes its version.
 """
 
 from __future__ import annotations

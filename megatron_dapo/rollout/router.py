@@ -7,6 +7,10 @@ as a failure there and is sent again to another healthy server; after `max_failu
 failures a server is marked unhealthy and receives nothing until a background `/health` check passes
 `recover_after` times in a row. A 4xx answer is our bug, not the server's: it is raised at once.
 
+With a `registry` (megatron_dapo.coordinator.servers, per-server weight sync), a request of
+trajectory version `min_version` goes only to a server that is not syncing and holds a version
+>= min_version; when none does, it waits until the syncer publishes one.
+
     router = Router(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
     async with router:
         async for sample in router.generate_group(prompt_ids, SamplingParams(n=8), group_id="p17"):
@@ -59,6 +63,7 @@ class Router:
         sticky_groups: int = 100_000,
         client_kwargs: dict | None = None,
         max_in_flight_per_server: int | None = None,
+        registry=None,  # megatron_dapo.coordinator.servers.ServerRegistry
     ):
         if not urls:
             raise ValueError("Router needs at least one server URL")
@@ -76,6 +81,9 @@ class Router:
         self._sticky_cap = sticky_groups
         self._health_task: asyncio.Task | None = None
         self._healthy_event: asyncio.Event | None = None
+        self.registry = registry
+        self._routable_event: asyncio.Event | None = None
+        self._listener = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> "Router":
@@ -90,8 +98,15 @@ class Router:
             self._healthy_event = asyncio.Event()
             self._healthy_event.set()
             self._health_task = asyncio.create_task(self._health_loop())
+        if self.registry is not None and self._listener is None:
+            loop, self._routable_event = asyncio.get_running_loop(), asyncio.Event()
+            self._listener = lambda: loop.call_soon_threadsafe(self._routable_event.set)
+            self.registry.add_listener(self._listener)
 
     async def aclose(self) -> None:
+        if self._listener is not None:
+            self.registry.remove_listener(self._listener)
+            self._listener = None
         if self._health_task is not None:
             self._health_task.cancel()
             try:
@@ -105,13 +120,17 @@ class Router:
     def healthy(self) -> list[ServerState]:
         return [s for s in self.servers if s.healthy]
 
-    def _pick(self, group_id: str | None, exclude: set[str]) -> ServerState | None:
+    def _routable(self, s: ServerState, min_version: int | None) -> bool:
+        return self.registry is None or self.registry.routable(s.url, min_version)
+
+    def _pick(self, group_id: str | None, exclude: set[str], min_version: int | None = None) -> ServerState | None:
         if group_id is not None:
             s = self._sticky.get(group_id)
-            if s is not None and s.healthy and s.url not in exclude:
+            if s is not None and s.healthy and s.url not in exclude and self._routable(s, min_version):
                 self._sticky.move_to_end(group_id)
                 return s
-        candidates = [s for s in self.healthy() if s.url not in exclude] or self.healthy()
+        usable = [s for s in self.healthy() if self._routable(s, min_version)]
+        candidates = [s for s in usable if s.url not in exclude] or usable
         if not candidates:
             return None
         s = min(candidates, key=lambda x: (x.outstanding, x.completed))
@@ -154,23 +173,43 @@ class Router:
                                   f"after {self.wait_for_healthy_s}s") from None
 
     # ---- generation ----------------------------------------------------------------------------
+    async def _wait_routable(self, min_version: int | None) -> None:
+        """Until the syncer publishes a change (a server routable again, or holding a newer version)."""
+        self.registry.waiting(min_version, +1)
+        try:
+            await self._routable_event.wait()
+        finally:
+            self.registry.waiting(min_version, -1)
+
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams | None = None,
-                       group_id: str | None = None, rid: str | None = None) -> list[Sample]:
-        """One /generate (n samples in one request), with failover; returns when all n are done."""
+                       group_id: str | None = None, rid: str | None = None,
+                       min_version: int | None = None) -> list[Sample]:
+        """One /generate (n samples in one request), with failover; returns when all n are done.
+        `min_version`: the request's V_traj (with a registry: only servers holding at least it)."""
         sampling = sampling or SamplingParams()
         tried: set[str] = set()
         last_err: Exception | None = None
-        for attempt in range(self.max_attempts):
+        attempt = 0
+        while attempt < self.max_attempts:
             await self._wait_any_healthy()
-            s = self._pick(group_id, tried)
+            if self._routable_event is not None:
+                self._routable_event.clear()
+            s = self._pick(group_id, tried, min_version)
             if s is None:
+                if self.registry is not None and self.healthy():
+                    await self._wait_routable(min_version)
+                else:
+                    attempt += 1
                 continue
+            n, attempt = attempt, attempt + 1
             s.outstanding += 1
+            if self.registry is not None:
+                self.registry.request_started(s.url)
             try:
                 async with s.slots or contextlib.nullcontext():
                     # A fresh rid per attempt: the failed server may still hold the old one.
                     samples = await s.client.generate(input_ids, sampling,
-                                                      rid=f"{rid or uuid.uuid4().hex}-a{attempt}" if attempt else rid)
+                                                      rid=f"{rid or uuid.uuid4().hex}-a{n}" if n else rid)
             except (SGLangConnectionError, SGLangHTTPError) as e:
                 if isinstance(e, SGLangHTTPError) and e.status is not None and e.status < 500:
                     raise
@@ -180,6 +219,8 @@ class Router:
                 continue
             finally:
                 s.outstanding -= 1
+                if self.registry is not None:
+                    self.registry.request_ended(s.url)
             s.failures = 0
             s.completed += 1
             for smp in samples:

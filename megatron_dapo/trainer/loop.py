@@ -92,7 +92,7 @@ def _tolerant(fn):
     return lambda response, ground_truth, **extra: fn(response, ground_truth, **{k: v for k, v in extra.items() if k in names})
 
 
-def _build_producer(cfg, server_urls, dataset, tokenizer):
+def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.router import Router
 
@@ -115,7 +115,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer):
 
     def router():
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
-                      client_kwargs={"timeout_s": r.request_timeout_s})
+                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry)
 
     return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
 
@@ -253,9 +253,14 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     # Output directories, data and the checkpoint to resume first, on rank 0, before anything
     # collective: a bad one is reported on every rank at once instead of leaving the other ranks
     # waiting in a collective (or failing at the first save, after a step of work).
-    producer = writer = val_data = resumed = restored_next = None
+    producer = writer = val_data = resumed = restored_next = registry = None
+    per_server = cfg.rollout.sync.policy != "all_at_once"
     error = None
     if rank == 0:
+        from megatron_dapo.coordinator.servers import ServerRegistry
+
+        # each server's weight version, routing state and sync / idle time (versions set by the first sync)
+        registry = ServerRegistry(server_urls, version=-1)
         from megatron_dapo.data.dataset import DatasetError
 
         try:
@@ -269,7 +274,7 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
                      dataset.num_dropped_too_long, dataset.num_truncated, cfg.data.max_prompt_length)
             if cfg.data.val_files:
                 val_data = prompt_dataset(cfg, cfg.data.val_files, tokenizer)
-            producer = _build_producer(cfg, server_urls, dataset, tokenizer)
+            producer = _build_producer(cfg, server_urls, dataset, tokenizer, registry)
             if resumed is not None:
                 restored_next = _restore_rollout(producer, *resumed)
         except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
@@ -285,15 +290,38 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     # the weight-update group's rendezvous (trainer rank 0 hosting, servers joining) would then
     # have no host and hang. The default group is formed already, so it no longer needs it.
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
-                              server_tp_sizes=server_tp_sizes)
-    bridge.connect()
     byte_budget = int(cfg.rollout.sync.bucket_mb * 1024 * 1024)
-
     # A fixed probe sequence: after each sync the servers' logprobs of it must equal the trainer's.
     probe = torch.randint(3, actor.arch.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    bridge = store = syncer = None
+    if per_server:
+        from megatron_dapo.sync.per_server import PerServerSync, WeightStore
 
-    def sync(version: int) -> tuple[float, dict]:
+        store = WeightStore()
+        if rank == 0:
+            syncer = PerServerSync(server_urls, cfg.rollout.sync, registry, store, api_key=cfg.rollout.api_key,
+                                   server_tp_sizes=server_tp_sizes, probe=probe,
+                                   on_publish=lambda url, v: producer.set_version(v), on_error=producer.fail)
+            syncer.connect()
+    else:
+        bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
+                                  server_tp_sizes=server_tp_sizes)
+        bridge.connect()
+
+    def store_weights(version: int) -> dict:
+        """Per-server sync: the new weights go to the store; each server takes them when its policy says."""
+        t0 = time.perf_counter()
+        ref = actor.compute_logprobs(probe_batch(probe, version))[0].tolist() if cfg.rollout.sync.verify else None
+        store.put(version, actor.export_weights(byte_budget=byte_budget), ref)
+        out = {"time/sync_s": time.perf_counter() - t0}
+        if rank == 0:
+            out["sync/store_bytes"] = float(store.snapshot().nbytes)
+            syncer.notify()
+        return out
+
+    def sync(version: int) -> dict:
+        if per_server:
+            return store_weights(version)
         t0 = time.perf_counter()
         stats = bridge.sync(actor.export_weights(byte_budget=byte_budget), version=version)
         out = stats.as_metrics() if stats is not None else {}
@@ -303,6 +331,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             if rank == 0:
                 out["sync/verify_max_abs_diff"] = bridge.verify(probe, ref.tolist())
                 out["sync/probe_logprob_mean"] = float(ref.double().mean())
+        if rank == 0:
+            registry.publish_all(version, out["time/sync_s"])
         return out
 
 
@@ -320,6 +350,9 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     # Servers may hold anything (a previous run's weights, a resumed run's older ones): start them
     # from exactly the trainer's weights, at the version the first step is consumed at.
     sync(start_step)
+    if syncer is not None:  # every server starts from the trainer's weights, then each follows its policy
+        syncer.sync_all()
+        syncer.start()
 
     val = {}
 
@@ -364,16 +397,20 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             t_train = time.perf_counter() - t0
             sync_metrics = sync(step + 1)
             if rank == 0:
-                producer.set_version(step + 1)
+                if not per_server:
+                    producer.set_version(step + 1)
                 tokens = sum(len(x) for x in batch.input_ids)
                 m = _step_metrics(binfo, cfg, batch)
                 m.update({k: float(v) for k, v in train_metrics.items()})
                 m.update(sync_metrics)
+                m.update(registry.metrics())
                 m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train,
                           "time/step_s": time.perf_counter() - t_step,
                           "throughput/tokens_per_s": tokens / max(1e-9, time.perf_counter() - t_step)})
                 extra = {"prompt_indices": batch.prompt_indices, "weight_version": step + 1,
                          "sample_versions": [min(v) if v else step for v in batch.token_versions]}
+                if per_server:
+                    extra["server_syncs"] = registry.take_events()
                 writer.log(step, m, staleness=binfo.staleness, extra=extra)
                 if step % cfg.logging.log_every == 0 or step == total - 1:
                     log.info("step %d: %s", step, console_line(m))
@@ -403,7 +440,10 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             producer.stop()
         if writer is not None:
             writer.close()
-        bridge.close()
+        if syncer is not None:
+            syncer.close()
+        if bridge is not None:
+            bridge.close()
     if rank == 0:
         return RunResult(done, start_step + done - 1, history, val)
     return None

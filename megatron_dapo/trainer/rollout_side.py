@@ -183,10 +183,17 @@ class RolloutProducer:
             self._loop.call_soon_threadsafe(self._wake.set)
 
     def set_version(self, version: int) -> None:
-        """Servers now hold `version` (after a weight sync): later buffers open for reservations."""
+        """A server now holds `version` (after a weight sync): later buffers open for reservations.
+        Never backwards: with per-server sync, publishes of two servers may arrive out of order."""
         with self._cv:
-            self.version = version
+            self.version = max(self.version, version)
         self._poke()
+
+    def fail(self, error: BaseException) -> None:
+        """Something outside the producer (a per-server weight sync) failed: take_batch raises it."""
+        with self._cv:
+            self.error = self.error or error
+            self._cv.notify_all()
 
     def _limit_reached(self) -> bool:
         limit = self.s.max_num_gen_batches * self.gen_batch_size
@@ -244,14 +251,20 @@ class RolloutProducer:
         seed = None if self.s.seed is None else sample_seed(self.s.seed, draw, index)
         return replace(self.s.sampling, n=1, sampling_seed=seed)
 
+    def _v_traj(self, draw: int) -> int:
+        with self._cv:
+            return self.flight[draw].v_traj
+
     async def _generate(self, router, prompt: list[int], draw: int, group_id: str) -> list:
+        # only on a server holding at least the group's V_traj (with per-server sync; else all hold it)
+        v_traj = self._v_traj(draw)
         if self.s.seed is None:
             sampling = SamplingParams(**{**self.s.sampling.__dict__, "n": self.s.n})
-            return await router.generate(prompt, sampling, group_id=group_id)
+            return await router.generate(prompt, sampling, group_id=group_id, min_version=v_traj)
 
         # one batch request: the server takes the group at once (n requests would straggle in)
         seeded = [self._sampling(draw, i) for i in range(self.s.n)]
-        return await router.generate(prompt, seeded, group_id=group_id, rid=group_id)
+        return await router.generate(prompt, seeded, group_id=group_id, rid=group_id, min_version=v_traj)
 
     def _count(self, resumes: int = 0, regenerated: int = 0) -> None:
         with self._cv:
@@ -288,9 +301,12 @@ class RolloutProducer:
     async def _finish(self, router, draw: int, sample: Sample) -> Sample:
         """Partial rollout of one aborted sample, on its group's server when it can."""
 
+        v_traj = self._v_traj(draw)
+
         async def generate(input_ids, sampling):
             rid = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:6]}"
-            (piece,) = await router.generate(input_ids, sampling, group_id=sample.group_id, rid=rid)
+            (piece,) = await router.generate(input_ids, sampling, group_id=sample.group_id, rid=rid,
+                                             min_version=v_traj)
             return piece
 
         return await finish_partial(generate, sample, self._sampling(draw, sample.index), self.s.max_resubmits,

@@ -3,7 +3,8 @@
 usage (torchrun): loop_run.py CONFIG OUT_DIR STOP_AFTER|-  [key.sub=value ...]
 Runs `train_rank` with the given overrides against the servers in rollout.servers; after every
 step rank 0 writes the full HF-named weights to OUT_DIR/weights_step{N}.pt (the test compares
-runs through them) and the rank-0 result to OUT_DIR/result.json.
+runs through them), the step's batch (tokens, rollout logprobs, token versions) to
+OUT_DIR/batch_step{N}.pt, and the rank-0 result to OUT_DIR/result.json.
 """
 
 import json
@@ -26,6 +27,9 @@ def main():
         if weights:  # rank 0
             out.mkdir(parents=True, exist_ok=True)
             torch.save(weights, out / f"weights_step{step}.pt")
+            torch.save({k: getattr(batch, k) for k in ("input_ids", "prompt_lengths", "response_lengths",
+                                                       "rollout_logprobs", "token_versions", "temperature")},
+                       out / f"batch_step{step}.pt")
 
     try:
         result = train_rank(cfg, list(cfg.rollout.servers), resume=cfg.checkpoint.resume,

@@ -1,0 +1,149 @@
+"""Each rollout server's weight version and routing state, shared across threads.
+
+The router (the producer's event loop) asks which servers may take a request of trajectory version
+V_traj (`routable`: not syncing, version >= V_traj) and reports requests starting and ending; the
+per-server syncer (its own thread) takes a server out of routing while it loads new weights
+(`begin_sync`) and publishes the version it holds afterwards (`end_sync`); the trainer reads the
+per-server metrics. Listeners are called, from whichever thread made the change, whenever a server
+may have become routable, so a request waiting for one can go on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from megatron_dapo.coordinator.sync_policy import ServerStatus
+
+
+@dataclass
+class ServerRecord:
+    url: str
+    version: int
+    outstanding: int = 0  # requests the router has in flight there
+    syncing: bool = False
+    syncs: int = 0
+    sync_s: float = 0.0  # time spent out of routing, loading weights
+    idle_s: float = 0.0  # time with nothing in flight and not syncing
+    last: float = 0.0  # clock() of the last accounting
+    sync_started: float = 0.0
+
+
+class ServerRegistry:
+    def __init__(self, urls: Sequence[str], version: int = 0, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self._lock = threading.Lock()
+        now = clock()
+        self.records = {u.rstrip("/"): ServerRecord(u.rstrip("/"), version, last=now) for u in urls}
+        self.urls = list(self.records)
+        self._waiting: Counter = Counter()  # V_traj -> requests at the router waiting for a routable server
+        self._listeners: list[Callable[[], None]] = []
+        self._events: list[dict] = []  # completed syncs not yet taken by `take_events`
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(fn)
+
+    def remove_listener(self, fn: Callable[[], None]) -> None:
+        with self._lock:
+            if fn in self._listeners:
+                self._listeners.remove(fn)
+
+    def _notify(self) -> None:
+        for fn in list(self._listeners):
+            fn()
+
+    def _account(self, r: ServerRecord) -> None:
+        now = self.clock()
+        if r.outstanding == 0 and not r.syncing:
+            r.idle_s += now - r.last
+        r.last = now
+
+    # ---- routing (the router) ------------------------------------------------------------------
+    def routable(self, url: str, min_version: int | None) -> bool:
+        with self._lock:
+            r = self.records[url]
+            return not r.syncing and (min_version is None or r.version >= min_version)
+
+    def version(self, url: str) -> int:
+        with self._lock:
+            return self.records[url].version
+
+    def request_started(self, url: str) -> None:
+        with self._lock:
+            r = self.records[url]
+            self._account(r)
+            r.outstanding += 1
+
+    def request_ended(self, url: str) -> None:
+        with self._lock:
+            r = self.records[url]
+            self._account(r)
+            r.outstanding -= 1
+
+    def waiting(self, v_traj: int | None, delta: int) -> None:
+        """A request of version `v_traj` starts (+1) or stops (-1) waiting for a routable server."""
+        with self._lock:
+            self._waiting[v_traj or 0] += delta
+
+    # ---- syncing (the syncer) ------------------------------------------------------------------
+    def begin_sync(self, url: str) -> None:
+        """Stop routing to `url`: it is about to load new weights."""
+        with self._lock:
+            r = self.records[url]
+            if r.syncing:
+                raise RuntimeError(f"{url} is already syncing")
+            self._account(r)
+            r.syncing, r.sync_started = True, self.clock()
+
+    def end_sync(self, url: str, version: int | None) -> None:
+        """`url` loaded `version` (None: the sync failed, it keeps its version); route to it again."""
+        with self._lock:
+            r = self.records[url]
+            self._account(r)
+            r.syncing = False
+            r.sync_s += self.clock() - r.sync_started
+            if version is not None:
+                r.version, r.syncs = version, r.syncs + 1
+                self._events.append({"server": self.urls.index(url), "version": version,
+                                     "start": r.sync_started, "end": self.clock()})
+        self._notify()
+
+    def publish_all(self, version: int, seconds: float = 0.0) -> None:
+        """Every server loaded `version` together (all_at_once)."""
+        with self._lock:
+            for r in self.records.values():
+                self._account(r)
+                r.version, r.syncs, r.sync_s = version, r.syncs + 1, r.sync_s + seconds
+        self._notify()
+
+    # ---- views ---------------------------------------------------------------------------------
+    def max_version(self) -> int:
+        with self._lock:
+            return max(r.version for r in self.records.values())
+
+    def statuses(self) -> list[ServerStatus]:
+        """The router's view of every server (load from the router's counts; a caller with the servers'
+        own load reports overwrites running / waiting / throughput / kv_cache)."""
+        with self._lock:
+            return [ServerStatus(r.url, r.version, running=r.outstanding, syncing=r.syncing,
+                                 routable=sum(n for v, n in self._waiting.items() if v <= r.version))
+                    for r in self.records.values()]
+
+    def take_events(self) -> list[dict]:
+        """Per-server syncs completed since the last call: server index, version, start and end times."""
+        with self._lock:
+            events, self._events = self._events, []
+            return events
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            out = {}
+            for i, r in enumerate(self.records.values()):
+                self._account(r)
+                out.update({f"server/{i}/version": float(r.version), f"server/{i}/syncs": float(r.syncs),
+                            f"server/{i}/sync_s": r.sync_s, f"server/{i}/idle_s": r.idle_s})
+            return out

@@ -1,0 +1,220 @@
+"""Per-server weight sync (`rollout.sync.policy: greedy | status_based`): each server takes the
+trainer's newest weights when its policy says so, while training goes on.
+
+`WeightStore` keeps the newest exported weights (HF names) in host memory of trainer rank 0: the
+trainer has moved on by the time a lagging server syncs, so the live model no longer holds that
+version. A snapshot is immutable: `put` builds the next one while servers may still be reading the
+current one, but first waits until none reads an older one, so the store never holds more than two
+copies of the model (the wait happens only when one sync outlasts a whole training step).
+
+`PerServerSync` runs on a thread of trainer rank 0. Every `check_interval_ms` (or at once when a new
+version is stored, or a sync ends) it asks the policy (megatron_dapo.coordinator.sync_policy) which
+lagging servers sync now, and syncs each on its own thread through its own `WeightSyncBridge`
+(one update group per server, the same session / bucket protocol): stop routing to the server
+(`ServerRegistry.begin_sync`), pause it (its requests, aborted or paused per `sync.pause_mode`,
+come back through partial rollout or go on with the new weights), load, verify against the
+snapshot's probe logprobs if `sync.verify`, publish its version, route to it again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_dapo.coordinator.servers import ServerRegistry
+from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
+from megatron_dapo.sync.bridge import WeightSyncBridge, _is_sender, _LoopThread
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WeightSnapshot:
+    version: int
+    tensors: tuple[tuple[str, torch.Tensor], ...]
+    probe_logprobs: tuple[float, ...] | None = None  # the trainer's, for sync.verify
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+
+class WeightStore:
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._snap: WeightSnapshot | None = None
+        self._readers: dict[int, int] = {}  # version -> syncs reading that snapshot
+
+    def put(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor | None]],
+            probe_logprobs: Sequence[float] | None = None) -> None:
+        """Every trainer rank calls this (the export's gathers are collective); rank 0 keeps a host copy."""
+        keep = _is_sender()
+        if keep:
+            with self._cv:  # at most two copies: the current snapshot (maybe being read) and the new one
+                self._cv.wait_for(lambda: self._snap is None or
+                                  not any(n for v, n in self._readers.items() if v < self._snap.version))
+        tensors = []
+        for name, t in named_tensors:
+            if keep and t is not None:
+                tensors.append((name, t.detach().to("cpu", copy=True)))
+        if keep:
+            if not tensors:
+                raise RuntimeError("WeightStore.put: the weight iterator yielded no tensors")
+            snap = WeightSnapshot(int(version), tuple(tensors),
+                                  None if probe_logprobs is None else tuple(float(x) for x in probe_logprobs))
+            with self._cv:
+                self._snap = snap
+
+    def snapshot(self) -> WeightSnapshot | None:
+        with self._cv:
+            return self._snap
+
+    def acquire(self) -> WeightSnapshot:
+        """The current snapshot, for one server's sync; `release` it when the sync is over."""
+        with self._cv:
+            snap = self._snap
+            self._readers[snap.version] = self._readers.get(snap.version, 0) + 1
+            return snap
+
+    def release(self, snap: WeightSnapshot) -> None:
+        with self._cv:
+            self._readers[snap.version] -= 1
+            if not self._readers[snap.version]:
+                del self._readers[snap.version]
+            self._cv.notify_all()
+
+
+class PerServerSync:
+    def __init__(self, urls: Sequence[str], sync_cfg, registry: ServerRegistry, store: WeightStore,
+                 api_key: str | None = None, server_tp_sizes: Sequence[int] | None = None,
+                 probe: Sequence[int] | None = None, on_publish: Callable[[str, int], None] | None = None,
+                 on_error: Callable[[BaseException], None] | None = None, clock=time.monotonic):
+        self.cfg, self.registry, self.store = sync_cfg, registry, store
+        self.policy_cfg = SyncPolicyConfig(sync_cfg.policy, sync_cfg.indicator, sync_cfg.threshold,
+                                           sync_cfg.check_interval_ms, sync_cfg.check_req_before_sync)
+        self.policy = make_sync_policy(self.policy_cfg, clock)
+        tps = list(server_tp_sizes or [1] * len(urls))
+        self.bridges = {u.rstrip("/"): WeightSyncBridge([u], sync_cfg, api_key=api_key, server_tp_sizes=[tp],
+                                                        group_name=f"megatron_dapo_weight_sync_{i}")
+                        for i, (u, tp) in enumerate(zip(urls, tps))}
+        self.api_key, self.probe = api_key, list(probe) if probe is not None else None
+        self.on_publish, self.on_error = on_publish, on_error
+        self.error: BaseException | None = None
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.bridges)), "server-sync")
+        self._http: _LoopThread | None = None
+        self._clients = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def connect(self) -> None:
+        for b in self.bridges.values():
+            b.connect()
+        if self.policy_cfg.policy == "status_based":
+            from megatron_dapo.rollout.client import SGLangClient
+
+            self._http = _LoopThread()
+            self._clients = {u: SGLangClient(u, api_key=self.api_key) for u in self.bridges}
+
+    def sync_all(self) -> None:
+        """Bring every server to the store's version now (before rollout starts), in parallel."""
+        for url in self.bridges:
+            self.registry.begin_sync(url)
+        snaps = {u: self.store.acquire() for u in self.bridges}
+        list(self._pool.map(lambda u: self._sync_one(u, snaps[u], raise_errors=True), list(self.bridges)))
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="per-server-sync", daemon=True)
+        self._thread.start()
+
+    def notify(self) -> None:
+        """A new version is in the store."""
+        self._wake.set()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        self._pool.shutdown(wait=True)
+        if self._http is not None:
+            async def close_clients():
+                for c in self._clients.values():
+                    await c.aclose()
+            self._http.run(close_clients(), 10)
+            self._http.close()
+        for b in self.bridges.values():
+            b.close()
+
+    # ---- the policy loop -----------------------------------------------------------------------
+    def _run(self) -> None:
+        interval = self.policy_cfg.check_interval_ms / 1000.0
+        while not self._stop.is_set():
+            self._wake.wait(interval)
+            self._wake.clear()
+            if self._stop.is_set() or self.error is not None:
+                break
+            snap = self.store.snapshot()
+            if snap is None:
+                continue
+            try:
+                statuses = self._with_loads(self.registry.statuses(), snap.version)
+                chosen = self.policy.choose(statuses, snap.version)
+            except Exception as e:  # a server that cannot report its load is a failed run, not a silent stall
+                self._fail(e)
+                break
+            for url in chosen:
+                self.registry.begin_sync(url)
+                self._pool.submit(self._sync_one, url, self.store.acquire())
+
+    def _with_loads(self, statuses, latest: int):
+        """status_based: each lagging server's own load (running, waiting, throughput, KV use)."""
+        if self._http is None:
+            return statuses
+        lagging = [s for s in statuses if s.version < latest and not s.syncing]
+
+        async def loads():
+            import asyncio
+
+            return await asyncio.gather(*(self._clients[s.url].load() for s in lagging), return_exceptions=True)
+
+        unknown = set()
+        for s, row in zip(lagging, self._http.run(loads(), 30) if lagging else []):
+            if isinstance(row, BaseException):  # down or restarting: not chosen until it reports again
+                log.warning("%s: no load report (%s); not syncing it this round", s.url, row)
+                unknown.add(s.url)
+                continue
+            s.running, s.waiting = int(row["num_running_reqs"]), int(row["num_waiting_reqs"])
+            s.throughput, s.kv_cache = float(row.get("gen_throughput", 0.0)), float(row.get("token_usage", 0.0))
+        return [s for s in statuses if s.url not in unknown]
+
+    def _sync_one(self, url: str, snap, raise_errors: bool = False) -> None:
+        bridge = self.bridges[url]
+        version = None
+        try:
+            bridge.sync(iter(snap.tensors), version=snap.version)
+            if self.cfg.verify and self.probe is not None and snap.probe_logprobs is not None:
+                bridge.verify(self.probe, list(snap.probe_logprobs))
+            version = snap.version
+        except BaseException as e:
+            if raise_errors:
+                raise
+            self._fail(e)
+        finally:
+            self.store.release(snap)
+            self.registry.end_sync(url, version)
+            self._wake.set()  # a server freed: the policy may choose again
+        if self.on_publish is not None and version is not None:
+            self.on_publish(url, version)
+
+    def _fail(self, e: BaseException) -> None:
+        log.error("per-server weight sync failed: %r", e)
+        self.error = e
+        if self.on_error is not None:
+            self.on_error(e)

@@ -1,0 +1,157 @@
+"""Per-server sync parts on their own (fast): the server registry's routing and accounting on an
+injected clock, the router sending a request only to a server that holds its V_traj (real HTTP
+servers on loopback), and the weight store's snapshots. End to end: tests/test_loop_per_server.py."""
+
+import asyncio
+
+import pytest
+import torch
+
+from megatron_dapo.coordinator.servers import ServerRegistry
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_registry_routes_accounts_and_publishes():
+    clock = Clock()
+    reg = ServerRegistry(["http://a", "http://b/"], version=0, clock=clock)
+    woken = []
+    reg.add_listener(lambda: woken.append(1))
+    assert reg.urls == ["http://a", "http://b"]
+    assert reg.routable("http://a", 0) and not reg.routable("http://a", 1) and reg.routable("http://a", None)
+
+    reg.request_started("http://a")  # a busy from t=100
+    clock.t = 103.0
+    reg.begin_sync("http://b")  # b idle 100..103, then out of routing
+    assert not reg.routable("http://b", 0)
+    with pytest.raises(RuntimeError, match="already syncing"):
+        reg.begin_sync("http://b")
+    clock.t = 105.0
+    reg.end_sync("http://b", 1)  # 2 s syncing, now holds 1
+    assert woken == [1] and reg.routable("http://b", 1) and reg.max_version() == 1
+    reg.request_ended("http://a")
+    clock.t = 106.0
+    reg.begin_sync("http://a")
+    clock.t = 107.0
+    reg.end_sync("http://a", None)  # failed: keeps its version, counts no sync
+    assert reg.version("http://a") == 0
+
+    m = reg.metrics()  # at t=107
+    assert m["server/0/version"] == 0 and m["server/0/syncs"] == 0 and m["server/0/sync_s"] == 1.0
+    assert m["server/0/idle_s"] == 1.0  # idle 105..106 only (busy before, syncing after)
+    assert m["server/1/version"] == 1 and m["server/1/syncs"] == 1 and m["server/1/sync_s"] == 2.0
+    assert m["server/1/idle_s"] == 3.0 + 2.0  # 100..103 and 105..107
+    assert reg.take_events() == [{"server": 1, "version": 1, "start": 103.0, "end": 105.0}]
+    assert reg.take_events() == []
+
+    # requests waiting at the router count as routable work for the servers that may serve them
+    reg.waiting(1, +1)
+    reg.waiting(0, +1)
+    assert [s.routable for s in reg.statuses()] == [1, 2]
+    reg.publish_all(2, seconds=0.5)
+    assert [s.version for s in reg.statuses()] == [2, 2] and len(woken) == 3
+
+
+def test_router_sends_a_request_only_to_a_server_holding_its_version():
+    from aiohttp import web
+
+    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.rollout.types import SamplingParams
+
+    async def serve(name, seen):
+        async def generate(request):
+            body = await request.json()
+            seen.append(name)
+            return web.json_response({"text": "", "output_ids": [5], "meta_info": {
+                "id": body.get("rid") or "r", "finish_reason": {"type": "length", "length": 1},
+                "weight_version": "0", "output_token_logprobs": [[-0.5, 5, None]]}})
+
+        async def health(request):
+            return web.Response(text="ok")
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def run():
+        seen = []
+        (ra, a), (rb, b) = await serve("a", seen), await serve("b", seen)
+        reg = ServerRegistry([a, b], version=0)
+        sp = SamplingParams(n=1, max_new_tokens=1)
+        try:
+            async with Router([a, b], registry=reg) as router:
+                reg.begin_sync(b)
+                reg.end_sync(b, 1)  # b now holds 1, a holds 0
+                for _ in range(4):
+                    await router.generate([1, 2], sp, min_version=1)
+                assert seen == ["b"] * 4
+                await router.generate([1, 2], sp, min_version=0)
+                assert seen[4:] == ["a"]  # V_traj 0: a may serve it again (and has done the least)
+
+                # no server holds 2 yet: the request waits, counted as routable work, until one publishes
+                seen.clear()
+                pending = asyncio.ensure_future(router.generate([1, 2], sp, min_version=2))
+                await asyncio.sleep(0.2)
+                assert not pending.done() and seen == []
+                assert [s.routable for s in reg.statuses()] == [0, 0]
+                reg.begin_sync(a)
+                await asyncio.sleep(0.1)
+                assert not pending.done()  # a syncing is not routable either
+                await asyncio.to_thread(reg.end_sync, a, 2)  # published from another thread, as the syncer does
+                await asyncio.wait_for(pending, 10)
+                assert seen == ["a"]
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+
+    asyncio.run(run())
+
+
+def test_weight_store_keeps_host_copies_and_immutable_snapshots():
+    from megatron_dapo.sync.per_server import WeightStore
+
+    store = WeightStore()
+    assert store.snapshot() is None
+    w = torch.ones(3)
+    store.put(1, iter([("w", w), ("skipped_on_other_ranks", None)]), probe_logprobs=[-1.0, -2.0])
+    first = store.snapshot()
+    w.add_(1)  # the trainer moves on: the stored version must not
+    assert first.version == 1 and [n for n, _ in first.tensors] == ["w"]
+    assert torch.equal(first.tensors[0][1], torch.ones(3)) and first.nbytes == 12
+    assert first.probe_logprobs == (-1.0, -2.0)
+    store.put(2, iter([("w", w)]))
+    assert store.snapshot().version == 2 and torch.equal(store.snapshot().tensors[0][1], torch.full((3,), 2.0))
+    assert torch.equal(first.tensors[0][1], torch.ones(3))  # a reader of version 1 still has it
+    with pytest.raises(RuntimeError, match="no tensors"):
+        store.put(3, iter([]))
+    assert store.snapshot().version == 2
+
+
+def test_weight_store_holds_at_most_two_copies():
+    """A new version waits while a sync still reads a snapshot older than the current one."""
+    import threading
+
+    from megatron_dapo.sync.per_server import WeightStore
+
+    store = WeightStore()
+    store.put(1, iter([("w", torch.zeros(2))]))
+    slow = store.acquire()  # a server syncing version 1 ...
+    store.put(2, iter([("w", torch.ones(2))]))  # ... does not hold back version 2 (two copies)
+    third = threading.Thread(target=store.put, args=(3, iter([("w", torch.ones(2))])))
+    third.start()
+    third.join(0.3)
+    assert third.is_alive() and store.snapshot().version == 2  # a third copy would be needed: waits
+    store.release(slow)
+    third.join(10)
+    assert not third.is_alive() and store.snapshot().version == 3
