@@ -9,17 +9,11 @@ import torch
 
 from megatron_dapo.coordinator.servers import ServerRegistry
 
-
-class Clock:
-    def __init__(self):
-        self.t = 100.0
-
-    def __call__(self):
-        return self.t
+from tests.fake_clock import FakeClock
 
 
 def test_registry_routes_accounts_and_publishes():
-    clock = Clock()
+    clock = FakeClock(100.0)
     reg = ServerRegistry(["http://a", "http://b/"], version=0, clock=clock)
     woken = []
     reg.add_listener(lambda: woken.append(1))

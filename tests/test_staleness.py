@@ -10,13 +10,7 @@ from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
 from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
 from megatron_dapo.trainer.groups import token_versions
 
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from tests.fake_clock import FakeClock
 
 
 def test_reserve_fills_from_the_back_and_occupy_takes_the_earliest_slot():

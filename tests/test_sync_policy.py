@@ -4,13 +4,7 @@ import pytest
 
 from megatron_dapo.coordinator.sync_policy import ServerStatus, SyncPolicyConfig, make_sync_policy
 
-
-class FakeClock:
-    def __init__(self):
-        self.t = 0.0
-
-    def __call__(self):
-        return self.t
+from tests.fake_clock import FakeClock
 
 
 def _servers():
