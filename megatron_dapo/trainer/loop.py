@@ -92,7 +92,9 @@ def _tolerant(fn):
     return lambda response, ground_truth, **extra: fn(response, ground_truth, **{k: v for k, v in extra.items() if k in names})
 
 
-def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
+def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_factory=None, clock=time.monotonic):
+    """The rollout producer and its router as `cfg` says; `client_factory` / `clock`: the simulator's
+    engines and virtual time (megatron_dapo.sim), else HTTP clients and real time."""
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.router import Router
 
@@ -114,10 +116,11 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
     r = cfg.rollout
 
     def router():
+        extra = {} if client_factory is None else {"client_factory": client_factory}
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
-                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry)
+                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry, **extra)
 
-    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
+    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)
 
 
 def _broadcast(obj, src: int = 0):
