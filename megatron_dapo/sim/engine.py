@@ -155,7 +155,7 @@ class SimEngine:
                 continue  # retracted or aborted earlier
             self._leave(req)
             req.generated = req.target
-            req.future.done() or req.future.set_result(EngineResult(req.generated, False, req.versions))
+            self._answer(req, EngineResult(req.generated, False, req.versions))
         while self.running and self.kv_tokens() + self.n > self.kv_capacity:
             newest = max(self.running.values(), key=lambda r: r.start_step)
             if self.n == 1:
@@ -165,6 +165,17 @@ class SimEngine:
             self.stats.retractions += 1
             self.waiting.appendleft(newest)
         self._admit()
+
+    def _answer(self, req: EngineRequest, result: EngineResult) -> None:
+        """Resolve at the boundary's time: a change caught up mid-step lands when that step ends."""
+        def deliver():
+            if not req.future.done():
+                req.future.set_result(result)
+
+        if self.anchor > self.loop.time():
+            self.loop.call_at(self.anchor, deliver)
+        else:
+            deliver()
 
     def _reschedule(self) -> None:
         if self._timer is not None:
@@ -232,7 +243,7 @@ class SimEngine:
             else:
                 self.waiting.remove(req)
             self.stats.aborted_tokens += req.generated
-            req.future.done() or req.future.set_result(EngineResult(req.generated, True, req.versions))
+            self._answer(req, EngineResult(req.generated, True, req.versions))
         self._settle()
         self._reschedule()
         return len(hit)

@@ -84,6 +84,8 @@ async def _run(cfg, world: World) -> SimResult:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
     cfg.rollout.sampling.max_new_tokens = max_units  # the producer asks in ids of token_unit tokens each
     cfg.data.max_response_length = max_units
+    ob = cfg.algo.overlong_buffer
+    ob.len = max(1, min(max_units, ob.len // world.token_unit))
 
     def client(url, api_key=None, **_http):
         return SimClient(url, engines[url], world.lengths, max_units, world.token_unit, world.seed)
