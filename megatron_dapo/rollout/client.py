@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from megatron_dapo.rollout import payloads
-from megatron_dapo.rollout.types import Sample, SamplingParams
+from megatron_dapo.rollout.types import Sample, SamplingParams, ServerLoad
 
 log = logging.getLogger(__name__)
 
@@ -210,14 +210,14 @@ class SGLangClient:
     async def get_model_info(self) -> dict:
         return _json_or_none((await self._request("GET", "/get_model_info"))[1])
 
-    async def load(self) -> dict:
-        """The server's own load (SGLang's /v1/loads, DP rank 0): num_running_reqs,
-        num_waiting_reqs, gen_throughput, token_usage."""
-        answer = _json_or_none((await self._request("GET", "/v1/loads", params={"dp_rank": "0"}))[1])
-        rows = answer.get("loads") if isinstance(answer, dict) else None
-        if not rows or not isinstance(rows[0], dict):
-            raise SGLangHTTPError(f"GET {self.base_url}/v1/loads", f"no load row in {answer!r:.200}")
-        return rows[0]
+    async def get_loads(self) -> ServerLoad:
+        """The server's own load (SGLang's /v1/loads, DP rank 0, core fields)."""
+        answer = _json_or_none((await self._request("GET", "/v1/loads", params={"dp_rank": "0",
+                                                                                 "include": "core"}))[1])
+        try:
+            return payloads.parse_loads(answer, server=self.base_url)
+        except ValueError as e:
+            raise SGLangHTTPError(f"GET {self.base_url}/v1/loads", str(e)) from None
 
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")
