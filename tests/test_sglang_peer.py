@@ -207,11 +207,12 @@ def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
         payloads.generate_body([1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=0), rid="p",
                                logprob_start_len=0),
         payloads.generate_body([9], SamplingParams(temperature=0.0, max_new_tokens=2), return_logprob=False),
+        payloads.fixed_length_body([[1, 2], [3, 4, 5]], 6),
     ]
     with _http(sglang_peer) as http:
         parsed = http.post("/peer/parse", json=bodies).raise_for_status().json()
     assert all(p["ok"] for p in parsed), parsed
-    single, group, batch, prompt, greedy = parsed
+    single, group, batch, prompt, greedy, fixed = parsed
     assert single["is_single"] and single["rid"] == "r1" and single["return_logprob"] is True
     assert single["sampling"] == [{"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16,
                                    "sampling_seed": None, "stop_token_ids": [5, 7]}]
@@ -221,6 +222,8 @@ def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
     assert [s["sampling_seed"] for s in batch["sampling"]] == [1, 2, 3] and batch["input_ids"] == [[4, 5]] * 3
     assert prompt["logprob_start_len"] == 0 and prompt["sampling"][0]["max_new_tokens"] == 0
     assert greedy["return_logprob"] is False and greedy["sampling"][0]["top_k"] == 1  # SGLang's greedy form
+    assert fixed["batch_size"] == 2 and fixed["input_ids"] == [[1, 2], [3, 4, 5]]
+    assert [s["max_new_tokens"] for s in fixed["sampling"]] == [6, 6]
 
 
 DRIFTING = ("timestamp", "gen_throughput")  # move between two reads of an idle server

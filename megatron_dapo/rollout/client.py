@@ -183,6 +183,14 @@ class SGLangClient:
             samples[0].rid = samples[0].rid or rid
         return samples
 
+    async def generate_fixed_length(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+        """Generate exactly `max_new_tokens` tokens for each prompt, in one batch; the output lengths."""
+        answer = await self._post("/generate", payloads.fixed_length_body(prompts, max_new_tokens))
+        if not isinstance(answer, list) or len(answer) != len(prompts):
+            raise SGLangHTTPError(f"POST {self.base_url}/generate",
+                                  f"a batch of {len(prompts)} answered with {answer!r:.200}")
+        return [len(item.get("output_ids") or []) for item in answer]
+
     async def prompt_logprobs(self, input_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each token of `input_ids` given the ones before it (len(input_ids) - 1 values)."""
         sampling = SamplingParams(temperature=temperature, max_new_tokens=0)

@@ -38,6 +38,13 @@ def generate_body(
     return body
 
 
+def fixed_length_body(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
+    """A batch of prompts, each generating exactly `max_new_tokens` tokens (EOS ignored): for timing."""
+    return {"input_ids": [[int(t) for t in p] for p in prompts],
+            "sampling_params": {"max_new_tokens": int(max_new_tokens), "ignore_eos": True, "temperature": 1.0},
+            "return_logprob": False}
+
+
 def abort_body(rid: str | None = None, abort_all: bool = False) -> dict:
     return {"rid": rid or "", "abort_all": bool(abort_all)}
 

@@ -130,6 +130,7 @@ class Engine:
         self.step_lock = threading.RLock()  # held around every forward step and every weight load
         self._batch: _Batch | None = None
         self.stats = LoadStats()
+        self._held_answers: list | None = None  # during a step: answers to send once it is counted
         self._active: dict[str, GenRequest] = {}  # rid -> request, until its answer is sent
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -263,15 +264,22 @@ class Engine:
         before = sum(len(r.output) for r in reqs)
         # identical sequences are prefilled once, except in batch-invariant mode
         seqs = [tuple(r.prompt + r.output) for r in reqs] if prefill else []
-        start = time.perf_counter()
-        step(reqs) if prefill else step()
-        end = time.perf_counter()
-        generated = sum(len(r.output) for r in reqs) - before
-        if prefill:
-            uncached = sum(map(len, seqs if self.batch_invariant else set(seqs)))
-            self.stats.prefill_step(uncached, start, end, generated)
-        else:
-            self.stats.decode_step(len(reqs), start, end, generated)
+        self._held_answers = []  # answered once the step is counted: a client then sees it in /v1/loads
+        try:
+            start = time.perf_counter()
+            step(reqs) if prefill else step()
+            end = time.perf_counter()
+            generated = sum(len(r.output) for r in reqs) - before
+            if prefill:
+                uncached = sum(map(len, seqs if self.batch_invariant else set(seqs)))
+                self.stats.prefill_step(uncached, start, end, generated)
+            else:
+                self.stats.decode_step(len(reqs), start, end, generated)
+        finally:
+            held, self._held_answers = self._held_answers, None
+            for future, answer in held:
+                if not future.done():
+                    future.set_result(answer)
 
     @torch.inference_mode()
     def _forward(self, ids, mask, pos, cache, logits_to_keep=1):
@@ -470,7 +478,9 @@ class Engine:
 
     def _send(self, r: GenRequest) -> None:
         self._active.pop(r.rid, None)
-        if not r.future.done():
+        if self._held_answers is not None:
+            self._held_answers.append((r.future, self.answer(r)))
+        elif not r.future.done():
             r.future.set_result(self.answer(r))
 
     def _token_text(self, r: GenRequest, tok: int) -> str | None:
