@@ -72,12 +72,18 @@ async def _timed_batch(client: SGLangClient, prompts: list[list[int]], new_token
     return wall
 
 
+async def _idle_load(client: SGLangClient):
+    """The server's load report; ProfileError if other requests run there (they would be timed too)."""
+    load = await client.get_loads()
+    if load.running or load.waiting:
+        raise ProfileError(f"{client.base_url} is busy ({load.running} running, {load.waiting} waiting): "
+                           "profile an idle server")
+    return load
+
+
 async def measure_point(client: SGLangClient, n: int, prompt_len: int, new_tokens: int,
                         rng: random.Random, max_token_id: int) -> ProfilePoint:
-    before = await client.get_loads()
-    if before.running or before.waiting:
-        raise ProfileError(f"{client.base_url} is busy ({before.running} running, {before.waiting} waiting): "
-                           "profile an idle server")
+    before = await _idle_load(client)
     prompts = [[rng.randrange(1, max_token_id) for _ in range(prompt_len)] for _ in range(n)]
     wall = await _timed_batch(client, prompts, new_tokens)
     delta = _moments_delta(before, await client.get_loads())
@@ -97,6 +103,7 @@ async def profile(args) -> list[ProfilePoint]:
     points = []
     async with SGLangClient(args.server, api_key=args.api_key, timeout_s=args.timeout_s) as client:
         await client.wait_healthy(timeout_s=60)
+        await _idle_load(client)
         await _timed_batch(client, [[1, 2, 3]], 2)  # warm-up: first-call costs stay out of the points
         for n in args.batch_sizes:
             for p in args.prompt_lens:
