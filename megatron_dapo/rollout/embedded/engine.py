@@ -156,14 +156,8 @@ class Engine:
     def in_flight(self) -> int:
         return len(self._active)
 
-    def load(self) -> tuple[int, int]:
-        """(running, waiting) request counts, for /v1/loads and /server_info."""
-        batch = self._batch
-        with self._qlock:
-            return (len(batch.reqs) if batch is not None else 0), len(self._waiting)
-
     def load_report(self) -> EngineLoad:
-        """Requests and KV tokens held now, for /v1/loads (read from the event loop while the worker runs:
+        """Requests and KV tokens held now, for /v1/loads and /server_info (read while the worker runs:
         each list is copied once, and a length read is atomic)."""
         batch = self._batch
         running = list(batch.reqs) if batch is not None else []

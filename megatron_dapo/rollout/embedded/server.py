@@ -264,7 +264,7 @@ class EmbeddedServer:
     def _server_info(self) -> dict:
         """SGLang's /server_info shape: the launch settings (ServerArgs names), then live state."""
         eng = self.engine
-        running, waiting = eng.load()
+        load = eng.load_report()
         return {
             "model_path": self.model_path, "tokenizer_path": self.model_path,
             "served_model_name": self.served_model_name, "skip_tokenizer_init": eng.tokenizer is None,
@@ -272,7 +272,7 @@ class EmbeddedServer:
             "context_length": self._context_length(), "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "weight_version": eng.weight_version, **self.launch_settings,
             "max_req_input_len": eng.max_context - 1, "startup_time": self.startup_time,
-            "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
+            "internal_states": [{"num_running_reqs": load.running, "num_waiting_reqs": load.waiting,
                                  "paused": eng.is_paused()}],
             "version": SGLANG_VERSION, "frontend": "megatron-dapo embedded",
         }
