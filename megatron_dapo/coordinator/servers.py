@@ -24,6 +24,9 @@ from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import ServerLoad
 
 
+LOAD_METRICS = ("running", "waiting", "kv_tokens", "kv_capacity", "throughput")
+
+
 @dataclass
 class ServerRecord:
     url: str
@@ -180,4 +183,6 @@ class ServerRegistry:
                 self._account(r)
                 out.update({f"server/{i}/version": float(r.version), f"server/{i}/syncs": float(r.syncs),
                             f"server/{i}/sync_s": r.sync_s, f"server/{i}/idle_s": r.idle_s})
+                if r.load_time is not None:  # its last load report (rollout.loads)
+                    out.update({f"server/{i}/{k}": float(getattr(r, k)) for k in LOAD_METRICS})
             return out
