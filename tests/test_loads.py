@@ -45,14 +45,14 @@ def test_decode_moments_sum_as_sglang_and_throughput_decays_then_goes_stale():
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def engine():
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.models.tiny import tiny_hf_config
     from megatron_dapo.rollout.embedded.engine import Engine
 
-    d = save_tiny_hf_model("qwen3", tmp_path_factory.mktemp("q3"))
-    eng = Engine(AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32), max_batch=8)
+    torch.manual_seed(0)
+    eng = Engine(AutoModelForCausalLM.from_config(tiny_hf_config("qwen3"), dtype=torch.float32), max_batch=8)
     yield eng
     eng.close()
 
