@@ -70,7 +70,7 @@ def test_poller_keeps_each_servers_load_in_the_registry(server):
         generating.join()
         _wait_for(lambda: record().running == 0, "the idle server in a report")
         assert record().throughput > 0 and record().kv_tokens == 0
-    assert not poller._thread.is_alive() and poller.rounds > 0
+    assert not poller._thread.is_alive() and min(poller.polls.values()) > 0
     unreachable = registry.records_snapshot()[1]
     assert unreachable.load_time is None and "cannot connect" in unreachable.load_error
 
@@ -109,3 +109,27 @@ def test_profile_engine_refuses_a_busy_server(server, tmp_path, capsys):
 def _running(server) -> int:
     with httpx.Client(trust_env=False, timeout=30, headers={"Authorization": f"Bearer {KEY}"}) as http:
         return http.get(server.url + "/v1/loads").json()["loads"][0]["num_running_reqs"]
+
+
+def test_a_server_without_decode_counters_is_timed_from_outside(server):
+    """SGLang before 0.5.23 reports no decode_moments: the step time then comes from wall times (a run
+    minus the same batch making one token), and agrees with the server's own counters."""
+    import asyncio
+    import dataclasses
+    import random
+
+    from megatron_dapo.coordinator.profile_engine import measure_point
+    from megatron_dapo.rollout.client import SGLangClient
+
+    class WithoutCounters(SGLangClient):
+        async def get_loads(self):
+            return dataclasses.replace(await super().get_loads(), decode_moments=None)
+
+    async def measure(client_cls):
+        async with client_cls(server.url, api_key=KEY) as client:
+            return await measure_point(client, 2, 16, 20, random.Random(0), 200)
+
+    counted, timed = asyncio.run(measure(SGLangClient)), asyncio.run(measure(WithoutCounters))
+    assert (counted.n, counted.steps) == (2.0, 19) and (timed.n, timed.steps) == (2.0, 19)
+    assert timed.kv_tokens == counted.kv_tokens == 2 * (16 + 10)
+    assert 0.25 < timed.step_s / counted.step_s < 4, (timed, counted)

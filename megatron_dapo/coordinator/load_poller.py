@@ -1,9 +1,9 @@
 """Keeps each rollout server's own load in the ServerRegistry: polls `/v1/loads` every interval.
 
 Runs in a thread of its own with its own event loop, so that neither the router's loop nor the
-trainer waits on a slow server: all servers are asked at once, each answer (or failure) is written to
-the registry as it is, and the next round starts one interval after the previous one started.
-A server that does not answer keeps its last report, marked with `load_error`.
+trainer waits on a slow server; each server is polled on its own cadence (the next poll one interval
+after the previous one started, or as soon as a slow answer came), its answer or failure written to
+the registry at once. A server that does not answer keeps its last report, marked with `load_error`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class LoadPoller:
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._main, name="load-poller", daemon=True)
-        self.rounds = 0
+        self.polls = {url: 0 for url in registry.urls}  # polls made per server (answered or not)
 
     def start(self) -> "LoadPoller":
         self._thread.start()
@@ -74,19 +74,22 @@ class LoadPoller:
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
         clients = {url: self._client_factory(url, **self._client_kwargs) for url in self.registry.urls}
-        try:
-            while not self._stop.is_set():
-                started = time.monotonic()
-                await asyncio.gather(*(self._poll_one(url, c) for url, c in clients.items()))
-                self.rounds += 1
-                wait = self.interval_s - (time.monotonic() - started)
-                if wait > 0:
-                    try:
-                        await asyncio.wait_for(self._stop.wait(), wait)
-                    except asyncio.TimeoutError:
-                        pass
+        try:  # one loop per server: a slow one never delays the others' reports
+            await asyncio.gather(*(self._poll_loop(url, c) for url, c in clients.items()))
         finally:
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
+
+    async def _poll_loop(self, url: str, client: SGLangClient) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            await self._poll_one(url, client)
+            self.polls[url] += 1
+            wait = self.interval_s - (time.monotonic() - started)
+            if wait > 0:
+                try:
+                    await asyncio.wait_for(self._stop.wait(), wait)
+                except asyncio.TimeoutError:
+                    pass
 
     async def _poll_one(self, url: str, client: SGLangClient) -> None:
         try:
