@@ -143,10 +143,11 @@ class Engine:
         """Queue `reqs` together: the worker never starts a batch with only part of them (the samples
         of one /generate run in one batch)."""
         with self._qlock:
-            rids = [r.rid for r in reqs]
-            clash = next((rid for rid in rids if rid in self._active), None)
-            if clash is not None or len(set(rids)) < len(rids):
-                raise ValueError(f"rid {clash or rids[0]!r} is already in flight")
+            seen: set[str] = set()
+            for r in reqs:
+                if r.rid in self._active or r.rid in seen:
+                    raise ValueError(f"rid {r.rid!r} is already in flight")
+                seen.add(r.rid)
             for r in reqs:
                 self._active[r.rid] = r
                 self._waiting.append(r)
