@@ -148,7 +148,8 @@ def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_m
     from megatron_dapo.sim.world import simulate
 
     cfg, world = tiny_cfg(staleness, policy, pause_mode, **{"rollout.sync.threshold": 1.0,
-                                                            "rollout.sync.indicator": "kv_cache"}), tiny_world()
+                                                            "rollout.sync.indicator": "kv_cache",
+                                                            "rollout.loads.interval_ms": 50}), tiny_world()
     r = simulate(cfg, world)
     assert len(r.batches) == 5 and r.steps == 4
     draws = [g.draw for info in r.batches for g in info.groups]

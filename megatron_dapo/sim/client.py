@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from megatron_dapo.data.dataset import PromptRecord
 from megatron_dapo.rewards.registry import RewardResult
-from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
+from megatron_dapo.rollout.types import Sample, SamplingParams, ServerLoad, WeightVersionSpan
 from megatron_dapo.sim.engine import EngineResult, SimEngine
 
 
@@ -72,7 +72,7 @@ class SimClient:
     async def health(self, timeout_s: float = 5.0) -> bool:
         return True
 
-    async def load(self) -> dict:
+    async def get_loads(self) -> ServerLoad:
         return self.engine.load()
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:

@@ -26,6 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.rollout.types import ServerLoad
 
 
 @dataclass
@@ -85,12 +86,13 @@ class SimEngine:
     def throughput(self) -> float:
         return self.cost.throughput(self.n, self.kv_tokens())
 
-    def load(self) -> dict:
-        """A row shaped like SGLang's /v1/loads (what the sync policies and routing read)."""
+    def load(self, now: float | None = None) -> ServerLoad:
+        """Its load report, as SGLang's /v1/loads gives it (what sync policies and routing read)."""
         self.catch_up()
-        return {"num_running_reqs": self.n, "num_waiting_reqs": len(self.waiting),
-                "gen_throughput": 0.0 if self.paused else self.throughput(),
-                "token_usage": self.kv_tokens() / self.kv_capacity, "num_total_tokens": self.kv_capacity}
+        kv = self.kv_tokens()
+        return ServerLoad(running=self.n, waiting=len(self.waiting), kv_tokens=kv, kv_capacity=self.kv_capacity,
+                          throughput=0.0 if self.paused else self.throughput(), token_usage=kv / self.kv_capacity,
+                          max_running_requests=self.max_running, timestamp=self.loop.time())
 
     # ---- the step clock ------------------------------------------------------------------------
     def steps_time(self, j: int) -> float:

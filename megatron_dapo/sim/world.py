@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
@@ -87,7 +88,7 @@ async def _run(cfg, world: World) -> SimResult:
     ob = cfg.algo.overlong_buffer
     ob.len = max(1, min(max_units, ob.len // world.token_unit))
 
-    def client(url, api_key=None, **_http):
+    def client(url, api_key=None, **_http):  # the router's and the load poller's clients
         return SimClient(url, engines[url], world.lengths, max_units, world.token_unit, world.seed)
 
     registry = ServerRegistry(urls, version=0, clock=loop.time)
@@ -99,6 +100,10 @@ async def _run(cfg, world: World) -> SimResult:
 
     trainer = SimTrainer(cfg, world, producer, registry, engines, changed)
     producing = asyncio.create_task(producer.run(), name="producer")
+    polling = poller = None
+    if (interval := poll_interval_s(cfg.rollout)) is not None:  # each engine's load into the registry
+        poller = LoadPoller(registry, interval, client_factory=client)
+        polling = asyncio.create_task(poller.run(), name="load-poller")
     syncing = None
     if cfg.rollout.sync.policy != "all_at_once":
         syncing = asyncio.create_task(trainer.per_server_sync(), name="per-server-sync")
@@ -112,6 +117,9 @@ async def _run(cfg, world: World) -> SimResult:
             await asyncio.gather(syncing, *trainer.sync_tasks, return_exceptions=True)
         producer.stop()  # its loop leaves and cancels the groups in flight
         await producing
+        if poller is not None:
+            poller.stop()
+            await polling
     return trainer.result(world.warmup_steps, engines.values())
 
 
@@ -192,8 +200,8 @@ class SimTrainer:
                 for s in statuses:
                     if s.version < self.stored and not s.syncing:
                         row = self.engines[s.url].load()
-                        s.running, s.waiting = row["num_running_reqs"], row["num_waiting_reqs"]
-                        s.throughput, s.kv_cache = row["gen_throughput"], row["token_usage"]
+                        s.running, s.waiting, s.throughput, s.kv_cache = (row.running, row.waiting, row.throughput,
+                                                                          row.token_usage)
             for url in policy.choose(statuses, self.stored):
                 self.registry.begin_sync(url)
                 task = asyncio.get_running_loop().create_task(self._sync_one(url, self.stored))
