@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
 
 # What each mode changes in the config. Advanced: the coordinator's advanced switches on main
 # (status_based sync on KV use, as PSRL's advanced launchers; the other issue-15 switches join as they land).
@@ -119,8 +118,7 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
         r = simulate(cfg, world)
         if mode == "sync":
             sync_tps = r.tokens_per_s
-        row = {"mode": mode, "staleness": s,
-               **{k: v for k, v in asdict(r).items() if k not in ("batches", "step_ends")}}
+        row = {"mode": mode, "staleness": s, **r.summary()}
         rows.append(row)
         ratio = f"{r.tokens_per_s / sync_tps:.2f}" if sync_tps else "-"
         print(f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "

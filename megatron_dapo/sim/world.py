@@ -16,7 +16,7 @@ import copy
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from megatron_dapo.coordinator.cost_model import CostModel
 from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
@@ -62,6 +62,10 @@ class SimResult:
     migrations: int
     batches: list = field(default_factory=list, repr=False)  # BatchInfo per step (all steps)
     step_ends: list = field(default_factory=list, repr=False)  # virtual time each step ended
+
+    def summary(self) -> dict:
+        """The numbers, without the batches (plain data for JSON)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("batches", "step_ends")}
 
 
 def _urls(n: int) -> list[str]:
