@@ -45,8 +45,15 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int):
     from megatron_dapo.sim.world import World, simulate
 
     m = measured(result)
-    base = config_to_dict(load_config(str(CONFIG), validate=False))
-    cfg = config_from_dict({**base, **result["config"]})
+    base_cfg = load_config(str(CONFIG), validate=False)
+    base = config_to_dict(base_cfg)
+    sections = json.loads(json.dumps(result["config"]))
+    algo = sections["algo"]
+    # i14-bench's key (default train_batch_size, i.e. no extra buffer room) until it is on this branch's main
+    if "staleness_buffer_groups" in algo and not hasattr(base_cfg.algo, "staleness_buffer_groups"):
+        if algo.pop("staleness_buffer_groups") not in (None, algo["train_batch_size"]):
+            raise ValueError("algo.staleness_buffer_groups != train_batch_size: this tree cannot simulate it")
+    cfg = config_from_dict({**base, **sections})
     cfg.rollout.servers = []  # the simulated engines stand in for them
     cfg.rollout.num_servers = len(result["config"]["rollout"]["servers"]) or cfg.rollout.num_servers
     max_len = cfg.data.max_response_length
@@ -64,10 +71,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
     ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per server (0: max-running full sequences)")
     ap.add_argument("--tolerance", type=float, default=0.25)
+    ap.add_argument("--cpu-share", type=float, default=1.0,
+                    help="multiply every cost coefficient by this (e.g. 2.5: 4 servers + a trainer on 2 cores, "
+                         "where the profile ran one server alone)")
     args = ap.parse_args(argv)
     from megatron_dapo.coordinator.cost_model import CostModel
 
-    cost = CostModel.load(args.cost_model)
+    fit = CostModel.load(args.cost_model)
+    cost = CostModel(**{k: v * args.cpu_share for k, v in fit.to_dict().items()})
     data = json.loads(args.bench.read_text())
     results = data["results"] if isinstance(data, dict) else data
     print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within")

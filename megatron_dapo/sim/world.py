@@ -116,9 +116,11 @@ async def _run(cfg, world: World) -> SimResult:
     finally:
         if syncing is not None:
             trainer.stopping = True
-            for t in [syncing, *trainer.sync_tasks]:
+            syncing.cancel()
+            await asyncio.gather(syncing, return_exceptions=True)
+            for t in list(trainer.sync_tasks):  # only now: the loop may start one more before it stops
                 t.cancel()
-            await asyncio.gather(syncing, *trainer.sync_tasks, return_exceptions=True)
+            await asyncio.gather(*trainer.sync_tasks, return_exceptions=True)
         producer.stop()  # its loop leaves and cancels the groups in flight
         await producing
         if poller is not None:
