@@ -141,6 +141,10 @@ class LeastOutstanding:
     def __init__(self, cfg: RoutingConfig | None = None, concurrency: int | None = None):
         self.cfg = cfg or RoutingConfig()
 
+    def request_tokens(self, req: RouteRequest) -> int:
+        """r: the KV tokens one sequence of the request is charged for (the router's load estimate)."""
+        return req.tokens
+
     def choose(self, req: RouteRequest, servers: Sequence[ServerView]) -> Route:
         cands = candidates(req, servers)
         if not cands:
@@ -150,9 +154,10 @@ class LeastOutstanding:
         return Route(Verdict.PLACED, best.url)
 
 
-class RequestNumBalance:
+class RequestNumBalance(LeastOutstanding):
     def __init__(self, cfg: RoutingConfig, concurrency: int | None = None):
-        self.cfg, self.cap = cfg, concurrency
+        super().__init__(cfg)
+        self.cap = concurrency
 
     def load(self, s: ServerView) -> int:
         return s.running + s.waiting
@@ -179,10 +184,6 @@ class ThroughputOptimal(RequestNumBalance):
             raise ValueError(f"rollout.routing.method={cfg.method} needs rollout.routing.cost_model "
                              f"(the JSON written by `megatron-dapo profile-engine`)")
         self.model = model or CostModel.load(cfg.cost_model)
-
-    def request_tokens(self, req: RouteRequest) -> int:
-        """r: the KV tokens one sequence of the request is charged for."""
-        return req.tokens
 
     def gain(self, req: RouteRequest, s: ServerView) -> float:
         m, r = req.sequences, self.request_tokens(req)

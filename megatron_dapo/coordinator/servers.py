@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 
@@ -30,6 +30,14 @@ class ServerRecord:
     idle_s: float = 0.0  # time with nothing in flight and not syncing
     last: float = 0.0  # clock() of the last accounting
     sync_started: float = 0.0
+    # the engine's load report (i15-loads polls /v1/loads into these): sequences decoding / queued,
+    # resident KV tokens, max total tokens, generated tokens/s; loads_at = clock() of the report
+    running: int = 0
+    waiting: int = 0
+    kv_tokens: int = 0
+    kv_capacity: int = 0
+    throughput: float = 0.0
+    loads_at: float | None = None
 
 
 class ServerRegistry:
@@ -67,6 +75,11 @@ class ServerRegistry:
         with self._lock:
             r = self.records[url]
             return not r.syncing and (min_version is None or r.version >= min_version)
+
+    def record(self, url: str) -> ServerRecord:
+        """A copy of `url`'s record (version, syncing, load report), consistent under the lock."""
+        with self._lock:
+            return replace(self.records[url])
 
     def version(self, url: str) -> int:
         with self._lock:
