@@ -3,6 +3,7 @@ load_estimate) on constructed server states; the decision rules checked against 
 
 from __future__ import annotations
 
+import asyncio
 import pytest
 
 from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
@@ -277,3 +278,48 @@ def test_load_book_adds_admissions_to_the_last_report_until_the_next():
     assert book.load("a") == (3, 1, 700.0)
     book.observe("a", stamp=2.0, running=1, waiting=0, kv_tokens=90)
     assert book.load("a") == (1, 0, 90.0)
+
+
+# ---- config ---------------------------------------------------------------------------------------
+TINY = "configs/qwen3/tiny_qwen3_cpu.yaml"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["rollout.routing.method=throughput_optimal"], "rollout.routing.method=throughput_optimal needs "
+                                                    "rollout.routing.cost_model"),
+    (["rollout.routing.method=throughput_optimal", "rollout.routing.cost_model=/nonexistent/cm.json"],
+     "rollout.routing.cost_model: cost model /nonexistent/cm.json"),
+    (["rollout.routing.cost_model=/x.json"], "rollout.routing.cost_model is used only by throughput_optimal"),
+    (["rollout.routing.delta_throughput_threshold=2"], "rollout.routing.delta_throughput_threshold must be in [0, 1]"),
+    (["rollout.routing.request_budget=0"], "rollout.routing.request_budget must be >= 1"),
+    (["rollout.queue.order=short"], "rollout.queue.order='short' needs rollout.queue.policy=priority"),
+    (["rollout.routing.method=round_robin"], "rollout.routing.method"),
+    (["rollout.queue.policy=lifo"], "rollout.queue.policy"),
+])
+def test_config_rejects_bad_routing_and_queue_keys(overrides, expected):
+    from megatron_dapo.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides)
+    assert expected in str(err.value) and "\n" not in str(err.value)
+
+
+def test_config_routing_keys_reach_the_router(tmp_path):
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.loop import _build_producer
+
+    path = tmp_path / "cm.json"
+    M.save(path)
+    cfg = load_config(TINY, ["rollout.routing.method=throughput_optimal_with_budget",
+                             f"rollout.routing.cost_model={path}", "rollout.routing.delta_throughput_threshold=0.2",
+                             "rollout.routing.request_budget=256",
+                             "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority",
+                             "rollout.queue.order=long", "rollout.concurrency=7"])
+    producer = _build_producer(cfg, ["http://127.0.0.1:1"], dataset=[None], tokenizer=None)
+    router = producer.router_factory()
+    asyncio.run(router.aclose())
+    p = router.policy
+    assert type(p).__name__ == "ThroughputOptimalWithBudget" and p.model == M and p.cap == 7
+    assert (p.cfg.delta_throughput_threshold, p.cfg.request_budget, p.cfg.server_order) == \
+        (0.2, 256, "reserve_capability")
+    assert (router.queue.cfg.policy, router.queue.cfg.order) == ("priority", "long")
