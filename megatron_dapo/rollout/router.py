@@ -113,6 +113,7 @@ class Router:
         self.policy = make_routing_policy(routing, max_in_flight_per_server, cost_model)
         self.queue = RequestQueues(queue)
         self.loads = LoadBook()
+        self.refusals = 0  # times the policy kept a request waiting (admission control)
         self._listener = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -182,7 +183,10 @@ class Router:
             if route.verdict is Verdict.UNROUTABLE and (self.registry is None or not self.healthy()):
                 t.future.set_result(None)  # no healthy server: the caller waits for one
                 return Placement.GONE
-            return Placement.REFUSED if route.verdict is Verdict.REFUSED else Placement.UNROUTABLE
+            if route.verdict is Verdict.REFUSED:
+                self.refusals += 1
+                return Placement.REFUSED
+            return Placement.UNROUTABLE
 
         self.queue.drain(place)
 
@@ -267,8 +271,8 @@ class Router:
                                   f"after {self.wait_for_healthy_s}s") from None
 
     # ---- generation ----------------------------------------------------------------------------
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                       group_id: str | None = None, rid: str | None = None,
+    async def generate(self, input_ids: Sequence[int],
+                       sampling: SamplingParams | Sequence[SamplingParams] | None = None, group_id: str | None = None, rid: str | None = None,
                        min_version: int | None = None, generated: int | None = None,
                        validation: bool = False) -> list[Sample]:
         """One /generate (n samples in one request), with failover; returns when all n are done.
