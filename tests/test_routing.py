@@ -322,4 +322,45 @@ def test_config_routing_keys_reach_the_router(tmp_path):
     assert type(p).__name__ == "ThroughputOptimalWithBudget" and p.model == M and p.cap == 7
     assert (p.cfg.delta_throughput_threshold, p.cfg.request_budget, p.cfg.server_order) == \
         (0.2, 256, "reserve_capability")
-    assert (router.queue.cfg.policy, router.queue.cfg.order) == ("priority", "long")
+    assert (router.dispatcher.queue.cfg.policy, router.dispatcher.queue.cfg.order) == ("priority", "long")
+
+
+# ---- the dispatcher (queue + policy + load estimates + sticky groups) -----------------------------
+def test_dispatcher_counts_each_placement_before_the_next_decision():
+    from megatron_dapo.coordinator.dispatch import Dispatcher
+
+    d = Dispatcher(policy(delta_throughput_threshold=0.0), QueueConfig("priority"))
+    for key in ("r1", "r2", "r3"):
+        d.submit(key, RouteRequest(prompt_tokens=600))
+    servers = [srv("a", kv_capacity=1000), srv("b", kv_capacity=1000)]
+    # r1 fills most of a's KV cache by the router's own estimate, so r2 goes to b; r3 fits nowhere
+    out = d.dispatch(servers)
+    assert out.placed == [("r1", "a"), ("r2", "b")] and out.failed == [] and len(d) == 1 and d.refusals == 1
+    assert d.dispatch(servers).placed == []  # nothing changed
+    d.finished("r1", generated=50)
+    assert d.dispatch(servers).placed == [("r3", "a")]
+    # a new load report replaces the estimate: b reports an idle engine, so r4 goes there at once
+    d.submit("r4", RouteRequest(prompt_tokens=600))
+    assert d.dispatch([srv("a", kv_capacity=1000), srv("b", kv_capacity=1000)]).placed == []
+    assert d.dispatch([srv("a", kv_capacity=1000),
+                       srv("b", kv_capacity=1000, loads_at=1.0)]).placed == [("r4", "b")]
+
+
+def test_dispatcher_sticky_groups_cancel_and_unroutable():
+    from megatron_dapo.coordinator.dispatch import Dispatcher
+
+    d = Dispatcher(policy("least_outstanding"))
+    d.submit("g1-0", RouteRequest(prompt_tokens=5), group_id="g1")
+    d.submit("g2-0", RouteRequest(prompt_tokens=5), group_id="g2")
+    d.submit("g1-1", RouteRequest(prompt_tokens=5), group_id="g1")
+    servers = [srv("a", version=4), srv("b", version=4)]
+    assert d.dispatch(servers).placed == [("g1-0", "a"), ("g2-0", "b"), ("g1-1", "a")]  # g1 stays on a
+    assert d.sticky("g1") == "a" and d._sticky["g1"][1] == frozenset({4})
+    d.submit("gone", RouteRequest(prompt_tokens=5))
+    d.cancel("gone")
+    d.submit("v9", RouteRequest(prompt_tokens=5, min_version=9))
+    d.submit("later", RouteRequest(prompt_tokens=5))
+    out = d.dispatch(servers)  # fifo: the request waiting for version 9 holds nobody up
+    assert out.placed == [("later", "a")] and len(d) == 1
+    out = d.dispatch(servers, fail_unroutable=True)
+    assert out.failed == ["v9"] and len(d) == 0

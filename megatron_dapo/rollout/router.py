@@ -33,13 +33,12 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from megatron_dapo.coordinator.load_estimate import LoadBook
-from megatron_dapo.coordinator.queues import Placement, QueueConfig, QueuedRequest, RequestQueues
-from megatron_dapo.coordinator.routing import RouteRequest, RoutingConfig, ServerView, Verdict, make_routing_policy
+from megatron_dapo.coordinator.dispatch import Dispatcher
+from megatron_dapo.coordinator.queues import QueueConfig
+from megatron_dapo.coordinator.routing import RouteRequest, RoutingConfig, ServerView, make_routing_policy
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams
 
@@ -65,10 +64,8 @@ class ServerState:
 
 @dataclass(eq=False)
 class _Ticket:
-    """One attempt of a request, from the queue until the server answers."""
+    """One attempt of a request, from the queue until the server answers (its key in the dispatcher)."""
 
-    request: RouteRequest
-    group_id: str | None
     future: asyncio.Future  # -> the ServerState it was placed on, or None: no healthy server at all
     server: ServerState | None = None
 
@@ -104,16 +101,11 @@ class Router:
         self.max_attempts = max_attempts or 2 * len(self.servers) + 1
         self.wait_for_healthy_s = wait_for_healthy_s
         self._by_url = {s.url: s for s in self.servers}
-        # group -> (its server, versions its requests were routed at)
-        self._sticky: OrderedDict[str, tuple[ServerState, frozenset[int]]] = OrderedDict()
-        self._sticky_cap = sticky_groups
         self._health_task: asyncio.Task | None = None
         self._healthy_event: asyncio.Event | None = None
         self.registry = registry
         self.policy = make_routing_policy(routing, max_in_flight_per_server, cost_model)
-        self.queue = RequestQueues(queue)
-        self.loads = LoadBook()
-        self.refusals = 0  # times the policy kept a request waiting (admission control)
+        self.dispatcher = Dispatcher(self.policy, queue, sticky_groups=sticky_groups)
         self._listener = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -151,66 +143,41 @@ class Router:
     def healthy(self) -> list[ServerState]:
         return [s for s in self.servers if s.healthy]
 
+    @property
+    def refusals(self) -> int:
+        """Times the policy kept a request waiting (admission control)."""
+        return self.dispatcher.refusals
+
     def _view(self, s: ServerState) -> ServerView:
         rec = self.registry.record(s.url) if self.registry is not None else None
-        if rec is not None:
-            self.loads.observe(s.url, rec.loads_at, rec.running, rec.waiting, rec.kv_tokens)
-        running, waiting, kv_tokens = self.loads.load(s.url)
-        return ServerView(s.url, version=rec.version if rec else 0, healthy=s.healthy,
-                          syncing=rec.syncing if rec else False, outstanding=s.outstanding, completed=s.completed,
-                          running=running, waiting=waiting, kv_tokens=kv_tokens,
-                          kv_capacity=rec.kv_capacity if rec else 0)
+        if rec is None:
+            return ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed)
+        return ServerView(s.url, version=rec.version, healthy=s.healthy, syncing=rec.syncing,
+                          outstanding=s.outstanding, completed=s.completed, running=rec.running,
+                          waiting=rec.waiting, kv_tokens=rec.kv_tokens, kv_capacity=rec.kv_capacity,
+                          loads_at=rec.loads_at)
 
     def _dispatch(self) -> None:
-        """Offer the waiting requests to the policy, in queue order, until one has to wait."""
-        if not len(self.queue):
+        """Place what the dispatcher can place now (no healthy server: the callers wait for one)."""
+        if not len(self.dispatcher):
             return
-        views = {s.url: self._view(s) for s in self.servers}
-
-        def place(queued: QueuedRequest) -> Placement:
-            t: _Ticket = queued.item
-            if t.future.done():  # its caller gave up
-                return Placement.GONE
-            stuck = self._sticky.get(t.group_id) if t.group_id is not None else None
-            req = replace(t.request, sticky=stuck[0].url if stuck else None,
-                          sibling_versions=stuck[1] if stuck else frozenset())
-            route = self.policy.choose(req, list(views.values()))
-            if route.verdict is Verdict.PLACED:
-                s = self._by_url[route.url]
-                self._admit(t, s, views[s.url].version)
-                views[s.url] = self._view(s)
-                return Placement.PLACED
-            if route.verdict is Verdict.UNROUTABLE and (self.registry is None or not self.healthy()):
-                t.future.set_result(None)  # no healthy server: the caller waits for one
-                return Placement.GONE
-            if route.verdict is Verdict.REFUSED:
-                self.refusals += 1
-                return Placement.REFUSED
-            return Placement.UNROUTABLE
-
-        self.queue.drain(place)
-
-    def _admit(self, t: _Ticket, s: ServerState, version: int) -> None:
-        t.server = s
-        s.outstanding += 1
-        if self.registry is not None:
-            self.registry.request_started(s.url)
-        self.loads.admitted(t, s.url, t.request.sequences, t.request.sequences * self.policy.request_tokens(t.request))
-        if t.group_id is not None:
-            old = self._sticky.get(t.group_id)
-            versions = (old[1] if old else frozenset()) | {version}
-            self._sticky[t.group_id] = (s, versions)
-            self._sticky.move_to_end(t.group_id)
-            while len(self._sticky) > self._sticky_cap:
-                self._sticky.popitem(last=False)
-        t.future.set_result(s)
+        out = self.dispatcher.dispatch([self._view(s) for s in self.servers],
+                                       fail_unroutable=self.registry is None or not self.healthy())
+        for t, url in out.placed:
+            s = t.server = self._by_url[url]
+            s.outstanding += 1
+            if self.registry is not None:
+                self.registry.request_started(url)
+            t.future.set_result(s)
+        for t in out.failed:
+            t.future.set_result(None)
 
     def _release(self, t: _Ticket, generated: int) -> None:
         s = t.server
         s.outstanding -= 1
         if self.registry is not None:
             self.registry.request_ended(s.url)
-        self.loads.ended(t, generated)
+        self.dispatcher.finished(t, generated)
         asyncio.get_running_loop().call_soon(self._dispatch)  # after the caller's own bookkeeping
 
     async def _place(self, input_ids: Sequence[int], sequences: int, group_id: str | None,
@@ -220,8 +187,8 @@ class Router:
         req = RouteRequest(prompt_tokens=len(input_ids) - (generated or 0), generated_tokens=generated or 0,
                            sequences=sequences, min_version=min_version if self.registry is not None else None,
                            resumed=generated is not None, exclude=frozenset(tried))
-        t = _Ticket(req, group_id, asyncio.get_running_loop().create_future())
-        self.queue.put(QueuedRequest(min_version or 0, req.resumed, req.tokens, validation, item=t))
+        t = _Ticket(asyncio.get_running_loop().create_future())
+        self.dispatcher.submit(t, req, group_id, v_traj=min_version or 0, validation=validation)
         if self.registry is not None:
             self.registry.waiting(min_version, +1)  # what status_based sync asks: work held for a server
         placed = False
@@ -236,7 +203,7 @@ class Router:
                 if t.future.done() and not t.future.cancelled() and t.future.result() is not None:
                     self._release(t, 0)  # placed just as the caller was cancelled
                 else:
-                    t.future.cancel()  # the next drain drops it
+                    self.dispatcher.cancel(t)
 
     def _mark_failure(self, s: ServerState, err: Exception) -> None:
         s.failures += 1
@@ -272,8 +239,8 @@ class Router:
 
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[int],
-                       sampling: SamplingParams | Sequence[SamplingParams] | None = None, group_id: str | None = None, rid: str | None = None,
-                       min_version: int | None = None, generated: int | None = None,
+                       sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                       group_id: str | None = None, rid: str | None = None, min_version: int | None = None, generated: int | None = None,
                        validation: bool = False) -> list[Sample]:
         """One /generate (n samples in one request), with failover; returns when all n are done.
         `min_version`: the request's V_traj (with a registry: only servers holding at least it).
