@@ -164,6 +164,9 @@ class Router:
         out = self.dispatcher.dispatch([self._view(s) for s in self.servers],
                                        fail_unroutable=self.registry is None or not self.healthy())
         for t, url in out.placed:
+            if t.future.done():  # its caller was cancelled before its _place could withdraw it
+                self.dispatcher.finished(t)
+                continue
             s = t.server = self._by_url[url]
             s.outstanding += 1
             if self.registry is not None:
