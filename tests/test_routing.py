@@ -364,3 +364,78 @@ def test_dispatcher_sticky_groups_cancel_and_unroutable():
     assert out.placed == [("later", "a")] and len(d) == 1
     out = d.dispatch(servers, fail_unroutable=True)
     assert out.failed == ["v9"] and len(d) == 0
+
+
+# ---- the router: admission control over real HTTP on loopback ------------------------------------
+def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
+    """throughput_optimal with one request in flight per server and priority queues: a server whose
+    load report shows a non-empty engine queue takes nothing, a request no server should take waits
+    at the router, and a resumed trajectory that arrives later is placed before it."""
+    from aiohttp import web
+
+    from megatron_dapo.coordinator.servers import ServerRegistry
+    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.rollout.types import SamplingParams
+
+    async def serve(name, seen, gate):
+        async def generate(request):
+            body = await request.json()
+            seen.append((name, body["rid"]))
+            await gate.get()  # held until the test lets one request finish
+            return web.json_response({"text": "", "output_ids": [5], "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "length", "length": 1},
+                "weight_version": "0", "output_token_logprobs": [[-0.5, 5, None]]}})
+
+        app = web.Application()
+        app.router.add_post("/generate", generate)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    M.save(tmp_path / "cost.json")
+
+    async def run():
+        seen, gates = [], {"a": asyncio.Queue(), "b": asyncio.Queue()}
+        (ra, a), (rb, b) = await serve("a", seen, gates["a"]), await serve("b", seen, gates["b"])
+        reg = ServerRegistry([a, b], version=0)
+        reg.records[a].waiting, reg.records[a].running, reg.records[a].loads_at = 3, 2, 1.0  # a report from a
+        sp = SamplingParams(n=1, max_new_tokens=1)
+
+        async def until(cond):
+            for _ in range(200):
+                if cond():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"timed out: {seen}")
+
+        try:
+            async with Router([a, b], registry=reg, max_in_flight_per_server=1, routing=RoutingConfig(
+                    "throughput_optimal", cost_model=str(tmp_path / "cost.json")),
+                    queue=QueueConfig("priority")) as router:
+                r1 = asyncio.ensure_future(router.generate([1, 2, 3], sp, rid="new-1", min_version=0))
+                await until(lambda: len(seen) == 1)
+                r2 = asyncio.ensure_future(router.generate([1, 2, 3], sp, rid="new-2", min_version=0))
+                r3 = asyncio.ensure_future(router.generate([1, 2, 3, 7, 7], sp, rid="resumed-3", min_version=0,
+                                                           generated=2))
+                await asyncio.sleep(0.3)
+                assert seen == [("b", "new-1")] and router.refusals >= 2  # a's engine queue is not empty
+                assert [s.routable for s in reg.statuses()] == [2, 2]  # both wait at the router
+                gates["b"].put_nowait(1)
+                await asyncio.wait_for(r1, 10)
+                await until(lambda: len(seen) == 2)
+                await asyncio.sleep(0.2)
+                assert seen[1] == ("b", "resumed-3") and not r2.done()  # arrived later, placed first
+                reg.records[a].waiting, reg.records[a].running, reg.records[a].loads_at = 0, 0, 2.0  # a idles
+                gates["b"].put_nowait(1)  # r3 ends: the dispatcher runs again and sees a's new report
+                await asyncio.wait_for(r3, 10)
+                await until(lambda: len(seen) == 3)
+                gates[seen[2][0]].put_nowait(1)
+                await asyncio.wait_for(r2, 10)
+                assert seen[2][1] == "new-2"
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+
+    asyncio.run(run())
