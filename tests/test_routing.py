@@ -343,7 +343,7 @@ def test_dispatcher_counts_each_placement_before_the_next_decision():
     d.submit("r4", RouteRequest(prompt_tokens=600))
     assert d.dispatch([srv("a", kv_capacity=1000), srv("b", kv_capacity=1000)]).placed == []
     assert d.dispatch([srv("a", kv_capacity=1000),
-                       srv("b", kv_capacity=1000, loads_at=1.0)]).placed == [("r4", "b")]
+                       srv("b", kv_capacity=1000, load_time=1.0)]).placed == [("r4", "b")]
 
 
 def test_dispatcher_sticky_groups_cancel_and_unroutable():
@@ -400,7 +400,7 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
         seen, gates = [], {"a": asyncio.Queue(), "b": asyncio.Queue()}
         (ra, a), (rb, b) = await serve("a", seen, gates["a"]), await serve("b", seen, gates["b"])
         reg = ServerRegistry([a, b], version=0)
-        reg.records[a].waiting, reg.records[a].running, reg.records[a].loads_at = 3, 2, 1.0  # a report from a
+        reg.records[a].waiting, reg.records[a].running, reg.records[a].load_time = 3, 2, 1.0  # a report from a
         sp = SamplingParams(n=1, max_new_tokens=1)
 
         async def until(cond):
@@ -427,7 +427,7 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
                 await until(lambda: len(seen) == 2)
                 await asyncio.sleep(0.2)
                 assert seen[1] == ("b", "resumed-3") and not r2.done()  # arrived later, placed first
-                reg.records[a].waiting, reg.records[a].running, reg.records[a].loads_at = 0, 0, 2.0  # a idles
+                reg.records[a].waiting, reg.records[a].running, reg.records[a].load_time = 0, 0, 2.0  # a idles
                 gates["b"].put_nowait(1)  # r3 ends: the dispatcher runs again and sees a's new report
                 await asyncio.wait_for(r3, 10)
                 await until(lambda: len(seen) == 3)

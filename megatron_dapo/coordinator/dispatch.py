@@ -64,7 +64,7 @@ class Dispatcher:
 
     def dispatch(self, servers: Sequence[ServerView], fail_unroutable: bool = False) -> Dispatched:
         """Place waiting requests in queue order until one has to wait. `servers` carry the last load
-        reports (running / waiting / kv_tokens as reported, `loads_at` their stamp); the policy sees
+        reports (running / waiting / kv_tokens as reported, `load_time` their stamp); the policy sees
         them with the admissions since added. `fail_unroutable`: give up requests no server may take
         (no healthy server at all) instead of keeping them."""
         out = Dispatched([], [])
@@ -107,7 +107,7 @@ class Dispatcher:
 
     # ---- bookkeeping ---------------------------------------------------------------------------
     def _estimate(self, s: ServerView) -> ServerView:
-        self.loads.observe(s.url, s.loads_at, s.running, s.waiting, s.kv_tokens)
+        self.loads.observe(s.url, s.load_time, s.running, s.waiting, s.kv_tokens)
         running, waiting, kv_tokens = self.loads.load(s.url)
         return replace(s, running=running, waiting=waiting, kv_tokens=kv_tokens)
 

@@ -89,7 +89,7 @@ class ServerView:
     waiting: int = 0  # sequences queued in the engine
     kv_tokens: float = 0.0  # resident KV tokens (report + own admissions since)
     kv_capacity: float = 0.0  # max total tokens; 0 = unknown (no KV check)
-    loads_at: float | None = None  # when the load numbers were reported; None = never (own counts only)
+    load_time: float | None = None  # when the load numbers were reported; None = never (own counts only)
 
 
 @dataclass

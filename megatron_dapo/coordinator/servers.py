@@ -30,14 +30,14 @@ class ServerRecord:
     idle_s: float = 0.0  # time with nothing in flight and not syncing
     last: float = 0.0  # clock() of the last accounting
     sync_started: float = 0.0
-    # the engine's load report (i15-loads polls /v1/loads into these): sequences decoding / queued,
-    # resident KV tokens, max total tokens, generated tokens/s; loads_at = clock() of the report
-    running: int = 0
-    waiting: int = 0
-    kv_tokens: int = 0
-    kv_capacity: int = 0
-    throughput: float = 0.0
-    loads_at: float | None = None
+    # the server's last /v1/loads report (load_time is None until the first one)
+    running: int = 0  # requests in its running batch
+    waiting: int = 0  # requests queued at the server
+    kv_tokens: int = 0  # KV tokens in use
+    kv_capacity: int = 0  # most KV tokens it can hold (max total tokens)
+    throughput: float = 0.0  # generated tokens per second, recent
+    load_time: float | None = None  # clock() when the report arrived
+    load_error: str | None = None  # why the latest poll got no report (the values above are older)
 
 
 class ServerRegistry:
@@ -75,11 +75,6 @@ class ServerRegistry:
         with self._lock:
             r = self.records[url]
             return not r.syncing and (min_version is None or r.version >= min_version)
-
-    def record(self, url: str) -> ServerRecord:
-        """A copy of `url`'s record (version, syncing, load report), consistent under the lock."""
-        with self._lock:
-            return replace(self.records[url])
 
     def version(self, url: str) -> int:
         with self._lock:
@@ -137,6 +132,11 @@ class ServerRegistry:
     def max_version(self) -> int:
         with self._lock:
             return max(r.version for r in self.records.values())
+
+    def records_snapshot(self) -> list[ServerRecord]:
+        """A consistent copy of every server's record (version, routing state, last load report)."""
+        with self._lock:
+            return [replace(r) for r in self.records.values()]
 
     def statuses(self) -> list[ServerStatus]:
         """The router's view of every server (load from the router's counts; a caller with the servers'

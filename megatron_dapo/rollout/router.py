@@ -148,20 +148,25 @@ class Router:
         """Times the policy kept a request waiting (admission control)."""
         return self.dispatcher.refusals
 
-    def _view(self, s: ServerState) -> ServerView:
-        rec = self.registry.record(s.url) if self.registry is not None else None
-        if rec is None:
-            return ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed)
-        return ServerView(s.url, version=rec.version, healthy=s.healthy, syncing=rec.syncing,
-                          outstanding=s.outstanding, completed=s.completed, running=rec.running,
-                          waiting=rec.waiting, kv_tokens=rec.kv_tokens, kv_capacity=rec.kv_capacity,
-                          loads_at=rec.loads_at)
+    def _views(self) -> list[ServerView]:
+        """Each server as the policy sees it: health and the router's counts, plus the registry's
+        version, syncing and last load report when there is a registry."""
+        records = {r.url: r for r in self.registry.records_snapshot()} if self.registry is not None else {}
+        views = []
+        for s in self.servers:
+            v = ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed)
+            r = records.get(s.url)
+            if r is not None:
+                v = replace(v, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
+                            kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
+            views.append(v)
+        return views
 
     def _dispatch(self) -> None:
         """Place what the dispatcher can place now (no healthy server: the callers wait for one)."""
         if not len(self.dispatcher):
             return
-        out = self.dispatcher.dispatch([self._view(s) for s in self.servers],
+        out = self.dispatcher.dispatch(self._views(),
                                        fail_unroutable=self.registry is None or not self.healthy())
         for t, url in out.placed:
             if t.future.done():  # its caller was cancelled before its _place could withdraw it
@@ -243,8 +248,8 @@ class Router:
     # ---- generation ----------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[int],
                        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                       group_id: str | None = None, rid: str | None = None, min_version: int | None = None, generated: int | None = None,
-                       validation: bool = False) -> list[Sample]:
+                       group_id: str | None = None, rid: str | None = None, min_version: int | None = None,
+                       generated: int | None = None, validation: bool = False) -> list[Sample]:
         """One /generate (n samples in one request), with failover; returns when all n are done.
         `min_version`: the request's V_traj (with a registry: only servers holding at least it).
         `generated`: set for a request that continues a trajectory (partial rollout): how many of
