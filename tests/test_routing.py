@@ -356,6 +356,7 @@ def test_dispatcher_sticky_groups_cancel_and_unroutable():
     servers = [srv("a", version=4), srv("b", version=4)]
     assert d.dispatch(servers).placed == [("g1-0", "a"), ("g2-0", "b"), ("g1-1", "a")]  # g1 stays on a
     assert d.sticky("g1") == "a" and d._sticky["g1"][1] == frozenset({4})
+    assert d.unpin("b") == ["g2"] and d.sticky("g2") is None and d.sticky("g1") == "a"
     d.submit("gone", RouteRequest(prompt_tokens=5))
     d.cancel("gone")
     d.submit("v9", RouteRequest(prompt_tokens=5, min_version=9))

@@ -62,6 +62,14 @@ class Dispatcher:
         entry = self._sticky.get(group_id) if group_id is not None else None
         return entry[0] if entry else None
 
+    def unpin(self, url: str) -> list[str]:
+        """Forget the groups pinned to `url` (its requests are being migrated): their next requests
+        are placed anew. Returns those groups."""
+        groups = [g for g, (u, _) in self._sticky.items() if u == url]
+        for g in groups:
+            del self._sticky[g]
+        return groups
+
     def dispatch(self, servers: Sequence[ServerView], fail_unroutable: bool = False) -> Dispatched:
         """Place waiting requests in queue order until one has to wait. `servers` carry the last load
         reports (running / waiting / kv_tokens as reported, `load_time` their stamp); the policy sees
