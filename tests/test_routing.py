@@ -278,6 +278,12 @@ def test_load_book_adds_admissions_to_the_last_report_until_the_next():
     assert book.load("a") == (3, 1, 700.0)
     book.observe("a", stamp=2.0, running=1, waiting=0, kv_tokens=90)
     assert book.load("a") == (1, 0, 90.0)
+    # a report that missed a request the router has in flight never hides it
+    book.admitted("r3", "a", 4, 400)
+    book.observe("a", stamp=3.0, running=1, waiting=1, kv_tokens=50)
+    assert book.load("a") == (3, 1, 400.0)  # 4 in flight, 1 of them may be the engine's waiting one
+    book.ended("r3", generated=8)
+    assert book.load("a") == (0, 1, 0.0)
 
 
 # ---- config ---------------------------------------------------------------------------------------
@@ -339,11 +345,12 @@ def test_dispatcher_counts_each_placement_before_the_next_decision():
     assert d.dispatch(servers).placed == []  # nothing changed
     d.finished("r1", generated=50)
     assert d.dispatch(servers).placed == [("r3", "a")]
-    # a new load report replaces the estimate: b reports an idle engine, so r4 goes there at once
+    # load reports replace the estimate: r2 ended, but b's engine reports a queue of its own
+    d.finished("r2", generated=10)
     d.submit("r4", RouteRequest(prompt_tokens=600))
-    assert d.dispatch([srv("a", kv_capacity=1000), srv("b", kv_capacity=1000)]).placed == []
-    assert d.dispatch([srv("a", kv_capacity=1000),
-                       srv("b", kv_capacity=1000, load_time=1.0)]).placed == [("r4", "b")]
+    busy_b = srv("b", kv_capacity=1000, running=3, waiting=2, kv_tokens=300, load_time=1.0)
+    assert d.dispatch([srv("a", kv_capacity=1000), busy_b]).placed == []
+    assert d.dispatch([srv("a", kv_capacity=1000), srv("b", kv_capacity=1000, load_time=2.0)]).placed == [("r4", "b")]
 
 
 def test_dispatcher_sticky_groups_cancel_and_unroutable():

@@ -7,7 +7,9 @@ request's tokens and one running request at once, subtracts them when the reques
 the engine's numbers again at the next snapshot), the book adds each admitted request's sequences
 and KV tokens to the last snapshot and forgets those deltas when a new snapshot arrives. A request
 that was already in the snapshot and ends before the next one is subtracted with the tokens it
-grew to. Without any snapshot the book is the router's own count of what it has in flight.
+grew to. Without any snapshot the book is the router's own count of what it has in flight, and
+with one the estimate never drops below that count (a report taken just before a request reached
+the engine does not make it disappear).
 
 No I/O, no clock: the caller passes each snapshot's stamp (anything that changes per report).
 """
@@ -27,6 +29,8 @@ class _Server:
     d_running: int = 0  # admitted - ended since the snapshot
     d_kv: float = 0.0
     since: set = field(default_factory=set)  # requests admitted after the snapshot
+    own_running: int = 0  # sequences the router has in flight there
+    own_kv: float = 0.0  # and the KV tokens it charged them
 
 
 @dataclass
@@ -60,6 +64,8 @@ class LoadBook:
         s.d_running += sequences
         s.d_kv += tokens
         s.since.add(key)
+        s.own_running += sequences
+        s.own_kv += tokens
 
     def ended(self, key: Hashable, generated: float = 0.0) -> None:
         """The request finished (or failed) after generating `generated` tokens in all."""
@@ -68,6 +74,8 @@ class LoadBook:
             return
         s = self._server(a.url)
         s.d_running -= a.sequences
+        s.own_running -= a.sequences
+        s.own_kv -= a.tokens
         if key in s.since:  # not in the snapshot: take back exactly what was added
             s.since.discard(key)
             s.d_kv -= a.tokens
@@ -77,4 +85,5 @@ class LoadBook:
     def load(self, url: str) -> tuple[int, int, float]:
         """(running sequences, waiting sequences, resident KV tokens) to assume now."""
         s = self._server(url)
-        return max(0, s.running + s.d_running), s.waiting, max(0.0, s.kv_tokens + s.d_kv)
+        running = max(s.running + s.d_running, s.own_running - s.waiting, 0)
+        return running, s.waiting, max(s.kv_tokens + s.d_kv, s.own_kv, 0.0)

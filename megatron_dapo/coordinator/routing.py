@@ -195,10 +195,12 @@ class ThroughputOptimal(RequestNumBalance):
         return self.cfg.delta_throughput_threshold * self.model.throughput(m, m * r)
 
     def eligible(self, req: RouteRequest, s: ServerView) -> bool:
+        if not self.has_room(s):
+            return False
         if s.running + s.waiting == 0:
-            return True
-        kv_room = s.kv_capacity <= 0 or s.kv_tokens + req.sequences * self.request_tokens(req) <= s.kv_capacity
-        return s.waiting == 0 and kv_room and self.has_room(s)
+            return True  # an idle server takes even a request larger than its KV estimate allows
+        return s.waiting == 0 and (s.kv_capacity <= 0 or
+                                   s.kv_tokens + req.sequences * self.request_tokens(req) <= s.kv_capacity)
 
     def accepts(self, req: RouteRequest, s: ServerView) -> bool:
         return self.eligible(req, s) and self.gain(req, s) >= self.threshold(req)
@@ -229,8 +231,8 @@ class ThroughputOptimalWithBudget(ThroughputOptimal):
 
 def make_routing_policy(cfg: RoutingConfig | None = None, concurrency: int | None = None,
                         model: CostModel | None = None):
-    """The policy `cfg.method` names; `concurrency` = per-server cap on requests in flight (rollout.concurrency);
-    `model` overrides the cost model file (a simulator's own)."""
+    """The policy `cfg.method` names; `concurrency` = per-server cap on requests in flight
+    (rollout.concurrency); `model` overrides the cost model file (a simulator's own)."""
     cfg = cfg or RoutingConfig()
     if cfg.method == "least_outstanding":
         return LeastOutstanding(cfg)
