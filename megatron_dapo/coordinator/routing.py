@@ -24,7 +24,9 @@ server holds a version >= the request's V_traj).
   threshold <= 1 an idle server always accepts, so waiting requests cannot starve.
 - `throughput_optimal_with_budget`: the same with the generated part rounded up to the next
   multiple of `request_budget` (r = prompt + ceil((generated + 1) / budget) * budget): a request is
-  charged for the tokens it will grow into, not only those it has.
+  charged for the tokens it will grow into, not only those it has. (PSRL also re-counts the engine's
+  K with each running request rounded so; a load report here has no per-request lengths, so K_i is
+  the engine's own count plus the rounded charges of what the router placed since.)
 
 Server order (`server_order`), as PSRL's candidate sort indicator:
 - `version`: a brand-new request prefers the newest version; a resumed one (partial rollout) the
