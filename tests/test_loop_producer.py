@@ -175,6 +175,56 @@ def _interrupt_until(urls, stop, pauses: int):
     asyncio.run(go())
 
 
+def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path):
+    """throughput_optimal routing (reserve_capability order), priority queues (shortest first) and one
+    request in flight per server, while both servers are paused in abort mode every 0.3 s (the
+    continuations re-enter the queues by version, ahead of new groups): requests wait at the router
+    (admission control) and still every group completes, none lost or duplicated, and the seeded
+    batches equal those of the default router on undisturbed servers."""
+    import threading
+
+    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+    from megatron_dapo.coordinator.queues import QueueConfig
+    from megatron_dapo.coordinator.routing import RoutingConfig
+
+    ds, urls = setup
+    QWEN_7B_1GPU.save(tmp_path / "cost.json")
+    advanced = dict(routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability",
+                                          cost_model=str(tmp_path / "cost.json")),
+                    queue=QueueConfig("priority", "short"), max_in_flight_per_server=1)
+
+    def run(router_kw, pauses, steps=2):
+        routers = []
+        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32, max_resubmits=50,
+                      router_kw=router_kw, routers=routers)
+        stop = threading.Event()
+        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
+        batches, resumes = [], 0
+        p.start()
+        t.start()
+        try:
+            for step in range(steps):
+                info = p.take_batch(step, timeout_s=300)
+                for g in info.groups:
+                    assert [s.index for s in g.samples] == [0, 1, 2, 3] and not any(s.aborted for s in g.samples)
+                batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
+                                for g in info.groups])
+                resumes += info.partial_resumes
+                p.set_version(step + 1)
+        finally:
+            stop.set()
+            t.join()
+            p.stop()
+        return batches, resumes, routers[0]
+
+    plain, _, _ = run({}, pauses=0)
+    batches, resumes, router = run(advanced, pauses=1000)
+    draws = [d for batch in batches for d, _, _ in batch]
+    assert len(draws) == len(set(draws)) == 6
+    assert batches == plain
+    assert resumes > 0 and router.refusals > 0
+
+
 def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     """Both servers paused in abort mode every 0.3 s while a seeded producer runs (what a sync that
     aborts requests does to it): with partial rollout the aborted samples continue from their tokens
@@ -261,52 +311,3 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
 
-
-def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path):
-    """throughput_optimal routing (reserve_capability order), priority queues (shortest first) and one
-    request in flight per server, while both servers are paused in abort mode every 0.3 s (the
-    continuations re-enter the queues by version, ahead of new groups): requests wait at the router
-    (admission control) and still every group completes, none lost or duplicated, and the seeded
-    batches equal those of the default router on undisturbed servers."""
-    import threading
-
-    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
-    from megatron_dapo.coordinator.queues import QueueConfig
-    from megatron_dapo.coordinator.routing import RoutingConfig
-
-    ds, urls = setup
-    QWEN_7B_1GPU.save(tmp_path / "cost.json")
-    advanced = dict(routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability",
-                                          cost_model=str(tmp_path / "cost.json")),
-                    queue=QueueConfig("priority", "short"), max_in_flight_per_server=1)
-
-    def run(router_kw, pauses, steps=2):
-        routers = []
-        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32, max_resubmits=50,
-                      router_kw=router_kw, routers=routers)
-        stop = threading.Event()
-        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
-        batches, resumes = [], 0
-        p.start()
-        t.start()
-        try:
-            for step in range(steps):
-                info = p.take_batch(step, timeout_s=300)
-                for g in info.groups:
-                    assert [s.index for s in g.samples] == [0, 1, 2, 3] and not any(s.aborted for s in g.samples)
-                batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
-                                for g in info.groups])
-                resumes += info.partial_resumes
-                p.set_version(step + 1)
-        finally:
-            stop.set()
-            t.join()
-            p.stop()
-        return batches, resumes, routers[0]
-
-    plain, _, _ = run({}, pauses=0)
-    batches, resumes, router = run(advanced, pauses=1000)
-    draws = [d for batch in batches for d, _, _ in batch]
-    assert len(draws) == len(set(draws)) == 6
-    assert batches == plain
-    assert resumes > 0 and router.refusals > 0

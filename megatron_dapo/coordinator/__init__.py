@@ -1,6 +1,5 @@
 """The rollout coordinator's policies: staleness by reservation, partial rollout, per-server sync
-decisions, the registry of each server's weight version and load (servers.py), routing policies
-(routing.py), request queues (queues.py) and the dispatcher that joins them (dispatch.py).
+decisions and the registry of each server's weight version (servers.py).
 
 Plain classes and pure functions with an injectable clock and no I/O, so that the async producer
 (megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
