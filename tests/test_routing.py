@@ -378,12 +378,13 @@ def test_dispatcher_sticky_groups_cancel_and_unroutable():
 def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
     """throughput_optimal with one request in flight per server and priority queues: a server whose
     load report shows a non-empty engine queue takes nothing, a request no server should take waits
-    at the router, and a resumed trajectory that arrives later is placed before it."""
+    at the router, a resumed trajectory that arrives later is placed before it, and a new load report
+    (from another thread, as the poller's) places the waiting one."""
     from aiohttp import web
 
     from megatron_dapo.coordinator.servers import ServerRegistry
     from megatron_dapo.rollout.router import Router
-    from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.rollout.types import SamplingParams, ServerLoad
 
     async def serve(name, seen, gate):
         async def generate(request):
@@ -404,11 +405,15 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
 
     M.save(tmp_path / "cost.json")
 
+    def load(running, waiting):
+        return ServerLoad(running=running, waiting=waiting, kv_tokens=0, kv_capacity=100_000, throughput=0.0,
+                          token_usage=0.0, max_running_requests=64)
+
     async def run():
         seen, gates = [], {"a": asyncio.Queue(), "b": asyncio.Queue()}
         (ra, a), (rb, b) = await serve("a", seen, gates["a"]), await serve("b", seen, gates["b"])
         reg = ServerRegistry([a, b], version=0)
-        reg.records[a].waiting, reg.records[a].running, reg.records[a].load_time = 3, 2, 1.0  # a report from a
+        reg.update_load(a, load(running=2, waiting=3))  # a's engine has a queue of its own
         sp = SamplingParams(n=1, max_new_tokens=1)
 
         async def until(cond):
@@ -435,15 +440,24 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
                 await until(lambda: len(seen) == 2)
                 await asyncio.sleep(0.2)
                 assert seen[1] == ("b", "resumed-3") and not r2.done()  # arrived later, placed first
-                reg.records[a].waiting, reg.records[a].running, reg.records[a].load_time = 0, 0, 2.0  # a idles
-                gates["b"].put_nowait(1)  # r3 ends: the dispatcher runs again and sees a's new report
-                await asyncio.wait_for(r3, 10)
+                # a's next report says it is idle: the report alone lets the waiting request go there
+                await asyncio.to_thread(reg.update_load, a, load(running=0, waiting=0))  # as the poller thread
                 await until(lambda: len(seen) == 3)
-                gates[seen[2][0]].put_nowait(1)
-                await asyncio.wait_for(r2, 10)
-                assert seen[2][1] == "new-2"
+                assert seen[2] == ("a", "new-2")
+                gates["a"].put_nowait(1)
+                gates["b"].put_nowait(1)
+                await asyncio.wait_for(asyncio.gather(r2, r3), 10)
         finally:
             await ra.cleanup()
             await rb.cleanup()
 
     asyncio.run(run())
+
+
+def test_routing_methods_that_read_loads_turn_the_poller_on():
+    from megatron_dapo.config.load import config_from_dict
+    from megatron_dapo.coordinator.load_poller import poll_interval_s
+
+    for method, interval in (("least_outstanding", None), ("request_num_balance", 0.2),
+                             ("throughput_optimal", 0.2), ("throughput_optimal_with_budget", 0.2)):
+        assert poll_interval_s(config_from_dict({"rollout": {"routing": {"method": method}}}).rollout) == interval

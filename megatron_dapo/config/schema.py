@@ -196,6 +196,14 @@ class QueueConfig:
 
 
 @dataclass
+class LoadsConfig:
+    """Each server's own load report (/v1/loads), kept in the coordinator's server registry."""
+
+    # Polling period; 0 = off, unless the routing policy needs the loads (then every 200 ms).
+    interval_ms: float = 0.0
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["sglang", "embedded"] = "sglang"
     # External server URLs (http://host:port). Empty = the driver launches num_servers servers itself.
@@ -221,6 +229,7 @@ class RolloutConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
+    loads: LoadsConfig = field(default_factory=LoadsConfig)
 
 
 @dataclass
