@@ -176,22 +176,25 @@ def _interrupt_until(urls, stop, pauses: int):
 
 
 def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path):
-    """throughput_optimal routing (reserve_capability order), priority queues (shortest first) and one
-    request in flight per server, while both servers are paused in abort mode every 0.3 s (the
-    continuations re-enter the queues by version, ahead of new groups): requests wait at the router
-    (admission control) and still every group completes, none lost or duplicated, and the seeded
-    batches equal those of the default router on undisturbed servers."""
+    """throughput_optimal routing (reserve_capability order) on the servers' polled /v1/loads, priority
+    queues (shortest first) and one request in flight per server, while both servers are paused in
+    abort mode every 0.3 s (the continuations re-enter the queues by version, ahead of new groups):
+    requests wait at the router (admission control) and still every group completes, none lost or
+    duplicated, and the seeded batches equal those of the default router on undisturbed servers."""
     import threading
 
     from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+    from megatron_dapo.coordinator.load_poller import LoadPoller
     from megatron_dapo.coordinator.queues import QueueConfig
     from megatron_dapo.coordinator.routing import RoutingConfig
+    from megatron_dapo.coordinator.servers import ServerRegistry
 
     ds, urls = setup
     QWEN_7B_1GPU.save(tmp_path / "cost.json")
+    registry = ServerRegistry(urls, version=0)
     advanced = dict(routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability",
                                           cost_model=str(tmp_path / "cost.json")),
-                    queue=QueueConfig("priority", "short"), max_in_flight_per_server=1)
+                    queue=QueueConfig("priority", "short"), max_in_flight_per_server=1, registry=registry)
 
     def run(router_kw, pauses, steps=2):
         routers = []
@@ -210,6 +213,8 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
                 batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
                                 for g in info.groups])
                 resumes += info.partial_resumes
+                if "registry" in router_kw:
+                    registry.publish_all(step + 1)  # the same weights, relabelled: V_traj moves on
                 p.set_version(step + 1)
         finally:
             stop.set()
@@ -218,11 +223,13 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
         return batches, resumes, routers[0]
 
     plain, _, _ = run({}, pauses=0)
-    batches, resumes, router = run(advanced, pauses=1000)
+    with LoadPoller(registry, 0.05) as poller:
+        batches, resumes, router = run(advanced, pauses=1000)
     draws = [d for batch in batches for d, _, _ in batch]
     assert len(draws) == len(set(draws)) == 6
     assert batches == plain
     assert resumes > 0 and router.refusals > 0
+    assert all(n > 0 for n in poller.polls.values()) and all(r.load_time for r in registry.records_snapshot())
 
 
 def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
