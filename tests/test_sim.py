@@ -142,14 +142,19 @@ def expected_units(cfg, world, group, sample):
     return min(math.ceil(400 / world.token_unit), math.ceil(total / world.token_unit))
 
 
-@pytest.mark.parametrize("staleness,policy,pause_mode", [(0, "all_at_once", "in_place"), (2, "all_at_once", "abort"),
-                                                         (1, "greedy", "abort"), (2, "status_based", "in_place")])
-def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_mode):
+ADVANCED = {"rollout.routing.method": "throughput_optimal", "rollout.routing.delta_throughput_threshold": 0.2,
+            "rollout.routing.server_order": "reserve_capability", "rollout.queue.policy": "priority"}
+
+
+@pytest.mark.parametrize("staleness,policy,pause_mode,extra", [
+    (0, "all_at_once", "in_place", {}), (2, "all_at_once", "abort", {}), (1, "greedy", "abort", {}),
+    (2, "status_based", "in_place", {}), (2, "status_based", "abort", ADVANCED)])
+def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_mode, extra):
     from megatron_dapo.sim.world import simulate
 
     cfg, world = tiny_cfg(staleness, policy, pause_mode, **{"rollout.sync.threshold": 1.0,
                                                             "rollout.sync.indicator": "kv_cache",
-                                                            "rollout.loads.interval_ms": 50}), tiny_world()
+                                                            "rollout.loads.interval_ms": 50, **extra}), tiny_world()
     r = simulate(cfg, world)
     assert len(r.batches) == 5 and r.steps == 4
     draws = [g.draw for info in r.batches for g in info.groups]

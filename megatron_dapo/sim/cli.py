@@ -14,12 +14,16 @@ import argparse
 import json
 import sys
 
-# What each mode changes in the config. Advanced: the coordinator's advanced switches on main
-# (status_based sync on KV use, as PSRL's advanced launchers; the other issue-15 switches join as they land).
+# What each mode changes in the config. Advanced: the coordinator's advanced switches on main, with PSRL's
+# advanced launchers' values (status_based sync on KV use <= 0.6, throughput_optimal routing at threshold
+# 0.2 with reserve_capability, priority queues; migration and proactive filtering join when they land).
+ADVANCED = ["rollout.sync.policy=status_based", "rollout.sync.indicator=kv_cache", "rollout.sync.threshold=0.6",
+            "rollout.routing.method=throughput_optimal", "rollout.routing.delta_throughput_threshold=0.2",
+            "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority"]
 MODES: dict[str, list[str]] = {
     "sync": ["rollout.sync.policy=all_at_once"],
     "async": ["rollout.sync.policy=all_at_once"],
-    "advanced": ["rollout.sync.policy=status_based", "rollout.sync.indicator=kv_cache", "rollout.sync.threshold=0.6"],
+    "advanced": ADVANCED,
 }
 
 

@@ -97,7 +97,8 @@ async def _run(cfg, world: World) -> SimResult:
 
     registry = ServerRegistry(urls, version=0, clock=loop.time)
     dataset = SimPrompts(world.prompts, world.prompt_len, world.token_unit)
-    producer = _build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time)
+    producer = _build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
+                               cost_model=world.cost)  # throughput_optimal routing knows the engines' cost
     producer.rewards = SimReward(world.keep_prob, world.seed)
     changed = asyncio.Event()
     producer.add_listener(lambda: loop.call_soon(changed.set))
