@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
+from megatron_dapo.coordinator.migration import MigrationPolicyConfig, MigrationPolicy
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED, StalenessController
 from megatron_dapo.coordinator.sync_policy import ServerStatus
@@ -100,7 +100,7 @@ def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routab
 
 def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server():
     clock = FakeClock(9.0)
-    p = MigrationPolicy(MigrationConfig(enabled=True, threshold=5.0, stop_threshold=10), clock)
+    p = MigrationPolicy(MigrationPolicyConfig(enabled=True, threshold=5.0, stop_threshold=10), clock)
     # s1 is starved (nothing waiting, nothing at the router for it); s0 has 12, s2 has 40 requests
     m = p.choose([_server("s0", running=12), _server("s1", running=2), _server("s2", running=40)])
     assert (m.source, m.starved, m.ratio, m.at) == ("s2", "s1", 20.0, 9.0)
@@ -120,12 +120,12 @@ def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server(
 
 
 def test_migration_indicators_throughput_and_kv_cache():
-    p = MigrationPolicy(MigrationConfig(enabled=True, indicator="throughput", threshold=3.0,
+    p = MigrationPolicy(MigrationPolicyConfig(enabled=True, indicator="throughput", threshold=3.0,
                                         stop_indicator="kv_cache", stop_threshold=0.5))
     assert p.choose([_server("a", running=8, throughput=400.0, kv=0.7),
                      _server("b", running=8, throughput=100.0, kv=0.1)]).source == "a"
     assert p.choose([_server("a", running=8, throughput=400.0, kv=0.4),  # stop indicator too low
                      _server("b", running=8, throughput=100.0, kv=0.1)]) is None
-    assert MigrationConfig(indicator="kv_cache").needs_loads and not MigrationConfig().needs_loads
+    assert MigrationPolicyConfig(indicator="kv_cache").needs_loads and not MigrationPolicyConfig().needs_loads
     with pytest.raises(ValueError, match="rollout.migration.stop_indicator"):
-        MigrationConfig(stop_indicator="tokens")
+        MigrationPolicyConfig(stop_indicator="tokens")

@@ -23,7 +23,7 @@ from megatron_dapo.coordinator.sync_policy import INDICATORS, ServerStatus
 
 
 @dataclass
-class MigrationConfig:
+class MigrationPolicyConfig:
     enabled: bool = False
     indicator: str = "request_num"
     threshold: float = 5.0
@@ -63,7 +63,7 @@ def starved(s: ServerStatus) -> bool:
 
 
 class MigrationPolicy:
-    def __init__(self, cfg: MigrationConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: MigrationPolicyConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
         self.history: list[Migration] = []
 
