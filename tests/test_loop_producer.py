@@ -249,3 +249,53 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     assert batch == plain[0][0]
     assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
+
+
+def test_redundancy_retry_and_migration_together_lose_nothing(setup):
+    """Every rollout-coordination switch on, against the two real servers: sample- and prompt-level
+    redundancy, the proactive filter and migration (thresholds low enough that it fires whenever one
+    server is idle). Each batch has B groups of exactly n finished samples, within the staleness
+    bound, each token's weight version between the group's V_traj and the step; every prompt drawn
+    is trained, waiting, in flight, dropped by dynamic sampling or aborted (counted), never twice."""
+    from collections import Counter
+
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+    from megatron_dapo.trainer.groups import token_versions
+
+    ds, urls = setup
+    B, n, staleness, steps = 3, 4, 1, 4
+    p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
+                  extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
+                  migration=MigrationPolicyConfig(threshold=1.0, stop_threshold=1))
+    trained, counts = [], Counter()
+    p.start()
+    try:
+        for step in range(steps):
+            info = p.take_batch(step, timeout_s=300)
+            counts.update(info.coordination)
+            assert len(info.groups) == B
+            for g in info.groups:
+                assert [s.index for s in g.samples] == list(range(n)) and len(g.accs) == n
+                assert not any(s.aborted for s in g.samples)
+                assert 0 <= step - g.v_traj <= staleness and step - g.min_version <= staleness
+                for s in g.samples:
+                    versions = token_versions(s)
+                    assert len(versions) == len(s.output_ids) == len(s.logprobs)
+                    assert versions == sorted(versions) and all(g.v_traj <= v <= step for v in versions)
+                trained.append(g.draw)
+            _set_server_version(urls, step + 1)
+            p.set_version(step + 1)
+        with p._cv:  # a consistent snapshot of the running producer (stopping cancels what is in flight)
+            waiting = [g.draw for g in p.buffer]
+            in_flight = list(p.flight)
+            drawn = p.sampler.epoch * p.sampler.size + p.sampler.offset
+            totals = dict(p.totals)
+    finally:
+        p.stop()
+    assert len(trained) == len(set(trained)) == steps * B and not set(trained) & set(waiting)
+    accounted = (len(trained) + len(waiting) + len(in_flight) + totals.get("dropped", 0)
+                 + totals.get("aborted_surplus", 0) + totals.get("aborted_retry", 0))
+    assert accounted == drawn, (accounted, drawn, totals, counts)
+    print("coordination counts:", dict(counts), "totals:", totals)
+    assert counts["samples_aborted_surplus"] > 0  # n + 2 sent, n kept
+    assert counts["migrations"] > 0 and counts["requests_migrated"] > 0

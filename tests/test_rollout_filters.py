@@ -100,7 +100,7 @@ def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routab
 
 def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server():
     clock = FakeClock(9.0)
-    p = MigrationPolicy(MigrationPolicyConfig(enabled=True, threshold=5.0, stop_threshold=10), clock)
+    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), clock)
     # s1 is starved (nothing waiting, nothing at the router for it); s0 has 12, s2 has 40 requests
     m = p.choose([_server("s0", running=12), _server("s1", running=2), _server("s2", running=40)])
     assert (m.source, m.starved, m.ratio, m.at) == ("s2", "s1", 20.0, 9.0)
@@ -120,7 +120,7 @@ def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server(
 
 
 def test_migration_indicators_throughput_and_kv_cache():
-    p = MigrationPolicy(MigrationPolicyConfig(enabled=True, indicator="throughput", threshold=3.0,
+    p = MigrationPolicy(MigrationPolicyConfig(indicator="throughput", threshold=3.0,
                                         stop_indicator="kv_cache", stop_threshold=0.5))
     assert p.choose([_server("a", running=8, throughput=400.0, kv=0.7),
                      _server("b", running=8, throughput=100.0, kv=0.1)]).source == "a"

@@ -24,7 +24,6 @@ from megatron_dapo.coordinator.sync_policy import INDICATORS, ServerStatus
 
 @dataclass
 class MigrationPolicyConfig:
-    enabled: bool = False
     indicator: str = "request_num"
     threshold: float = 5.0
     stop_indicator: str = "request_num"

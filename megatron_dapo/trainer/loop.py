@@ -92,6 +92,21 @@ def _tolerant(fn):
     return lambda response, ground_truth, **extra: fn(response, ground_truth, **{k: v for k, v in extra.items() if k in names})
 
 
+def coordination_settings(r) -> dict:
+    """ProducerSettings fields of rollout.redundancy / rollout.retry / rollout.migration."""
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+
+    m = r.migration
+    return {
+        "extra_samples": r.redundancy.extra_samples,
+        "extra_prompts": r.redundancy.extra_prompts,
+        "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
+        "migration": MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold)
+        if m.enabled else None,
+        "check_interval_s": r.sync.check_interval_ms / 1000.0,
+    }
+
+
 def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.router import Router
@@ -109,6 +124,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
         overlong=cfg.algo.overlong_buffer,
         seed=cfg.trainer.seed if cfg.rollout.sampling.seeded else None,
         partial_rollout=cfg.rollout.partial_rollout,
+        **coordination_settings(cfg.rollout),
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     r = cfg.rollout
