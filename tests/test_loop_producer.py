@@ -263,6 +263,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     from megatron_dapo.trainer.groups import token_versions
 
     ds, urls = setup
+    _set_server_version(urls, 0)  # earlier tests leave the servers labelled with later versions
     B, n, staleness, steps = 3, 4, 1, 4
     p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
                   extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
