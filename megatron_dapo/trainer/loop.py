@@ -175,6 +175,7 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
                                                    "reward_failures", "wait_s", "reserved_slots",
                                                    "occupied_slots", "partial_resumes", "tokens_regenerated")},
             "staleness": dict(next_info.staleness),
+            "coordination": dict(next_info.coordination),
             "groups": [g.to_state() for g in next_info.groups],
         }
         ckpt.write_rollout_state(tmp, rollout)
@@ -233,7 +234,8 @@ def _restore_next(state: dict | None) -> BatchInfo | None:
         return None
     state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
     return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
-                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}), **state)
+                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
+                     coordination=Counter(state.pop("coordination", {})), **state)
 
 
 def build_actor(cfg):
