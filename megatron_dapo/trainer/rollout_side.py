@@ -350,17 +350,26 @@ class RolloutProducer:
         return statuses
 
     async def _migration_loop(self, router) -> None:
-        while True:
-            await asyncio.sleep(self.s.check_interval_s)
-            m = self.migration.choose(await self._server_statuses(router))
-            if m is None:
-                continue
-            aborted = await router.migrate_from(m.source)
-            log.info("migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source,
-                     m.ratio, m.starved)
-            with self._cv:
-                self.coordination_since_take["migrations"] += 1
-                self.coordination_since_take["requests_migrated"] += aborted
+        try:
+            while True:
+                await asyncio.sleep(self.s.check_interval_s)
+                await self._migrate_once(router)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken migration loop is a failed run, not a silent stop of migrating
+            log.exception("migration loop failed")
+            self.fail(e)
+
+    async def _migrate_once(self, router) -> None:
+        m = self.migration.choose(await self._server_statuses(router))
+        if m is None:
+            return
+        aborted = await router.migrate_from(m.source)
+        log.info("migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source,
+                 m.ratio, m.starved)
+        with self._cv:
+            self.coordination_since_take["migrations"] += 1
+            self.coordination_since_take["requests_migrated"] += aborted
 
     def _sampling(self, draw: int, index: int) -> SamplingParams:
         """Sample `index`'s own parameters (its seed when seeded)."""
