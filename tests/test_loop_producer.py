@@ -291,8 +291,14 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
             in_flight = list(p.flight)
             drawn = p.sampler.epoch * p.sampler.size + p.sampler.offset
             totals = dict(p.totals)
+        state = p.state_dict()
     finally:
         p.stop()
+    # a checkpoint keeps the groups in flight (with their n + 2 partial answers) and the wider buffers
+    q = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, extra_samples=2, extra_prompts=2)
+    q.load_state_dict(state)
+    assert q.slots.capacity == B + 2 and sorted(q.flight) == sorted(f["draw"] for f in state["in_flight"])
+    assert all(f.samples is None or len(f.samples) == n + 2 for f in q.flight.values())
     assert len(trained) == len(set(trained)) == steps * B and not set(trained) & set(waiting)
     accounted = (len(trained) + len(waiting) + len(in_flight) + totals.get("dropped", 0)
                  + totals.get("aborted_surplus", 0) + totals.get("aborted_retry", 0))
@@ -300,3 +306,48 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     print("coordination counts:", dict(counts), "totals:", totals)
     assert counts["samples_aborted_surplus"] > 0  # n + 2 sent, n kept
     assert counts["migrations"] > 0 and counts["requests_migrated"] > 0
+
+
+def test_router_aborts_one_group_or_every_request_of_a_server(setup):
+    """The router knows which rids run where: abort_group ends only that group's requests (they answer
+    finish_reason abort with the tokens so far), migrate_from every request on one server and unpins
+    its groups. Requests ignore EOS, so none can finish on its own within the test."""
+    import asyncio
+
+    from megatron_dapo.rollout.client import SGLangClient
+    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.rollout.types import SamplingParams
+
+    ds, urls = setup
+    prompt = list(ds[0].prompt_ids)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+
+    async def on_servers(clients) -> int:
+        loads = [await c.load() for c in clients]
+        return sum(int(row["num_running_reqs"]) + int(row["num_waiting_reqs"]) for row in loads)
+
+    async def go():
+        clients = [SGLangClient(u) for u in urls]
+        try:
+            async with Router(urls) as router:
+                a = asyncio.ensure_future(router.generate(prompt, [sp, sp], group_id="ga", rid="ga"))
+                b = asyncio.ensure_future(router.generate(prompt, [sp], group_id="gb", rid="gb"))
+                for _ in range(500):
+                    if await on_servers(clients) == 3:
+                        break
+                    await asyncio.sleep(0.02)
+                assert await router.abort_group("ga") == 2
+                out_a = await asyncio.wait_for(a, 60)
+                assert [s.finish_reason for s in out_a] == ["abort", "abort"]
+                assert all(len(s.output_ids) < 400 for s in out_a)
+                assert not b.done() and await on_servers(clients) == 1
+                where_b = router._sticky["gb"].url
+                assert router.running_on(where_b) == 1
+                assert await router.migrate_from(where_b) == 1 and "gb" not in router._sticky
+                (out_b,) = await asyncio.wait_for(b, 60)
+                assert out_b.finish_reason == "abort" and len(out_b.output_ids) < 400
+                assert router.running_on(where_b) == 0
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    asyncio.run(go())
