@@ -38,8 +38,7 @@ and `take_batch` raises `DynamicSamplingExhausted` with the counts.
 Rollout coordination switches (all off by default; see README "Rollout coordination"):
 - `extra_samples` (sample-level redundancy): n + extra samples per group, one request each; the
   first n to finish are kept (re-indexed 0..n-1 in index order), the rest aborted. Advantages use
-  exactly the n kept. Which n are kept depends on timing, so a seeded run is then reproducible per
-  sample (each keeps its seed) but not per batch.
+  exactly the n kept.
 - `extra_prompts` (prompt-level redundancy): each staleness buffer takes B + extra reservations and
   is ready with B completed groups; the controller moves or drops the surplus reservations
   (megatron_dapo.coordinator.staleness) and the producer aborts the dropped groups.
@@ -51,8 +50,9 @@ Rollout coordination switches (all off by default; see README "Rollout coordinat
 An aborted group's prompt counts as drawn (like a group dropped by dynamic sampling; the sampler is
 a stream, and giving a prompt back would change which seed later draws get): `totals` counts every
 such group by reason, so every draw is trained, waiting, in flight, dropped or aborted. With any of
-the group aborts on, a group is sent as one batch request with a rid per sample (also unseeded),
-so the router can abort it.
+the switches on, a group is sent as one batch request with a rid per sample (also unseeded), so the
+router can abort it. Which samples and groups are kept then depends on timing: each sample keeps its
+seed, but a seeded run no longer reproduces its batches exactly (not even at staleness 0).
 """
 
 from __future__ import annotations
