@@ -129,3 +129,15 @@ def test_migration_indicators_throughput_and_kv_cache():
     assert MigrationPolicyConfig(indicator="kv_cache").needs_loads and not MigrationPolicyConfig().needs_loads
     with pytest.raises(ValueError, match="rollout.migration.stop_indicator"):
         MigrationPolicyConfig(stop_indicator="tokens")
+
+
+def test_the_router_tracks_requests_by_the_rids_the_server_knows():
+    from megatron_dapo.rollout import payloads
+    from megatron_dapo.rollout.router import server_rids
+    from megatron_dapo.rollout.types import SamplingParams
+
+    one, two = SamplingParams(n=1), SamplingParams(n=2)
+    for rid, sampling in (("g", one), ("g", [one, one, one]), (None, one), ("g", two)):
+        body = payloads.generate_body([1, 2], sampling, rid=rid if getattr(sampling, "n", 1) == 1 else None)
+        sent = body.get("rid")
+        assert server_rids(rid, sampling) == ([] if sent is None else [sent] if isinstance(sent, str) else sent)
