@@ -205,6 +205,14 @@ class RedundancyConfig:
 
 
 @dataclass
+class LoadsConfig:
+    """Each server's own load report (/v1/loads), kept in the coordinator's server registry."""
+
+    # Polling period; 0 = off, unless the routing policy needs the loads (then every 200 ms).
+    interval_ms: float = 0.0
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["sglang", "embedded"] = "sglang"
     # External server URLs (http://host:port). Empty = the driver launches num_servers servers itself.
@@ -231,6 +239,7 @@ class RolloutConfig:
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)
     redundancy: RedundancyConfig = field(default_factory=RedundancyConfig)
+    loads: LoadsConfig = field(default_factory=LoadsConfig)
 
 
 @dataclass
