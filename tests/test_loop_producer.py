@@ -253,8 +253,8 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
 
 def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     """Every rollout-coordination switch on, against the two real servers: sample- and prompt-level
-    redundancy, the proactive filter and migration (thresholds low enough that it fires whenever one
-    server is idle). Each batch has B groups of exactly n finished samples, within the staleness
+    redundancy, the proactive filter and migration (on the servers' own KV use from /v1/loads,
+    thresholds low enough that it fires whenever one server is idle). Each batch has B groups of exactly n finished samples, within the staleness
     bound, each token's weight version between the group's V_traj and the step; every prompt drawn
     is trained, waiting, in flight, dropped by dynamic sampling or aborted (counted), never twice."""
     from collections import Counter
@@ -267,7 +267,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     B, n, staleness, steps = 3, 4, 1, 4
     p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
                   extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
-                  migration=MigrationPolicyConfig(threshold=1.0, stop_threshold=1))
+                  migration=MigrationPolicyConfig(indicator="kv_cache", threshold=1.0, stop_threshold=1))
     trained, counts = [], Counter()
     p.start()
     try:
@@ -323,8 +323,8 @@ def test_router_aborts_one_group_or_every_request_of_a_server(setup):
     sp = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
 
     async def on_servers(clients) -> int:
-        loads = [await c.load() for c in clients]
-        return sum(int(row["num_running_reqs"]) + int(row["num_waiting_reqs"]) for row in loads)
+        loads = [await c.get_loads() for c in clients]
+        return sum(load.running + load.waiting for load in loads)
 
     async def go():
         clients = [SGLangClient(u) for u in urls]

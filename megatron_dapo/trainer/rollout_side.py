@@ -328,6 +328,8 @@ class RolloutProducer:
         self._cv.notify_all()
 
     async def _server_statuses(self, router) -> list[ServerStatus]:
+        """Healthy servers' versions and loads: the router's counts (and the registry's last load reports);
+        with a throughput / kv_cache indicator, fresh /v1/loads reports overwrite them."""
         if router.registry is not None:
             statuses = router.registry.statuses()
         else:
@@ -338,13 +340,14 @@ class RolloutProducer:
         statuses = [s for s in statuses if s.url in healthy]
         if self.migration.cfg.needs_loads:
             by_url = {s.url: s for s in router.servers}
-            rows = await asyncio.gather(*(by_url[s.url].client.load() for s in statuses), return_exceptions=True)
+            rows = await asyncio.gather(*(by_url[s.url].client.get_loads() for s in statuses),
+                                        return_exceptions=True)
             known = []
-            for st, row in zip(statuses, rows):
-                if isinstance(row, BaseException):  # no report: not a candidate this round
+            for st, load in zip(statuses, rows):
+                if isinstance(load, BaseException):  # no report: not a candidate this round
                     continue
-                st.running, st.waiting = int(row["num_running_reqs"]), int(row["num_waiting_reqs"])
-                st.throughput, st.kv_cache = float(row.get("gen_throughput", 0.0)), float(row.get("token_usage", 0.0))
+                st.running, st.waiting, st.throughput = load.running, load.waiting, load.throughput
+                st.kv_cache = load.kv_tokens / load.kv_capacity if load.kv_capacity else 0.0  # unrounded
                 known.append(st)
             statuses = known
         return statuses
