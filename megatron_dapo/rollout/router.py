@@ -231,9 +231,10 @@ class Router:
             sent_rid = f"{rid or uuid.uuid4().hex}-a{n}" if n else rid
             self._serial += 1
             serial = self._serial
-            self._running[serial] = RunningRequest(s, group_id, server_rids(sent_rid, sampling))
             try:
                 async with s.slots or contextlib.nullcontext():
+                    # tracked once it goes to the server (not while it waits for a concurrency slot here)
+                    self._running[serial] = RunningRequest(s, group_id, server_rids(sent_rid, sampling))
                     samples = await s.client.generate(input_ids, sampling, rid=sent_rid)
             except (SGLangConnectionError, SGLangHTTPError) as e:
                 if isinstance(e, SGLangHTTPError) and e.status is not None and e.status < 500:

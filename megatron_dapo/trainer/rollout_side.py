@@ -184,6 +184,7 @@ class RolloutProducer:
         self.totals: Counter = Counter()  # groups ever: dropped (dynamic sampling) / aborted_surplus / aborted_retry
         self._waiting_for: int | None = None  # the buffer take_batch waits on
         self._tasks: dict[int, asyncio.Task] = {}  # draw -> its group's task
+        self._aborts: set[asyncio.Task] = set()  # abort calls in flight
         self._router = None
         self.judged_since_take = 0
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
@@ -311,7 +312,9 @@ class RolloutProducer:
             if task is not None:
                 task.cancel()
             if f is not None and f.group_id is not None and self._router is not None:
-                asyncio.ensure_future(self._router.abort_group(f.group_id))
+                t = asyncio.ensure_future(self._router.abort_group(f.group_id))
+                self._aborts.add(t)  # the loop keeps only weak references to tasks
+                t.add_done_callback(self._aborts.discard)
 
     def _maybe_retry(self) -> None:
         if self.retry is None:
