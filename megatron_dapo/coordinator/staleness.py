@@ -240,25 +240,23 @@ class StalenessController:
         """Move up to `n` completed groups from the newest later buffers into `buffer`'s empty slots
         (their staleness only drops); returns the keys moved. Within a buffer the oldest V_traj goes
         first, as PSRL's proactive filter takes them."""
+        candidates = [(b, i) for b in sorted((b for b in self.buffers if b > buffer), reverse=True)
+                      for i in sorted((i for i, s in enumerate(self.buffers[b])
+                                       if s.state == OCCUPIED and s.v_traj <= buffer),
+                                      key=lambda i, b=b: (self.buffers[b][i].v_traj, i))]
         moved: list[Hashable] = []
-        self._move_down(buffer, n, moved)
+        for b, i in candidates:
+            if len(moved) == n or not self._has_room(buffer):
+                break
+            slot = self.buffers[b][i]
+            self.buffers[b][i] = Slot(since=self.clock())
+            j = next(j for j, s in enumerate(self.buffers[buffer]) if s.state == EMPTY)
+            self.buffers[buffer][j] = replace(slot, since=self.clock())
+            self.where[slot.key] = (buffer, j)
+            moved.append(slot.key)
         if self._full(buffer):
             self._evict_reservations(buffer)
         return moved
-
-    def _move_down(self, buffer: int, n: int, moved: list[Hashable]) -> None:
-        for b in sorted((b for b in self.buffers if b > buffer), reverse=True):
-            order = sorted((i for i, s in enumerate(self.buffers[b]) if s.state == OCCUPIED
-                            and s.v_traj <= buffer), key=lambda i: (self.buffers[b][i].v_traj, i))
-            for i in order:
-                if len(moved) == n or not self._has_room(buffer):
-                    return
-                slot = self.buffers[b][i]
-                self.buffers[b][i] = Slot(since=self.clock())
-                j = next(j for j, s in enumerate(self.buffers[buffer]) if s.state == EMPTY)
-                self.buffers[buffer][j] = replace(slot, since=self.clock())
-                self.where[slot.key] = (buffer, j)
-                moved.append(slot.key)
 
     def consume(self) -> list[Any]:
         """The next buffer's items in slot order; the trainer moves on to the buffer after it."""
@@ -267,8 +265,10 @@ class StalenessController:
                                  f"{self.count(OCCUPIED, self.next_buffer)}/{self.slots} slots occupied")
         buf = self.buffers.pop(self.next_buffer)
         for s in buf:
-            if s.state != EMPTY:  # a full buffer holds no reservation (they were moved or dropped)
+            if s.state != EMPTY:
                 del self.where[s.key]
+            if s.state == RESERVED:  # only from a restored state: a full buffer's reservations move or drop
+                self._dropped.append(s.key)
         self.next_buffer += 1
         return [s.item for s in buf if s.state == OCCUPIED]
 
