@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from megatron_dapo.coordinator.staleness import OCCUPIED, StalenessController
+from megatron_dapo.coordinator.staleness import OCCUPIED, StalenessController, StalenessError
 
 
 @dataclass
@@ -52,7 +52,8 @@ class ProactiveRetry:
         t, gap = c.next_buffer, self.gap(c)
         aborted = c.abort_reserved(t)
         moved = c.move_down(t, gap)
-        assert c.ready(), "proactive retry moved too few groups"  # movable() >= gap guarantees it
+        if not c.ready():  # movable() >= gap guarantees it
+            raise StalenessError(f"proactive retry moved {len(moved)} of {gap} groups into buffer {t}")
         out = RetryOutcome(t, gap, aborted, moved, self.clock())
         self.history.append(out)
         return out
