@@ -141,3 +141,47 @@ def test_the_router_tracks_requests_by_the_rids_the_server_knows():
         body = payloads.generate_body([1, 2], sampling, rid=rid if getattr(sampling, "n", 1) == 1 else None)
         sent = body.get("rid")
         assert server_rids(rid, sampling) == ([] if sent is None else [sent] if isinstance(sent, str) else sent)
+
+
+def test_the_producer_applies_retry_while_the_trainer_waits():
+    """The producer's wiring of the filter (no servers): the trainer waits on buffer 0, which lacks two
+    groups still in flight while buffer 1 holds two completed ones. The filter cancels the two groups'
+    tasks (their prompts count as aborted), moves the completed ones down, and the batch is ready."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.trainer.rollout_side import InFlight, ProducerSettings, RolloutProducer
+
+    settings = ProducerSettings(train_batch_size=3, n=2, sampling=SamplingParams(), max_response_length=8,
+                                staleness=1, retry_threshold=2)
+    p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings)
+
+    def group(draw):
+        return SimpleNamespace(draw=draw, min_version=0)
+
+    p.slots.restore(0, 0, 0, 0, group(0))
+    for d in (1, 2):
+        p.slots.restore(d, 0, 0, d, state=RESERVED)
+        p.flight[d] = InFlight(idx=d, v_traj=0)
+    p.slots.restore(3, 0, 1, 0, group(3))
+    p.slots.restore(4, 0, 1, 1, group(4))
+
+    async def go():
+        tasks = {d: asyncio.ensure_future(asyncio.sleep(60)) for d in (1, 2)}
+        p._tasks.update(tasks)
+        with p._cv:
+            p._maybe_retry()  # the trainer is not waiting yet: nothing happens
+            assert not p.slots.ready() and p.flight.keys() == {1, 2}
+            p._waiting_for = 0
+            p._maybe_retry()
+        await asyncio.sleep(0)
+        return [t.cancelled() for t in tasks.values()]
+
+    assert asyncio.run(go()) == [True, True]
+    info = p.take_batch(0, timeout_s=5)
+    assert [g.draw for g in info.groups] == [0, 3, 4] and not p.flight and p.in_flight == 0
+    assert (info.coordination["retries"], info.coordination["groups_aborted_retry"],
+            info.coordination["groups_moved_down"]) == (1, 2, 2)
+    assert p.totals["aborted_retry"] == 2 and p.slots.reservable(1) == 6  # buffers 1 and 2: room for fresh prompts
