@@ -422,9 +422,9 @@ def test_router_aborts_one_group_or_every_request_of_a_server(setup):
                 assert [s.finish_reason for s in out_a] == ["abort", "abort"]
                 assert all(len(s.output_ids) < 400 for s in out_a)
                 assert not b.done() and await on_servers(clients) == 1
-                where_b = router._sticky["gb"].url
+                where_b = router.dispatcher.sticky("gb")
                 assert router.running_on(where_b) == 1
-                assert await router.migrate_from(where_b) == 1 and "gb" not in router._sticky
+                assert await router.migrate_from(where_b) == 1 and router.dispatcher.sticky("gb") is None
                 (out_b,) = await asyncio.wait_for(b, 60)
                 assert out_b.finish_reason == "abort" and len(out_b.output_ids) < 400
                 assert router.running_on(where_b) == 0
