@@ -7,6 +7,7 @@ import asyncio
 import json
 import math
 import random
+import re
 
 import pytest
 
@@ -137,18 +138,24 @@ def expected_units(cfg, world, group, sample):
     """The length model's total for this sample's seed (in ids of token_unit tokens)."""
     from megatron_dapo.trainer.rollout_side import sample_seed
 
-    seed = sample_seed(cfg.trainer.seed, group.draw, sample.index)
+    # its seed index: the position it was drawn at (with redundant samples, rid "...-s<i>-..." says which
+    # of the N' it was; the kept n are renumbered)
+    drawn = re.search(r"-s(\d+)-", sample.rid)
+    seed = sample_seed(cfg.trainer.seed, group.draw, int(drawn.group(1)) if drawn else sample.index)
     total = world.lengths.total(group.prompt_index + 1, seed)
     return min(math.ceil(400 / world.token_unit), math.ceil(total / world.token_unit))
 
 
 ADVANCED = {"rollout.routing.method": "throughput_optimal", "rollout.routing.delta_throughput_threshold": 0.2,
-            "rollout.routing.server_order": "reserve_capability", "rollout.queue.policy": "priority"}
+            "rollout.routing.server_order": "reserve_capability", "rollout.queue.policy": "priority",
+            "rollout.migration.enabled": "true", "rollout.migration.indicator": "throughput",
+            "rollout.migration.threshold": 5, "rollout.retry.enabled": "true", "rollout.retry.threshold": 4}
 
 
 @pytest.mark.parametrize("staleness,policy,pause_mode,extra", [
     (0, "all_at_once", "in_place", {}), (2, "all_at_once", "abort", {}), (1, "greedy", "abort", {}),
-    (2, "status_based", "in_place", {}), (2, "status_based", "abort", ADVANCED)])
+    (2, "status_based", "in_place", {}), (2, "status_based", "abort", ADVANCED),
+    (1, "all_at_once", "in_place", {"rollout.redundancy.extra_samples": 2, "rollout.redundancy.extra_prompts": 2})])
 def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_mode, extra):
     from megatron_dapo.sim.world import simulate
 

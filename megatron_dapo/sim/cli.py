@@ -14,12 +14,16 @@ import argparse
 import json
 import sys
 
-# What each mode changes in the config. Advanced: the coordinator's advanced switches on main, with PSRL's
+# What each mode changes in the config. Advanced: every advanced switch of the coordinator, with PSRL's
 # advanced launchers' values (status_based sync on KV use <= 0.6, throughput_optimal routing at threshold
-# 0.2 with reserve_capability, priority queues; migration and proactive filtering join when they land).
+# 0.2 with reserve_capability, priority queues, migration on a throughput ratio > 5 stopping below 10
+# requests, proactive filtering with threshold 4; redundant rollout stays off, as there).
 ADVANCED = ["rollout.sync.policy=status_based", "rollout.sync.indicator=kv_cache", "rollout.sync.threshold=0.6",
             "rollout.routing.method=throughput_optimal", "rollout.routing.delta_throughput_threshold=0.2",
-            "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority"]
+            "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority",
+            "rollout.migration.enabled=true", "rollout.migration.indicator=throughput",
+            "rollout.migration.threshold=5", "rollout.migration.stop_indicator=request_num",
+            "rollout.migration.stop_threshold=10", "rollout.retry.enabled=true", "rollout.retry.threshold=4"]
 MODES: dict[str, list[str]] = {
     "sync": ["rollout.sync.policy=all_at_once"],
     "async": ["rollout.sync.policy=all_at_once"],

@@ -251,6 +251,6 @@ class SimTrainer:
             aborted_tokens=sum(e.stats.aborted_tokens for e in engines),
             regenerated_tokens=sum(info.tokens_regenerated for info, _ in self.batches) * self.world.token_unit,
             retractions=sum(e.stats.retractions for e in engines),
-            migrations=int(getattr(self.producer, "migrations", 0)),
+            migrations=sum(info.coordination.get("migrations", 0) for info, _ in self.batches[warmup:]),
             batches=[info for info, _ in self.batches], step_ends=list(self.step_ends),
         )
