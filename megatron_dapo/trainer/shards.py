@@ -86,13 +86,12 @@ def shard_batch(batch: RolloutBatch, dp_size: int, mini_batch_groups: int) -> li
     return shards
 
 
-def data_parallel_ranks() -> list[int]:
-    """The DP rank of every trainer rank, by global rank (collective; once per run)."""
+def data_parallel_ranks(dp_rank: int) -> list[int]:
+    """The DP rank of every trainer rank, by global rank, from each rank's own (collective; once per run)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, ps.get_data_parallel_rank())
+    dist.all_gather_object(out, int(dp_rank))
     return out
 
 

@@ -288,7 +288,7 @@ def check_shards(hf_dir):
     batch.rollout_logprobs = [(o + 0.3 * torch.randn(o.shape, generator=g)).tolist()
                               for o in whole.compute_logprobs(batch)]
     shards = shard_batch(batch, 2, cfg.algo.ppo_mini_batch_size) if dist.get_rank() == 0 else None
-    shard = scatter_shards(shards, data_parallel_ranks())
+    shard = scatter_shards(shards, data_parallel_ranks(sharded.dp_rank))
     assert 0 < shard.batch.num_samples < batch.num_samples and len(shard.mini_batches) == 2
     got_rows = [None, None]
     dist.all_gather_object(got_rows, [tuple(x) for x in shard.batch.input_ids])

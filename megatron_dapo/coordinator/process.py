@@ -1,0 +1,168 @@
+"""Where the coordinator runs, and the small client trainer rank 0 talks to it through.
+
+    coord = start_coordinator(cfg, server_urls)   # torchrun: a subprocess; Ray: a named actor
+    coord.setup(); coord.start()
+    data = coord.take_step(step, dp_size)         # StepData: one shard per DP rank + the step's metrics
+    coord.set_version(v); coord.checkpoint_state(next_step); coord.restore(...); coord.fail(e)
+    coord.registry                                # the registry calls of the per-server syncer
+    coord.close()                                 # stop the producer, end the process / actor
+
+torchrun: a `multiprocessing` manager process (spawned, so it shares nothing with the trainer's
+torch state) serving one `CoordinatorService` over a Unix socket; each calling thread of rank 0
+gets its own connection, so the syncer's threads and the training loop never wait on each other's
+calls. The process watches its parent and exits when trainer rank 0 is gone (a SIGKILLed run
+leaves no coordinator generating behind it).
+Ray: a named, threaded actor (`max_concurrency`), found by name with `ray.get_actor`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import uuid
+from multiprocessing.managers import BaseManager
+
+from megatron_dapo.runtime.lifetime import exit_with_parent
+
+log = logging.getLogger(__name__)
+
+
+def _init_coordinator_process(parent_pid: int, log_level: int) -> None:
+    exit_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format="%(asctime)s coordinator %(name)s %(levelname)s %(message)s")
+
+
+class _CoordinatorManager(BaseManager):
+    pass
+
+
+def _service(cfg, urls):
+    from megatron_dapo.coordinator.service import CoordinatorService
+
+    return CoordinatorService(cfg, urls)
+
+
+_CoordinatorManager.register("Coordinator", _service)
+
+
+class RegistryClient:
+    """The coordinator's ServerRegistry as the per-server syncer and the loop use it."""
+
+    def __init__(self, call):
+        self._call = call
+
+    def begin_sync(self, url: str) -> None:
+        self._call("begin_sync", url)
+
+    def end_sync(self, url: str, version: int | None) -> None:
+        self._call("end_sync", url, version)
+
+    def publish_all(self, version: int, seconds: float = 0.0) -> None:
+        self._call("publish_all", version, seconds)
+
+    def statuses(self) -> list:
+        return self._call("statuses")
+
+    def metrics(self) -> dict[str, float]:
+        return self._call("registry_metrics")
+
+    def take_events(self) -> list[dict]:
+        return self._call("take_events")
+
+
+class CoordinatorClient:
+    def __init__(self, call, close, where: str):
+        self._call, self._close, self.where = call, close, where
+        self.registry = RegistryClient(call)
+
+    def setup(self) -> dict:
+        return self._call("setup")
+
+    def restore(self, found: str, state: dict, next_step: int) -> None:
+        self._call("restore", found, state, next_step)
+
+    def start(self) -> None:
+        self._call("start")
+
+    def take_step(self, step: int, dp_size: int):
+        return pickle.loads(self._call("take_step", step, dp_size))
+
+    def set_version(self, version: int) -> None:
+        self._call("set_version", version)
+
+    def fail(self, error: BaseException) -> None:
+        try:
+            pickle.dumps(error)
+        except Exception:  # an exception that cannot cross the process boundary: its repr does
+            error = RuntimeError(repr(error))
+        self._call("fail", error)
+
+    def checkpoint_state(self, next_step: int | None) -> dict:
+        return self._call("checkpoint_state", next_step)
+
+    def validate(self) -> dict | None:
+        return self._call("validate")
+
+    def close(self) -> None:
+        """Stop the producer and end the process (or actor); safe to call twice."""
+        if self._close is None:
+            return
+        try:
+            self._call("stop")
+        except Exception as e:  # the process may already be gone: ending it below is what matters
+            log.warning("coordinator stop: %r", e)
+        finally:
+            close, self._close = self._close, None
+            close()
+
+
+def start_process_coordinator(cfg, server_urls: list[str]) -> CoordinatorClient:
+    """The coordinator in a spawned subprocess of this process (trainer rank 0 under torchrun)."""
+    import multiprocessing
+
+    manager = _CoordinatorManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(_init_coordinator_process, (os.getpid(), logging.getLogger().getEffectiveLevel()))
+    proxy = manager.Coordinator(cfg, list(server_urls))
+
+    def call(name, *args):
+        return getattr(proxy, name)(*args)
+
+    def close():
+        manager.shutdown()
+
+    pid = manager._process.pid
+    log.info("rollout coordinator: process %d", pid)
+    return CoordinatorClient(call, close, f"process {pid}")
+
+
+def start_ray_coordinator(cfg, server_urls: list[str], name: str | None = None) -> CoordinatorClient:
+    """The coordinator as a named Ray actor (threaded: the syncer's calls run beside a waiting take_step)."""
+    import ray
+
+    from megatron_dapo.coordinator.service import CoordinatorService
+
+    name = name or f"megatron_dapo_coordinator_{uuid.uuid4().hex[:8]}"
+    # num_cpus=0: placed beside the run's placement group, never waiting for a CPU the group holds
+    actor = ray.remote(CoordinatorService).options(name=name, max_concurrency=32, num_cpus=0).remote(
+        cfg, list(server_urls))
+    handle = ray.get_actor(name)
+
+    def call(method, *args):
+        return ray.get(getattr(handle, method).remote(*args))
+
+    def close():
+        ray.kill(actor)
+
+    log.info("rollout coordinator: Ray actor %s", name)
+    return CoordinatorClient(call, close, f"Ray actor {name}")
+
+
+def start_coordinator(cfg, server_urls: list[str]) -> CoordinatorClient:
+    """Under Ray (trainer.launcher=ray, inside a Ray worker) a named actor; otherwise a subprocess."""
+    if cfg.trainer.launcher == "ray":
+        import ray
+
+        if ray.is_initialized():
+            return start_ray_coordinator(cfg, server_urls)
+    return start_process_coordinator(cfg, server_urls)
