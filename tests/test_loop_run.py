@@ -196,28 +196,34 @@ def test_corrupt_checkpoint_is_refused_by_resume_and_convert(env, run_a, tmp_pat
 
 
 def test_rollout_state_that_does_not_fit_is_a_named_error(env, run_a):
-    """The real rollout.json of step 0 restores into a producer built as the run builds it; one with a
-    key missing, or drawn from another dataset, is a named error at setup (before any collective)."""
+    """The real rollout.json of step 0 restores into a coordinator built as the run builds it; one with a
+    key missing, or drawn from another dataset, is a named error at setup (before any collective),
+    raised with its type and message across the coordinator's process boundary."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.coordinator.process import start_process_coordinator
+    from megatron_dapo.coordinator.service import CoordinatorService
     from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer import checkpoint as ckpt
-    from megatron_dapo.trainer.loop import _build_producer, _restore_rollout, load_tokenizer, prompt_dataset
 
     cfg = load_config(CONFIG, _args(env, env["root"] / "unused", "algo.staleness=1"))
-    tok = load_tokenizer(cfg)
-    data = prompt_dataset(cfg, cfg.data.train_files, tok)
     found = run_a[0] / "checkpoints" / "step_000000"
-    producer = _build_producer(cfg, env["urls"], data, tok)
-    pending = _restore_rollout(producer, found, ckpt.read_rollout_state(found))
-    assert pending is not None and len(pending.groups) == 4 and producer.version == 1
-    state = ckpt.read_rollout_state(found)
-    del state["sampler"]
-    with pytest.raises(ckpt.CheckpointError, match=r"rollout.json does not fit this run \(KeyError: 'sampler'\)"):
-        _restore_rollout(_build_producer(cfg, env["urls"], data, tok), found, state)
-    state = ckpt.read_rollout_state(found)
-    state["sampler"]["size"] += 1
-    with pytest.raises(DatasetError, match="sampler state is for a dataset of"):
-        _restore_rollout(_build_producer(cfg, env["urls"], data, tok), found, state)
+    service = CoordinatorService(cfg, env["urls"])
+    service.setup()
+    service.restore(str(found), ckpt.read_rollout_state(found), 1)
+    assert len(service._pending[1].groups) == 4 and service.producer.version == 1
+    coord = start_process_coordinator(cfg, env["urls"])
+    try:
+        coord.setup()
+        state = ckpt.read_rollout_state(found)
+        del state["sampler"]
+        with pytest.raises(ckpt.CheckpointError, match=r"rollout.json does not fit this run \(KeyError: 'sampler'\)"):
+            coord.restore(str(found), state, 1)
+        state = ckpt.read_rollout_state(found)
+        state["sampler"]["size"] += 1
+        with pytest.raises(DatasetError, match="sampler state is for a dataset of"):
+            coord.restore(str(found), state, 1)
+    finally:
+        coord.close()
 
 
 def test_resume_without_latest_refuses_and_overwrites_nothing(env, run_a):

@@ -79,20 +79,21 @@ class CoordinatorService:
     """Built cheaply (it may be constructed remotely); `setup` loads data and builds the producer."""
 
     def __init__(self, cfg, server_urls: list[str]):
+        from megatron_dapo.coordinator.servers import ServerRegistry
+
         self.cfg, self.urls = cfg, list(server_urls)
-        self.registry = self.producer = self.val_data = None
+        # each server's weight version, routing state and sync / idle time (versions set by the first sync)
+        self.registry = ServerRegistry(self.urls, version=-1)
+        self.producer = self.val_data = None
         self._pending: dict = {}  # step -> BatchInfo taken before its step (for a checkpoint, or restored)
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def setup(self) -> dict:
         """Tokenizer, datasets, reward runner, router and producer. Raises DatasetError / ValueError /
         OSError naming what is wrong. Returns the dataset sizes (for the trainer's log)."""
-        from megatron_dapo.coordinator.servers import ServerRegistry
         from megatron_dapo.trainer.loop import _build_producer, load_tokenizer, prompt_dataset
 
         cfg = self.cfg
-        # each server's weight version, routing state and sync / idle time (versions set by the first sync)
-        self.registry = ServerRegistry(self.urls, version=-1)
         tokenizer = load_tokenizer(cfg)
         dataset = prompt_dataset(cfg, cfg.data.train_files, tokenizer)
         if cfg.data.val_files:
