@@ -1,7 +1,7 @@
 """The DAPO loop end to end on CPU: a TP=2 megatron-core trainer (torchrun, gloo) and two embedded
 servers over loopback. Three short runs share the servers:
 
-  A  staleness 1, 2 steps, a checkpoint every step: loss finite, server weights equal the trainer's and change
+  A  staleness 1, 2 steps, a checkpoint every step, rewards in 2 worker processes: loss finite, server weights equal the trainer's and change
      after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
      versions, uninformative (all-correct) groups never reach the loss, raising rewards counted;
   B  resumed from A's checkpoint of step 0: step 1 consumes the same prompts and ends at the same
@@ -86,7 +86,9 @@ def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
 
 @pytest.fixture(scope="module")
 def run_a(env):
-    return _run(env, "a", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0")
+    # rewards in worker processes (reward.num_workers): the raising ones are still counted failures
+    return _run(env, "a", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0",
+                "reward.num_workers=2")
 
 
 def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
