@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import uuid
 from multiprocessing.managers import BaseManager
 
@@ -159,10 +160,8 @@ def start_ray_coordinator(cfg, server_urls: list[str], name: str | None = None) 
 
 
 def start_coordinator(cfg, server_urls: list[str]) -> CoordinatorClient:
-    """Under Ray (trainer.launcher=ray, inside a Ray worker) a named actor; otherwise a subprocess."""
-    if cfg.trainer.launcher == "ray":
-        import ray
-
-        if ray.is_initialized():
-            return start_ray_coordinator(cfg, server_urls)
+    """Under Ray (trainer.launcher=ray, this rank a Ray actor) a named actor; otherwise a subprocess."""
+    ray = sys.modules.get("ray")  # a Ray worker has imported it; torchrun ranks need not pay the import
+    if cfg.trainer.launcher == "ray" and ray is not None and ray.is_initialized():
+        return start_ray_coordinator(cfg, server_urls)
     return start_process_coordinator(cfg, server_urls)
