@@ -174,11 +174,11 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     """Run the whole training on this trainer rank; returns the result on rank 0 (None elsewhere).
 
     `stop_after`: leave after this many steps of this invocation (as if the run were stopped there).
-    `on_step_end(step, actor, batch)`: called on every rank after each step's weight sync (a
-    collective point: the callback may run collectives such as `actor.export_weights()`).
+    `on_step_end(step, actor, batch)`: called on every rank after each step's weight sync with the
+    rows this rank trained (its DP shard, a RolloutBatch); a collective point: the callback may run
+    collectives such as `actor.export_weights()`.
     """
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
-    from megatron_dapo.sync.bridge import WeightSyncBridge
 
     resume = cfg.checkpoint.resume if resume is None else resume
     info = init_distributed()
