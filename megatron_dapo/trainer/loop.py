@@ -67,14 +67,14 @@ def prompt_dataset(cfg, files, tokenizer):
     return PromptDataset(files, tokenizer, d.max_prompt_length, truncation=d.truncation, prompt_key=d.prompt_key)
 
 
-def reward_runner(cfg, num_workers: int = 0):
-    """The run's reward runner; `num_workers > 0` scores in that many worker processes."""
+def reward_runner(cfg):
+    """The run's reward runner (in `reward.num_workers` worker processes when > 0; `close()` ends them)."""
     from megatron_dapo.rewards import RewardRunner, get_reward
     from megatron_dapo.rewards.registry import RewardCall
 
     # the dataset's extra_info is passed as keyword arguments: built-ins ignore what they do not know
     call = RewardCall(get_reward(cfg.reward.name), tuple(dict(cfg.reward.kwargs).items()))
-    return RewardRunner(default=call, timeout_s=cfg.reward.timeout_s, num_workers=num_workers)
+    return RewardRunner(default=call, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 
 def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
@@ -102,8 +102,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
                       client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry)
 
-    return RolloutProducer(router, dataset, sampler, reward_runner(cfg, cfg.reward.num_workers), settings,
-                           tokenizer=tokenizer)
+    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
 
 
 def _broadcast(obj, src: int = 0):
