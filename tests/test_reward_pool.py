@@ -4,12 +4,15 @@ limit, never a hang; the pool goes on with fresh workers."""
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from megatron_dapo.rewards import RewardRunner
 from megatron_dapo.rewards.registry import RewardCall
 from tests.workers.pool_rewards import judged, misbehaving
+
+pytestmark = pytest.mark.slow  # worker processes
 
 
 def _items(n):
@@ -22,10 +25,15 @@ def test_pool_scores_what_the_process_scores():
     pooled = RewardRunner(default=RewardCall(judged), timeout_s=30, num_workers=2)
     try:
         want, got = local.score_many(items), pooled.score_many(items)  # 12 items on 2 workers: queued
+        # groups are scored from several threads of the coordinator at once: they share the workers
+        with ThreadPoolExecutor(3) as ex:
+            parts = list(ex.map(pooled.score_many, [items[:4], items[4:8], items[8:]]))
     finally:
         pooled.close()
     assert got == want and len({r.score for r in got}) > 3
-    assert pooled.counters() == local.counters() == {"scored": 12, "errors": 0, "timeouts": 0, "nonfinite": 0}
+    assert [r for part in parts for r in part] == want
+    assert local.counters() == {"scored": 12, "errors": 0, "timeouts": 0, "nonfinite": 0}
+    assert pooled.counters() == {"scored": 24, "errors": 0, "timeouts": 0, "nonfinite": 0}
 
 
 def test_crashing_hanging_and_raising_rewards_are_failures_not_hangs():
