@@ -3,7 +3,8 @@
 `CoordinatorService` owns everything that generates training data: the prompt sampler, the router,
 the server registry (each server's weight version, routing state, sync / idle time), the staleness
 buffers and partial trajectories (all inside `RolloutProducer`, whose policies it leaves alone), the
-reward runner (its own worker pool when `reward.num_workers > 0`) and the validation set. It runs
+reward runner (its own worker pool when `reward.num_workers > 0`), the load poller that keeps each
+server's `/v1/loads` report in the registry (`rollout.loads`) and the validation set. It runs
 in a subprocess of trainer rank 0 under torchrun, in a named Ray actor under Ray
 (megatron_dapo.coordinator.process), so generation, reward scoring and routing never share an
 interpreter (GIL) with training.
@@ -84,7 +85,7 @@ class CoordinatorService:
         self.cfg, self.urls = cfg, list(server_urls)
         # each server's weight version, routing state and sync / idle time (versions set by the first sync)
         self.registry = ServerRegistry(self.urls, version=-1)
-        self.producer = self.val_data = None
+        self.producer = self.val_data = self.poller = None
         self._pending: dict = {}  # step -> BatchInfo taken before its step (for a checkpoint, or restored)
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -124,9 +125,15 @@ class CoordinatorService:
             self._pending[next_step] = pending
 
     def start(self) -> None:
+        from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
+
+        if (interval := poll_interval_s(self.cfg.rollout)) is not None:  # each server's own load, in the registry
+            self.poller = LoadPoller(self.registry, interval, api_key=self.cfg.rollout.api_key).start()
         self.producer.start()
 
     def stop(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
         if self.producer is not None:
             self.producer.stop()
             close = getattr(self.producer.rewards, "close", None)
