@@ -7,10 +7,10 @@
     coord.registry                                # the registry calls of the per-server syncer
     coord.close()                                 # stop the producer, end the process / actor
 
-torchrun: a `multiprocessing` manager process (spawned, so it shares nothing with the trainer's
-torch state) serving one `CoordinatorService` over a Unix socket; each calling thread of rank 0
-gets its own connection, so the syncer's threads and the training loop never wait on each other's
-calls. The process watches its parent and exits when trainer rank 0 is gone (a SIGKILLed run
+torchrun: a fresh Python process (it shares nothing with the trainer's torch state) running a
+`multiprocessing` manager server of one `CoordinatorService` over a Unix socket; each calling
+thread of rank 0 gets its own connection, so the syncer's threads and the training loop never wait
+on each other's calls. The process watches its parent and exits when trainer rank 0 is gone (a SIGKILLed run
 leaves no coordinator generating behind it).
 Ray: a named, threaded actor (`max_concurrency`), found by name with `ray.get_actor`.
 """
@@ -27,11 +27,6 @@ from multiprocessing.managers import BaseManager
 from megatron_dapo.runtime.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
-
-
-def _init_coordinator_process(parent_pid: int, log_level: int) -> None:
-    exit_with_parent(parent_pid)
-    logging.basicConfig(level=log_level, format="%(asctime)s coordinator %(name)s %(levelname)s %(message)s")
 
 
 class _CoordinatorManager(BaseManager):
@@ -118,23 +113,68 @@ class CoordinatorClient:
             close()
 
 
-def start_process_coordinator(cfg, server_urls: list[str]) -> CoordinatorClient:
-    """The coordinator in a spawned subprocess of this process (trainer rank 0 under torchrun)."""
-    import multiprocessing
+def start_process_coordinator(cfg, server_urls: list[str], start_timeout_s: float = 120.0) -> CoordinatorClient:
+    """The coordinator in a subprocess of this process (trainer rank 0 under torchrun).
 
-    manager = _CoordinatorManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(_init_coordinator_process, (os.getpid(), logging.getLogger().getEffectiveLevel()))
-    proxy = manager.Coordinator(cfg, list(server_urls))
+    A fresh interpreter (`python -m megatron_dapo.coordinator.process`), not a multiprocessing spawn:
+    it never re-imports the trainer's main script, so no `__main__` guard is needed there. It gets an
+    auth key on stdin, serves on a Unix socket and prints the socket's address."""
+    import subprocess
+
+    key = os.urandom(32)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
+    proc = subprocess.Popen([sys.executable, "-m", "megatron_dapo.coordinator.process", str(os.getpid()),
+                             str(logging.getLogger().getEffectiveLevel())],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+
+    def end():
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    try:
+        proc.stdin.write(key.hex() + "\n")
+        proc.stdin.close()
+        address = _read_address(proc, start_timeout_s)
+        manager = _CoordinatorManager(address=address, authkey=key)
+        manager.connect()
+        proxy = manager.Coordinator(cfg, list(server_urls))
+    except BaseException:
+        end()
+        raise
 
     def call(name, *args):
         return getattr(proxy, name)(*args)
 
-    def close():
-        manager.shutdown()
+    log.info("rollout coordinator: process %d", proc.pid)
+    return CoordinatorClient(call, end, f"process {proc.pid}")
 
-    pid = manager._process.pid
-    log.info("rollout coordinator: process %d", pid)
-    return CoordinatorClient(call, close, f"process {pid}")
+
+def _read_address(proc, timeout_s: float) -> str:
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout_s):
+        raise TimeoutError(f"the coordinator process did not start within {timeout_s}s")
+    line = proc.stdout.readline().strip()
+    if not line.startswith("ADDRESS "):
+        raise RuntimeError(f"the coordinator process failed to start (exit code {proc.wait()}); see its log above")
+    return line[len("ADDRESS "):]
+
+
+def serve(parent_pid: int, log_level: int) -> None:
+    """The coordinator process: serve `CoordinatorService` objects until killed or orphaned."""
+    exit_with_parent(parent_pid)
+    logging.basicConfig(level=log_level, format="%(asctime)s coordinator %(name)s %(levelname)s %(message)s")
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    server = _CoordinatorManager(address=None, authkey=key).get_server()  # a Unix socket of its own
+    print(f"ADDRESS {server.address}", flush=True)
+    os.dup2(2, 1)  # stdout was only for the address (the parent reads it no more): the rest goes to stderr
+    server.serve_forever()
 
 
 def start_ray_coordinator(cfg, server_urls: list[str], name: str | None = None) -> CoordinatorClient:
@@ -165,3 +205,7 @@ def start_coordinator(cfg, server_urls: list[str]) -> CoordinatorClient:
     if cfg.trainer.launcher == "ray" and ray is not None and ray.is_initialized():
         return start_ray_coordinator(cfg, server_urls)
     return start_process_coordinator(cfg, server_urls)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]), int(sys.argv[2]))
