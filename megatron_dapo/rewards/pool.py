@@ -12,7 +12,6 @@ The reward functions are sent to the workers by pickle: module-level functions (
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 import os
 import pickle
@@ -20,8 +19,6 @@ import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
-
-log = logging.getLogger(__name__)
 
 
 def _worker_main(conn, fns: bytes, parent_pid: int) -> None:
