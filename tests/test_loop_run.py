@@ -1,8 +1,8 @@
 """The DAPO loop end to end on CPU: a TP=2 megatron-core trainer (torchrun, gloo) and two embedded
 servers over loopback. Three short runs share the servers:
 
-  A  staleness 1, 2 steps, a checkpoint every step, rewards in 2 worker processes: loss finite, server weights equal the trainer's and change
-     after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
+  A  staleness 1, 2 steps of 2 PPO epochs, a checkpoint every step, rewards in 2 worker processes: loss
+     finite, server weights equal the trainer's and change after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
      versions, uninformative (all-correct) groups never reach the loss, raising rewards counted;
   B  resumed from A's checkpoint of step 0: step 1 consumes the same prompts and ends at the same
      parameters as A's uninterrupted step 1 (fp32, 1e-6);
@@ -84,11 +84,16 @@ def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
     return run_dir, _rows(run_dir)
 
 
+RUN_A = ("trainer.total_steps=2", "algo.staleness=1", "algo.ppo_epochs=2", "checkpoint.save_every=1",
+         "checkpoint.keep_last=0", "reward.num_workers=2")
+
+
 @pytest.fixture(scope="module")
 def run_a(env):
-    # rewards in worker processes (reward.num_workers): the raising ones are still counted failures
-    return _run(env, "a", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0",
-                "reward.num_workers=2")
+    # rewards in worker processes (reward.num_workers): the raising ones are still counted failures.
+    # Two PPO epochs: a training step long enough for the coordinator (its own process, not slowed by
+    # the trainer) to complete groups of the old version meanwhile, so that the bound is really used.
+    return _run(env, "a", *RUN_A)
 
 
 def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
@@ -97,7 +102,7 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
     probe = []
     for r in rows:
         assert torch.isfinite(torch.tensor([r["actor/pg_loss"], r["actor/grad_norm"]])).all()
-        assert r["actor/optimizer_steps"] == 2 and r["actor/skipped_steps"] == 0
+        assert r["actor/optimizer_steps"] == 4 and r["actor/skipped_steps"] == 0  # 2 mini-batches x 2 epochs
         assert r["sync/verify_max_abs_diff"] < 1e-4  # servers hold exactly the trainer's new weights
         assert r["groups/kept"] == 4 and r["response/length_max"] <= 8
         # the staleness bound is kept by reservation: nothing over it, nothing discarded or regenerated
@@ -142,8 +147,7 @@ def test_resume_continues_with_same_data_and_parameters(env, run_a):
     save_b = env["root"] / "b_ckpt"
     shutil.copytree(run_dir_a / "checkpoints" / "step_000000", save_b / "step_000000")
     (save_b / "latest").write_text("step_000000\n")
-    run_dir_b, rows_b = _run(env, "b", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1",
-                             "checkpoint.keep_last=0", f"checkpoint.save_dir={save_b}", "checkpoint.resume=true",
+    run_dir_b, rows_b = _run(env, "b", *RUN_A, f"checkpoint.save_dir={save_b}", "checkpoint.resume=true",
                              stop_after="1")
     assert [r["step"] for r in rows_b] == [1]
     assert rows_b[0]["prompt_indices"] == rows_a[1]["prompt_indices"]
