@@ -2,8 +2,9 @@
 
 1. Rewards: a CPU-bound pure-Python reward (it holds the GIL, as a symbolic math check does) scored by
    `RewardRunner` on threads of one process (reward.num_workers=0) vs in worker processes
-   (num_workers=W); seconds per batch of items, median of repeats, ratio = threads / pool. The
-   results are checked equal.
+   (num_workers=W); seconds per batch of items, median of repeats, ratio = threads / pool (the
+   results are checked equal). Also the lag of a 5 ms heartbeat thread of the same process while
+   scoring (p99 and max over the repeats): what the coordinator's router loop suffers meanwhile.
 2. Bytes each trainer rank receives per step: the whole pickled batch (the old broadcast) vs its DP
    shard (the largest one), for a batch of B groups x n samples with long-tailed response lengths,
    at several DP sizes; ratio = whole / shard.
@@ -39,26 +40,69 @@ def busy_reward(response: str, ground_truth: str, work: int = 300_000, **_) -> f
     return float(acc % 3 - 1)
 
 
+class Heartbeat:
+    """A thread that sleeps `period_s` again and again and records how late it wakes (GIL waits)."""
+
+    def __init__(self, period_s: float = 0.005):
+        import threading
+
+        self.period_s, self.lags, self._stop = period_s, [], threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(self.period_s)
+            self.lags.append(time.perf_counter() - t0 - self.period_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def p99_ms(self) -> float:
+        lags = sorted(self.lags)
+        return 1000 * lags[min(len(lags) - 1, int(0.99 * len(lags)))] if lags else 0.0
+
+    def max_ms(self) -> float:
+        return 1000 * max(self.lags, default=0.0)
+
+
 def time_rewards(items: int, workers: int, work: int, repeats: int) -> dict:
     batch = [(f"response {i}", "1", "src", {}) for i in range(items)]
     call = RewardCall(busy_reward, (("work", work),))
     threads = RewardRunner(default=call, timeout_s=600)
     pool = RewardRunner(default=call, timeout_s=600, num_workers=workers)
     t_threads, t_pool = [], []
+    beat_threads, beat_pool = Heartbeat(), Heartbeat()
     try:
         pool.score_many(batch[:workers])  # workers started and warm
         for _ in range(repeats):  # interleaved, so that load changes hit both alike
-            t0 = time.perf_counter()
-            want = threads.score_many(batch)
-            t_threads.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            got = pool.score_many(batch)
-            t_pool.append(time.perf_counter() - t0)
+            with beat_threads:
+                t0 = time.perf_counter()
+                want = threads.score_many(batch)
+                t_threads.append(time.perf_counter() - t0)
+            beat_threads = _continue(beat_threads)
+            with beat_pool:
+                t0 = time.perf_counter()
+                got = pool.score_many(batch)
+                t_pool.append(time.perf_counter() - t0)
+            beat_pool = _continue(beat_pool)
             assert got == want, "the pool scored differently"
     finally:
         pool.close()
     a, b = statistics.median(t_threads), statistics.median(t_pool)
-    return {"threads_s": a, "pool_s": b, "ratio": a / b}
+    return {"threads_s": a, "pool_s": b, "ratio": a / b, "threads_lag": beat_threads, "pool_lag": beat_pool}
+
+
+def _continue(beat: Heartbeat) -> Heartbeat:
+    """A fresh heartbeat thread that keeps the lags recorded so far."""
+    fresh = Heartbeat(beat.period_s)
+    fresh.lags = beat.lags
+    return fresh
 
 
 def long_tailed_batch(groups: int, n: int, prompt: int, max_response: int, seed: int = 0) -> RolloutBatch:
@@ -81,8 +125,9 @@ def shard_bytes(batch: RolloutBatch, dp_sizes: list[int], mini: int) -> list[dic
     out = []
     for dp in dp_sizes:
         shards = shard_batch(batch, dp, mini)
-        largest = max(len(pickle.dumps(s)) for s in shards)
-        out.append({"dp": dp, "whole_mb": whole / 2**20, "shard_mb": largest / 2**20, "ratio": whole / largest})
+        sizes = [len(pickle.dumps(s)) for s in shards]
+        out.append({"dp": dp, "whole_mb": whole / 2**20, "shard_mb": max(sizes) / 2**20,
+                    "mean_mb": statistics.mean(sizes) / 2**20, "ratio": whole / max(sizes)})
     return out
 
 
@@ -100,19 +145,21 @@ def main():
     print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     r = time_rewards(args.items, args.workers, args.work, args.repeats)
     print(f"\nrewards: {args.items} items of a GIL-holding reward ({args.work} loop steps each)")
-    print("| scoring | s per batch (median) |")
-    print("|---|---|")
-    print(f"| threads of one process (num_workers=0) | {r['threads_s']:.2f} |")
-    print(f"| {args.workers} worker processes | {r['pool_s']:.2f} |")
+    print("| scoring | s per batch (median) | heartbeat lag p99 / max (ms) |")
+    print("|---|---|---|")
+    for name, s_key, lag in (("threads of one process (num_workers=0)", "threads_s", r["threads_lag"]),
+                             (f"{args.workers} worker processes", "pool_s", r["pool_lag"])):
+        print(f"| {name} | {r[s_key]:.2f} | {lag.p99_ms():.1f} / {lag.max_ms():.1f} |")
     print(f"ratio threads / pool: {r['ratio']:.2f}x")
     batch = long_tailed_batch(args.groups, args.n, args.prompt, args.max_response)
     tokens = sum(len(x) for x in batch.input_ids)
     print(f"\nbytes per trainer rank: {args.groups} groups x {args.n} samples, {tokens} tokens "
           f"(responses {min(batch.response_lengths)}-{max(batch.response_lengths)})")
-    print("| DP | whole batch (MiB) | largest shard (MiB) | ratio |")
-    print("|---|---|---|---|")
+    print("| DP | whole batch (MiB) | largest shard (MiB) | mean shard (MiB) | whole / largest |")
+    print("|---|---|---|---|---|")
     for row in shard_bytes(batch, [1, 2, 4, 8], mini=max(1, args.groups // 4)):
-        print(f"| {row['dp']} | {row['whole_mb']:.2f} | {row['shard_mb']:.2f} | {row['ratio']:.2f}x |")
+        print(f"| {row['dp']} | {row['whole_mb']:.2f} | {row['shard_mb']:.2f} | {row['mean_mb']:.2f} | "
+              f"{row['ratio']:.2f}x |")
 
 
 if __name__ == "__main__":
