@@ -63,7 +63,7 @@ _BATCH_INFO_COUNTS = ("kept", "dropped_all_correct", "dropped_all_wrong", "gen_b
 
 def batch_info_state(info) -> dict:
     return {**{k: getattr(info, k) for k in _BATCH_INFO_COUNTS}, "staleness": dict(info.staleness),
-            "groups": [g.to_state() for g in info.groups]}
+            "coordination": dict(info.coordination), "groups": [g.to_state() for g in info.groups]}
 
 
 def batch_info_from_state(state: dict):
@@ -73,7 +73,8 @@ def batch_info_from_state(state: dict):
     state = dict(state)
     state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
     return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
-                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}), **state)
+                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
+                     coordination=Counter(state.pop("coordination", {})), **state)
 
 
 class CoordinatorService:

@@ -77,6 +77,21 @@ def reward_runner(cfg):
     return RewardRunner(default=call, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 
+def coordination_settings(r) -> dict:
+    """ProducerSettings fields of rollout.redundancy / rollout.retry / rollout.migration."""
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+
+    m = r.migration
+    return {
+        "extra_samples": r.redundancy.extra_samples,
+        "extra_prompts": r.redundancy.extra_prompts,
+        "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
+        "migration": MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold)
+        if m.enabled else None,
+        "check_interval_s": r.sync.check_interval_ms / 1000.0,
+    }
+
+
 def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
     from megatron_dapo.coordinator.queues import QueueConfig
     from megatron_dapo.coordinator.routing import RoutingConfig
@@ -96,6 +111,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
         overlong=cfg.algo.overlong_buffer,
         seed=cfg.trainer.seed if cfg.rollout.sampling.seeded else None,
         partial_rollout=cfg.rollout.partial_rollout,
+        **coordination_settings(cfg.rollout),
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     r = cfg.rollout
