@@ -4,9 +4,9 @@
 # filtering) on 2 nodes x 8 GPUs. Needs tuning: see README "Advanced rollout coordination".
 #
 # Usage: launch/advanced_qwen2.5_7b_fsdp.sh [STALENESS] --cost-model FILE [--dry-run] [key.sub=value ...]
-#   STALENESS     weight versions rollouts may run ahead of training (algo.staleness; default 2, 0 = synchronous)
+#   STALENESS     weight versions rollouts may run ahead of training (algo.staleness; default 2; retry needs >= 1)
 #   --cost-model  the engine cost model JSON (rollout.routing.cost_model; or env COST_MODEL), written by
-#                 `megatron-dapo profile-engine --server URL` against one engine of this model and TP size
+#                 `megatron-dapo profile-engine --server URL --out FILE` on one engine of this model and TP size
 #   --dry-run     print the commands instead of running them
 # Environment: COST_MODEL, NNODES (2), GPUS_PER_NODE (8), GPU_MEM_GIB (80), MODEL_PATH, TRAIN_FILE, VAL_FILE,
 #   RAY_ADDRESS (a running Ray cluster, e.g. from launch/slurm_ray.sbatch; default: the config's trainer.ray_address).

@@ -116,9 +116,9 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
 
     # Cost model from the environment, relative path made absolute; staleness and overrides pass through.
     rel = os.path.relpath(cost_model_file, ROOT)
-    _, train = _dry_run(script, "0", "--dry-run", "trainer.total_steps=7", COST_MODEL=rel, NNODES="8")
+    _, train = _dry_run(script, "1", "--dry-run", "trainer.total_steps=7", COST_MODEL=rel, NNODES="8")
     cfg = _train_config(train)
-    assert (cfg.algo.staleness, cfg.trainer.total_steps, cfg.trainer.nnodes) == (0, 7, 8)
+    assert (cfg.algo.staleness, cfg.trainer.total_steps, cfg.trainer.nnodes) == (1, 7, 8)
     assert cfg.rollout.routing.cost_model == str(cost_model_file)
 
 
