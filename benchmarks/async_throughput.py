@@ -1,0 +1,283 @@
+"""Asynchronous DAPO throughput on CPU: weight-sync policies x staleness, through the real stack.
+
+A generation-heavy setting, one run: 4 embedded rollout servers (real HTTP on 127.0.0.1, one
+process each), a megatron-core trainer (TP=1, gloo, this process as rank 0 of a world of 1) and the
+training loop of megatron_dapo.trainer.loop (`train_rank`, unchanged). For every setting the loop
+trains `--steps` steps from the same initial weights and the same data; the first `--warmup` steps
+(the pipeline filling) are left out of the numbers.
+
+Long-tailed response lengths up to `--max-len` (512) tokens come from the model itself: a tiny
+random Qwen3 (4 layers, hidden 64, character vocabulary) samples at temperature 1 until it emits
+<|im_end|>. Its end-of-turn logit is raised by `--eos-shift` along the mean direction of its final
+hidden states (`_shift_eos`), which sets the median length; the per-token chance of stopping varies
+with the state, so lengths are spread out with a tail cut at max-len (the cut is max_response_length,
+as in DAPO). A group finishes with its slowest of n samples and a buffer with its slowest group: the
+stragglers that per-server sync and staleness are meant to hide. The measured lengths are printed and
+written to the JSON.
+
+Settings are named override sets crossed with staleness 0..3: by default `all_at_once`, `greedy` and
+`status_based` (`rollout.sync.policy`, everything else equal). `--setting NAME key=value ...` adds one
+more set (e.g. issue 15's routing / migration / retry switches); `--baseline` names the set the
+ratios are taken against, at the same staleness.
+
+Printed per setting: trained tokens/s (prompt + response tokens of the trained batches / wall time),
+the rollout servers' idle fraction (ServerRegistry idle_s: no request in flight and not syncing, over
+wall time, averaged over servers), mean staleness of the trained groups, mean step time, and the
+ratios against the baseline. `--out results.json` keeps every setting's per-step numbers (step,
+train, sync and generation-wait times, response lengths per sample), so that a simulator can be
+fed the same setting (megatron-dapo simulate, issue 15).
+
+    python benchmarks/async_throughput.py [--steps 5 --warmup 1 --batch 4 --n 4 --max-len 512]
+        [--staleness 0 1 2 3] [--policies all_at_once greedy status_based]
+        [--setting advanced rollout.routing.method=throughput_optimal ...] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
+POLICY_SETTINGS = {p: [f"rollout.sync.policy={p}"] for p in ("all_at_once", "greedy", "status_based")}
+
+
+@dataclass
+class Setting:
+    name: str  # the override set, e.g. "greedy"
+    staleness: int
+    overrides: list[str]
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}@s{self.staleness}"
+
+
+@dataclass
+class Result:
+    """One setting's measurements; per-step lists cover every step, the summary only steps >= warmup."""
+
+    setting: Setting
+    warmup: int
+    step_s: list[float] = field(default_factory=list)  # loop's time/step_s: take batch + train + sync + log
+    train_s: list[float] = field(default_factory=list)  # the trainer's step alone (time/train_s)
+    sync_s: list[float] = field(default_factory=list)  # time/sync_s: inline sync, or the weight-store put
+    gen_wait_s: list[float] = field(default_factory=list)  # time the trainer waited for its batch
+    step_end: list[float] = field(default_factory=list)  # time.monotonic() when each step ended
+    tokens: list[int] = field(default_factory=list)  # prompt + response tokens trained per step
+    response_lengths: list[list[int]] = field(default_factory=list)  # per step, per sample
+    staleness_mean: list[float] = field(default_factory=list)
+    idle_s: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative idle
+    syncs: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncs
+
+    def _window(self) -> slice:
+        return slice(self.warmup, None)
+
+    def wall_s(self) -> float:
+        """Measured window: from the end of the last warm-up step to the end of the last step."""
+        return self.step_end[-1] - self.step_end[self.warmup - 1]
+
+    def tokens_per_s(self) -> float:
+        return sum(self.tokens[self._window()]) / self.wall_s()
+
+    def idle_fraction(self) -> float:
+        first, last = self.idle_s[self.warmup - 1], self.idle_s[-1]
+        return statistics.mean((b - a) / self.wall_s() for a, b in zip(first, last))
+
+    def mean(self, name: str) -> float:
+        return statistics.mean(getattr(self, name)[self._window()])
+
+    def summary(self) -> dict:
+        lengths = sorted(x for step in self.response_lengths[self._window()] for x in step)
+        return {"tokens_per_s": self.tokens_per_s(), "idle_fraction": self.idle_fraction(),
+                "staleness_mean": self.mean("staleness_mean"), "step_s": self.mean("step_s"),
+                "train_s": self.mean("train_s"), "sync_s": self.mean("sync_s"),
+                "gen_wait_s": self.mean("gen_wait_s"), "wall_s": self.wall_s(),
+                "response_length_mean": statistics.mean(lengths),
+                "response_length_p50": lengths[len(lengths) // 2],
+                "response_length_p90": lengths[int(0.9 * (len(lengths) - 1))],
+                "response_length_max": lengths[-1]}
+
+
+def build_settings(staleness: list[int], policies: list[str], extra: list[list[str]]) -> list[Setting]:
+    """Named override sets x staleness: the default sync policies, then each `--setting NAME k=v ...`."""
+    sets = {p: POLICY_SETTINGS[p] for p in policies}
+    for name, *overrides in extra:
+        if name in sets:
+            raise SystemExit(f"--setting {name}: the name is taken (one of {', '.join(sets)})")
+        bad = [o for o in overrides if "=" not in o]
+        if bad:
+            raise SystemExit(f"--setting {name}: overrides are key.sub=value, got {bad}")
+        sets[name] = overrides
+    return [Setting(name, s, list(o)) for s in staleness for name, o in sets.items()]
+
+
+# ---- the model and the data -----------------------------------------------------------------------
+def _shift_eos(model, eos: int, shift: float, prompt: list[int]) -> None:
+    """Raise the end-of-turn logit by about `shift` where the final hidden state points along its mean
+    direction (the final RMSNorm leaves no constant component to add a bias to)."""
+    import torch
+
+    with torch.no_grad():
+        h = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][0].mean(0)
+        model.lm_head.weight[eos] += shift * h / h.norm() ** 2
+
+
+def prepare(work: Path, max_len: int, eos_shift: float, seed: int = 0) -> dict:
+    """The tiny model (with its end-of-turn logit shifted) and the arithmetic prompts, under `work`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer, vocab_size
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    model_dir = work / "model"
+    build_char_tokenizer(model_dir)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    save_tiny_hf_model("qwen3", model_dir, seed=seed, vocab_size=vocab_size(), eos_token_id=tok.eos_token_id,
+                       pad_token_id=tok.pad_token_id, bos_token_id=None, max_position_embeddings=64 + max_len)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12+7?"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    _shift_eos(model, tok.eos_token_id, eos_shift, list(prompt))
+    model.save_pretrained(model_dir)
+    train, _ = write_task(work / "data", ArithmeticTask(max_operand=29, ops="+-", seed=seed), num_test=10)
+    return {"model": model_dir, "train": train}
+
+
+def base_overrides(paths: dict, urls: list[str], args) -> list[str]:
+    return [
+        f"model.hf_path={paths['model']}", f"data.train_files=[{paths['train']}]", "data.val_files=[]",
+        f"data.max_response_length={args.max_len}", "data.max_prompt_length=64",
+        "parallel.tp=1", "trainer.gpus_per_node=1", "trainer.val_every=0", "checkpoint.save_every=0",
+        "logging.progress_bar=false", "logging.tensorboard=false",
+        f"algo.train_batch_size={args.batch}", f"algo.ppo_mini_batch_size={args.batch}",
+        f"rollout.n_resp_per_prompt={args.n}",
+        # a random model answers nothing right: dynamic sampling would drop every group
+        "algo.filter_groups.enable=false",
+        f"rollout.servers={json.dumps(urls)}", "rollout.sync.verify=false",
+        "optimizer.lr=1e-4", "optimizer.lr_warmup_steps=0",
+    ]
+
+
+# ---- one setting ----------------------------------------------------------------------------------
+def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_root: Path) -> Result:
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.loop import train_rank
+
+    cfg = load_config(str(CONFIG), [*base, f"algo.staleness={setting.staleness}",
+                                    f"trainer.total_steps={steps + 1}",  # the last step would save a checkpoint
+                                    f"logging.run_dir={run_root / setting.label}", *setting.overrides])
+    res = Result(setting, warmup)
+
+    def on_step_end(step, actor, batch):
+        res.step_end.append(time.monotonic())
+        res.tokens.append(sum(len(x) for x in batch.input_ids))
+        res.response_lengths.append([int(n) for n in batch.response_lengths])
+
+    out = train_rank(cfg, list(cfg.rollout.servers), resume=False, stop_after=steps, on_step_end=on_step_end)
+    for row in out.metrics:
+        res.step_s.append(row["time/step_s"])
+        res.train_s.append(row["time/train_s"])
+        res.sync_s.append(row["time/sync_s"])
+        res.gen_wait_s.append(row["time/generation_wait_s"])
+        res.staleness_mean.append(row["staleness/mean"])
+        servers = sorted({k.split("/")[1] for k in row if k.startswith("server/")}, key=int)
+        res.idle_s.append([row[f"server/{i}/idle_s"] for i in servers])
+        res.syncs.append([row[f"server/{i}/syncs"] for i in servers])
+    return res
+
+
+# ---- the report -----------------------------------------------------------------------------------
+def table(results: list[Result], baseline: str) -> str:
+    base = {r.setting.staleness: r.summary() for r in results if r.setting.name == baseline}
+    lines = ["| setting | s | tokens/s | x base | server idle % | x base | mean staleness | step s | train s "
+             "| gen wait s | resp len p50 / p90 / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        m, b = r.summary(), base.get(r.setting.staleness)
+        ratio = f"{m['tokens_per_s'] / b['tokens_per_s']:.2f}" if b else "-"
+        idle_ratio = f"{m['idle_fraction'] / b['idle_fraction']:.2f}" if b and b["idle_fraction"] > 0 else "-"
+        lines.append(f"| {r.setting.name} | {r.setting.staleness} | {m['tokens_per_s']:.0f} | {ratio} "
+                     f"| {100 * m['idle_fraction']:.1f} | {idle_ratio} | {m['staleness_mean']:.2f} "
+                     f"| {m['step_s']:.2f} | {m['train_s']:.2f} | {m['gen_wait_s']:.2f} "
+                     f"| {m['response_length_p50']} / {m['response_length_p90']} / {m['response_length_max']} |")
+    return "\n".join(lines)
+
+
+def write_json(path: Path, args, results: list[Result]) -> None:
+    doc = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+           "results": [{"setting": asdict(r.setting), "label": r.setting.label, "summary": r.summary(),
+                        **{k: v for k, v in asdict(r).items() if k != "setting"}} for r in results]}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=5, help="trained steps per setting")
+    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the numbers (>= 1)")
+    ap.add_argument("--batch", type=int, default=4, help="prompts (groups) per step")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-len", type=int, default=512, help="max response tokens (data.max_response_length)")
+    ap.add_argument("--eos-shift", type=float, default=1.7, help="end-of-turn logit shift: sets the median length")
+    ap.add_argument("--servers", type=int, default=4)
+    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 3])
+    ap.add_argument("--policies", nargs="+", default=list(POLICY_SETTINGS), choices=list(POLICY_SETTINGS))
+    ap.add_argument("--setting", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                    help="one more named override set, run at every staleness")
+    ap.add_argument("--baseline", default="all_at_once", help="the set ratios are taken against")
+    ap.add_argument("--out", type=Path, default=None, help="write every setting's numbers as JSON")
+    ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
+    args = ap.parse_args(argv)
+    if not 1 <= args.warmup < args.steps:
+        raise SystemExit(f"--warmup {args.warmup} must be >= 1 and < --steps {args.steps}")
+    settings = build_settings(args.staleness, args.policies, args.setting)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    import torch
+
+    from megatron_dapo.rollout.launcher import launch_embedded_servers
+    from megatron_dapo.runtime.distributed import destroy_distributed
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+    torch.set_num_threads(1)  # many processes on few cores: no spinning intra-op threads
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": LOOPBACK,
+                       "MASTER_PORT": str(free_port())})
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="async_throughput_"))
+    paths = prepare(work, args.max_len, args.eos_shift)
+    servers = launch_embedded_servers(str(paths["model"]), args.servers, work / "server_logs", timeout_s=300)
+    results = []
+    t0 = time.time()
+    try:
+        base = base_overrides(paths, [s.url for s in servers], args)
+        for setting in settings:
+            t = time.time()
+            results.append(run_setting(setting, base, args.steps, args.warmup, work / "runs"))
+            m = results[-1].summary()
+            print(f"{setting.label}: {m['tokens_per_s']:.0f} tokens/s, idle {100 * m['idle_fraction']:.1f}%, "
+                  f"step {m['step_s']:.2f}s ({time.time() - t:.0f}s wall)", file=sys.stderr, flush=True)
+            if args.out:
+                write_json(args.out, args, results)
+    finally:
+        for s in servers:
+            s.stop()
+        destroy_distributed()
+    print(f"{args.servers} embedded servers, B={args.batch} x n={args.n}, max_len {args.max_len}, "
+          f"eos_shift {args.eos_shift}, {args.steps} steps ({args.warmup} warm-up) per setting, "
+          f"total {time.time() - t0:.0f}s")
+    print(table(results, args.baseline))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
