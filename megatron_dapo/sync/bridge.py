@@ -278,17 +278,17 @@ class WeightSyncBridge:
                  n_tensors, n_bytes / 1e6, n_buckets, len(self.urls), stats.seconds, stats.gbps, version)
         return stats
 
-    def _all(self, method: str, *args, **kwargs) -> list:
+    def _all(self, method: str, *args, return_exceptions: bool = False, **kwargs) -> list:
+        """`method` on every server's client at once; their answers (or errors, with return_exceptions)."""
         async def go():
-            return await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients))
+            return await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients),
+                                        return_exceptions=return_exceptions)
         return self._loop.run(go(), self.timeout_s)
 
     def _begin_sessions(self) -> None:
         """Open a weight-update session on every server. A session left open by a trainer that died
         mid-sync (SGLang then refuses a new one) is closed first: this bridge is the servers' only writer."""
-        async def go():
-            return await asyncio.gather(*(c.begin_weight_update() for c in self.clients), return_exceptions=True)
-        for url, c, e in zip(self.urls, self.clients, self._loop.run(go(), self.timeout_s)):
+        for url, c, e in zip(self.urls, self.clients, self._all("begin_weight_update", return_exceptions=True)):
             if isinstance(e, SGLangError) and "already open" in str(e):
                 log.warning("%s: closing a weight-update session left open by an earlier sync", url)
                 self._loop.run(c.end_weight_update(), self.timeout_s)
@@ -299,9 +299,7 @@ class WeightSyncBridge:
     def _each(self, method: str, quiet: bool = False) -> None:
         """`method` on every server, even when some fail; then raise naming each server that failed
         (or only log, with `quiet`, when an earlier error is already on its way)."""
-        async def go():
-            return await asyncio.gather(*(getattr(c, method)() for c in self.clients), return_exceptions=True)
-        errors = [f"{url}: {e}" for url, e in zip(self.urls, self._loop.run(go(), self.timeout_s))
+        errors = [f"{url}: {e}" for url, e in zip(self.urls, self._all(method, return_exceptions=True))
                   if isinstance(e, BaseException)]
         if errors and quiet:
             log.warning("%s failed after an error: %s", method, "; ".join(errors))
