@@ -22,8 +22,9 @@ ratios are taken against, at the same staleness.
 
 Printed per setting: trained tokens/s (prompt + response tokens of the trained batches / wall time),
 the rollout servers' idle fraction (ServerRegistry idle_s: no request in flight and not syncing, over
-wall time, averaged over servers), mean staleness of the trained groups, mean step time, and the
-ratios against the baseline. `--out results.json` keeps every setting's per-step numbers (step,
+wall time, averaged over servers), the share idle or syncing (ServerRegistry sync_s added: an
+all_at_once sync pauses servers that still hold requests, which the registry counts as busy), mean
+staleness of the trained groups, mean step time, and the ratios against the baseline. `--out results.json` keeps every setting's per-step numbers (step,
 train, sync and generation-wait times, response lengths per sample), so that a simulator can be
 fed the same setting (megatron-dapo simulate, issue 15).
 
@@ -76,6 +77,7 @@ class Result:
     response_lengths: list[list[int]] = field(default_factory=list)  # per step, per sample
     staleness_mean: list[float] = field(default_factory=list)
     idle_s: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative idle
+    server_sync_s: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncing
     syncs: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncs
 
     def _window(self) -> slice:
@@ -88,9 +90,17 @@ class Result:
     def tokens_per_s(self) -> float:
         return sum(self.tokens[self._window()]) / self.wall_s()
 
-    def idle_fraction(self) -> float:
-        first, last = self.idle_s[self.warmup - 1], self.idle_s[-1]
+    def _server_fraction(self, per_step: list[list[float]]) -> float:
+        first, last = per_step[self.warmup - 1], per_step[-1]
         return statistics.mean((b - a) / self.wall_s() for a, b in zip(first, last))
+
+    def idle_fraction(self) -> float:
+        return self._server_fraction(self.idle_s)
+
+    def unavailable_fraction(self) -> float:
+        """Idle or syncing: an all_at_once sync pauses servers that still hold requests, which the
+        registry counts as busy, not idle; its sync time is every server's."""
+        return self.idle_fraction() + self._server_fraction(self.server_sync_s)
 
     def mean(self, name: str) -> float:
         return statistics.mean(getattr(self, name)[self._window()])
@@ -98,6 +108,7 @@ class Result:
     def summary(self) -> dict:
         lengths = sorted(x for step in self.response_lengths[self._window()] for x in step)
         return {"tokens_per_s": self.tokens_per_s(), "idle_fraction": self.idle_fraction(),
+                "idle_or_sync_fraction": self.unavailable_fraction(),
                 "staleness_mean": self.mean("staleness_mean"), "step_s": self.mean("step_s"),
                 "train_s": self.mean("train_s"), "sync_s": self.mean("sync_s"),
                 "gen_wait_s": self.mean("gen_wait_s"), "wall_s": self.wall_s(),
@@ -192,6 +203,7 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
         res.staleness_mean.append(row["staleness/mean"])
         servers = sorted({k.split("/")[1] for k in row if k.startswith("server/")}, key=int)
         res.idle_s.append([row[f"server/{i}/idle_s"] for i in servers])
+        res.server_sync_s.append([row[f"server/{i}/sync_s"] for i in servers])
         res.syncs.append([row[f"server/{i}/syncs"] for i in servers])
     return res
 
@@ -199,15 +211,16 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
 # ---- the report -----------------------------------------------------------------------------------
 def table(results: list[Result], baseline: str) -> str:
     base = {r.setting.staleness: r.summary() for r in results if r.setting.name == baseline}
-    lines = ["| setting | s | tokens/s | x base | server idle % | x base | mean staleness | step s | train s "
-             "| gen wait s | resp len p50 / p90 / max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | s | tokens/s | x base | server idle % | x base | idle or syncing % | mean staleness "
+             "| step s | train s | gen wait s | resp len p50 / p90 / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m, b = r.summary(), base.get(r.setting.staleness)
         ratio = f"{m['tokens_per_s'] / b['tokens_per_s']:.2f}" if b else "-"
         idle_ratio = f"{m['idle_fraction'] / b['idle_fraction']:.2f}" if b and b["idle_fraction"] > 0 else "-"
         lines.append(f"| {r.setting.name} | {r.setting.staleness} | {m['tokens_per_s']:.0f} | {ratio} "
-                     f"| {100 * m['idle_fraction']:.1f} | {idle_ratio} | {m['staleness_mean']:.2f} "
+                     f"| {100 * m['idle_fraction']:.1f} | {idle_ratio} | {100 * m['idle_or_sync_fraction']:.1f} "
+                     f"| {m['staleness_mean']:.2f} "
                      f"| {m['step_s']:.2f} | {m['train_s']:.2f} | {m['gen_wait_s']:.2f} "
                      f"| {m['response_length_p50']} / {m['response_length_p90']} / {m['response_length_max']} |")
     return "\n".join(lines)
