@@ -228,6 +228,9 @@ def table(results: list[Result], baseline: str) -> str:
 
 def write_json(path: Path, args, results: list[Result]) -> None:
     doc = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
+           "layout": "per-step lists cover every step (the summary leaves out the first `warmup`); "
+                     "response_lengths[step] lists the trained samples group by group (n consecutive "
+                     "samples per group, groups in draw order); times in seconds, step_end monotonic",
            "results": [{"setting": asdict(r.setting), "label": r.setting.label, "summary": r.summary(),
                         **{k: v for k, v in asdict(r).items() if k != "setting"}} for r in results]}
     tmp = path.with_suffix(path.suffix + ".tmp")
