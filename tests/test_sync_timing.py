@@ -56,7 +56,7 @@ def _version(env, v: int):
     return list(model.state_dict().items()), lp.tolist()
 
 
-def _syncer(env, policy, tmp_path):
+def _syncer(env, policy):
     from megatron_dapo.config.schema import SyncConfig
     from megatron_dapo.coordinator.servers import ServerRegistry
     from megatron_dapo.sync.per_server import PerServerSync, WeightStore
@@ -84,10 +84,10 @@ def _events(registry):
     return {(e["server"], e["version"]): e for e in registry.take_events()}
 
 
-def test_greedy_fast_server_takes_two_versions_while_the_slow_one_is_stuck(env, tmp_path):
+def test_greedy_fast_server_takes_two_versions_while_the_slow_one_is_stuck(env):
     fast, slow = env["urls"]
     slow_pid = env["servers"][1].proc.pid
-    syncer, registry, store = _syncer(env, "greedy", tmp_path)
+    syncer, registry, store = _syncer(env, "greedy")
     events = {}
     try:
         os.killpg(slow_pid, signal.SIGSTOP)
@@ -115,12 +115,12 @@ def test_greedy_fast_server_takes_two_versions_while_the_slow_one_is_stuck(env, 
     assert events[(1, 2)]["start"] >= events[(1, 1)]["end"]
 
 
-def test_status_based_syncs_the_idle_server_and_the_busy_one_after_its_request(env, tmp_path):
+def test_status_based_syncs_the_idle_server_and_the_busy_one_after_its_request(env):
     from megatron_dapo.rollout.client import SGLangClient
     from megatron_dapo.rollout.types import SamplingParams
 
     fast, slow = env["urls"]
-    syncer, registry, store = _syncer(env, "status_based", tmp_path)
+    syncer, registry, store = _syncer(env, "status_based")
 
     async def long_request():
         async with SGLangClient(slow) as client:
