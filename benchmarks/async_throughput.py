@@ -3,8 +3,9 @@
 A generation-heavy setting, one run: 4 embedded rollout servers (real HTTP on 127.0.0.1, one
 process each), a megatron-core trainer (TP=1, gloo, this process as rank 0 of a world of 1) and the
 training loop of megatron_dapo.trainer.loop (`train_rank`, unchanged). For every setting the loop
-trains `--steps` steps from the same initial weights and the same data; the first `--warmup` steps
-(the pipeline filling) are left out of the numbers.
+trains from the same initial weights on the same data: `--warmup` steps (default staleness + 1: with
+staleness s the producer fills s + 1 buffers ahead while the first batch is awaited, and steps that
+drain them would flatter large s), then `--measure` steps, the only ones the numbers cover.
 
 Long-tailed response lengths up to `--max-len` (512) tokens come from the model itself: a tiny
 random Qwen3 (4 layers, hidden 64, character vocabulary) samples at temperature 1 until it emits
@@ -28,7 +29,7 @@ staleness of the trained groups, mean step time, and the ratios against the base
 train, sync and generation-wait times, response lengths per sample), so that a simulator can be
 fed the same setting (megatron-dapo simulate, issue 15).
 
-    python benchmarks/async_throughput.py [--steps 5 --warmup 1 --batch 4 --n 4 --max-len 512]
+    python benchmarks/async_throughput.py [--measure 3 --warmup S+1 --batch 4 --n 4 --max-len 512]
         [--staleness 0 1 2 3] [--policies all_at_once greedy status_based]
         [--setting advanced rollout.routing.method=throughput_optimal ...] [--out results.json]
 """
@@ -240,8 +241,9 @@ def write_json(path: Path, args, results: list[Result]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=5, help="trained steps per setting")
-    ap.add_argument("--warmup", type=int, default=1, help="first steps left out of the numbers (>= 1)")
+    ap.add_argument("--measure", type=int, default=3, help="measured steps per setting, after the warm-up")
+    ap.add_argument("--warmup", type=int, default=None,
+                    help="steps left out of the numbers (>= 1; default: the setting's staleness + 1)")
     ap.add_argument("--batch", type=int, default=4, help="prompts (groups) per step")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-len", type=int, default=512, help="max response tokens (data.max_response_length)")
@@ -255,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write every setting's numbers as JSON")
     ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
     args = ap.parse_args(argv)
-    if not 1 <= args.warmup < args.steps:
-        raise SystemExit(f"--warmup {args.warmup} must be >= 1 and < --steps {args.steps}")
+    if args.measure < 1 or (args.warmup is not None and args.warmup < 1):
+        raise SystemExit(f"--measure {args.measure} and --warmup {args.warmup} must be >= 1")
     settings = build_settings(args.staleness, args.policies, args.setting)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -278,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         base = base_overrides(paths, [s.url for s in servers], args)
         for setting in settings:
             t = time.time()
-            results.append(run_setting(setting, base, args.steps, args.warmup, work / "runs"))
+            warmup = args.warmup if args.warmup is not None else setting.staleness + 1
+            results.append(run_setting(setting, base, warmup + args.measure, warmup, work / "runs"))
             m = results[-1].summary()
             print(f"{setting.label}: {m['tokens_per_s']:.0f} tokens/s, idle {100 * m['idle_fraction']:.1f}%, "
                   f"step {m['step_s']:.2f}s ({time.time() - t:.0f}s wall)", file=sys.stderr, flush=True)
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
         destroy_distributed()
     print(f"{args.servers} embedded servers, B={args.batch} x n={args.n}, max_len {args.max_len}, "
-          f"eos_shift {args.eos_shift}, {args.steps} steps ({args.warmup} warm-up) per setting, "
+          f"eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
+          f"{args.warmup if args.warmup is not None else 'staleness + 1'} warm-up, "
           f"total {time.time() - t0:.0f}s")
     print(table(results, args.baseline))
     return 0
