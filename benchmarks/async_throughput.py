@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import statistics
 import sys
@@ -114,9 +115,14 @@ class Result:
                 "train_s": self.mean("train_s"), "sync_s": self.mean("sync_s"),
                 "gen_wait_s": self.mean("gen_wait_s"), "wall_s": self.wall_s(),
                 "response_length_mean": statistics.mean(lengths),
-                "response_length_p50": lengths[len(lengths) // 2],
-                "response_length_p90": lengths[int(0.9 * (len(lengths) - 1))],
+                "response_length_p50": _quantile(lengths, 0.5),
+                "response_length_p90": _quantile(lengths, 0.9),
                 "response_length_max": lengths[-1]}
+
+
+def _quantile(ordered: list[int], q: float) -> int:
+    """The nearest-rank q-quantile of an ascending list."""
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
 def build_settings(staleness: list[int], policies: list[str], extra: list[list[str]]) -> list[Setting]:
