@@ -25,11 +25,12 @@ Printed per setting: trained tokens/s (prompt + response tokens of the trained b
 the rollout servers' idle fraction (ServerRegistry idle_s: no request in flight and not syncing, over
 wall time, averaged over servers), the share idle or syncing (ServerRegistry sync_s added: an
 all_at_once sync pauses servers that still hold requests, which the registry counts as busy), mean
-staleness of the trained groups, mean step time, and the ratios against the baseline. `--out results.json` keeps every setting's per-step numbers (step,
+staleness of the trained groups, mean step time, and the ratios against the baseline. With `--repeats R` the whole list runs R times, round by round (so that
+every setting sees the machine's load swings), and the table shows medians. `--out results.json` keeps every setting's per-step numbers (step,
 train, sync and generation-wait times, response lengths per sample), so that a simulator can be
 fed the same setting (megatron-dapo simulate, issue 15).
 
-    python benchmarks/async_throughput.py [--measure 3 --warmup S+1 --batch 4 --n 4 --max-len 512]
+    python benchmarks/async_throughput.py [--measure 3 --warmup S+1 --repeats 1 --batch 4 --n 4 --max-len 512]
         [--staleness 0 1 2 3] [--policies all_at_once greedy status_based]
         [--setting advanced rollout.routing.method=throughput_optimal ...] [--out results.json]
 """
@@ -70,6 +71,7 @@ class Result:
 
     setting: Setting
     warmup: int
+    repeat: int = 0  # the round of --repeats it was measured in
     step_s: list[float] = field(default_factory=list)  # loop's time/step_s: take batch + train + sync + log
     train_s: list[float] = field(default_factory=list)  # the trainer's step alone (time/train_s)
     sync_s: list[float] = field(default_factory=list)  # time/sync_s: inline sync, or the weight-store put
@@ -216,20 +218,37 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
 
 
 # ---- the report -----------------------------------------------------------------------------------
-def table(results: list[Result], baseline: str) -> str:
-    base = {r.setting.staleness: r.summary() for r in results if r.setting.name == baseline}
-    lines = ["| setting | s | tokens/s | x base | server idle % | x base | idle or syncing % | mean staleness "
-             "| step s | train s | gen wait s | resp len p50 / p90 / max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+def median_summaries(results: list[Result]) -> dict[str, tuple[Setting, dict, list[float]]]:
+    """Per setting label, in first-run order: its setting, the median of every summary number over the
+    repeats, and the tokens/s of each repeat."""
+    by_label: dict[str, list[Result]] = {}
     for r in results:
-        m, b = r.summary(), base.get(r.setting.staleness)
+        by_label.setdefault(r.setting.label, []).append(r)
+    out = {}
+    for label, rs in by_label.items():
+        sums = [r.summary() for r in rs]
+        out[label] = (rs[0].setting, {k: statistics.median(m[k] for m in sums) for k in sums[0]},
+                      [m["tokens_per_s"] for m in sums])
+    return out
+
+
+def table(results: list[Result], baseline: str) -> str:
+    rows = median_summaries(results)
+    base = {st.staleness: m for st, m, _ in rows.values() if st.name == baseline}
+    lines = ["| setting | s | tokens/s | (each repeat) | x base | server idle % | x base | idle or syncing % "
+             "| mean staleness | step s | train s | gen wait s | resp len p50 / p90 / max |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for st, m, each in rows.values():
+        b = base.get(st.staleness)
         ratio = f"{m['tokens_per_s'] / b['tokens_per_s']:.2f}" if b else "-"
         idle_ratio = f"{m['idle_fraction'] / b['idle_fraction']:.2f}" if b and b["idle_fraction"] > 0 else "-"
-        lines.append(f"| {r.setting.name} | {r.setting.staleness} | {m['tokens_per_s']:.0f} | {ratio} "
+        lines.append(f"| {st.name} | {st.staleness} | {m['tokens_per_s']:.0f} | {' / '.join(f'{x:.0f}' for x in each)} "
+                     f"| {ratio} "
                      f"| {100 * m['idle_fraction']:.1f} | {idle_ratio} | {100 * m['idle_or_sync_fraction']:.1f} "
                      f"| {m['staleness_mean']:.2f} "
                      f"| {m['step_s']:.2f} | {m['train_s']:.2f} | {m['gen_wait_s']:.2f} "
-                     f"| {m['response_length_p50']} / {m['response_length_p90']} / {m['response_length_max']} |")
+                     f"| {m['response_length_p50']:.0f} / {m['response_length_p90']:.0f} "
+                     f"/ {m['response_length_max']:.0f} |")
     return "\n".join(lines)
 
 
@@ -238,6 +257,7 @@ def write_json(path: Path, args, results: list[Result]) -> None:
            "layout": "per-step lists cover every step (the summary leaves out the first `warmup`); "
                      "response_lengths[step] lists the trained samples group by group (n consecutive "
                      "samples per group, groups in draw order); times in seconds, step_end monotonic",
+           "medians": {label: m for label, (_, m, _) in median_summaries(results).items()},
            "results": [{"setting": asdict(r.setting), "label": r.setting.label, "summary": r.summary(),
                         **{k: v for k, v in asdict(r).items() if k != "setting"}} for r in results]}
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -255,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=512, help="max response tokens (data.max_response_length)")
     ap.add_argument("--eos-shift", type=float, default=1.7, help="end-of-turn logit shift: sets the median length")
     ap.add_argument("--servers", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=1, help="rounds over all settings; the table shows medians")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--policies", nargs="+", default=list(POLICY_SETTINGS), choices=list(POLICY_SETTINGS))
     ap.add_argument("--setting", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
@@ -263,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="write every setting's numbers as JSON")
     ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
     args = ap.parse_args(argv)
-    if args.measure < 1 or (args.warmup is not None and args.warmup < 1):
-        raise SystemExit(f"--measure {args.measure} and --warmup {args.warmup} must be >= 1")
+    if min(args.measure, args.repeats, args.warmup or 1) < 1:
+        raise SystemExit(f"--measure {args.measure}, --repeats {args.repeats} and --warmup {args.warmup} must be >= 1")
     settings = build_settings(args.staleness, args.policies, args.setting)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -284,15 +305,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     try:
         base = base_overrides(paths, [s.url for s in servers], args)
-        for setting in settings:
-            t = time.time()
-            warmup = args.warmup if args.warmup is not None else setting.staleness + 1
-            results.append(run_setting(setting, base, warmup + args.measure, warmup, work / "runs"))
-            m = results[-1].summary()
-            print(f"{setting.label}: {m['tokens_per_s']:.0f} tokens/s, idle {100 * m['idle_fraction']:.1f}%, "
-                  f"step {m['step_s']:.2f}s ({time.time() - t:.0f}s wall)", file=sys.stderr, flush=True)
-            if args.out:
-                write_json(args.out, args, results)
+        for repeat in range(args.repeats):  # rounds over all settings: each sees the machine's load swings
+            for setting in settings:
+                t = time.time()
+                warmup = args.warmup if args.warmup is not None else setting.staleness + 1
+                res = run_setting(setting, base, warmup + args.measure, warmup, work / "runs" / f"r{repeat}")
+                res.repeat = repeat
+                results.append(res)
+                m = res.summary()
+                print(f"[{repeat}] {setting.label}: {m['tokens_per_s']:.0f} tokens/s, "
+                      f"idle {100 * m['idle_fraction']:.1f}%, step {m['step_s']:.2f}s ({time.time() - t:.0f}s wall)",
+                      file=sys.stderr, flush=True)
+                if args.out:
+                    write_json(args.out, args, results)
     finally:
         for s in servers:
             s.stop()
