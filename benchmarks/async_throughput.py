@@ -72,6 +72,7 @@ class Result:
     setting: Setting
     warmup: int
     repeat: int = 0  # the round of --repeats it was measured in
+    config: dict = field(default_factory=dict)  # the run's resolved algo / rollout / data sections
     step_s: list[float] = field(default_factory=list)  # loop's time/step_s: take batch + train + sync + log
     train_s: list[float] = field(default_factory=list)  # the trainer's step alone (time/train_s)
     sync_s: list[float] = field(default_factory=list)  # time/sync_s: inline sync, or the weight-store put
@@ -190,13 +191,14 @@ def base_overrides(paths: dict, urls: list[str], args) -> list[str]:
 
 # ---- one setting ----------------------------------------------------------------------------------
 def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_root: Path) -> Result:
-    from megatron_dapo.config import load_config
+    from megatron_dapo.config import config_to_dict, load_config
     from megatron_dapo.trainer.loop import train_rank
 
     cfg = load_config(str(CONFIG), [*base, f"algo.staleness={setting.staleness}",
                                     f"trainer.total_steps={steps + 1}",  # the last step would save a checkpoint
                                     f"logging.run_dir={run_root / setting.label}", *setting.overrides])
-    res = Result(setting, warmup)
+    res = Result(setting, warmup, config={k: v for k, v in config_to_dict(cfg).items()
+                                          if k in ("algo", "rollout", "data")})
 
     def on_step_end(step, actor, batch):
         res.step_end.append(time.monotonic())
