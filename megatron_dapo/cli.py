@@ -21,6 +21,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("megatron_dapo.config.plan:main", "process layout and memory estimate for a cluster"),
     "plot": ("megatron_dapo.trainer.plot:main", "write PNG curves of a run's TensorBoard scalars"),
     "serve": ("megatron_dapo.rollout.embedded.server:main", "the embedded SGLang-compatible server"),
+    "profile-engine": ("megatron_dapo.coordinator.profile_engine:main",
+                       "measure a rollout server and fit its decode-step cost model"),
 }
 
 

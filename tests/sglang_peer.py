@@ -123,9 +123,10 @@ class _RunningBatch:
         return not self.reqs
 
 
-def build_peer(api_key: str | None, running_requests: int):
+def build_peer(api_key: str | None, running_requests: int, load_path: str):
     """SGLang's control path wired to its own weight-update code over a recording model: returns the peer
-    tokenizer-manager class (built inside the serving loop), SGLang's http_server module and the scheduler."""
+    tokenizer-manager class (built inside the serving loop), SGLang's http_server module and the scheduler.
+    `/v1/loads` serves the load snapshot file at `load_path`."""
     import torch
     import torch.distributed as dist
 
@@ -136,6 +137,7 @@ def build_peer(api_key: str | None, running_requests: int):
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.entrypoints import http_server
     from sglang.srt.managers import tokenizer_manager as tm_mod
+    from sglang.srt.managers.load_snapshot import ShmLoadSnapshotReader
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.flush_wrapper import SchedulerFlushWrapper
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
@@ -239,6 +241,9 @@ def build_peer(api_key: str | None, running_requests: int):
                                                       is_image_understandable_model=False,
                                                       is_audio_understandable_model=False)
             self.is_generation = True
+            # /v1/loads reads what the peer's `/peer/load` wrote, through SGLang's shared-memory snapshot file
+            self.elastic_worker_count = 1
+            self.load_snapshot_reader = ShmLoadSnapshotReader(load_path, 1)
             flush = SchedulerFlushWrapper(flush_cache=sched.flush_cache, is_fully_idle=sched.is_fully_idle,
                                           send_output=lambda out, req: None)
             self.flush_cache_communicator = self._to_scheduler(flush.handle)
@@ -279,7 +284,14 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
     from fastapi.responses import JSONResponse, Response
     from safetensors.torch import save
 
-    make_tm, http_server, sched = build_peer(api_key, running_requests)
+    import tempfile
+
+    from sglang.srt.managers.load_snapshot import ShmLoadSnapshotWriter
+
+    load_dir = tempfile.TemporaryDirectory(prefix="sglang-peer-loads-")
+    load_path = os.path.join(load_dir.name, "loads.shm")
+    load_writer = ShmLoadSnapshotWriter(load_path, dp_size=1, dp_rank=0)
+    make_tm, http_server, sched = build_peer(api_key, running_requests, load_path)
     app = http_server.app
 
     @app.get("/peer/state")
@@ -299,6 +311,20 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
         return JSONResponse(json.loads(json.dumps(parse_payloads(await request.json()), default=repr)))
 
     app.add_route("/peer/parse", peer_parse, methods=["POST"])
+
+    async def peer_load(request):
+        """Publish a /v1/loads row (JSON) as DP rank 0's snapshot, the way SGLang's scheduler publishes its
+        own: built into SGLang's LoadSnapshot, encoded with its msgpack encoder into the shared-memory slot
+        that its /v1/loads route reads back with its typed decoder. 400 naming the error if SGLang's
+        classes refuse the row."""
+        try:
+            snapshot = load_snapshot_from_row(await request.json())
+        except Exception as e:  # what SGLang's classes said
+            return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=400)
+        load_writer.write(snapshot)
+        return JSONResponse({})
+
+    app.add_route("/peer/load", peer_load, methods=["POST"])
 
     @app.post("/peer/reset")
     async def peer_reset(running: int = running_requests):
@@ -320,6 +346,17 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
         await uvicorn.Server(config).serve()
 
     asyncio.run(main())
+
+
+def load_snapshot_from_row(row: dict):
+    """SGLang's LoadSnapshot of a /v1/loads row: its constructors take the fields by name (an unknown one
+    raises) and its typed msgpack decoder, the one its readers use, checks every value's type."""
+    from sglang.srt.managers import load_snapshot as ls
+
+    sections = {"memory": ls.MemoryMetrics, "speculative": ls.SpeculativeMetrics, "lora": ls.LoRAMetrics,
+                "disaggregation": ls.DisaggregationMetrics, "queues": ls.QueueMetrics}
+    fields = {k: sections[k](**v) if k in sections and v is not None else v for k, v in row.items()}
+    return ls.snapshot_decoder.decode(ls.snapshot_encoder.encode(ls.LoadSnapshot(**fields)))
 
 
 # ---- SGLang's parsing of client payloads -----------------------------------------------------------

@@ -41,10 +41,10 @@ def _logprobs(model, ids, temperature):
     return lp[:-1].gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)  # logprob of token t given < t
 
 
-def _check_run(env, name, policy, pause_mode):
+def _check_run(env, name, policy, pause_mode, *overrides):
     run_dir, rows = _run(env, name, f"trainer.total_steps={STEPS}", "algo.staleness=1", "checkpoint.save_every=0",
                          "checkpoint.keep_last=0", f"rollout.sync.policy={policy}",
-                         f"rollout.sync.pause_mode={pause_mode}", "rollout.sync.check_interval_ms=20")
+                         f"rollout.sync.pause_mode={pause_mode}", "rollout.sync.check_interval_ms=20", *overrides)
     out = run_dir / "out"
     assert [r["step"] for r in rows] == list(range(STEPS))
     for r in rows:
@@ -87,4 +87,9 @@ def test_greedy_sync_per_server_with_partial_rollout(env):  # noqa: F811
 
 
 def test_status_based_sync_per_server(env):  # noqa: F811
-    _check_run(env, "status", "status_based", "retract")
+    rows, _ = _check_run(env, "status", "status_based", "retract", "rollout.loads.interval_ms=50")
+    # the load poller ran beside the loop: each server's own report is in the step metrics
+    for r in rows:
+        for i in range(2):
+            assert r[f"server/{i}/kv_capacity"] > 0 and r[f"server/{i}/running"] >= 0
+    assert any(r[f"server/{i}/throughput"] > 0 for r in rows for i in range(2))

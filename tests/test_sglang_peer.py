@@ -207,11 +207,12 @@ def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
         payloads.generate_body([1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=0), rid="p",
                                logprob_start_len=0),
         payloads.generate_body([9], SamplingParams(temperature=0.0, max_new_tokens=2), return_logprob=False),
+        payloads.fixed_length_body([[1, 2], [3, 4, 5]], 6),
     ]
     with _http(sglang_peer) as http:
         parsed = http.post("/peer/parse", json=bodies).raise_for_status().json()
     assert all(p["ok"] for p in parsed), parsed
-    single, group, batch, prompt, greedy = parsed
+    single, group, batch, prompt, greedy, fixed = parsed
     assert single["is_single"] and single["rid"] == "r1" and single["return_logprob"] is True
     assert single["sampling"] == [{"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16,
                                    "sampling_seed": None, "stop_token_ids": [5, 7]}]
@@ -221,3 +222,65 @@ def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
     assert [s["sampling_seed"] for s in batch["sampling"]] == [1, 2, 3] and batch["input_ids"] == [[4, 5]] * 3
     assert prompt["logprob_start_len"] == 0 and prompt["sampling"][0]["max_new_tokens"] == 0
     assert greedy["return_logprob"] is False and greedy["sampling"][0]["top_k"] == 1  # SGLang's greedy form
+    assert fixed["batch_size"] == 2 and fixed["input_ids"] == [[1, 2], [3, 4, 5]]
+    assert [s["max_new_tokens"] for s in fixed["sampling"]] == [6, 6]
+
+
+DRIFTING = ("timestamp", "gen_throughput")  # move between two reads of an idle server
+
+
+def _steady(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in DRIFTING} for row in rows]
+
+
+def _prometheus_samples(text: str) -> list[tuple[str, str]]:
+    """(metric line name, value) pairs, drifting fields' values blanked."""
+    out = []
+    for line in text.splitlines():
+        name, _, value = line.rpartition(" ")
+        out.append((name, "" if any(f"sglang_{f}{{" in line for f in DRIFTING) else value))
+    return out
+
+
+@pytest.mark.parametrize("include", [None, "core", "all", "memory,queues", "disagg", "spec,lora"])
+def test_embedded_load_report_is_what_sglang_serves_for_it(sglang_peer, embedded, include):
+    """The embedded server's /v1/loads row, published in the SGLang peer as a scheduler publishes its load
+    (SGLang's LoadSnapshot, its msgpack encoder, its shared-memory slot, its typed decoder), is served back by
+    SGLang's own /v1/loads route unchanged, for every include= selection and in Prometheus format; SGLang's
+    answer parses in our client to the same load."""
+    params = {"include": include} if include else {}
+    with _http(embedded) as ours, _http(sglang_peer) as peer:
+        # work first, so the counters (decode moments, prefill totals, throughput) have all moved
+        before = ours.get("/v1/loads").json()["loads"][0]["total_prefill_uncached_tokens"]
+        ours.post("/generate", json={"input_ids": [[5, 6, 7, 8], [9, 10, 11]],
+                                     "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}).raise_for_status()
+        full = ours.get("/v1/loads").json()
+        answer = ours.get("/v1/loads", params=params).json()
+        assert full["loads"][0]["decode_moments"] and full["loads"][0]["total_prefill_uncached_tokens"] == before + 7
+
+        r = peer.post("/peer/load", json=answer["loads"][0])
+        assert r.status_code == 200, r.text
+        theirs = peer.get("/v1/loads", params=params).json()
+        assert theirs["loads"] == answer["loads"]  # SGLang's to_dict of our row reproduces it exactly
+        assert list(theirs) == list(answer)
+        assert {k: type(v) for k, v in theirs.items()} == {k: type(v) for k, v in answer.items()}
+        assert _prometheus_samples(peer.get("/v1/loads", params={**params, "format": "prometheus"}).text) == \
+            _prometheus_samples(ours.get("/v1/loads", params={**params, "format": "prometheus"}).text)
+
+        # the full row, selected by SGLang, is what our server selects
+        peer.post("/peer/load", json=full["loads"][0]).raise_for_status()
+        assert _steady(peer.get("/v1/loads", params=params).json()["loads"]) == _steady(answer["loads"])
+
+        async def client_loads():
+            async with SGLangClient(sglang_peer.url, api_key=KEY) as c:
+                return await c.get_loads()
+        assert asyncio.run(client_loads()) == payloads.parse_loads(peer.get("/v1/loads").json())
+        assert payloads.parse_loads(full).kv_capacity == full["loads"][0]["max_total_num_tokens"] > 0
+
+
+def test_sglang_refuses_a_malformed_load_row(sglang_peer):
+    """The check above can fail: SGLang's classes refuse a row with a wrong type or an unknown field."""
+    with _http(sglang_peer) as peer:
+        assert peer.post("/peer/load", json={"num_running_reqs": 1.5}).status_code == 400
+        assert peer.post("/peer/load", json={"num_running_kv": 1}).status_code == 400
+        assert peer.post("/peer/load", json={"queues": {"waiting": 1}}).status_code == 400

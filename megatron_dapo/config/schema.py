@@ -175,6 +175,14 @@ class SyncConfig:
 
 
 @dataclass
+class LoadsConfig:
+    """Each server's own load report (/v1/loads), kept in the coordinator's server registry."""
+
+    # Polling period; 0 = off, unless the routing policy needs the loads (then every 200 ms).
+    interval_ms: float = 0.0
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["sglang", "embedded"] = "sglang"
     # External server URLs (http://host:port). Empty = the driver launches num_servers servers itself.
@@ -198,6 +206,7 @@ class RolloutConfig:
     # the weight version that made it. False = the aborted group is generated again from scratch.
     partial_rollout: bool = True
     sync: SyncConfig = field(default_factory=SyncConfig)
+    loads: LoadsConfig = field(default_factory=LoadsConfig)
 
 
 @dataclass

@@ -256,6 +256,8 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"rollout.sync.verify_tolerance={r.sync.verify_tolerance} must be > 0")
     if r.sync.check_interval_ms <= 0:
         errors.append(f"rollout.sync.check_interval_ms={r.sync.check_interval_ms} must be > 0")
+    if r.loads.interval_ms < 0:
+        errors.append(f"rollout.loads.interval_ms={r.loads.interval_ms} must be >= 0 (0 = off)")
 
 
 def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:

@@ -6,6 +6,10 @@ per-server syncer (its own thread) takes a server out of routing while it loads 
 (`begin_sync`) and publishes the version it holds afterwards (`end_sync`); the trainer reads the
 per-server metrics. Listeners are called, from whichever thread made the change, whenever a server
 may have become routable, so a request waiting for one can go on.
+
+Each server's own load (running and waiting requests, KV tokens in use and capacity, recent generation
+throughput) comes from its /v1/loads report: the load poller (coordinator/load_poller.py, its own
+thread) writes it with `update_load`; routing policies read it with `records_snapshot`.
 """
 
 from __future__ import annotations
@@ -14,9 +18,13 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_dapo.coordinator.sync_policy import ServerStatus
+from megatron_dapo.rollout.types import ServerLoad
+
+
+LOAD_METRICS = ("running", "waiting", "kv_tokens", "kv_capacity", "throughput")
 
 
 @dataclass
@@ -30,6 +38,14 @@ class ServerRecord:
     idle_s: float = 0.0  # time with nothing in flight and not syncing
     last: float = 0.0  # clock() of the last accounting
     sync_started: float = 0.0
+    # the server's last /v1/loads report (load_time is None until the first one)
+    running: int = 0  # requests in its running batch
+    waiting: int = 0  # requests queued at the server
+    kv_tokens: int = 0  # KV tokens in use
+    kv_capacity: int = 0  # most KV tokens it can hold (max total tokens)
+    throughput: float = 0.0  # generated tokens per second, recent
+    load_time: float | None = None  # clock() when the report arrived
+    load_error: str | None = None  # why the latest poll got no report (the values above are older)
 
 
 class ServerRegistry:
@@ -89,6 +105,20 @@ class ServerRegistry:
         with self._lock:
             self._waiting[v_traj or 0] += delta
 
+    # ---- loads (the load poller) ----------------------------------------------------------------
+    def update_load(self, url: str, load: ServerLoad) -> None:
+        with self._lock:
+            r = self.records[url]
+            r.running, r.waiting, r.kv_tokens = load.running, load.waiting, load.kv_tokens
+            r.kv_capacity, r.throughput = load.kv_capacity, load.throughput
+            r.load_time, r.load_error = self.clock(), None
+        self._notify()  # a server with room again may take a waiting request
+
+    def load_failed(self, url: str, error: str) -> None:
+        """The latest poll of `url` got no report; its last values stay, marked by `load_error`."""
+        with self._lock:
+            self.records[url].load_error = error
+
     # ---- syncing (the syncer) ------------------------------------------------------------------
     def begin_sync(self, url: str) -> None:
         """Stop routing to `url`: it is about to load new weights."""
@@ -125,12 +155,19 @@ class ServerRegistry:
         with self._lock:
             return max(r.version for r in self.records.values())
 
+    def records_snapshot(self) -> list[ServerRecord]:
+        """A consistent copy of every server's record (version, routing state, last load report)."""
+        with self._lock:
+            return [replace(r) for r in self.records.values()]
+
     def statuses(self) -> list[ServerStatus]:
-        """The router's view of every server (load from the router's counts; a caller with the servers'
-        own load reports overwrites running / waiting / throughput / kv_cache)."""
+        """The router's view of every server: running = the router's count in flight there; waiting,
+        throughput and kv_cache from its last load report (a caller with fresher reports overwrites them)."""
         with self._lock:
             return [ServerStatus(r.url, r.version, running=r.outstanding, syncing=r.syncing,
-                                 routable=sum(n for v, n in self._waiting.items() if v <= r.version))
+                                 routable=sum(n for v, n in self._waiting.items() if v <= r.version),
+                                 waiting=r.waiting, throughput=r.throughput,
+                                 kv_cache=r.kv_tokens / r.kv_capacity if r.kv_capacity else 0.0)
                     for r in self.records.values()]
 
     def take_events(self) -> list[dict]:
@@ -146,4 +183,6 @@ class ServerRegistry:
                 self._account(r)
                 out.update({f"server/{i}/version": float(r.version), f"server/{i}/syncs": float(r.syncs),
                             f"server/{i}/sync_s": r.sync_s, f"server/{i}/idle_s": r.idle_s})
+                if r.load_time is not None:  # its last load report (rollout.loads)
+                    out.update({f"server/{i}/{k}": float(getattr(r, k)) for k in LOAD_METRICS})
             return out

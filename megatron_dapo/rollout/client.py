@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 import aiohttp
 
 from megatron_dapo.rollout import payloads
-from megatron_dapo.rollout.types import Sample, SamplingParams
+from megatron_dapo.rollout.types import Sample, SamplingParams, ServerLoad
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +183,14 @@ class SGLangClient:
             samples[0].rid = samples[0].rid or rid
         return samples
 
+    async def generate_fixed_length(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[int]:
+        """Generate exactly `max_new_tokens` tokens for each prompt, in one batch; the output lengths."""
+        answer = await self._post("/generate", payloads.fixed_length_body(prompts, max_new_tokens))
+        if not isinstance(answer, list) or len(answer) != len(prompts):
+            raise SGLangHTTPError(f"POST {self.base_url}/generate",
+                                  f"a batch of {len(prompts)} answered with {answer!r:.200}")
+        return [len(item.get("output_ids") or []) for item in answer]
+
     async def prompt_logprobs(self, input_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each token of `input_ids` given the ones before it (len(input_ids) - 1 values)."""
         sampling = SamplingParams(temperature=temperature, max_new_tokens=0)
@@ -210,14 +218,14 @@ class SGLangClient:
     async def get_model_info(self) -> dict:
         return _json_or_none((await self._request("GET", "/get_model_info"))[1])
 
-    async def load(self) -> dict:
-        """The server's own load (SGLang's /v1/loads, DP rank 0): num_running_reqs,
-        num_waiting_reqs, gen_throughput, token_usage."""
-        answer = _json_or_none((await self._request("GET", "/v1/loads", params={"dp_rank": "0"}))[1])
-        rows = answer.get("loads") if isinstance(answer, dict) else None
-        if not rows or not isinstance(rows[0], dict):
-            raise SGLangHTTPError(f"GET {self.base_url}/v1/loads", f"no load row in {answer!r:.200}")
-        return rows[0]
+    async def get_loads(self) -> ServerLoad:
+        """The server's own load (SGLang's /v1/loads, DP rank 0, core fields)."""
+        answer = _json_or_none((await self._request("GET", "/v1/loads", params={"dp_rank": "0",
+                                                                                 "include": "core"}))[1])
+        try:
+            return payloads.parse_loads(answer, server=self.base_url)
+        except ValueError as e:
+            raise SGLangHTTPError(f"GET {self.base_url}/v1/loads", str(e)) from None
 
     async def flush_cache(self) -> None:
         await self._request("POST", "/flush_cache")

@@ -1,4 +1,4 @@
-"""Request bodies for SGLang's HTTP API and the parsing of its /generate answers (pure functions).
+"""Request bodies for SGLang's HTTP API and the parsing of its /generate and /v1/loads answers (pure functions).
 
 Every body the client sends is built here, so the conformance test can hold each one against the
 fields of SGLang 0.5.23's request class (see `protocol.py`).
@@ -9,7 +9,7 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 
-from megatron_dapo.rollout.types import FINISH_REASONS, Sample, SamplingParams, WeightVersionSpan
+from megatron_dapo.rollout.types import FINISH_REASONS, Sample, SamplingParams, ServerLoad, WeightVersionSpan
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
 
@@ -36,6 +36,13 @@ def generate_body(
     if logprob_start_len is not None:
         body["logprob_start_len"] = int(logprob_start_len)
     return body
+
+
+def fixed_length_body(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
+    """A batch of prompts, each generating exactly `max_new_tokens` tokens (EOS ignored): for timing."""
+    return {"input_ids": [[int(t) for t in p] for p in prompts],
+            "sampling_params": {"max_new_tokens": int(max_new_tokens), "ignore_eos": True, "temperature": 1.0},
+            "return_logprob": False}
 
 
 def abort_body(rid: str | None = None, abort_all: bool = False) -> dict:
@@ -190,3 +197,27 @@ def parse_input_logprobs(answer) -> list[float]:
     if triples is None:
         raise ValueError("/generate answer has no meta_info.input_token_logprobs (return_logprob not honoured?)")
     return [float(t[0]) for t in triples if t[0] is not None]
+
+
+LOAD_FIELDS = {"running": "num_running_reqs", "waiting": "num_waiting_reqs", "kv_tokens": "num_used_tokens",
+               "kv_capacity": "max_total_num_tokens", "throughput": "gen_throughput", "token_usage": "token_usage",
+               "max_running_requests": "max_running_requests"}
+
+
+def parse_loads(answer, server: str = "") -> ServerLoad:
+    """DP rank 0's row of a /v1/loads answer; ValueError naming the missing or malformed field."""
+    rows = answer.get("loads") if isinstance(answer, dict) else None
+    if not rows or not isinstance(rows[0], dict):
+        raise ValueError(f"{server}/v1/loads: no load row in {answer!r:.200}")
+    row = rows[0]
+    values = {}
+    for name, key in LOAD_FIELDS.items():
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{server}/v1/loads: loads[0].{key} must be a number, got {value!r}")
+        values[name] = float(value) if name in ("throughput", "token_usage") else int(value)
+    moments = row.get("decode_moments")
+    if moments is not None and (not isinstance(moments, list) or len(moments) != 6):
+        raise ValueError(f"{server}/v1/loads: loads[0].decode_moments must be a list of 6 sums, got {moments!r}")
+    return ServerLoad(**values, decode_moments=tuple(map(float, moments)) if moments else None,
+                      timestamp=float(row.get("timestamp") or 0.0))

@@ -79,3 +79,20 @@ class Sample:
     def versions(self) -> list[str]:
         """Every weight version that produced a token of this sample, oldest first."""
         return [s.version for s in self.weight_versions] or [self.weight_version]
+
+
+@dataclass(frozen=True)
+class ServerLoad:
+    """One server's own load report (SGLang's /v1/loads, DP rank 0)."""
+
+    running: int  # requests in the running batch (num_running_reqs)
+    waiting: int  # requests queued at the server (num_waiting_reqs)
+    kv_tokens: int  # KV tokens in use (num_used_tokens)
+    kv_capacity: int  # most KV tokens it can hold (max_total_num_tokens)
+    throughput: float  # generated tokens per second, recent (gen_throughput)
+    token_usage: float  # kv_tokens / kv_capacity as the server rounds it
+    max_running_requests: int
+    # cumulative decode counters [steps, sum batch, sum step_us, sum batch^2, sum batch*step_us, sum tokens];
+    # None until the first decode step (or from a server that does not report them)
+    decode_moments: tuple[float, ...] | None = None
+    timestamp: float = 0.0  # the server's clock when it took the snapshot

@@ -182,7 +182,7 @@ class PerServerSync:
         async def loads():
             import asyncio
 
-            return await asyncio.gather(*(self._clients[s.url].load() for s in lagging), return_exceptions=True)
+            return await asyncio.gather(*(self._clients[s.url].get_loads() for s in lagging), return_exceptions=True)
 
         unknown = set()
         for s, row in zip(lagging, self._http.run(loads(), 30) if lagging else []):
@@ -190,8 +190,7 @@ class PerServerSync:
                 log.warning("%s: no load report (%s); not syncing it this round", s.url, row)
                 unknown.add(s.url)
                 continue
-            s.running, s.waiting = int(row["num_running_reqs"]), int(row["num_waiting_reqs"])
-            s.throughput, s.kv_cache = float(row.get("gen_throughput", 0.0)), float(row.get("token_usage", 0.0))
+            s.running, s.waiting, s.throughput, s.kv_cache = row.running, row.waiting, row.throughput, row.token_usage
         return [s for s in statuses if s.url not in unknown]
 
     def _sync_one(self, url: str, snap, raise_errors: bool = False) -> None:

@@ -369,7 +369,12 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             val.setdefault("all", []).append((step, res))
             log.info("step %d validation: %s", step, res)
 
+    poller = None
     if rank == 0:
+        from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
+
+        if (interval := poll_interval_s(cfg.rollout)) is not None:  # each server's own load, in the registry
+            poller = LoadPoller(registry, interval, api_key=cfg.rollout.api_key).start()
         producer.start()
     try:
         total = cfg.trainer.total_steps
@@ -436,6 +441,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         if bar is not None:
             bar.close()
     finally:
+        if poller is not None:
+            poller.stop()
         if producer is not None:
             producer.stop()
         if writer is not None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_dapo.rollout.embedded.load_stats import LoadStats
 from megatron_dapo.rollout.embedded.sampling import (
     GREEDY_EPS,
     Penalties,
@@ -85,6 +86,19 @@ class GenRequest:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine holds now (see `Engine.load_report`)."""
+
+    running: int
+    waiting: int
+    resident_tokens: int  # KV tokens of the running sequences (prompt + generated so far)
+    waiting_tokens: int  # tokens the waiting requests will prefill
+    capacity: int  # most KV tokens the engine can hold: max_batch sequences of max_context tokens
+    paused: int  # running requests held by an in_place pause
+    retracted: int  # waiting requests that were retracted (to be prefilled again)
+
+
 class _Batch:
     def __init__(self, reqs, cache, mask, next_pos, last_tokens):
         self.reqs, self.cache, self.mask, self.next_pos, self.last_tokens = reqs, cache, mask, next_pos, last_tokens
@@ -115,28 +129,47 @@ class Engine:
         self._stop = False
         self.step_lock = threading.RLock()  # held around every forward step and every weight load
         self._batch: _Batch | None = None
+        self.stats = LoadStats()
+        self._held_answers: list | None = None  # during a step: answers to send once it is counted
         self._active: dict[str, GenRequest] = {}  # rid -> request, until its answer is sent
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
         self._thread.start()
 
     # ---- public, thread-safe -------------------------------------------------------------------
     def submit(self, req: GenRequest) -> concurrent.futures.Future:
-        if req.rid in self._active:
-            raise ValueError(f"rid {req.rid!r} is already in flight")
+        return self.submit_many([req])[0]
+
+    def submit_many(self, reqs: list[GenRequest]) -> list[concurrent.futures.Future]:
+        """Queue `reqs` together: the worker never starts a batch with only part of them (the samples
+        of one /generate run in one batch)."""
         with self._qlock:
-            self._active[req.rid] = req
-            self._waiting.append(req)
+            seen: set[str] = set()
+            for r in reqs:
+                if r.rid in self._active or r.rid in seen:
+                    raise ValueError(f"rid {r.rid!r} is already in flight")
+                seen.add(r.rid)
+            for r in reqs:
+                self._active[r.rid] = r
+                self._waiting.append(r)
             self._qlock.notify_all()
-        return req.future
+        return [r.future for r in reqs]
 
     def in_flight(self) -> int:
         return len(self._active)
 
-    def load(self) -> tuple[int, int]:
-        """(running, waiting) request counts, for /v1/loads and /server_info."""
+    def load_report(self) -> EngineLoad:
+        """Requests and KV tokens held now, for /v1/loads and /server_info (read while the worker runs:
+        each list is copied once, and a length read is atomic)."""
         batch = self._batch
+        running = list(batch.reqs) if batch is not None else []
         with self._qlock:
-            return (len(batch.reqs) if batch is not None else 0), len(self._waiting)
+            waiting = list(self._waiting)
+            paused = self._paused
+        seq_len = lambda r: len(r.prompt) + len(r.output)  # noqa: E731
+        return EngineLoad(
+            running=len(running), waiting=len(waiting), resident_tokens=sum(map(seq_len, running)),
+            waiting_tokens=sum(map(seq_len, waiting)), capacity=self.max_batch * self.max_context,
+            paused=len(running) if paused else 0, retracted=sum(r.num_retractions > 0 for r in waiting))
 
     def is_paused(self) -> bool:
         return self._paused
@@ -214,12 +247,34 @@ class Engine:
                         with self._qlock:
                             reqs = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
                         if reqs:
-                            self._prefill(reqs)
+                            self._timed(self._prefill, reqs, prefill=True)
                     else:
-                        self._decode()
+                        self._timed(self._decode, list(self._batch.reqs), prefill=False)
             except Exception as e:  # never let one bad step kill the server: fail the batch, go on
                 log.exception("generation step failed")
                 self._fail_batch(e)
+
+    def _timed(self, step, reqs: list[GenRequest], prefill: bool) -> None:
+        """Run one prefill or decode step over `reqs` and count it in `self.stats`."""
+        before = sum(len(r.output) for r in reqs)
+        # identical sequences are prefilled once, except in batch-invariant mode
+        seqs = [tuple(r.prompt + r.output) for r in reqs] if prefill else []
+        self._held_answers = []  # answered once the step is counted: a client then sees it in /v1/loads
+        try:
+            start = time.perf_counter()
+            step(reqs) if prefill else step()
+            end = time.perf_counter()
+            generated = sum(len(r.output) for r in reqs) - before
+            if prefill:
+                uncached = sum(map(len, seqs if self.batch_invariant else set(seqs)))
+                self.stats.prefill_step(uncached, start, end, generated)
+            else:
+                self.stats.decode_step(len(reqs), start, end, generated)
+        finally:
+            held, self._held_answers = self._held_answers, None
+            for future, answer in held:
+                if not future.done():
+                    future.set_result(answer)
 
     @torch.inference_mode()
     def _forward(self, ids, mask, pos, cache, logits_to_keep=1):
@@ -418,7 +473,9 @@ class Engine:
 
     def _send(self, r: GenRequest) -> None:
         self._active.pop(r.rid, None)
-        if not r.future.done():
+        if self._held_answers is not None:
+            self._held_answers.append((r.future, self.answer(r)))
+        elif not r.future.done():
             r.future.set_result(self.answer(r))
 
     def _token_text(self, r: GenRequest, tok: int) -> str | None:

@@ -42,6 +42,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
+from megatron_dapo.rollout.embedded import load_report
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
 from megatron_dapo.rollout.embedded.limits import BodySizeLimit, ServerLimits, sampling_range_problem
@@ -54,7 +55,6 @@ from megatron_dapo.sync import group as wgroup
 
 log = logging.getLogger("megatron_dapo.embedded")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
-LOAD_SECTIONS = frozenset({"core", "memory", "spec", "lora", "disagg", "queues", "all"})  # /v1/loads include=
 FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
                     "(When there are running or waiting requests, the operation will not be performed.)\n")
 # SGLang 0.5.23's own messages (srt/managers/scheduler_components/weight_updater.py, http_server.py)
@@ -261,21 +261,10 @@ class EmbeddedServer:
         dev = self.engine.device
         return torch.cuda.get_device_name(dev) if dev.type == "cuda" else None
 
-    def _load_snapshot(self) -> dict:
-        """The core fields of SGLang's LoadSnapshot (managers/load_snapshot.py) for the one DP rank."""
-        eng = self.engine
-        running, waiting = eng.load()
-        return {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": running, "num_waiting_reqs": waiting,
-                "num_waiting_uncached_tokens": 0, "num_used_tokens": 0, "num_total_tokens": 0,
-                "num_active_tokens": 0, "num_prealloc_ready_tokens": 0, "max_total_num_tokens": 0,
-                "max_running_requests": eng.max_batch, "token_usage": 0.0, "gen_throughput": 0.0,
-                "cache_hit_rate": 0.0, "utilization": running / eng.max_batch, "total_prefill_uncached_tokens": 0,
-                "total_prefill_busy_us": 0, "decode_moments": None}
-
     def _server_info(self) -> dict:
         """SGLang's /server_info shape: the launch settings (ServerArgs names), then live state."""
         eng = self.engine
-        running, waiting = eng.load()
+        load = eng.load_report()
         return {
             "model_path": self.model_path, "tokenizer_path": self.model_path,
             "served_model_name": self.served_model_name, "skip_tokenizer_init": eng.tokenizer is None,
@@ -283,7 +272,7 @@ class EmbeddedServer:
             "context_length": self._context_length(), "tp_size": 1, "dp_size": 1, "pp_size": 1,
             "weight_version": eng.weight_version, **self.launch_settings,
             "max_req_input_len": eng.max_context - 1, "startup_time": self.startup_time,
-            "internal_states": [{"num_running_reqs": running, "num_waiting_reqs": waiting,
+            "internal_states": [{"num_running_reqs": load.running, "num_waiting_reqs": load.waiting,
                                  "paused": eng.is_paused()}],
             "version": SGLANG_VERSION, "frontend": "megatron-dapo embedded",
         }
@@ -457,15 +446,14 @@ class EmbeddedServer:
 
         @app.get("/v1/loads")
         async def loads(dp_rank: int | None = None, include: str | None = None, format: str | None = None):
-            sections = {s.strip() for s in include.split(",")} if include else None
-            if sections is not None and not sections <= LOAD_SECTIONS:
-                return JSONResponse({"detail": f"Invalid include sections: {sections - LOAD_SECTIONS}. "
-                                     f"Valid options: {sorted(LOAD_SECTIONS)}"}, status_code=400)
-            rows = [] if dp_rank not in (None, 0) else [self._load_snapshot()]
+            try:
+                sections = load_report.parse_include(include)
+            except ValueError as e:
+                return JSONResponse({"detail": str(e)}, status_code=400)
+            rows = [] if dp_rank not in (None, 0) else [load_report.select(load_report.load_row(eng), sections)]
             if format == "prometheus":
-                text = "".join(f"# TYPE sglang_{k} gauge\nsglang_{k}{{dp_rank=\"0\"}} {v}\n" for row in rows
-                               for k, v in row.items() if isinstance(v, (int, float)) and k != "dp_rank")
-                return PlainTextResponse(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+                return PlainTextResponse(load_report.prometheus_text(rows),
+                                         media_type="text/plain; version=0.0.4; charset=utf-8")
             return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                     "version": SGLANG_VERSION, "accelerator": self._accelerator(), "num_accelerators": 1,
                     "loads": rows}
@@ -478,7 +466,7 @@ class EmbeddedServer:
             await self._wait_unpaused()
             await self.gate.acquire_read()
             try:
-                futures = [asyncio.wrap_future(eng.submit(r)) for r in reqs]
+                futures = [asyncio.wrap_future(f) for f in eng.submit_many(reqs)]
                 answers = await asyncio.gather(*futures)
             except ValueError as e:
                 return self._bad(str(e))

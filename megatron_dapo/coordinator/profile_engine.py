@@ -1,0 +1,143 @@
+"""`megatron-dapo profile-engine --server URL [--out cost.json]`: measure a running rollout server
+(SGLang 0.5.23 or the embedded one) and fit the decode-step cost model the router and the simulator use.
+
+For each batch size n and prompt length p of the grid, one batch of n distinct prompts generates exactly
+`--new-tokens` tokens each (EOS ignored) on an otherwise idle server. The server's own decode counters
+(`decode_moments` of /v1/loads: steps, sum of batch sizes, sum of step microseconds) read before and after
+give that run's mean decode step time and batch; its mean resident KV tokens is n * (p + new_tokens / 2).
+A server that reports no decode counters is timed from outside instead: the run's wall time minus that of
+the same batch generating one token, over the extra steps. The points are fitted by least squares
+(coordinator/profile.py); the JSON carries the coefficients, `fit_rel_error` and the points.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import time
+from pathlib import Path
+
+from megatron_dapo.coordinator.profile import ProfilePoint, fit_cost_model, format_table
+from megatron_dapo.rollout.client import SGLangClient, SGLangError
+
+
+class ProfileError(RuntimeError):
+    """The server cannot be profiled as asked (busy, or it did not generate what was asked)."""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-dapo profile-engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--server", required=True, help="base URL of the running server (http://host:port)")
+    p.add_argument("--out", default="cost_model.json", help="where to write the fitted coefficients (JSON)")
+    p.add_argument("--api-key", default=None, help="Bearer key of the server")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
+                   help="concurrent requests n of the grid (comma-separated)")
+    p.add_argument("--prompt-lens", type=_ints, default=[128, 512, 2048],
+                   help="prompt lengths of the grid; resident KV tokens K grow with them (comma-separated)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates (>= 2)")
+    p.add_argument("--repeats", type=int, default=1, help="measurements per grid point")
+    p.add_argument("--max-token-id", type=int, default=200,
+                   help="prompt token ids are drawn from [1, this); keep it below the model's vocabulary")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument("--timeout-s", type=float, default=3600.0, help="per-request timeout")
+    return p
+
+
+def _moments_delta(before, after) -> list[float] | None:
+    if after.decode_moments is None:
+        return None
+    base = before.decode_moments or (0.0,) * 6
+    return [a - b for a, b in zip(after.decode_moments, base)]
+
+
+async def _timed_batch(client: SGLangClient, prompts: list[list[int]], new_tokens: int) -> float:
+    t0 = time.perf_counter()
+    lengths = await client.generate_fixed_length(prompts, new_tokens)
+    wall = time.perf_counter() - t0
+    if any(n != new_tokens for n in lengths):
+        raise ProfileError(f"asked {new_tokens} tokens per request, got {sorted(set(lengths))}: does the server "
+                           "honour ignore_eos, and does prompt + new tokens fit its context?")
+    return wall
+
+
+async def _idle_load(client: SGLangClient):
+    """The server's load report; ProfileError if other requests run there (they would be timed too)."""
+    load = await client.get_loads()
+    if load.running or load.waiting:
+        raise ProfileError(f"{client.base_url} is busy ({load.running} running, {load.waiting} waiting): "
+                           "profile an idle server")
+    return load
+
+
+async def measure_point(client: SGLangClient, n: int, prompt_len: int, new_tokens: int,
+                        rng: random.Random, max_token_id: int) -> ProfilePoint:
+    before = await _idle_load(client)
+    prompts = [[rng.randrange(1, max_token_id) for _ in range(prompt_len)] for _ in range(n)]
+    wall = await _timed_batch(client, prompts, new_tokens)
+    delta = _moments_delta(before, await client.get_loads())
+    if delta is not None and delta[0] > 0:
+        steps, batch_sum, us_sum = delta[0], delta[1], delta[2]
+        n_mean = batch_sum / steps
+        return ProfilePoint(n=n_mean, kv_tokens=n_mean * (prompt_len + new_tokens / 2), step_s=us_sum / steps / 1e6,
+                            steps=int(steps))
+    # no decode counters: the extra steps' share of the wall time
+    wall_one = await _timed_batch(client, prompts, 1)
+    return ProfilePoint(n=float(n), kv_tokens=n * (prompt_len + new_tokens / 2),
+                        step_s=max(wall - wall_one, 1e-9) / (new_tokens - 1), steps=new_tokens - 1)
+
+
+async def profile(args) -> list[ProfilePoint]:
+    rng = random.Random(args.seed)
+    points = []
+    async with SGLangClient(args.server, api_key=args.api_key, timeout_s=args.timeout_s) as client:
+        await client.wait_healthy(timeout_s=60)
+        await _idle_load(client)
+        await _timed_batch(client, [[1, 2, 3]], 2)  # warm-up: first-call costs stay out of the points
+        for n in args.batch_sizes:
+            for p in args.prompt_lens:
+                for _ in range(args.repeats):
+                    point = await measure_point(client, n, p, args.new_tokens, rng, args.max_token_id)
+                    print(f"  n={n:<4} prompt={p:<6} -> {point.step_s * 1e3:8.3f} ms/step "
+                          f"(mean batch {point.n:.1f}, {point.steps} steps)", flush=True)
+                    points.append(point)
+    return points
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
+    if args.repeats < 1 or args.max_token_id < 2:
+        parser.error("--repeats must be >= 1 and --max-token-id >= 2")
+    print(f"profiling {args.server}: n in {args.batch_sizes}, prompt lengths {args.prompt_lens}, "
+          f"{args.new_tokens} new tokens, {args.repeats} repeat(s)", flush=True)
+    try:
+        points = asyncio.run(profile(args))
+        model, rel_error = fit_cost_model(points)
+    except (SGLangError, ProfileError, ValueError) as e:
+        print(f"profile-engine: {e}", file=sys.stderr)
+        return 1
+    print(format_table(model, points))
+    print(f"fit relative error (rms): {rel_error:.2%}")
+    print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
+    model.save(Path(args.out), fit_rel_error=rel_error, points=[p.to_dict() for p in points], server=args.server,
+               new_tokens=args.new_tokens)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
