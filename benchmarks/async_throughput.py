@@ -33,6 +33,7 @@ fed the same setting (megatron-dapo simulate, issue 15).
     python benchmarks/async_throughput.py [--measure 3 --warmup S+1 --repeats 1 --batch 4 --n 4 --max-len 512]
         [--staleness 0 1 2 3] [--policies all_at_once greedy status_based]
         [--setting advanced rollout.routing.method=throughput_optimal ...] [--out results.json]
+    python benchmarks/async_throughput.py --report results.json   # the table of a saved run
 """
 
 from __future__ import annotations
@@ -267,6 +268,15 @@ def write_json(path: Path, args, results: list[Result]) -> None:
     tmp.replace(path)
 
 
+def read_json(path: Path) -> tuple[dict, list[Result]]:
+    """A saved run (`--out`): its settings and every result."""
+    doc = json.loads(path.read_text())
+    fields = {f for f in Result.__dataclass_fields__}
+    results = [Result(**{**{k: v for k, v in r.items() if k in fields}, "setting": Setting(**r["setting"])})
+               for r in doc["results"]]
+    return doc["settings"], results
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measure", type=int, default=3, help="measured steps per setting, after the warm-up")
@@ -285,7 +295,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", default="all_at_once", help="the set ratios are taken against")
     ap.add_argument("--out", type=Path, default=None, help="write every setting's numbers as JSON")
     ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
+    ap.add_argument("--report", type=Path, default=None, help="print the table of a saved --out file; run nothing")
     args = ap.parse_args(argv)
+    if args.report is not None:
+        saved, results = read_json(args.report)
+        print(table(results, saved.get("baseline", args.baseline)))
+        return 0
     if min(args.measure, args.repeats, args.warmup or 1) < 1:
         raise SystemExit(f"--measure {args.measure}, --repeats {args.repeats} and --warmup {args.warmup} must be >= 1")
     settings = build_settings(args.staleness, args.policies, args.setting)
