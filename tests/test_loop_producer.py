@@ -43,7 +43,8 @@ def _set_server_version(urls, version):
     asyncio.run(go())
 
 
-def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None, max_new_tokens=6, **kw):
+def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None, max_new_tokens=6,
+              router_kw=None, routers=None, **kw):
     from megatron_dapo.config.schema import OverlongBufferConfig
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rewards import RewardRunner
@@ -57,7 +58,13 @@ def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_s
         staleness=staleness, gen_batch_size=B, max_num_gen_batches=max_gen, filter_metric="acc",
         overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5), seed=sampling_seed, **kw,
     )
-    return RolloutProducer(lambda: Router(urls), ds, PromptSampler(len(ds), seed=seed),
+    def router():
+        r = Router(urls, **(router_kw or {}))
+        if routers is not None:
+            routers.append(r)
+        return r
+
+    return RolloutProducer(router, ds, PromptSampler(len(ds), seed=seed),
                            RewardRunner(default=reward, timeout_s=5), settings)
 
 
@@ -148,6 +155,83 @@ def test_seeded_producers_regenerate_the_same_batches(setup):
     assert [o for _, _, o in c[0]] != [o for _, _, o in a[0]]
 
 
+def _interrupt_until(urls, stop, pauses: int):
+    """Pause every server in abort mode every 0.3 s (what a sync that aborts requests does), `pauses` times."""
+    import asyncio
+
+    from megatron_dapo.rollout.client import SGLangClient
+
+    async def go():
+        clients = [SGLangClient(u) for u in urls]
+        try:
+            for _ in range(pauses):
+                if stop.wait(0.3):
+                    break
+                await asyncio.gather(*(c.pause_generation("abort") for c in clients))
+                await asyncio.gather(*(c.continue_generation() for c in clients))
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    asyncio.run(go())
+
+
+def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path):
+    """throughput_optimal routing (reserve_capability order) on the servers' polled /v1/loads, priority
+    queues (shortest first) and one request in flight per server, while both servers are paused in
+    abort mode every 0.3 s (the continuations re-enter the queues by version, ahead of new groups):
+    requests wait at the router (admission control) and still every group completes, none lost or
+    duplicated, and the seeded batches equal those of the default router on undisturbed servers."""
+    import threading
+
+    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+    from megatron_dapo.coordinator.load_poller import LoadPoller
+    from megatron_dapo.coordinator.queues import QueueConfig
+    from megatron_dapo.coordinator.routing import RoutingConfig
+    from megatron_dapo.coordinator.servers import ServerRegistry
+
+    ds, urls = setup
+    QWEN_7B_1GPU.save(tmp_path / "cost.json")
+    registry = ServerRegistry(urls, version=0)
+    advanced = dict(routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability",
+                                          cost_model=str(tmp_path / "cost.json")),
+                    queue=QueueConfig("priority", "short"), max_in_flight_per_server=1, registry=registry)
+
+    def run(router_kw, pauses, steps=2):
+        routers = []
+        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32, max_resubmits=50,
+                      router_kw=router_kw, routers=routers)
+        stop = threading.Event()
+        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
+        batches, resumes = [], 0
+        p.start()
+        t.start()
+        try:
+            for step in range(steps):
+                info = p.take_batch(step, timeout_s=300)
+                for g in info.groups:
+                    assert [s.index for s in g.samples] == [0, 1, 2, 3] and not any(s.aborted for s in g.samples)
+                batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
+                                for g in info.groups])
+                resumes += info.partial_resumes
+                if "registry" in router_kw:
+                    registry.publish_all(step + 1)  # the same weights, relabelled: V_traj moves on
+                p.set_version(step + 1)
+        finally:
+            stop.set()
+            t.join()
+            p.stop()
+        return batches, resumes, routers[0]
+
+    plain, _, _ = run({}, pauses=0)
+    with LoadPoller(registry, 0.05) as poller:
+        batches, resumes, router = run(advanced, pauses=1000)
+    draws = [d for batch in batches for d, _, _ in batch]
+    assert len(draws) == len(set(draws)) == 6
+    assert batches == plain
+    assert resumes > 0 and router.refusals > 0
+    assert all(n > 0 for n in poller.polls.values()) and all(r.load_time for r in registry.records_snapshot())
+
+
 def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     """Both servers paused in abort mode every 0.3 s while a seeded producer runs (what a sync that
     aborts requests does to it): with partial rollout the aborted samples continue from their tokens
@@ -160,27 +244,11 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
 
     ds, urls = setup
 
-    def interrupt_until(stop: threading.Event, pauses: int):
-        import asyncio
-
-        async def go():
-            clients = [SGLangClient(u) for u in urls]
-            try:
-                for _ in range(pauses):
-                    if stop.wait(0.3):
-                        break
-                    await asyncio.gather(*(c.pause_generation("abort") for c in clients))
-                    await asyncio.gather(*(c.continue_generation() for c in clients))
-            finally:
-                await asyncio.gather(*(c.aclose() for c in clients))
-
-        asyncio.run(go())
-
     def run(pauses, partial):
         p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32,
                       partial_rollout=partial, max_resubmits=50)
         stop = threading.Event()
-        t = threading.Thread(target=interrupt_until, args=(stop, pauses))
+        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
         out, resumes, regenerated = [], 0, 0
         p.start()
         t.start()
@@ -210,11 +278,23 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients))
 
+        async def decode_steps():  # the servers' own count of decode steps (cumulative, /v1/loads)
+            clients = [SGLangClient(u) for u in urls]
+            try:
+                loads = await asyncio.gather(*(c.get_loads() for c in clients))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+            return sum(x.decode_moments[0] for x in loads if x.decode_moments)
+
         make = lambda: _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32)
         p = make()
+        before = asyncio.run(decode_steps())
         p.start()
         try:
-            time.sleep(0.4)
+            # paused after a few tokens (not after a fixed time: on a loaded machine nothing may run yet)
+            deadline = time.monotonic() + 120
+            while asyncio.run(decode_steps()) < before + 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
             asyncio.run(admin("pause_generation", "abort"))
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -249,3 +329,4 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     assert batch == plain[0][0]
     assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
+

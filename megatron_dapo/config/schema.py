@@ -175,6 +175,32 @@ class SyncConfig:
 
 
 @dataclass
+class RoutingConfig:
+    """Which server takes each request (megatron_dapo.coordinator.routing); see README "Routing"."""
+
+    # least_outstanding: fewest requests in flight; request_num_balance: fewest sequences running +
+    # waiting, none above rollout.concurrency; throughput_optimal(_with_budget): largest marginal
+    # throughput by the cost model, admitted only if >= delta_throughput_threshold of an idle server's
+    method: Literal["least_outstanding", "request_num_balance", "throughput_optimal",
+                    "throughput_optimal_with_budget"] = "least_outstanding"
+    delta_throughput_threshold: float = 0.5  # throughput_optimal*: in [0, 1]
+    # throughput_optimal*: server groups tried in order: version (new requests newest version first,
+    # resumed ones oldest allowed first) or reserve_capability (the group's siblings' version first)
+    server_order: Literal["version", "reserve_capability"] = "version"
+    request_budget: int = 1024  # throughput_optimal_with_budget: generated tokens rounded up to this
+    cost_model: Optional[str] = None  # throughput_optimal*: JSON written by `megatron-dapo profile-engine`
+
+
+@dataclass
+class QueueConfig:
+    """The order requests wait in at the router (megatron_dapo.coordinator.queues)."""
+
+    # fifo: arrival order; priority: resumed trajectories by version (oldest first), new requests last
+    policy: Literal["fifo", "priority"] = "fifo"
+    order: Literal["id", "short", "long"] = "id"  # priority: inside a queue by arrival / fewest / most tokens
+
+
+@dataclass
 class LoadsConfig:
     """Each server's own load report (/v1/loads), kept in the coordinator's server registry."""
 
@@ -206,6 +232,8 @@ class RolloutConfig:
     # the weight version that made it. False = the aborted group is generated again from scratch.
     partial_rollout: bool = True
     sync: SyncConfig = field(default_factory=SyncConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+    queue: QueueConfig = field(default_factory=QueueConfig)
     loads: LoadsConfig = field(default_factory=LoadsConfig)
 
 

@@ -258,6 +258,32 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"rollout.sync.check_interval_ms={r.sync.check_interval_ms} must be > 0")
     if r.loads.interval_ms < 0:
         errors.append(f"rollout.loads.interval_ms={r.loads.interval_ms} must be >= 0 (0 = off)")
+    _check_routing(cfg, errors)
+
+
+def _check_routing(cfg: DapoConfig, errors: list[str]) -> None:
+    from megatron_dapo.coordinator.cost_model import CostModel
+    from megatron_dapo.coordinator.queues import QueueConfig
+    from megatron_dapo.coordinator.routing import RoutingConfig
+
+    routing, queue = cfg.rollout.routing, cfg.rollout.queue
+    for cls, section in ((RoutingConfig, routing), (QueueConfig, queue)):
+        try:
+            cls(**vars(section))
+        except ValueError as e:
+            errors.append(str(e))
+    if routing.method.startswith("throughput_optimal"):
+        if not routing.cost_model:
+            errors.append(f"rollout.routing.method={routing.method} needs rollout.routing.cost_model (the JSON "
+                          f"written by `megatron-dapo profile-engine`)")
+        else:
+            try:
+                CostModel.load(routing.cost_model)
+            except ValueError as e:
+                errors.append(f"rollout.routing.cost_model: {e}")
+    elif routing.cost_model:
+        errors.append(f"rollout.routing.cost_model is used only by throughput_optimal routing "
+                      f"(rollout.routing.method={routing.method})")
 
 
 def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:

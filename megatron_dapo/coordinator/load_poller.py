@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 # Poll period when rollout.loads.interval_ms is 0 but the routing policy needs the servers' loads.
 DEFAULT_INTERVAL_S = 0.2
-LOAD_ROUTING = ("throughput_optimal", "throughput_optimal_with_budget")
+LOAD_ROUTING = ("request_num_balance", "throughput_optimal", "throughput_optimal_with_budget")
 
 
 def poll_interval_s(rollout_cfg) -> float | None:

@@ -11,6 +11,16 @@ With a `registry` (megatron_dapo.coordinator.servers, per-server weight sync), a
 trajectory version `min_version` goes only to a server that is not syncing and holds a version
 >= min_version; when none does, it waits until the syncer publishes one.
 
+Every request enters a queue (megatron_dapo.coordinator.queues: `fifo`, or `priority` by
+trajectory version) and a dispatcher offers waiting requests to the routing policy
+(megatron_dapo.coordinator.routing: `least_outstanding`, `request_num_balance`,
+`throughput_optimal[_with_budget]`) over a view of the servers: version, health, requests in flight,
+and load (the registry's last load report plus what the router admitted since,
+coordinator/load_estimate.py). A request the policy refuses (admission control) waits; the
+dispatcher runs again when a request arrives or ends, a server's version, syncing or load report
+changes, or a server comes back. With the defaults (least_outstanding, fifo) every request is placed
+at once, as before.
+
     router = Router(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
     async with router:
         async for sample in router.generate_group(prompt_ids, SamplingParams(n=8), group_id="p17"):
@@ -23,10 +33,12 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from megatron_dapo.coordinator.dispatch import Dispatcher
+from megatron_dapo.coordinator.queues import QueueConfig
+from megatron_dapo.coordinator.routing import RouteRequest, RoutingConfig, ServerView, make_routing_policy
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams
 
@@ -50,6 +62,14 @@ class ServerState:
     slots: asyncio.Semaphore | None = None  # caps this server's in-flight /generate requests
 
 
+@dataclass(eq=False)
+class _Ticket:
+    """One attempt of a request, from the queue until the server answers (its key in the dispatcher)."""
+
+    future: asyncio.Future  # -> the ServerState it was placed on, or None: no healthy server at all
+    server: ServerState | None = None
+
+
 class Router:
     def __init__(
         self,
@@ -64,6 +84,9 @@ class Router:
         client_kwargs: dict | None = None,
         max_in_flight_per_server: int | None = None,
         registry=None,  # megatron_dapo.coordinator.servers.ServerRegistry
+        routing: RoutingConfig | None = None,
+        queue: QueueConfig | None = None,
+        cost_model=None,  # a CostModel instead of routing.cost_model's file (a simulator's)
     ):
         if not urls:
             raise ValueError("Router needs at least one server URL")
@@ -77,12 +100,12 @@ class Router:
         self.health_interval_s = health_interval_s
         self.max_attempts = max_attempts or 2 * len(self.servers) + 1
         self.wait_for_healthy_s = wait_for_healthy_s
-        self._sticky: OrderedDict[str, ServerState] = OrderedDict()
-        self._sticky_cap = sticky_groups
+        self._by_url = {s.url: s for s in self.servers}
         self._health_task: asyncio.Task | None = None
         self._healthy_event: asyncio.Event | None = None
         self.registry = registry
-        self._routable_event: asyncio.Event | None = None
+        self.policy = make_routing_policy(routing, max_in_flight_per_server, cost_model)
+        self.dispatcher = Dispatcher(self.policy, queue, sticky_groups=sticky_groups)
         self._listener = None
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -99,8 +122,8 @@ class Router:
             self._healthy_event.set()
             self._health_task = asyncio.create_task(self._health_loop())
         if self.registry is not None and self._listener is None:
-            loop, self._routable_event = asyncio.get_running_loop(), asyncio.Event()
-            self._listener = lambda: loop.call_soon_threadsafe(self._routable_event.set)
+            loop = asyncio.get_running_loop()
+            self._listener = lambda: loop.call_soon_threadsafe(self._dispatch)
             self.registry.add_listener(self._listener)
 
     async def aclose(self) -> None:
@@ -120,26 +143,75 @@ class Router:
     def healthy(self) -> list[ServerState]:
         return [s for s in self.servers if s.healthy]
 
-    def _routable(self, s: ServerState, min_version: int | None) -> bool:
-        return self.registry is None or self.registry.routable(s.url, min_version)
+    @property
+    def refusals(self) -> int:
+        """Times the policy kept a request waiting (admission control)."""
+        return self.dispatcher.refusals
 
-    def _pick(self, group_id: str | None, exclude: set[str], min_version: int | None = None) -> ServerState | None:
-        if group_id is not None:
-            s = self._sticky.get(group_id)
-            if s is not None and s.healthy and s.url not in exclude and self._routable(s, min_version):
-                self._sticky.move_to_end(group_id)
-                return s
-        usable = [s for s in self.healthy() if self._routable(s, min_version)]
-        candidates = [s for s in usable if s.url not in exclude] or usable
-        if not candidates:
-            return None
-        s = min(candidates, key=lambda x: (x.outstanding, x.completed))
-        if group_id is not None:
-            self._sticky[group_id] = s
-            self._sticky.move_to_end(group_id)
-            while len(self._sticky) > self._sticky_cap:
-                self._sticky.popitem(last=False)
-        return s
+    def _views(self) -> list[ServerView]:
+        """Each server as the policy sees it: health and the router's counts, plus the registry's
+        version, syncing and last load report when there is a registry."""
+        records = {r.url: r for r in self.registry.records_snapshot()} if self.registry is not None else {}
+        views = []
+        for s in self.servers:
+            v = ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed)
+            r = records.get(s.url)
+            if r is not None:
+                v = replace(v, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
+                            kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
+            views.append(v)
+        return views
+
+    def _dispatch(self) -> None:
+        """Place what the dispatcher can place now (no healthy server: the callers wait for one)."""
+        if not len(self.dispatcher):
+            return
+        out = self.dispatcher.dispatch(self._views(),
+                                       fail_unroutable=self.registry is None or not self.healthy())
+        for t, url in out.placed:
+            if t.future.done():  # its caller was cancelled before its _place could withdraw it
+                self.dispatcher.finished(t)
+                continue
+            s = t.server = self._by_url[url]
+            s.outstanding += 1
+            if self.registry is not None:
+                self.registry.request_started(url)
+            t.future.set_result(s)
+        for t in out.failed:
+            t.future.set_result(None)
+
+    def _release(self, t: _Ticket, generated: int) -> None:
+        s = t.server
+        s.outstanding -= 1
+        if self.registry is not None:
+            self.registry.request_ended(s.url)
+        self.dispatcher.finished(t, generated)
+        asyncio.get_running_loop().call_soon(self._dispatch)  # after the caller's own bookkeeping
+
+    async def _place(self, input_ids: Sequence[int], sequences: int, group_id: str | None,
+                     min_version: int | None, generated: int | None, validation: bool,
+                     tried: set[str]) -> _Ticket | None:
+        """Queue one attempt and wait until the dispatcher places it; None = no healthy server."""
+        req = RouteRequest(prompt_tokens=len(input_ids) - (generated or 0), generated_tokens=generated or 0,
+                           sequences=sequences, min_version=min_version if self.registry is not None else None,
+                           resumed=generated is not None, exclude=frozenset(tried))
+        t = _Ticket(asyncio.get_running_loop().create_future())
+        self.dispatcher.submit(t, req, group_id, v_traj=min_version or 0, validation=validation)
+        if self.registry is not None:
+            self.registry.waiting(min_version, +1)  # what status_based sync asks: work held for a server
+        placed = False
+        try:
+            self._dispatch()
+            placed = await t.future is not None
+            return t if placed else None
+        finally:
+            if self.registry is not None:
+                self.registry.waiting(min_version, -1)
+            if not placed:
+                if t.future.done() and not t.future.cancelled() and t.future.result() is not None:
+                    self._release(t, 0)  # placed just as the caller was cancelled
+                else:
+                    self.dispatcher.cancel(t)
 
     def _mark_failure(self, s: ServerState, err: Exception) -> None:
         s.failures += 1
@@ -160,6 +232,7 @@ class Router:
                         s.healthy, s.failures = True, 0
                         log.warning("server %s healthy again", s.url)
                         self._healthy_event.set()
+                        self._dispatch()
                 else:
                     s.health_passes = 0
 
@@ -173,43 +246,33 @@ class Router:
                                   f"after {self.wait_for_healthy_s}s") from None
 
     # ---- generation ----------------------------------------------------------------------------
-    async def _wait_routable(self, min_version: int | None) -> None:
-        """Until the syncer publishes a change (a server routable again, or holding a newer version)."""
-        self.registry.waiting(min_version, +1)
-        try:
-            await self._routable_event.wait()
-        finally:
-            self.registry.waiting(min_version, -1)
-
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams | None = None,
-                       group_id: str | None = None, rid: str | None = None,
-                       min_version: int | None = None) -> list[Sample]:
+    async def generate(self, input_ids: Sequence[int],
+                       sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                       group_id: str | None = None, rid: str | None = None, min_version: int | None = None,
+                       generated: int | None = None, validation: bool = False) -> list[Sample]:
         """One /generate (n samples in one request), with failover; returns when all n are done.
-        `min_version`: the request's V_traj (with a registry: only servers holding at least it)."""
+        `min_version`: the request's V_traj (with a registry: only servers holding at least it).
+        `generated`: set for a request that continues a trajectory (partial rollout): how many of
+        `input_ids` it generated so far (the rest is the prompt)."""
         sampling = sampling or SamplingParams()
+        sequences = sampling.n if isinstance(sampling, SamplingParams) else len(sampling)
         tried: set[str] = set()
         last_err: Exception | None = None
         attempt = 0
         while attempt < self.max_attempts:
             await self._wait_any_healthy()
-            if self._routable_event is not None:
-                self._routable_event.clear()
-            s = self._pick(group_id, tried, min_version)
-            if s is None:
-                if self.registry is not None and self.healthy():
-                    await self._wait_routable(min_version)
-                else:
-                    attempt += 1
+            t = await self._place(input_ids, sequences, group_id, min_version, generated, validation, tried)
+            if t is None:
+                attempt += 1
                 continue
-            n, attempt = attempt, attempt + 1
-            s.outstanding += 1
-            if self.registry is not None:
-                self.registry.request_started(s.url)
+            s, n, attempt = t.server, attempt, attempt + 1
+            produced = 0
             try:
                 async with s.slots or contextlib.nullcontext():
                     # A fresh rid per attempt: the failed server may still hold the old one.
                     samples = await s.client.generate(input_ids, sampling,
                                                       rid=f"{rid or uuid.uuid4().hex}-a{n}" if n else rid)
+                produced = sum(len(smp.output_ids) for smp in samples)
             except (SGLangConnectionError, SGLangHTTPError) as e:
                 if isinstance(e, SGLangHTTPError) and e.status is not None and e.status < 500:
                     raise
@@ -218,9 +281,7 @@ class Router:
                 self._mark_failure(s, e)
                 continue
             finally:
-                s.outstanding -= 1
-                if self.registry is not None:
-                    self.registry.request_ended(s.url)
+                self._release(t, produced)
             s.failures = 0
             s.completed += 1
             for smp in samples:

@@ -93,6 +93,8 @@ def _tolerant(fn):
 
 
 def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
+    from megatron_dapo.coordinator.queues import QueueConfig
+    from megatron_dapo.coordinator.routing import RoutingConfig
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.router import Router
 
@@ -115,7 +117,8 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
 
     def router():
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
-                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry)
+                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry,
+                      routing=RoutingConfig(**vars(r.routing)), queue=QueueConfig(**vars(r.queue)))
 
     return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
 

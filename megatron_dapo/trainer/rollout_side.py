@@ -305,8 +305,9 @@ class RolloutProducer:
 
         async def generate(input_ids, sampling):
             rid = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:6]}"
+            # a resumed trajectory: routing charges its generated tokens, priority queues order it by V_traj
             (piece,) = await router.generate(input_ids, sampling, group_id=sample.group_id, rid=rid,
-                                             min_version=v_traj)
+                                             min_version=v_traj, generated=len(input_ids) - len(sample.prompt_ids))
             return piece
 
         return await finish_partial(generate, sample, self._sampling(draw, sample.index), self.s.max_resubmits,
