@@ -311,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.rollout.launcher import launch_embedded_servers
     from megatron_dapo.runtime.distributed import destroy_distributed
     from megatron_dapo.runtime.net import LOOPBACK, free_port
+    from megatron_dapo.trainer.launch import exit_on_sigterm
 
+    exit_on_sigterm()  # a killed benchmark still stops its servers (they run in sessions of their own)
     torch.set_num_threads(1)  # many processes on few cores: no spinning intra-op threads
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": LOOPBACK,
                        "MASTER_PORT": str(free_port())})
