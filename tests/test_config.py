@@ -455,3 +455,34 @@ def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path, content, ex
     with pytest.raises(ConfigError) as err:
         load_config(path, validate=False)
     assert _one_line(err).startswith(str(path)) and expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["rollout.redundancy.extra_samples=-1"], "rollout.redundancy.extra_samples=-1 must be >= 0"),
+        (["rollout.redundancy.extra_prompts=-2"], "rollout.redundancy.extra_prompts=-2 must be >= 0"),
+        (["rollout.retry.threshold=0"], "rollout.retry.threshold=0 must be >= 1"),
+        (["rollout.retry.enabled=true", "algo.staleness=0"], "rollout.retry.enabled needs algo.staleness >= 1"),
+        (["rollout.migration.threshold=0.5"], "rollout.migration.threshold=0.5 must be >= 1"),
+        (["rollout.migration.stop_threshold=-1"], "rollout.migration.stop_threshold=-1.0 must be >= 0"),
+        (["rollout.migration.enabled=true", "rollout.partial_rollout=false"],
+         "rollout.migration.enabled needs rollout.partial_rollout"),
+        (["rollout.migration.enabled=true", "rollout.num_servers=1"],
+         "rollout.migration.enabled needs at least 2 rollout servers, got 1"),
+        (["rollout.migration.indicator=tokens"], "rollout.migration.indicator"),
+    ],
+)
+def test_rollout_coordination_switches_are_checked(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides)
+    assert expected in _one_line(err)
+
+
+def test_rollout_coordination_switches_load():
+    cfg = load_config(TINY, ["rollout.migration.enabled=true", "rollout.migration.indicator=throughput",
+                             "rollout.retry.enabled=true", "rollout.retry.threshold=2",
+                             "rollout.redundancy.extra_samples=2", "rollout.redundancy.extra_prompts=1"])
+    r = cfg.rollout
+    assert (r.migration.enabled, r.migration.indicator, r.retry.threshold) == (True, "throughput", 2)
+    assert (r.redundancy.extra_samples, r.redundancy.extra_prompts) == (2, 1)
