@@ -187,6 +187,8 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["algo.ppo_mini_batch_size=3"], "algo.ppo_mini_batch_size=3 does not divide algo.train_batch_size=8"),
         (["rollout.n_resp_per_prompt=1"], "algo.filter_groups.enable needs rollout.n_resp_per_prompt >= 2"),
         (["algo.staleness=-1"], "algo.staleness=-1 must be >= 0"),
+        (["algo.staleness_buffer_groups=16"], "algo.staleness_buffer_groups=16 must equal algo.train_batch_size=8"),
+        (["algo.staleness_buffer_groups=4"], "algo.staleness_buffer_groups=4 must equal algo.train_batch_size=8"),
         (["algo.overlong_buffer.len=32"], "algo.overlong_buffer.len=32 must be in (0, data.max_response_length=32)"),
         (["algo.max_tokens_per_micro_batch=50"], "algo.max_tokens_per_micro_batch=50 is below one full sequence"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
@@ -205,6 +207,12 @@ def test_cross_field_rules_name_the_keys(overrides, expected):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, overrides)
     assert expected in _one_line(err)
+
+
+def test_staleness_buffer_groups_is_the_step_batch():
+    """PSRL's staleness_buffer_entries: one buffer is one training step's batch (null = train_batch_size)."""
+    assert load_config(TINY, []).algo.staleness_buffer_groups is None
+    assert load_config(TINY, ["algo.staleness_buffer_groups=8"]).algo.staleness_buffer_groups == 8
 
 
 @pytest.mark.parametrize(
