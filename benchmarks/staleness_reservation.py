@@ -11,6 +11,10 @@ servers hold the next version (all at once). Two policies in the same run:
   version v; completed groups queue FIFO; at take time a group dispatched more than s versions
   ago is thrown away (`groups/dropped_stale`) and its generation time is wasted;
 - `reserve`: `megatron_dapo.coordinator.StalenessController` with the same s;
+- `remedy` (only with `--extra-prompts E` and/or `--retry T`): `reserve` plus prompt-level redundancy
+  (B + E reservations per buffer, the surplus aborted when a buffer fills) and/or the proactive
+  filter (megatron_dapo.coordinator.retry, threshold T, applied while the trainer waits); an aborted
+  group frees its server slot at once, and the generation time it had spent is counted as wasted;
 - `psrl` (only with `--psrl-src DIR`, a checkout of github.com/Somoku/psrl): PSRL's own
   `StalenessInventory` (psrl/workers/ps/staleness_controller.py, imported unmodified; only its logger
   and a type alias are stubbed), called as PSRL's manager calls it, as the reference for `reserve`.
@@ -20,6 +24,7 @@ staleness, the share of generation time spent on discarded groups, mean stalenes
 groups, and the trainer's idle share.
 
     python benchmarks/staleness_reservation.py [--steps 300 --batch 32 --train-s 2 --capacity 0 --max-time 0 --seeds 3]
+        [--extra-prompts E] [--retry T]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from megatron_dapo.coordinator import StalenessController
+from megatron_dapo.coordinator.retry import ProactiveRetry
 
 
 class PsrlSlots:
@@ -111,12 +117,17 @@ class Result:
 
 
 def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float, p_drop: float, sigma: float,
-             seed: int, capacity: int = 0, max_time: float = 0.0, psrl_src: str = "") -> Result:
+             seed: int, capacity: int = 0, max_time: float = 0.0, psrl_src: str = "", extra_prompts: int = 0,
+             retry: int = 0) -> Result:
     rng = random.Random(seed)
     now, version, draw = 0.0, 0, 0
     events: list = []  # (time, kind, payload)
+    remedy = policy == "remedy"
     slots = (PsrlSlots(psrl_src, batch, staleness) if policy == "psrl"
-             else StalenessController(batch, staleness, clock=lambda: now))
+             else StalenessController(batch, staleness, clock=lambda: now, extra=extra_prompts if remedy else 0))
+    retry_policy = ProactiveRetry(retry, clock=lambda: now) if remedy and retry else None
+    started: dict[int, float] = {}  # remedy: draw -> when its generation started
+    aborted: set[int] = set()  # remedy: groups given up (their completion events are ignored)
     reserving = policy != "discard"
     fifo: deque = deque()  # discard: completed groups (draw, V_traj, gen time)
     queue: deque = deque()  # dispatched groups waiting for a free server slot
@@ -131,8 +142,21 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
         while queue and (capacity == 0 or running < capacity):
             d, v, duration, dropped = queue.popleft()
             running += 1
+            started[d] = now
             heapq.heappush(events, (now + duration, 1, (d, v, duration, dropped)))
 
+    def abort(keys):
+        """Give up groups: a queued one leaves the queue, a running one frees its server slot now."""
+        nonlocal running, in_flight, gen_time, wasted
+        for k in keys:
+            aborted.add(k)
+            in_flight -= 1
+            if k in started:
+                running -= 1
+                gen_time += now - started[k]
+                wasted += now - started[k]
+            else:
+                queue.remove(next(q for q in queue if q[0] == k))
     def dispatch():
         nonlocal draw, in_flight
         if reserving:
@@ -158,6 +182,10 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
         if step >= steps or version != step:
             return
         if reserving:
+            if retry_policy is not None:
+                out = retry_policy.apply(slots, trainer_waiting=True)
+                if out is not None:
+                    abort(out.aborted + slots.take_dropped())
             if not slots.ready():
                 return
             taken = slots.consume()
@@ -184,6 +212,13 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
             version += 1
         else:
             d, v, duration, dropped = payload
+            if d in aborted:
+                aborted.discard(d)
+                started.pop(d, None)
+                try_take()
+                dispatch()
+                continue
+            started.pop(d, None)
             in_flight -= 1
             running -= 1
             gen_time += duration
@@ -192,6 +227,8 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
                     slots.release(d)
             elif reserving:
                 slots.occupy(d, (d, v, duration))
+                if remedy:
+                    abort(slots.take_dropped())
             else:
                 fifo.append((d, v, duration))
         try_take()
@@ -211,16 +248,20 @@ def main():
                     help="cap on a group's generation time, in median times (max_response_length; 0 = none)")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--psrl-src", default="", help="a PSRL checkout: adds PSRL's own controller as policy `psrl`")
+    ap.add_argument("--extra-prompts", type=int, default=0, help="policy `remedy`: redundant reservations per buffer")
+    ap.add_argument("--retry", type=int, default=0, help="policy `remedy`: proactive filter threshold (0 = off)")
     args = ap.parse_args()
     print(f"B={args.batch} steps={args.steps} train={args.train_s} p_drop={args.p_drop} sigma={args.sigma} "
-          f"capacity={args.capacity} max_time={args.max_time} seeds={args.seeds}")
+          f"capacity={args.capacity} max_time={args.max_time} seeds={args.seeds} "
+          f"extra_prompts={args.extra_prompts} retry={args.retry}")
+    remedy = ("remedy",) if args.extra_prompts or args.retry else ()
     print("| s | policy | groups/s | x discard | discarded | wasted gen % | mean staleness | trainer busy % |")
     print("|---|---|---|---|---|---|---|---|")
     for s in (0, 1, 2, 3):
         rows, trained_at = {}, {}
-        for policy in ("discard", "reserve") + (("psrl",) if args.psrl_src else ()):
+        for policy in ("discard", "reserve") + remedy + (("psrl",) if args.psrl_src else ()):
             rs = [simulate(policy, s, args.batch, args.steps, args.train_s, args.p_drop, args.sigma, seed,
-                           args.capacity, args.max_time, args.psrl_src)
+                           args.capacity, args.max_time, args.psrl_src, args.extra_prompts, args.retry)
                   for seed in range(args.seeds)]
             trained_at[policy] = [r.trained_at for r in rs]
             rows[policy] = (sum(r.trained / r.time for r in rs) / len(rs), sum(r.discarded for r in rs) / len(rs),

@@ -203,6 +203,8 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["algo.ppo_mini_batch_size=3"], "algo.ppo_mini_batch_size=3 does not divide algo.train_batch_size=8"),
         (["rollout.n_resp_per_prompt=1"], "algo.filter_groups.enable needs rollout.n_resp_per_prompt >= 2"),
         (["algo.staleness=-1"], "algo.staleness=-1 must be >= 0"),
+        (["algo.staleness_buffer_groups=16"], "algo.staleness_buffer_groups=16 must equal algo.train_batch_size=8"),
+        (["algo.staleness_buffer_groups=4"], "algo.staleness_buffer_groups=4 must equal algo.train_batch_size=8"),
         (["algo.overlong_buffer.len=32"], "algo.overlong_buffer.len=32 must be in (0, data.max_response_length=32)"),
         (["algo.max_tokens_per_micro_batch=50"], "algo.max_tokens_per_micro_batch=50 is below one full sequence"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
@@ -221,6 +223,12 @@ def test_cross_field_rules_name_the_keys(overrides, expected):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, overrides)
     assert expected in _one_line(err)
+
+
+def test_staleness_buffer_groups_is_the_step_batch():
+    """PSRL's staleness_buffer_entries: one buffer is one training step's batch (null = train_batch_size)."""
+    assert load_config(TINY, []).algo.staleness_buffer_groups is None
+    assert load_config(TINY, ["algo.staleness_buffer_groups=8"]).algo.staleness_buffer_groups == 8
 
 
 @pytest.mark.parametrize(
@@ -463,3 +471,34 @@ def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path, content, ex
     with pytest.raises(ConfigError) as err:
         load_config(path, validate=False)
     assert _one_line(err).startswith(str(path)) and expected in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["rollout.redundancy.extra_samples=-1"], "rollout.redundancy.extra_samples=-1 must be >= 0"),
+        (["rollout.redundancy.extra_prompts=-2"], "rollout.redundancy.extra_prompts=-2 must be >= 0"),
+        (["rollout.retry.threshold=0"], "rollout.retry.threshold=0 must be >= 1"),
+        (["rollout.retry.enabled=true", "algo.staleness=0"], "rollout.retry.enabled needs algo.staleness >= 1"),
+        (["rollout.migration.threshold=0.5"], "rollout.migration.threshold=0.5 must be >= 1"),
+        (["rollout.migration.stop_threshold=-1"], "rollout.migration.stop_threshold=-1.0 must be >= 0"),
+        (["rollout.migration.enabled=true", "rollout.partial_rollout=false"],
+         "rollout.migration.enabled needs rollout.partial_rollout"),
+        (["rollout.migration.enabled=true", "rollout.num_servers=1"],
+         "rollout.migration.enabled needs at least 2 rollout servers, got 1"),
+        (["rollout.migration.indicator=tokens"], "rollout.migration.indicator"),
+    ],
+)
+def test_rollout_coordination_switches_are_checked(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, overrides)
+    assert expected in _one_line(err)
+
+
+def test_rollout_coordination_switches_load():
+    cfg = load_config(TINY, ["rollout.migration.enabled=true", "rollout.migration.indicator=throughput",
+                             "rollout.retry.enabled=true", "rollout.retry.threshold=2",
+                             "rollout.redundancy.extra_samples=2", "rollout.redundancy.extra_prompts=1"])
+    r = cfg.rollout
+    assert (r.migration.enabled, r.migration.indicator, r.retry.threshold) == (True, "throughput", 2)
+    assert (r.redundancy.extra_samples, r.redundancy.extra_prompts) == (2, 1)

@@ -278,11 +278,23 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients))
 
+        async def decode_steps():  # the servers' own count of decode steps (cumulative, /v1/loads)
+            clients = [SGLangClient(u) for u in urls]
+            try:
+                loads = await asyncio.gather(*(c.get_loads() for c in clients))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in clients))
+            return sum(x.decode_moments[0] for x in loads if x.decode_moments)
+
         make = lambda: _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32)
         p = make()
+        before = asyncio.run(decode_steps())
         p.start()
         try:
-            time.sleep(0.4)
+            # paused after a few tokens (not after a fixed time: on a loaded machine nothing may run yet)
+            deadline = time.monotonic() + 120
+            while asyncio.run(decode_steps()) < before + 3 and time.monotonic() < deadline:
+                time.sleep(0.02)
             asyncio.run(admin("pause_generation", "abort"))
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
@@ -318,3 +330,105 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     assert partial[0] == plain[0] and partial[1] > 0 and partial[2] == 0
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
 
+
+def test_redundancy_retry_and_migration_together_lose_nothing(setup):
+    """Every rollout-coordination switch on, against the two real servers: sample- and prompt-level
+    redundancy, the proactive filter and migration (on the servers' own KV use from /v1/loads,
+    thresholds low enough that it fires whenever one server is idle). Each batch has B groups of
+    exactly n finished samples, within the staleness bound, each token's weight version between the
+    group's V_traj and the step; every prompt drawn is trained, waiting, in flight, dropped by
+    dynamic sampling or aborted (counted), never twice."""
+    from collections import Counter
+
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+    from megatron_dapo.trainer.groups import token_versions
+
+    ds, urls = setup
+    _set_server_version(urls, 0)  # earlier tests leave the servers labelled with later versions
+    B, n, staleness, steps = 3, 4, 1, 4
+    p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
+                  extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
+                  migration=MigrationPolicyConfig(indicator="kv_cache", threshold=1.0, stop_threshold=1))
+    trained, counts = [], Counter()
+    p.start()
+    try:
+        for step in range(steps):
+            info = p.take_batch(step, timeout_s=300)
+            counts.update(info.coordination)
+            assert len(info.groups) == B
+            for g in info.groups:
+                assert [s.index for s in g.samples] == list(range(n)) and len(g.accs) == n
+                assert not any(s.aborted for s in g.samples)
+                assert 0 <= step - g.v_traj <= staleness and step - g.min_version <= staleness
+                for s in g.samples:
+                    versions = token_versions(s)
+                    assert len(versions) == len(s.output_ids) == len(s.logprobs)
+                    assert versions == sorted(versions) and all(g.v_traj <= v <= step for v in versions)
+                trained.append(g.draw)
+            _set_server_version(urls, step + 1)
+            p.set_version(step + 1)
+        with p._cv:  # a consistent snapshot of the running producer (stopping cancels what is in flight)
+            waiting = [g.draw for g in p.buffer]
+            in_flight = list(p.flight)
+            drawn = p.sampler.epoch * p.sampler.size + p.sampler.offset
+            totals = dict(p.totals)
+        state = p.state_dict()
+    finally:
+        p.stop()
+    # a checkpoint keeps the groups in flight (with their n + 2 partial answers) and the wider buffers
+    q = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, extra_samples=2, extra_prompts=2)
+    q.load_state_dict(state)
+    assert q.slots.capacity == B + 2 and sorted(q.flight) == sorted(f["draw"] for f in state["in_flight"])
+    assert all(f.samples is None or len(f.samples) == n + 2 for f in q.flight.values())
+    assert len(trained) == len(set(trained)) == steps * B and not set(trained) & set(waiting)
+    accounted = (len(trained) + len(waiting) + len(in_flight) + totals.get("dropped", 0)
+                 + totals.get("aborted_surplus", 0) + totals.get("aborted_retry", 0))
+    assert accounted == drawn, (accounted, drawn, totals, counts)
+    print("coordination counts:", dict(counts), "totals:", totals)
+    assert counts["samples_aborted_surplus"] > 0  # n + 2 sent, n kept
+    assert counts["migrations"] > 0 and counts["requests_migrated"] > 0
+
+
+def test_router_aborts_one_group_or_every_request_of_a_server(setup):
+    """The router knows which rids run where: abort_group ends only that group's requests (they answer
+    finish_reason abort with the tokens so far), migrate_from every request on one server and unpins
+    its groups. Requests ignore EOS, so none can finish on its own within the test."""
+    import asyncio
+
+    from megatron_dapo.rollout.client import SGLangClient
+    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.rollout.types import SamplingParams
+
+    ds, urls = setup
+    prompt = list(ds[0].prompt_ids)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
+
+    async def on_servers(clients) -> int:
+        loads = [await c.get_loads() for c in clients]
+        return sum(load.running + load.waiting for load in loads)
+
+    async def go():
+        clients = [SGLangClient(u) for u in urls]
+        try:
+            async with Router(urls) as router:
+                a = asyncio.ensure_future(router.generate(prompt, [sp, sp], group_id="ga", rid="ga"))
+                b = asyncio.ensure_future(router.generate(prompt, [sp], group_id="gb", rid="gb"))
+                for _ in range(500):
+                    if await on_servers(clients) == 3:
+                        break
+                    await asyncio.sleep(0.02)
+                assert await router.abort_group("ga") == 2
+                out_a = await asyncio.wait_for(a, 60)
+                assert [s.finish_reason for s in out_a] == ["abort", "abort"]
+                assert all(len(s.output_ids) < 400 for s in out_a)
+                assert not b.done() and await on_servers(clients) == 1
+                where_b = router.dispatcher.sticky("gb")
+                assert router.running_on(where_b) == 1
+                assert await router.migrate_from(where_b) == 1 and router.dispatcher.sticky("gb") is None
+                (out_b,) = await asyncio.wait_for(b, 60)
+                assert out_b.finish_reason == "abort" and len(out_b.output_ids) < 400
+                assert router.running_on(where_b) == 0
+        finally:
+            await asyncio.gather(*(c.aclose() for c in clients))
+
+    asyncio.run(go())

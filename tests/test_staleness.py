@@ -89,16 +89,23 @@ def test_restore_checks_the_bound_and_the_slot():
     assert [item for _, _, item in c.occupied_items()] == ["E", "A"]  # the earliest slot: (3, 0)
 
 
-def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop: float, lazy: bool = False):
+def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop: float, lazy: bool = False,
+              extra: int = 0, retry: int = 0):
     """One run of the protocol: a producer that dispatches whenever it may (`lazy`: only some of the
     groups it may, as a producer short of prompts or server room does), groups that complete in a
     random order (some dropped by dynamic sampling), a trainer that consumes ready buffers and syncs
-    weights at random times. Checks every invariant along the way."""
+    weights at random times. `extra`: redundant slots per buffer (surplus groups dropped by the
+    controller); `retry`: the proactive filter's threshold (0 = off), applied whenever the trainer
+    waits. Checks every invariant along the way."""
+    from megatron_dapo.coordinator.retry import ProactiveRetry
+
     clock = FakeClock()
-    c = StalenessController(slots, staleness, clock=clock)
+    c = StalenessController(slots, staleness, clock=clock, extra=extra)
+    policy = ProactiveRetry(retry, clock) if retry else None
     version, draw = 0, 0
     in_flight: dict[int, int] = {}  # draw -> V_traj
-    dispatched, dropped, kept, trained = [], set(), set(), []
+    dispatched, dropped, kept, trained, given_up = [], set(), set(), [], set()
+    planned: dict[int, int] = {}  # completed draw -> the buffer it occupied
     while c.next_buffer < steps:
         n = c.reservable(version)
         for _ in range(rng.randint(0 if in_flight else min(n, 1), n) if lazy else n):
@@ -110,10 +117,13 @@ def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop
         actions = []
         if in_flight:
             actions += ["complete"] * 3
-        if c.ready() and version == c.next_buffer:
+        waiting = version == c.next_buffer  # the trainer holds the newest weights: it waits for data
+        if c.ready() and waiting:
             actions.append("consume")
         if version < c.next_buffer:  # a step trained: its weights reach the servers at some point
             actions.append("sync")
+        if policy is not None and policy.should_retry(c, waiting):
+            actions += ["retry"] * 2
         assert actions, "deadlock: nothing in flight, nothing to train, nothing to sync"
         act = rng.choice(actions)
         if act == "complete":
@@ -123,25 +133,48 @@ def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop
                 c.release(key)
                 dropped.add(key)
             else:
+                reserved_in = c.where[key][0]
                 b, _ = c.occupy(key, (key, v_traj, version))  # tokens come from versions in [V_traj, version]
-                assert b <= v_traj + staleness
+                assert b <= reserved_in <= v_traj + staleness
+                planned[key] = b
                 kept.add(key)
+            for k in c.take_dropped():  # surplus reservations of a buffer that just filled
+                assert extra > 0
+                in_flight.pop(k)
+                given_up.add(k)
+        elif act == "retry":
+            out = policy.apply(c, waiting)
+            assert c.ready() and out.buffer == c.next_buffer and len(out.moved) == out.gap
+            for k in out.aborted:
+                in_flight.pop(k)
+                given_up.add(k)
+            for k in out.moved:
+                assert c.where[k][0] < planned[k]  # moved down: trained earlier, staleness only drops
+                planned[k] = c.where[k][0]
         elif act == "consume":
             b = c.next_buffer
             items = c.consume()
             assert len(items) == slots  # every buffer fills
             for key, v_traj, _ in items:
-                assert b - v_traj <= staleness  # the bound, worst token included (all >= V_traj)
+                assert 0 <= b - v_traj <= staleness  # the bound, worst token included (all >= V_traj)
                 trained.append(key)
         else:
             version += 1
+        # slot invariants: every placed key is where the controller says; reservations are exactly
+        # the groups in flight; no buffer holds more than `slots` completed groups
+        assert {k for k, (b, i) in c.where.items() if c.buffers[b][i].key == k} == set(c.where)
+        assert {k for k, (b, i) in c.where.items() if c.buffers[b][i].state == RESERVED} == set(in_flight)
+        assert all(sum(s.state == OCCUPIED for s in buf) <= slots and len(buf) == slots + extra
+                   for buf in c.buffers.values())
         clock.t += rng.random()
-    waiting = [item[0] for _, _, item in c.occupied_items()]
-    # no prompt lost or duplicated; nothing completed was discarded
+    waiting_items = [item[0] for _, _, item in c.occupied_items()]
+    # no prompt lost or duplicated; nothing completed was discarded except surplus / given-up groups
     assert len(trained) == len(set(trained)) == steps * slots
-    assert sorted(trained + waiting + list(in_flight) + sorted(dropped)) == dispatched
-    assert kept == set(trained) | set(waiting)
-    return len(dropped)
+    assert sorted(trained + waiting_items + list(in_flight) + sorted(dropped) + sorted(given_up)) == dispatched
+    assert kept == set(trained) | set(waiting_items)
+    if not extra and not retry:
+        assert not given_up
+    return {"dropped": len(dropped), "given_up": len(given_up), "retries": len(policy.history) if policy else 0}
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -151,8 +184,25 @@ def test_property_bound_kept_and_nothing_lost(staleness, lazy):
     for seed in range(40):
         rng = random.Random(1000 * staleness + seed)
         total_dropped += _simulate(rng, slots=rng.randint(1, 6), staleness=staleness, steps=rng.randint(3, 12),
-                                   p_drop=rng.choice([0.0, 0.3, 0.7]), lazy=lazy)
+                                   p_drop=rng.choice([0.0, 0.3, 0.7]), lazy=lazy)["dropped"]
     assert total_dropped > 0  # dynamic sampling was exercised
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 2, 3])
+def test_property_with_redundant_slots_and_proactive_retry(staleness):
+    """The same invariants with surplus reservations per buffer and the proactive filter on: the bound
+    holds, every buffer trains exactly B groups, and every dispatched prompt is trained, waiting, in
+    flight, dropped by dynamic sampling, or given up (surplus / retried) -- never lost or twice."""
+    given_up = retries = 0
+    for seed in range(40):
+        rng = random.Random(7000 + 1000 * staleness + seed)
+        out = _simulate(rng, slots=rng.randint(1, 6), staleness=staleness, steps=rng.randint(3, 12),
+                        p_drop=rng.choice([0.0, 0.3]), lazy=rng.random() < 0.5,
+                        extra=rng.choice([0, 1, 3]), retry=rng.choice([0, 1, 2, 4]))
+        given_up, retries = given_up + out["given_up"], retries + out["retries"]
+    assert given_up > 0
+    if staleness > 0:
+        assert retries > 0  # the proactive filter was exercised (it needs later buffers)
 
 
 def _piece(out, version, reason, spans=(), prompt=(1, 2)):

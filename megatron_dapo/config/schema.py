@@ -116,6 +116,11 @@ class AlgoConfig:
     # max weight versions a consumed sample may lag; 0 = synchronous on-policy. Enforced by reserving a
     # slot in a buffer <= V_traj + staleness at dispatch (megatron_dapo.coordinator.staleness): never discarded.
     staleness: int = 3
+    # Group slots of each staleness buffer (PSRL's psrl.staleness_buffer_entries); None = train_batch_size.
+    # In PSRL a buffer is one training batch: the trainer consumes one full buffer per weight version, and
+    # psrl.data.train_batch_size only sizes data loading. So here it must equal train_batch_size; a buffer
+    # with more slots than the batch is PSRL's batch-level redundancy (rollout.redundancy.extra_prompts).
+    staleness_buffer_groups: Optional[int] = None
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     # Must be 0: DAPO removes the KL term (arXiv:2503.14476, sec. 2.3), so there is no reference policy.
     kl_coef: float = 0.0
@@ -167,6 +172,41 @@ class SyncConfig:
     threshold: float = 0.0  # status_based: sync a lagging server when its indicator is <= this
     check_interval_ms: float = 100.0  # greedy / status_based: how often the servers are examined
     check_req_before_sync: bool = True  # status_based: not while the router holds requests it could serve
+
+
+@dataclass
+class MigrationConfig:
+    """Request migration (megatron_dapo.coordinator.migration): when a server is starved, abort every
+    request of the most loaded one; partial rollout continues them on the least loaded servers.
+    Checked every rollout.sync.check_interval_ms. Needs partial_rollout and at least two servers."""
+
+    enabled: bool = False
+    # load measure compared as a ratio busy / starved: request_num (running + waiting), throughput
+    # (generated tokens/s) or kv_cache (fraction of KV in use; the last two read /v1/loads)
+    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
+    threshold: float = 5.0  # migrate when the ratio is above this
+    stop_indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
+    stop_threshold: float = 10.0  # ... and the busy server's stop_indicator is at least this
+
+
+@dataclass
+class RetryConfig:
+    """Proactive filtering (megatron_dapo.coordinator.retry): when the trainer waits on a buffer at most
+    `threshold` groups short and later buffers hold enough completed groups, give up its in-flight
+    groups, move completed ones down from the newest later buffers, dispatch fresh prompts.
+    Needs algo.staleness >= 1 (there are no later buffers at 0)."""
+
+    enabled: bool = False
+    threshold: int = 4  # largest gap (groups) the filter closes
+
+
+@dataclass
+class RedundancyConfig:
+    """Redundant rollout: over-provision, keep the first to finish, abort the rest (cuts tail latency,
+    but biases towards short responses; see README "Rollout coordination")."""
+
+    extra_samples: int = 0  # generate n + this samples per group, keep the first n to finish
+    extra_prompts: int = 0  # up to train_batch_size + this groups in flight per staleness buffer
 
 
 @dataclass
@@ -227,6 +267,9 @@ class RolloutConfig:
     # the weight version that made it. False = the aborted group is generated again from scratch.
     partial_rollout: bool = True
     sync: SyncConfig = field(default_factory=SyncConfig)
+    migration: MigrationConfig = field(default_factory=MigrationConfig)
+    retry: RetryConfig = field(default_factory=RetryConfig)
+    redundancy: RedundancyConfig = field(default_factory=RedundancyConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     queue: QueueConfig = field(default_factory=QueueConfig)
     loads: LoadsConfig = field(default_factory=LoadsConfig)

@@ -137,6 +137,12 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"algo.gen_batch_size={a.gen_batch_size} must be >= 1 or null")
     if a.staleness < 0:
         errors.append(f"algo.staleness={a.staleness} must be >= 0 (0 = synchronous)")
+    if a.staleness_buffer_groups is not None and a.staleness_buffer_groups != a.train_batch_size:
+        errors.append(
+            f"algo.staleness_buffer_groups={a.staleness_buffer_groups} must equal algo.train_batch_size="
+            f"{a.train_batch_size} (or be null): a staleness buffer is one training step's batch, as in PSRL; "
+            f"more groups in flight than the batch is batch-level redundancy (rollout.redundancy.extra_prompts, issue 15)"
+        )
     if a.kl_coef != 0:
         errors.append(
             f"algo.kl_coef={a.kl_coef} is not supported: DAPO removes the KL penalty (Yu et al. 2025, "
@@ -252,7 +258,33 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"rollout.sync.check_interval_ms={r.sync.check_interval_ms} must be > 0")
     if r.loads.interval_ms < 0:
         errors.append(f"rollout.loads.interval_ms={r.loads.interval_ms} must be >= 0 (0 = off)")
+    _check_rollout_coordination(cfg, errors)
     _check_routing(cfg, errors)
+
+
+def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:
+    """rollout.migration / retry / redundancy: each switch only where it can act."""
+    r = cfg.rollout
+    for key in ("extra_samples", "extra_prompts"):
+        if getattr(r.redundancy, key) < 0:
+            errors.append(f"rollout.redundancy.{key}={getattr(r.redundancy, key)} must be >= 0 (0 = off)")
+    if r.retry.threshold < 1:
+        errors.append(f"rollout.retry.threshold={r.retry.threshold} must be >= 1")
+    if r.retry.enabled and cfg.algo.staleness < 1:
+        errors.append("rollout.retry.enabled needs algo.staleness >= 1: it moves completed groups down from "
+                      "later staleness buffers, and at staleness 0 there are none")
+    m = r.migration
+    if m.threshold < 1:
+        errors.append(f"rollout.migration.threshold={m.threshold} must be >= 1 (a load ratio)")
+    if m.stop_threshold < 0:
+        errors.append(f"rollout.migration.stop_threshold={m.stop_threshold} must be >= 0")
+    if m.enabled:
+        if not r.partial_rollout:
+            errors.append("rollout.migration.enabled needs rollout.partial_rollout: migrated requests "
+                          "continue from their tokens on another server")
+        servers = len(r.servers) if r.servers else r.num_servers
+        if servers < 2:
+            errors.append(f"rollout.migration.enabled needs at least 2 rollout servers, got {servers}")
 
 
 def _check_routing(cfg: DapoConfig, errors: list[str]) -> None:

@@ -1,12 +1,15 @@
-"""The rollout coordinator's policies: staleness by reservation, partial rollout, per-server sync
-decisions and the registry of each server's weight version (servers.py).
+"""The rollout coordinator's policies: staleness by reservation (with redundant slots), partial
+rollout, per-server sync decisions, the registry of each server's weight version (servers.py), the
+proactive filter (retry.py) and request migration (migration.py).
 
 Plain classes and pure functions with an injectable clock and no I/O, so that the async producer
 (megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
 """
 
+from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
 from megatron_dapo.coordinator.partial import continuation_sampling, finish_partial, merge_continuation
+from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import StalenessController, StalenessError
 
-__all__ = ["StalenessController", "StalenessError", "continuation_sampling", "finish_partial",
-           "merge_continuation"]
+__all__ = ["MigrationPolicy", "MigrationPolicyConfig", "ProactiveRetry", "StalenessController", "StalenessError",
+           "continuation_sampling", "finish_partial", "merge_continuation"]

@@ -42,19 +42,34 @@ the same step as here except a few when two reservations of one buffer tie (see 
   so when several reservations of one buffer may move, the one moved can differ from PSRL's),
   per-trajectory reservations joined into a group entry (`request_idx` lists; here a group is
   reserved and dispatched whole), and buffers larger than the batch (`READY_WITH_CAPACITY`, used
-  only by redundant rollout, issue 15).
+  only by redundant rollout: here `extra` slots per buffer, see below).
 The cost of the guarantee is the same in both: with a heavy-tailed length distribution a buffer
 waits for its slowest group of version b - s, and with every slot <= V + s taken nothing else may be
 dispatched. PSRL does not fix that in the controller but around it (issue 15): redundant rollout
 (B' > B prompts or N' > N samples, the surplus aborted; its docs: "cut tail latency") and the
 proactive filter `retry` on a STUCK buffer; migration helps only when a server, not a response, is slow.
+
+Both are supported here:
+- prompt-level redundancy (`extra` > 0, PSRL's `redundant_global_batch_size` B' = B + extra): a
+  buffer has B + extra slots and is ready once B of them are occupied, so up to B + extra groups
+  per buffer may be in flight and the B first to complete fill it. When a buffer fills, its
+  remaining reservations move to the highest later buffer within their bound that has room (their
+  worst case, as `reserve` picks; PSRL: "redundant rollout becomes useful"), or are dropped (PSRL
+  aborts them once every buffer of their bound is ready): the caller aborts those groups
+  (`take_dropped`). So a full buffer never holds a reservation, and `occupy` still never places a
+  group later than it reserved. A dropped group's prompt counts as drawn, like one filtered by
+  dynamic sampling. With extra = 0 nothing of this happens: a full buffer holds no reservation.
+- the proactive filter (`abort_reserved` then `move_down`): the trainer waits on the next buffer,
+  a few slots short; its in-flight groups are given up and completed groups of the newest later
+  buffers move down into it. A moved group is trained earlier than planned, so its staleness only
+  drops; the slots it leaves are free for fresh prompts.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 EMPTY, RESERVED, OCCUPIED = "empty", "reserved", "occupied"
@@ -81,25 +96,37 @@ class StalenessController:
     """
 
     def __init__(self, slots: int, staleness: int, clock: Callable[[], float] = time.monotonic,
-                 next_buffer: int = 0):
+                 next_buffer: int = 0, extra: int = 0):
         if slots < 1:
             raise ValueError(f"staleness buffers need at least one slot, got {slots}")
         if staleness < 0:
             raise ValueError(f"staleness must be >= 0, got {staleness}")
+        if extra < 0:
+            raise ValueError(f"extra (redundant) slots must be >= 0, got {extra}")
         self.slots, self.staleness, self.clock = slots, staleness, clock
+        self.extra = extra
+        self.capacity = slots + extra  # slots per buffer; `slots` occupied make it ready
         self.next_buffer = next_buffer  # the buffer the trainer consumes next; earlier ones are gone
         self.buffers: dict[int, list[Slot]] = {}
         self.where: dict[Hashable, tuple[int, int]] = {}  # key -> (buffer, slot), reserved or occupied
+        self._dropped: list[Hashable] = []  # reservations given up by the controller, for the caller to abort
 
     # ---- queries -------------------------------------------------------------------------------
     def _buffer(self, b: int) -> list[Slot]:
         if b not in self.buffers:
-            self.buffers[b] = [Slot(since=self.clock()) for _ in range(self.slots)]
+            self.buffers[b] = [Slot(since=self.clock()) for _ in range(self.capacity)]
         return self.buffers[b]
 
-    def _open(self, hi: int) -> list[int]:
-        """Buffers that may still take a group, from the next one up to `hi`."""
-        return [b for b in range(self.next_buffer, hi + 1) if any(s.state == EMPTY for s in self._buffer(b))]
+    def _full(self, b: int) -> bool:
+        return sum(s.state == OCCUPIED for s in self._buffer(b)) >= self.slots
+
+    def _has_room(self, b: int) -> bool:
+        """Buffer `b` may still take a group: not full, and an empty slot."""
+        return not self._full(b) and any(s.state == EMPTY for s in self._buffer(b))
+
+    def _open(self, hi: int, lo: int | None = None) -> list[int]:
+        """Buffers that may still take a group, from the next one (or `lo`) up to `hi`."""
+        return [b for b in range(max(self.next_buffer, lo or 0), hi + 1) if self._has_room(b)]
 
     def reservable(self, v_traj: int) -> int:
         """Empty slots a group dispatched now at version `v_traj` could reserve."""
@@ -110,8 +137,18 @@ class StalenessController:
         return sum(s.state == state for buf in bufs for s in buf)
 
     def ready(self) -> bool:
-        """The next buffer is full of completed groups: the trainer may consume it."""
+        """The next buffer holds `slots` completed groups: the trainer may consume it."""
         return self.count(OCCUPIED, self.next_buffer) == self.slots
+
+    def reserved_keys(self, buffer: int) -> list[Hashable]:
+        """Groups in flight with a reservation in `buffer`, in slot order."""
+        return [s.key for s in self.buffers.get(buffer, []) if s.state == RESERVED]
+
+    def take_dropped(self) -> list[Hashable]:
+        """Reservations the controller gave up since the last call (surplus of a full buffer):
+        their groups must be aborted; their prompts count as drawn."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
 
     def occupied_items(self) -> list[tuple[int, int, Any]]:
         """(buffer, slot, item) of every completed, not yet consumed group, in buffer and slot order."""
@@ -127,7 +164,11 @@ class StalenessController:
         """Reserve the worst-case slot for a group about to be dispatched; None = may not dispatch."""
         if key in self.where:
             raise StalenessError(f"group {key!r} already holds a slot at {self.where[key]}")
-        open_ = self._open(v_traj + self.staleness)
+        return self._reserve_worst_case(key, v_traj)
+
+    def _reserve_worst_case(self, key: Hashable, v_traj: int, lo: int | None = None) -> tuple[int, int] | None:
+        """The last empty slot of the highest buffer in [lo, V_traj + s] with room."""
+        open_ = self._open(v_traj + self.staleness, lo)
         if not open_:
             return None
         b = open_[-1]
@@ -162,11 +203,60 @@ class StalenessController:
             self.buffers[b_res][i_res] = moved
             self.where[moved.key] = (b_res, i_res)
             self.buffers[later[0]][later[1]] = Slot(since=self.clock())
-        b, i = next((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
-                    if s.state == EMPTY)
+        # the reserved buffer is not full (a full one holds no reservation), so it or an earlier
+        # buffer has room: never later than reserved
+        b = self._open(b_res)[0]
+        i = next(i for i, s in enumerate(self.buffers[b]) if s.state == EMPTY)
         self.buffers[b][i] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
         self.where[key] = (b, i)
+        if self._full(b):
+            self._evict_reservations(b)
         return b, i
+
+    def _evict_reservations(self, b: int) -> None:
+        """Buffer `b` just filled: its remaining (redundant) reservations move to their worst case in
+        a later buffer, or are dropped."""
+        for key in self.reserved_keys(b):
+            pos = self.where.pop(key)
+            v_traj = self.buffers[b][pos[1]].v_traj
+            self.buffers[b][pos[1]] = Slot(since=self.clock())
+            if self._reserve_worst_case(key, v_traj, lo=b + 1) is None:
+                self._dropped.append(key)
+
+    # ---- the proactive filter ------------------------------------------------------------------
+    def abort_reserved(self, buffer: int) -> list[Hashable]:
+        """Give up every reservation of `buffer`; returns their keys (the caller aborts the groups)."""
+        keys = self.reserved_keys(buffer)
+        for key in keys:
+            self.release(key)
+        return keys
+
+    def movable(self, buffer: int) -> int:
+        """Completed groups in buffers after `buffer` that could move down into it."""
+        return sum(s.state == OCCUPIED and s.v_traj <= buffer
+                   for b, buf in self.buffers.items() if b > buffer for s in buf)
+
+    def move_down(self, buffer: int, n: int) -> list[Hashable]:
+        """Move up to `n` completed groups from the newest later buffers into `buffer`'s empty slots
+        (their staleness only drops); returns the keys moved. Within a buffer the oldest V_traj goes
+        first, as PSRL's proactive filter takes them."""
+        candidates = [(b, i) for b in sorted((b for b in self.buffers if b > buffer), reverse=True)
+                      for i in sorted((i for i, s in enumerate(self.buffers[b])
+                                       if s.state == OCCUPIED and s.v_traj <= buffer),
+                                      key=lambda i, b=b: (self.buffers[b][i].v_traj, i))]
+        moved: list[Hashable] = []
+        for b, i in candidates:
+            if len(moved) == n or not self._has_room(buffer):
+                break
+            slot = self.buffers[b][i]
+            self.buffers[b][i] = Slot(since=self.clock())
+            j = next(j for j, s in enumerate(self.buffers[buffer]) if s.state == EMPTY)
+            self.buffers[buffer][j] = replace(slot, since=self.clock())
+            self.where[slot.key] = (buffer, j)
+            moved.append(slot.key)
+        if self._full(buffer):
+            self._evict_reservations(buffer)
+        return moved
 
     def consume(self) -> list[Any]:
         """The next buffer's items in slot order; the trainer moves on to the buffer after it."""
@@ -175,9 +265,12 @@ class StalenessController:
                                  f"{self.count(OCCUPIED, self.next_buffer)}/{self.slots} slots occupied")
         buf = self.buffers.pop(self.next_buffer)
         for s in buf:
-            del self.where[s.key]
+            if s.state != EMPTY:
+                del self.where[s.key]
+            if s.state == RESERVED:  # only from a restored state: a full buffer's reservations move or drop
+                self._dropped.append(s.key)
         self.next_buffer += 1
-        return [s.item for s in buf]
+        return [s.item for s in buf if s.state == OCCUPIED]
 
     def _reserved(self, key: Hashable) -> tuple[int, int]:
         pos = self.where.get(key)
@@ -190,7 +283,7 @@ class StalenessController:
                 state: str = OCCUPIED) -> None:
         """Put a group back where a checkpoint saw it: completed (`OCCUPIED`, with its item) or in
         flight (`RESERVED`, to be dispatched again)."""
-        if buffer < self.next_buffer or not 0 <= slot < self.slots:
+        if buffer < self.next_buffer or not 0 <= slot < self.capacity:
             raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is outside the open buffers")
         if buffer > v_traj + self.staleness:
             raise StalenessError(f"group {key!r} of version {v_traj} cannot sit in buffer {buffer} "

@@ -21,6 +21,10 @@ dispatcher runs again when a request arrives or ends, a server's version, syncin
 changes, or a server comes back. With the defaults (least_outstanding, fifo) every request is placed
 at once, as before.
 
+The router knows which requests (given a `rid`) run where, so the coordinator can abort a group's
+requests (`abort_group`: redundant or given-up groups) or every request of one server
+(`migrate_from`: the groups pinned there are unpinned, so their continuations are placed anew).
+
     router = Router(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
     async with router:
         async for sample in router.generate_group(prompt_ids, SamplingParams(n=8), group_id="p17"):
@@ -60,6 +64,22 @@ class ServerState:
     completed: int = 0
     stats: dict = field(default_factory=lambda: {"failovers_from": 0})
     slots: asyncio.Semaphore | None = None  # caps this server's in-flight /generate requests
+
+
+@dataclass
+class RunningRequest:
+    server: ServerState
+    group_id: str | None
+    rids: list[str]  # what the server calls the request (a batch: one rid per entry)
+
+
+def server_rids(rid: str | None, sampling) -> list[str]:
+    """The rids a /generate carries (see payloads.generate_body); [] when it carries none."""
+    if rid is None:
+        return []
+    if isinstance(sampling, SamplingParams):
+        return [rid] if sampling.n == 1 else []
+    return [f"{rid}-{i}" for i in range(len(sampling))]
 
 
 @dataclass(eq=False)
@@ -107,6 +127,8 @@ class Router:
         self.policy = make_routing_policy(routing, max_in_flight_per_server, cost_model)
         self.dispatcher = Dispatcher(self.policy, queue, sticky_groups=sticky_groups)
         self._listener = None
+        self._running: dict[int, RunningRequest] = {}  # requests sent to a server, by a serial number
+        self._serial = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
     async def __aenter__(self) -> "Router":
@@ -267,11 +289,15 @@ class Router:
                 continue
             s, n, attempt = t.server, attempt, attempt + 1
             produced = 0
+            # A fresh rid per attempt: the failed server may still hold the old one.
+            sent_rid = f"{rid or uuid.uuid4().hex}-a{n}" if n else rid
+            self._serial += 1
+            serial = self._serial
             try:
                 async with s.slots or contextlib.nullcontext():
-                    # A fresh rid per attempt: the failed server may still hold the old one.
-                    samples = await s.client.generate(input_ids, sampling,
-                                                      rid=f"{rid or uuid.uuid4().hex}-a{n}" if n else rid)
+                    # tracked once it goes to the server (not while it waits for a concurrency slot here)
+                    self._running[serial] = RunningRequest(s, group_id, server_rids(sent_rid, sampling))
+                    samples = await s.client.generate(input_ids, sampling, rid=sent_rid)
                 produced = sum(len(smp.output_ids) for smp in samples)
             except (SGLangConnectionError, SGLangHTTPError) as e:
                 if isinstance(e, SGLangHTTPError) and e.status is not None and e.status < 500:
@@ -281,6 +307,7 @@ class Router:
                 self._mark_failure(s, e)
                 continue
             finally:
+                self._running.pop(serial, None)
                 self._release(t, produced)
             s.failures = 0
             s.completed += 1
@@ -322,6 +349,31 @@ class Router:
         finally:
             for t in tasks:
                 t.cancel()
+
+    # ---- aborting running requests ---------------------------------------------------------------
+    def running_on(self, url: str) -> int:
+        return sum(r.server.url == url for r in self._running.values())
+
+    async def _abort(self, requests: list[RunningRequest]) -> int:
+        """Abort the requests on their servers; they answer with finish_reason abort. A server that
+        cannot be reached has lost them anyway."""
+        calls = [(r.server, rid) for r in requests for rid in r.rids]
+        answers = await asyncio.gather(*(s.client.abort_request(rid) for s, rid in calls), return_exceptions=True)
+        for (s, rid), a in zip(calls, answers):
+            if isinstance(a, BaseException):
+                log.warning("abort of %s on %s failed: %s", rid, s.url, a)
+        return len(calls)
+
+    async def abort_group(self, group_id: str) -> int:
+        """Abort every running request of the group; returns how many rids were aborted."""
+        return await self._abort([r for r in self._running.values() if r.group_id == group_id])
+
+    async def migrate_from(self, url: str) -> int:
+        """Abort every running request on `url`, unpinning their groups (their continuations are
+        placed anew); returns how many rids were aborted."""
+        url = url.rstrip("/")
+        self.dispatcher.unpin(url)
+        return await self._abort([r for r in self._running.values() if r.server.url == url])
 
     # ---- fan-out control -----------------------------------------------------------------------
     async def call_all(self, method: str, *args, healthy_only: bool = True, **kwargs) -> list:

@@ -25,6 +25,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     n: int = 1
     sampling_seed: int | None = None
+    ignore_eos: bool = False  # keep generating past EOS (tests that need a request still running)
 
     def to_sglang(self) -> dict:
         """The `sampling_params` dict of a /generate body (unset optional fields left out)."""
@@ -41,6 +42,8 @@ class SamplingParams:
             d["stop_token_ids"] = [int(t) for t in self.stop_token_ids]
         if self.sampling_seed is not None:
             d["sampling_seed"] = int(self.sampling_seed)
+        if self.ignore_eos:
+            d["ignore_eos"] = True
         return d
 
 

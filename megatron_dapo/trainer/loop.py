@@ -92,6 +92,21 @@ def _tolerant(fn):
     return lambda response, ground_truth, **extra: fn(response, ground_truth, **{k: v for k, v in extra.items() if k in names})
 
 
+def coordination_settings(r) -> dict:
+    """ProducerSettings fields of rollout.redundancy / rollout.retry / rollout.migration."""
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+
+    m = r.migration
+    return {
+        "extra_samples": r.redundancy.extra_samples,
+        "extra_prompts": r.redundancy.extra_prompts,
+        "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
+        "migration": MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold)
+        if m.enabled else None,
+        "check_interval_s": r.sync.check_interval_ms / 1000.0,
+    }
+
+
 def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
     from megatron_dapo.coordinator.queues import QueueConfig
     from megatron_dapo.coordinator.routing import RoutingConfig
@@ -111,6 +126,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
         overlong=cfg.algo.overlong_buffer,
         seed=cfg.trainer.seed if cfg.rollout.sampling.seeded else None,
         partial_rollout=cfg.rollout.partial_rollout,
+        **coordination_settings(cfg.rollout),
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     r = cfg.rollout
@@ -162,6 +178,7 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
                                                    "reward_failures", "wait_s", "reserved_slots",
                                                    "occupied_slots", "partial_resumes", "tokens_regenerated")},
             "staleness": dict(next_info.staleness),
+            "coordination": dict(next_info.coordination),
             "groups": [g.to_state() for g in next_info.groups],
         }
         ckpt.write_rollout_state(tmp, rollout)
@@ -220,7 +237,8 @@ def _restore_next(state: dict | None) -> BatchInfo | None:
         return None
     state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
     return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
-                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}), **state)
+                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
+                     coordination=Counter(state.pop("coordination", {})), **state)
 
 
 def build_actor(cfg):

@@ -34,6 +34,25 @@ seed only with --enable-deterministic-inference.
 Dynamic sampling limit. Groups judged since the last batch was taken count towards the next
 one; when they reach max_num_gen_batches * gen_batch_size without B kept, the producer stops
 and `take_batch` raises `DynamicSamplingExhausted` with the counts.
+
+Rollout coordination switches (all off by default; see README "Rollout coordination"):
+- `extra_samples` (sample-level redundancy): n + extra samples per group, one request each; the
+  first n to finish are kept (re-indexed 0..n-1 in index order), the rest aborted. Advantages use
+  exactly the n kept.
+- `extra_prompts` (prompt-level redundancy): each staleness buffer takes B + extra reservations and
+  is ready with B completed groups; the controller moves or drops the surplus reservations
+  (megatron_dapo.coordinator.staleness) and the producer aborts the dropped groups.
+- `retry_threshold` (the proactive filter, megatron_dapo.coordinator.retry): while the trainer waits
+  on a buffer a few groups short, its in-flight groups are aborted and completed groups of later
+  buffers moved down into it.
+- `migration` (megatron_dapo.coordinator.migration): every `check_interval_s` the servers' loads are
+  compared; the chosen server's requests are aborted and continue elsewhere (partial rollout).
+An aborted group's prompt counts as drawn (like a group dropped by dynamic sampling; the sampler is
+a stream, and giving a prompt back would change which seed later draws get): `totals` counts every
+such group by reason, so every draw is trained, waiting, in flight, dropped or aborted. With any of
+the switches on, a group is sent as one batch request with a rid per sample (also unseeded), so the
+router can abort it. Which samples and groups are kept then depends on timing: each sample keeps its
+seed, but a seeded run no longer reproduces its batches exactly (not even at staleness 0).
 """
 
 from __future__ import annotations
@@ -49,7 +68,10 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from megatron_dapo.coordinator import StalenessController, finish_partial
+from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
+from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
+from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import Sample, SamplingParams
 from megatron_dapo.trainer.groups import JudgedGroup, judge_group, sample_from_state
 
@@ -89,6 +111,16 @@ class ProducerSettings:
     max_resubmits: int = 3  # aborts in a row without a new token (partial) / group restarts (not partial)
     partial_rollout: bool = True  # continue aborted samples from their tokens instead of regenerating the group
     seed: int | None = None  # base of per-sample sampling seeds (see the module doc); None = unseeded
+    extra_samples: int = 0  # sample-level redundancy: n + this per group, keep the first n
+    extra_prompts: int = 0  # prompt-level redundancy: B + this reservations per staleness buffer
+    retry_threshold: int = 0  # proactive filter: largest gap it closes; 0 = off
+    migration: MigrationPolicyConfig | None = None  # None = off
+    check_interval_s: float = 0.1  # how often migration examines the servers
+
+    @property
+    def aborts_groups(self) -> bool:
+        """Some switch aborts requests by rid: send every group with a rid per sample."""
+        return bool(self.extra_samples or self.extra_prompts or self.retry_threshold or self.migration)
 
 
 @dataclass
@@ -107,11 +139,17 @@ class BatchInfo:
     occupied_slots: int = 0  # completed groups left in later buffers, when the batch was taken
     partial_resumes: int = 0  # continuation requests of aborted samples since the last batch
     tokens_regenerated: int = 0  # generated tokens thrown away (aborted groups restarted) since the last batch
+    coordination: Counter = field(default_factory=Counter)  # aborts, retries, migrations since the last batch
 
     def metrics(self) -> dict[str, float]:
         return {"rollout/reserved_slots": self.reserved_slots, "rollout/occupied_slots": self.occupied_slots,
                 "rollout/partial_resumes": self.partial_resumes,
-                "rollout/tokens_regenerated": self.tokens_regenerated}
+                "rollout/tokens_regenerated": self.tokens_regenerated,
+                **{f"rollout/{k}": float(v) for k, v in sorted(self.coordination.items())}}
+
+
+COORDINATION_COUNTS = ("groups_aborted_surplus", "groups_aborted_retry", "groups_moved_down", "retries",
+                       "samples_aborted_surplus", "migrations", "requests_migrated")
 
 
 @dataclass
@@ -120,7 +158,8 @@ class InFlight:
 
     idx: int  # dataset index
     v_traj: int
-    samples: list[Sample] | None = None  # the latest answers (aborted ones partial); None = none yet
+    samples: list[Sample | None] | None = None  # the latest answers (aborted ones partial); None = none yet
+    group_id: str | None = None  # the router's group id of the current attempt (to abort it)
 
 
 class RolloutProducer:
@@ -137,7 +176,16 @@ class RolloutProducer:
         self.gen_batch_size = settings.gen_batch_size or settings.train_batch_size
         self._cv = threading.Condition()
         self.version = version
-        self.slots = StalenessController(settings.train_batch_size, settings.staleness, clock=clock)
+        self.slots = StalenessController(settings.train_batch_size, settings.staleness, clock=clock,
+                                         extra=settings.extra_prompts)
+        self.retry = ProactiveRetry(settings.retry_threshold, clock) if settings.retry_threshold else None
+        self.migration = MigrationPolicy(settings.migration, clock) if settings.migration else None
+        self.coordination_since_take: Counter = Counter({k: 0 for k in COORDINATION_COUNTS})
+        self.totals: Counter = Counter()  # groups ever: dropped (dynamic sampling) / aborted_surplus / aborted_retry
+        self._waiting_for: int | None = None  # the buffer take_batch waits on
+        self._tasks: dict[int, asyncio.Task] = {}  # draw -> its group's task
+        self._aborts: set[asyncio.Task] = set()  # abort calls in flight
+        self._router = None
         self.judged_since_take = 0
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
         self.resumes_since_take = self.regenerated_since_take = 0
@@ -228,23 +276,106 @@ class RolloutProducer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        router = self.router_factory()
+        router = self._router = self.router_factory()
         tasks: set[asyncio.Task] = set()
         async with router:
+            if self.migration is not None:
+                tasks.add(asyncio.create_task(self._migration_loop(router)))
             while True:
                 with self._cv:
                     if self._stop:
                         break
+                    self._maybe_retry()
                     picks = self._dispatchable()
                 for idx, draw, v_traj in picks:
                     t = asyncio.create_task(self._one_group(router, idx, draw, v_traj))
                     tasks.add(t)
                     t.add_done_callback(tasks.discard)
+                    self._tasks[draw] = t
+                    t.add_done_callback(lambda _t, d=draw: self._tasks.pop(d, None) if self._tasks.get(d) is _t
+                                        else None)
                 self._wake.clear()
                 await self._wake.wait()
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ---- redundancy, proactive filter, migration (on the event loop, under self._cv) -----------
+    def _abandon(self, draws, reason: str) -> None:
+        """Give up groups whose slots the controller already freed: cancel their tasks and abort
+        their requests on the servers. Their prompts count as drawn."""
+        for d in draws:
+            f = self.flight.pop(d, None)
+            self.coordination_since_take[f"groups_aborted_{reason}"] += 1
+            self.totals[f"aborted_{reason}"] += 1
+            task = self._tasks.pop(d, None)
+            if task is not None:
+                task.cancel()
+            if f is not None and f.group_id is not None and self._router is not None:
+                t = asyncio.ensure_future(self._router.abort_group(f.group_id))
+                self._aborts.add(t)  # the loop keeps only weak references to tasks
+                t.add_done_callback(self._aborts.discard)
+
+    def _maybe_retry(self) -> None:
+        if self.retry is None:
+            return
+        out = self.retry.apply(self.slots, trainer_waiting=self._waiting_for == self.slots.next_buffer)
+        if out is None:
+            return
+        log.info("proactive retry on buffer %d: %d in flight aborted, %d completed groups moved down",
+                 out.buffer, len(out.aborted), len(out.moved))
+        self.coordination_since_take["retries"] += 1
+        self.coordination_since_take["groups_moved_down"] += len(out.moved)
+        self._abandon(out.aborted, "retry")
+        self._abandon(self.slots.take_dropped(), "surplus")
+        self._cv.notify_all()
+
+    async def _server_statuses(self, router) -> list[ServerStatus]:
+        """Healthy servers' versions and loads: the router's counts (and the registry's last load reports);
+        with a throughput / kv_cache indicator, fresh /v1/loads reports overwrite them."""
+        if router.registry is not None:
+            statuses = router.registry.statuses()
+        else:
+            with self._cv:
+                version = self.version
+            statuses = [ServerStatus(s.url, version, running=s.outstanding) for s in router.servers]
+        healthy = {s.url for s in router.healthy()}
+        statuses = [s for s in statuses if s.url in healthy]
+        if self.migration.cfg.needs_loads:
+            by_url = {s.url: s for s in router.servers}
+            rows = await asyncio.gather(*(by_url[s.url].client.get_loads() for s in statuses),
+                                        return_exceptions=True)
+            known = []
+            for st, load in zip(statuses, rows):
+                if isinstance(load, BaseException):  # no report: not a candidate this round
+                    continue
+                st.running, st.waiting, st.throughput = load.running, load.waiting, load.throughput
+                st.kv_cache = load.kv_tokens / load.kv_capacity if load.kv_capacity else 0.0  # unrounded
+                known.append(st)
+            statuses = known
+        return statuses
+
+    async def _migration_loop(self, router) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.s.check_interval_s)
+                await self._migrate_once(router)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a broken migration loop is a failed run, not a silent stop of migrating
+            log.exception("migration loop failed")
+            self.fail(e)
+
+    async def _migrate_once(self, router) -> None:
+        m = self.migration.choose(await self._server_statuses(router))
+        if m is None:
+            return
+        aborted = await router.migrate_from(m.source)
+        log.info("migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source,
+                 m.ratio, m.starved)
+        with self._cv:
+            self.coordination_since_take["migrations"] += 1
+            self.coordination_since_take["requests_migrated"] += aborted
 
     def _sampling(self, draw: int, index: int) -> SamplingParams:
         """Sample `index`'s own parameters (its seed when seeded)."""
@@ -258,7 +389,10 @@ class RolloutProducer:
     async def _generate(self, router, prompt: list[int], draw: int, group_id: str) -> list:
         # only on a server holding at least the group's V_traj (with per-server sync; else all hold it)
         v_traj = self._v_traj(draw)
-        if self.s.seed is None:
+        with self._cv:
+            if draw in self.flight:
+                self.flight[draw].group_id = group_id
+        if self.s.seed is None and not self.s.aborts_groups:
             sampling = SamplingParams(**{**self.s.sampling.__dict__, "n": self.s.n})
             return await router.generate(prompt, sampling, group_id=group_id, min_version=v_traj)
 
@@ -279,9 +413,15 @@ class RolloutProducer:
     async def _generate_group(self, router, prompt: list[int], idx: int, draw: int,
                               resumed: list[Sample] | None = None) -> list[Sample]:
         """The group's n finished samples; `resumed`: its answers saved by a checkpoint, continued."""
+        if self.s.extra_samples:
+            return await self._first_n(router, prompt, idx, draw, resumed)
+        if resumed is not None and (len(resumed) != self.s.n or any(x is None for x in resumed)):
+            resumed = None  # saved with other redundancy settings: generated again
         for attempt in range(self.s.max_resubmits + 1):
             if resumed is not None:
                 samples, resumed = resumed, None
+                with self._cv:
+                    self.flight[draw].group_id = samples[0].group_id
             else:
                 # a fresh group id per attempt: rids of an aborted attempt may still be in flight
                 samples = await self._generate(router, prompt, draw, f"p{idx}-{uuid.uuid4().hex[:8]}")
@@ -297,6 +437,58 @@ class RolloutProducer:
             self._count(regenerated=sum(len(s.output_ids) for s in samples))
             log.info("group of prompt %d aborted by the server (attempt %d); resubmitting", idx, attempt)
         raise RuntimeError(f"prompt {idx}: generation aborted {self.s.max_resubmits + 1} times")
+
+    async def _first_n(self, router, prompt: list[int], idx: int, draw: int,
+                       resumed: list[Sample | None] | None) -> list[Sample]:
+        """Sample-level redundancy: n + extra samples, one request each; the first n to finish are kept."""
+        n_all = self.s.n + self.s.extra_samples
+        gid = f"p{idx}-{uuid.uuid4().hex[:8]}"
+        v_traj = self._v_traj(draw)
+        with self._cv:
+            f = self.flight[draw]
+            f.group_id = gid
+            if resumed is None or len(resumed) != n_all:
+                resumed = [None] * n_all
+            f.samples = list(resumed)
+
+        async def one(i: int) -> Sample:
+            prior = resumed[i]
+            for _ in range(self.s.max_resubmits + 1):
+                if prior is not None:
+                    smp, prior = prior, None
+                    smp.group_id = gid
+                else:
+                    (smp,) = await router.generate(prompt, [self._sampling(draw, i)], group_id=gid,
+                                                   rid=f"{gid}-s{i}-{uuid.uuid4().hex[:4]}", min_version=v_traj)
+                    smp.index = i
+                    self._progress(draw, smp)
+                if not smp.aborted:
+                    return smp
+                if self.s.partial_rollout:
+                    return await self._finish(router, draw, smp)
+                self._count(regenerated=len(smp.output_ids))
+            raise RuntimeError(f"prompt {idx}: sample {i} aborted {self.s.max_resubmits + 1} times")
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n_all)]
+        kept: list[Sample] = []
+        try:
+            for fut in asyncio.as_completed(tasks):
+                kept.append(await fut)
+                if len(kept) == self.s.n:
+                    break
+        finally:
+            pending = [t for t in tasks if not t.done()]
+            for t in pending:
+                t.cancel()
+            if pending:
+                await router.abort_group(gid)
+                with self._cv:
+                    self.coordination_since_take["samples_aborted_surplus"] += len(pending)
+            await asyncio.gather(*pending, return_exceptions=True)
+        kept.sort(key=lambda smp: smp.index)
+        for j, smp in enumerate(kept):
+            smp.index = j
+        return kept
 
     async def _finish(self, router, draw: int, sample: Sample) -> Sample:
         """Partial rollout of one aborted sample, on its group's server when it can."""
@@ -327,24 +519,27 @@ class RolloutProducer:
             group.draw, group.v_traj = draw, v_traj
         except asyncio.CancelledError:
             with self._cv:
-                self.slots.release(draw)
-                self.flight.pop(draw, None)
+                if self.flight.pop(draw, None) is not None:  # not given up by the coordinator (slot freed)
+                    self.slots.release(draw)
             raise
         except BaseException as e:
             with self._cv:
-                self.slots.release(draw)
-                self.flight.pop(draw, None)
-                self.error = e
-                self._cv.notify_all()
+                if self.flight.pop(draw, None) is not None:
+                    self.slots.release(draw)
+                    self.error = e
+                    self._cv.notify_all()
             return
         with self._cv:
-            self.flight.pop(draw, None)
+            if self.flight.pop(draw, None) is None:  # given up while it was being judged
+                return
             self.judged_since_take += 1
             self.failures_since_take += group.reward_failures
             if group.kept:
                 self.slots.occupy(draw, group)
+                self._abandon(self.slots.take_dropped(), "surplus")  # a buffer filled: its surplus goes
             else:  # dynamic sampling: the slot goes to a fresh prompt at once
                 self.slots.release(draw)
+                self.totals["dropped"] += 1
                 if group.accs and all(group.accs):
                     self.dropped_correct += 1
                 else:
@@ -360,6 +555,16 @@ class RolloutProducer:
         with self._cv:
             if step != self.slots.next_buffer:
                 raise ValueError(f"take_batch({step}): the next buffer is step {self.slots.next_buffer}'s")
+            self._waiting_for = step  # the proactive filter acts only while the trainer waits
+        self._poke()
+        try:
+            return self._take_batch(step, B, t0, timeout_s)
+        finally:
+            with self._cv:
+                self._waiting_for = None
+
+    def _take_batch(self, step: int, B: int, t0: float, timeout_s: float) -> BatchInfo:
+        with self._cv:
             while True:
                 if self.error is not None:
                     raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
@@ -394,10 +599,12 @@ class RolloutProducer:
                 wait_s=time.monotonic() - t0,
                 reserved_slots=self.in_flight, occupied_slots=later,
                 partial_resumes=self.resumes_since_take, tokens_regenerated=self.regenerated_since_take,
+                coordination=self.coordination_since_take,
             )
             self.judged_since_take = later
             self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
             self.resumes_since_take = self.regenerated_since_take = 0
+            self.coordination_since_take = Counter({k: 0 for k in COORDINATION_COUNTS})
         self._poke()
         return info
 
@@ -419,7 +626,8 @@ class RolloutProducer:
                 "slots": [[b, i] for b, i, _ in occupied],
                 "in_flight": [
                     {"draw": d, "idx": f.idx, "v_traj": f.v_traj, "slot": list(self.slots.where[d]),
-                     "samples": None if f.samples is None else [asdict(s) for s in f.samples]}
+                     "samples": None if f.samples is None else [None if s is None else asdict(s)
+                                                                for s in f.samples]}
                     for d, f in sorted(self.flight.items())
                 ],
             }
@@ -433,7 +641,8 @@ class RolloutProducer:
         groups = [JudgedGroup.from_state(g) for g in state["buffer"]]
         # checkpoints older than the staleness slots: completed groups fill the next buffers in order
         where = state.get("slots") or [(consumed // B + i // B, i % B) for i in range(len(groups))]
-        slots = StalenessController(B, self.s.staleness, clock=self.clock, next_buffer=consumed // B)
+        slots = StalenessController(B, self.s.staleness, clock=self.clock, next_buffer=consumed // B,
+                                    extra=self.s.extra_prompts)
         for n, (g, (b, i)) in enumerate(zip(groups, where)):
             v_traj = g.v_traj if g.v_traj >= 0 else g.min_version
             slots.restore(g.draw if g.draw >= 0 else f"restored-{n}", v_traj, int(b), int(i), g)
@@ -441,7 +650,8 @@ class RolloutProducer:
         for f in state.get("in_flight") or []:
             draw = int(f["draw"])
             slots.restore(draw, int(f["v_traj"]), int(f["slot"][0]), int(f["slot"][1]), state=RESERVED)
-            samples = None if f["samples"] is None else [sample_from_state(s) for s in f["samples"]]
+            samples = None if f["samples"] is None else [None if s is None else sample_from_state(s)
+                                                         for s in f["samples"]]
             flight[draw] = InFlight(int(f["idx"]), int(f["v_traj"]), samples)
         with self._cv:
             self.sampler.load_state_dict(state["sampler"])

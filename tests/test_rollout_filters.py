@@ -1,0 +1,187 @@
+"""Redundant slots, the proactive filter (`retry`) and request migration: each decision rule on
+constructed states (pure, fast). The randomised invariants are in test_staleness.py."""
+
+import math
+
+import pytest
+
+from megatron_dapo.coordinator.migration import MigrationPolicyConfig, MigrationPolicy
+from megatron_dapo.coordinator.retry import ProactiveRetry
+from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED, StalenessController
+from megatron_dapo.coordinator.sync_policy import ServerStatus
+
+from tests.fake_clock import FakeClock
+
+
+def test_redundant_slots_admit_more_groups_and_the_first_b_fill_the_buffer():
+    c = StalenessController(slots=2, staleness=0, extra=2)
+    assert c.reservable(0) == 4  # B + extra groups in flight
+    assert [c.reserve(k, 0) for k in "abcd"] == [(0, 3), (0, 2), (0, 1), (0, 0)]
+    assert c.reserve("e", 0) is None
+    c.occupy("c", "C")
+    assert not c.ready() and c.take_dropped() == []
+    c.occupy("a", "A")  # two completed: ready; the two slow ones cannot move later (staleness 0)
+    assert c.ready() and sorted(c.take_dropped()) == ["b", "d"] and c.count(RESERVED) == 0
+    assert c.consume() == ["C", "A"]
+    assert c.reservable(0) == 0 and c.reservable(1) == 4
+
+
+def test_a_full_buffers_surplus_moves_to_a_later_buffer_within_its_bound_or_is_dropped():
+    c = StalenessController(slots=1, staleness=1, extra=1)
+    assert [c.reserve(k, 0) for k in "abcd"] == [(1, 1), (1, 0), (0, 1), (0, 0)]
+    c.occupy("a", "A")  # "d", reserved earliest, takes the slot "a" leaves; "a" the earliest empty slot
+    assert c.where["a"] == (0, 0) and c.where["d"] == (1, 1) and c.ready()
+    # buffer 0 filled: "c" (V_traj 0) would move to buffer 1, which has no empty slot: dropped
+    assert c.take_dropped() == ["c"] and c.count(RESERVED, 0) == 0
+    c.release("b")  # dropped by dynamic sampling: buffer 1 has room again
+    c.reserve("e", 0)
+    c.occupy("e", "E")
+    assert c.take_dropped() == ["d"]  # buffer 1 filled; "d" may not go past 0 + 1
+    assert c.consume() == ["A"] and c.consume() == ["E"]
+    c2 = StalenessController(slots=1, staleness=1, extra=1)
+    c2.reserve("x", 0)  # (1, 1)
+    c2.reserve("y", 1)  # V_traj 1: may wait until buffer 2; (2, 1)
+    c2.restore("z", 0, 1, 0, state=RESERVED)
+    assert c2.where == {"x": (1, 1), "y": (2, 1), "z": (1, 0)}
+    c2.occupy("x", "X")  # buffer 0 takes it
+    c2.consume()
+    c2.occupy("y", "Y")  # buffer 1 fills (y was reserved later, may train earlier): "z" is dropped
+    assert c2.take_dropped() == ["z"] and c2.consume() == ["Y"]
+
+
+def test_move_down_takes_the_newest_buffers_first_and_the_oldest_version_in_each():
+    c = StalenessController(slots=3, staleness=3, next_buffer=4)
+    c.restore("t0", 4, 4, 0, "T0")
+    c.restore("r", 4, 4, 1, state=RESERVED)
+    c.restore("r2", 4, 4, 2, state=RESERVED)
+    c.restore("m0", 4, 5, 0, "M0")
+    c.restore("n_new", 4, 6, 0, "N4")
+    c.restore("n_old", 3, 6, 1, "N3")
+    assert c.movable(4) == 3
+    assert sorted(c.abort_reserved(4)) == ["r", "r2"] and c.count(RESERVED) == 0
+    assert c.move_down(4, 2) == ["n_old", "n_new"]  # buffer 6 first, V_traj 3 before 4
+    assert c.ready() and c.where["m0"] == (5, 0) and c.consume() == ["T0", "N3", "N4"]
+    c2 = StalenessController(slots=2, staleness=1, next_buffer=0)
+    c2.restore("future", 1, 1, 0, "F")  # V_traj 1 cannot be trained at step 0: never moved there
+    assert c2.movable(0) == 0 and c2.move_down(0, 1) == []
+
+
+def _waiting_state(later_completed: int, gap: int, slots: int = 4):
+    c = StalenessController(slots=slots, staleness=1)
+    for k in range(slots - gap):
+        c.restore(f"done{k}", 0, 0, k, f"D{k}")
+    for k in range(gap):
+        c.restore(f"slow{k}", 0, 0, slots - gap + k, state=RESERVED)
+    for k in range(later_completed):
+        c.restore(f"next{k}", 0, 1, k, f"N{k}")
+    return c
+
+
+def test_retry_needs_a_waiting_trainer_a_small_gap_and_enough_completed_groups_later():
+    clock = FakeClock(3.0)
+    p = ProactiveRetry(threshold=2, clock=clock)
+    assert not p.should_retry(_waiting_state(later_completed=2, gap=2), trainer_waiting=False)
+    assert not p.should_retry(_waiting_state(later_completed=3, gap=3), trainer_waiting=True)  # gap > threshold
+    assert not p.should_retry(_waiting_state(later_completed=1, gap=2), trainer_waiting=True)  # too few later
+    c = _waiting_state(later_completed=3, gap=2)
+    out = p.apply(c, trainer_waiting=True)
+    assert sorted(out.aborted) == ["slow0", "slow1"] and len(out.moved) == 2 and out.at == 3.0
+    assert c.ready() and c.count(OCCUPIED, 1) == 1 and c.count(EMPTY, 1) == 3  # freed slots: fresh prompts
+    assert sorted(c.consume())[:2] == ["D0", "D1"] and c.next_buffer == 1
+    assert p.apply(_waiting_state(later_completed=0, gap=0), trainer_waiting=True) is None  # already ready
+    with pytest.raises(ValueError, match="rollout.retry.threshold"):
+        ProactiveRetry(threshold=0)
+
+
+def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routable=0, syncing=False):
+    return ServerStatus(url, version, running=running, waiting=waiting, throughput=throughput, kv_cache=kv,
+                        routable=routable, syncing=syncing)
+
+
+def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server():
+    clock = FakeClock(9.0)
+    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), clock)
+    # s1 is starved (nothing waiting, nothing at the router for it); s0 has 12, s2 has 40 requests
+    m = p.choose([_server("s0", running=12), _server("s1", running=2), _server("s2", running=40)])
+    assert (m.source, m.starved, m.ratio, m.at) == ("s2", "s1", 20.0, 9.0)
+    # ratio at or below the threshold: no migration
+    assert p.choose([_server("s0", running=10), _server("s1", running=2)]) is None
+    # the chosen source has fewer than stop_threshold requests left: not worth it
+    assert p.choose([_server("s0", running=9), _server("s1")]) is None
+    # nobody starved: work waits at the router for s1 (or in its queue)
+    assert p.choose([_server("s0", running=40), _server("s1", routable=1)]) is None
+    assert p.choose([_server("s0", running=40), _server("s1", waiting=1)]) is None
+    # a source syncing, or holding a newer version than the starved server, is never chosen
+    assert p.choose([_server("s0", running=40, syncing=True), _server("s1")]) is None
+    assert p.choose([_server("s0", version=2, running=40), _server("s1", version=1)]) is None
+    # an idle starved server makes the ratio infinite
+    assert math.isinf(p.choose([_server("s0", running=40), _server("s1")]).ratio)
+    assert len(p.history) == 2
+
+
+def test_migration_indicators_throughput_and_kv_cache():
+    p = MigrationPolicy(MigrationPolicyConfig(indicator="throughput", threshold=3.0,
+                                        stop_indicator="kv_cache", stop_threshold=0.5))
+    assert p.choose([_server("a", running=8, throughput=400.0, kv=0.7),
+                     _server("b", running=8, throughput=100.0, kv=0.1)]).source == "a"
+    assert p.choose([_server("a", running=8, throughput=400.0, kv=0.4),  # stop indicator too low
+                     _server("b", running=8, throughput=100.0, kv=0.1)]) is None
+    assert MigrationPolicyConfig(indicator="kv_cache").needs_loads and not MigrationPolicyConfig().needs_loads
+    with pytest.raises(ValueError, match="rollout.migration.stop_indicator"):
+        MigrationPolicyConfig(stop_indicator="tokens")
+
+
+def test_the_router_tracks_requests_by_the_rids_the_server_knows():
+    from megatron_dapo.rollout import payloads
+    from megatron_dapo.rollout.router import server_rids
+    from megatron_dapo.rollout.types import SamplingParams
+
+    one, two = SamplingParams(n=1), SamplingParams(n=2)
+    for rid, sampling in (("g", one), ("g", [one, one, one]), (None, one), ("g", two)):
+        body = payloads.generate_body([1, 2], sampling, rid=rid if getattr(sampling, "n", 1) == 1 else None)
+        sent = body.get("rid")
+        assert server_rids(rid, sampling) == ([] if sent is None else [sent] if isinstance(sent, str) else sent)
+
+
+def test_the_producer_applies_retry_while_the_trainer_waits():
+    """The producer's wiring of the filter (no servers): the trainer waits on buffer 0, which lacks two
+    groups still in flight while buffer 1 holds two completed ones. The filter cancels the two groups'
+    tasks (their prompts count as aborted), moves the completed ones down, and the batch is ready."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.trainer.rollout_side import InFlight, ProducerSettings, RolloutProducer
+
+    settings = ProducerSettings(train_batch_size=3, n=2, sampling=SamplingParams(), max_response_length=8,
+                                staleness=1, retry_threshold=2)
+    p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings)
+
+    def group(draw):
+        return SimpleNamespace(draw=draw, min_version=0)
+
+    p.slots.restore(0, 0, 0, 0, group(0))
+    for d in (1, 2):
+        p.slots.restore(d, 0, 0, d, state=RESERVED)
+        p.flight[d] = InFlight(idx=d, v_traj=0)
+    p.slots.restore(3, 0, 1, 0, group(3))
+    p.slots.restore(4, 0, 1, 1, group(4))
+
+    async def go():
+        tasks = {d: asyncio.ensure_future(asyncio.sleep(60)) for d in (1, 2)}
+        p._tasks.update(tasks)
+        with p._cv:
+            p._maybe_retry()  # the trainer is not waiting yet: nothing happens
+            assert not p.slots.ready() and p.flight.keys() == {1, 2}
+            p._waiting_for = 0
+            p._maybe_retry()
+        await asyncio.sleep(0)
+        return [t.cancelled() for t in tasks.values()]
+
+    assert asyncio.run(go()) == [True, True]
+    info = p.take_batch(0, timeout_s=5)
+    assert [g.draw for g in info.groups] == [0, 3, 4] and not p.flight and p.in_flight == 0
+    assert (info.coordination["retries"], info.coordination["groups_aborted_retry"],
+            info.coordination["groups_moved_down"]) == (1, 2, 2)
+    assert p.totals["aborted_retry"] == 2 and p.slots.reservable(1) == 6  # buffers 1 and 2: room for fresh prompts
