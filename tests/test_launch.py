@@ -107,7 +107,7 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     assert (r.migration.enabled, r.migration.indicator, r.migration.threshold, r.migration.stop_indicator,
             r.migration.stop_threshold) == (True, "throughput", 5.0, "request_num", 10)
     assert (r.retry.enabled, r.retry.threshold) == (True, 4)
-    assert (r.redundancy.extra_samples, r.redundancy.extra_prompts, r.loads.interval_ms) == (0, 0, 200)
+    assert (r.redundancy.extra_samples, r.redundancy.extra_prompts, r.loads.interval_ms) == (0, 32, 200)
 
     # The printed plan command runs: the layout and memory of the advanced config fit 80 GiB GPUs.
     from megatron_dapo.config.plan import main as plan_main
