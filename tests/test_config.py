@@ -209,6 +209,7 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["algo.max_tokens_per_micro_batch=50"], "algo.max_tokens_per_micro_batch=50 is below one full sequence"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
         (["rollout.sync.check_interval_ms=0"], "rollout.sync.check_interval_ms=0.0 must be > 0"),
+        (["reward.num_workers=-1"], "reward.num_workers=-1 must be >= 0"),
         (["rollout.sampling.max_new_tokens=64"], "rollout.sampling.max_new_tokens=64 must be in [1, data.max_respon"),
         (["rollout.server_tp=2"], "rollout.server_tp=2: the embedded engine has no tensor parallelism"),
         (["rollout.servers=[localhost:3000]"], "rollout.servers[0]='localhost:3000' must be an http://"),

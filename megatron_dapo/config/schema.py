@@ -296,6 +296,9 @@ class RewardConfig:
     name: str = "dapo_math"  # registered reward function
     timeout_s: float = 10.0  # a reward call over this time scores the sample as failed
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
+    # worker processes scoring rewards (a hanging call's worker is killed, a crashed one replaced);
+    # 0 = threads of the coordinator process
+    num_workers: int = 0
 
 
 @dataclass

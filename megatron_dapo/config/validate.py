@@ -325,6 +325,8 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append("data.prompt_key must not be empty")
     if cfg.reward.timeout_s <= 0:
         errors.append(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
+    if cfg.reward.num_workers < 0:
+        errors.append(f"reward.num_workers={cfg.reward.num_workers} must be >= 0 (0 = threads of the coordinator)")
     t = cfg.trainer
     for key, seed in (("trainer.seed", t.seed), ("data.seed", d.seed)):
         if not 0 <= seed < 2**32:  # numpy and megatron-core's seeding take 32-bit unsigned seeds
