@@ -1,6 +1,7 @@
 # shellcheck shell=bash
 # Shared by the launchers in this directory (sourced, not run).
-# Provides: parse_staleness_args, parse_dry_run, run, run_model_job; sets DRY_RUN, STALENESS, EXTRA (array).
+# Provides: parse_staleness_args, parse_advanced_args, parse_dry_run, run, run_model_job;
+# sets DRY_RUN, STALENESS, EXTRA (array), COST_MODEL.
 
 # shellcheck disable=SC2034  # DRY_RUN / STALENESS / EXTRA are read by the sourcing script
 REPO_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -8,9 +9,9 @@ MEGATRON_DAPO="${MEGATRON_DAPO:-megatron-dapo}"
 DRY_RUN=0
 
 # Usage of the model launchers: SCRIPT [STALENESS] [--dry-run] [key.sub=value ...]
-# STALENESS (first argument, default 3) becomes algo.staleness; the rest are config overrides.
+# STALENESS (first argument, default DEFAULT_STALENESS or 3) becomes algo.staleness; the rest are config overrides.
 parse_staleness_args() {
-  STALENESS=3
+  STALENESS="${DEFAULT_STALENESS:-3}"
   EXTRA=()
   local first=1 arg
   for arg in "$@"; do
@@ -31,6 +32,34 @@ parse_staleness_args() {
       first=0
     fi
   done
+}
+
+# The advanced launchers: as parse_staleness_args, plus the cost model that throughput_optimal routing
+# needs, from `--cost-model FILE` or $COST_MODEL (written by `megatron-dapo profile-engine`); required.
+parse_advanced_args() {
+  local rest=() name
+  name="$(basename "$0")"
+  while [[ $# -gt 0 ]]; do
+    case "$1" in
+      --cost-model)
+        [[ $# -ge 2 ]] || { echo "$name: --cost-model needs a FILE" >&2; exit 2; }
+        COST_MODEL="$2"; shift 2 ;;
+      --cost-model=*) COST_MODEL="${1#--cost-model=}"; shift ;;
+      *) rest+=("$1"); shift ;;
+    esac
+  done
+  parse_staleness_args ${rest[@]+"${rest[@]}"}
+  if [[ -z "${COST_MODEL:-}" ]]; then
+    echo "$name: no cost model: pass --cost-model FILE or set COST_MODEL to the JSON written by" \
+      "'megatron-dapo profile-engine --server URL --out FILE' (see README, Advanced rollout coordination)" >&2
+    exit 2
+  fi
+  if [[ ! -f "$COST_MODEL" ]]; then
+    echo "$name: cost model file '$COST_MODEL' does not exist" >&2
+    exit 2
+  fi
+  # absolute, so that processes started elsewhere (Ray workers) read the same file
+  COST_MODEL="$(cd "$(dirname "$COST_MODEL")" && pwd)/$(basename "$COST_MODEL")"
 }
 
 # Strip --dry-run from the arguments of the cluster launchers; the rest stay in ARGS.

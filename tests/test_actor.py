@@ -20,8 +20,9 @@ def test_actor_logprobs_match_hf_at_tp2_pp2_and_moe_ep2(tmp_path):
 
 @pytest.mark.slow
 def test_actor_dp2_update_is_exact_skips_nonfinite_and_resumes(tmp_path):
-    """...in token-mean and (sum_norm) seq-mean-token-sum-norm, whose divisor must not be the padded width."""
-    checks = ["train_dp2", "warmup", "sum_norm"]
+    """...in token-mean and (sum_norm) seq-mean-token-sum-norm, whose divisor must not be the padded width;
+    a step fed DP shards (shards) equals the whole batch's bit for bit."""
+    checks = ["train_dp2", "shards", "warmup", "sum_norm"]
     out = run_torchrun("actor_checks.py", 2, ",".join(checks), str(tmp_path), timeout=300)
     for check in checks:
         assert f"CHECK PASSED {check}" in out, out[-4000:]

@@ -24,8 +24,9 @@ TINY = ROOT / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
 
 # Modules that touch every field generically or only range-check them: a read there is not a use.
 NOT_A_USE = {"config/schema.py", "config/validate.py"}
-# Fields whose only accepted value is what the code does; validation must refuse any other value.
-REFUSED_UNLESS_DEFAULT = {"algo.kl_coef": 0.1}
+# Fields whose only accepted value is what the code does (staleness_buffer_groups: train_batch_size);
+# validation must refuse any other value.
+REFUSED_UNLESS_DEFAULT = {"algo.kl_coef": 0.1, "algo.staleness_buffer_groups": 3}
 
 
 def _leaf_fields(cls, prefix="", section=("", "DapoConfig")):

@@ -20,12 +20,13 @@ from megatron_dapo.config import load_config
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 SCRIPTS = ["qwen3_8b_megatron.sh", "qwen3_30b_megatron.sh", "qwen2.5_3b_fsdp.sh", "slurm_ray.sbatch",
-           "torchrun_external_sglang.sh"]
+           "torchrun_external_sglang.sh", "advanced_qwen2.5_7b_fsdp.sh", "advanced_qwen3_8b_megatron.sh",
+           "advanced_qwen3_30b_megatron.sh"]
 
 
 def _dry_run(script: str, *args: str, **env: str) -> list[list[str]]:
     full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "RAY_ADDRESS", "SGLANG_SERVERS",
-                                                                 "SLURM_JOB_NODELIST", "NNODES")}
+                                                                 "SLURM_JOB_NODELIST", "NNODES", "COST_MODEL")}
     full_env.update(env)
     proc = subprocess.run(["bash", str(LAUNCH / script), *args], capture_output=True, text=True, timeout=30,
                           env=full_env, cwd=ROOT)
@@ -66,6 +67,73 @@ def test_model_launchers(script, config, nodes, backend):
     _, train = _dry_run(script, "0", "--dry-run", "trainer.total_steps=7", MODEL_PATH="/models/x", NNODES="8")
     cfg = _train_config(train)
     assert (cfg.algo.staleness, cfg.trainer.total_steps, cfg.model.hf_path, cfg.trainer.nnodes) == (0, 7, "/models/x", 8)
+
+
+ADVANCED = [
+    ("advanced_qwen2.5_7b_fsdp.sh", "advanced_qwen2.5_7b_fsdp.yaml", 2, "fsdp2", 2),
+    ("advanced_qwen3_8b_megatron.sh", "advanced_qwen3_8b.yaml", 4, "megatron", 2),
+    ("advanced_qwen3_30b_megatron.sh", "advanced_qwen3_30b_a3b.yaml", 4, "megatron", 3),
+]
+
+
+@pytest.fixture
+def cost_model_file(tmp_path):
+    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+
+    path = tmp_path / "cost_model.json"
+    QWEN_7B_1GPU.save(path)
+    return path
+
+
+@pytest.mark.parametrize("script, config, nodes, backend, staleness", ADVANCED)
+def test_advanced_launchers(script, config, nodes, backend, staleness, cost_model_file, capsys):
+    plan, train = _dry_run(script, "--dry-run", "--cost-model", str(cost_model_file))
+    cfg_path = str(ROOT / "configs" / "qwen3" / config)
+    assert plan[:3] == ["megatron-dapo", "plan", cfg_path]
+    assert plan[3:9] == ["--nodes", str(nodes), "--gpus-per-node", "8", "--gpu-mem-gib", "80"]
+    assert train[:4] == ["megatron-dapo", "train", "--config", cfg_path]
+    assert plan[9:] == train[4:]  # plan checks exactly what train will run
+
+    # The advanced switches as the config loader reads them (PSRL's advanced recipe).
+    cfg = _train_config(train)
+    r = cfg.rollout
+    assert (cfg.algo.staleness, cfg.trainer.backend, cfg.trainer.nnodes) == (staleness, backend, nodes)
+    assert (r.routing.method, r.routing.delta_throughput_threshold, r.routing.server_order) == (
+        "throughput_optimal", 0.2, "reserve_capability")
+    assert r.routing.cost_model == str(cost_model_file)
+    assert (r.queue.policy, r.concurrency, r.partial_rollout) == ("priority", 512, True)
+    assert (r.sync.policy, r.sync.indicator, r.sync.threshold, r.sync.check_req_before_sync) == (
+        "status_based", "kv_cache", 0.6, False)
+    assert (r.migration.enabled, r.migration.indicator, r.migration.threshold, r.migration.stop_indicator,
+            r.migration.stop_threshold) == (True, "throughput", 5.0, "request_num", 10)
+    assert (r.retry.enabled, r.retry.threshold) == (True, 4)
+    assert (r.redundancy.extra_samples, r.redundancy.extra_prompts, r.loads.interval_ms) == (0, 32, 200)
+
+    # The printed plan command runs: the layout and memory of the advanced config fit 80 GiB GPUs.
+    from megatron_dapo.config.plan import main as plan_main
+
+    assert plan_main(plan[2:]) == 0
+    assert "fits: yes" in capsys.readouterr().out
+
+    # Cost model from the environment, relative path made absolute; staleness and overrides pass through.
+    rel = os.path.relpath(cost_model_file, ROOT)
+    _, train = _dry_run(script, "1", "--dry-run", "trainer.total_steps=7", COST_MODEL=rel, NNODES="8")
+    cfg = _train_config(train)
+    assert (cfg.algo.staleness, cfg.trainer.total_steps, cfg.trainer.nnodes) == (1, 7, 8)
+    assert cfg.rollout.routing.cost_model == str(cost_model_file)
+
+
+@pytest.mark.parametrize("args, env, message", [
+    ((), {}, "no cost model: pass --cost-model FILE or set COST_MODEL"),
+    (("--cost-model", "/nonexistent/cm.json"), {}, "cost model file '/nonexistent/cm.json' does not exist"),
+    ((), {"COST_MODEL": "/nonexistent/cm.json"}, "cost model file '/nonexistent/cm.json' does not exist"),
+    (("--cost-model",), {}, "--cost-model needs a FILE"),
+])
+def test_advanced_launcher_needs_a_cost_model(args, env, message):
+    full_env = {k: v for k, v in os.environ.items() if k != "COST_MODEL"}
+    proc = subprocess.run(["bash", str(LAUNCH / "advanced_qwen3_8b_megatron.sh"), "--dry-run", *args],
+                          capture_output=True, text=True, timeout=30, env={**full_env, **env})
+    assert proc.returncode == 2 and message in proc.stderr and "+ " not in proc.stdout
 
 
 def test_model_launcher_rejects_bad_staleness():

@@ -1,5 +1,6 @@
 """`megatron-dapo train` on its default path: Ray places two embedded servers and a TP=2 trainer
-(placement group on a local loopback cluster), one step runs, everything is torn down."""
+(placement group on a local loopback cluster), rank 0 runs the rollout coordinator as a named actor,
+one step runs, everything is torn down."""
 
 import json
 import os
@@ -36,6 +37,7 @@ def test_train_command_with_ray(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     assert "trained 1 steps" in out
+    assert "rollout coordinator: Ray actor megatron_dapo_coordinator_" in out  # rank 0 started it as a named actor
     rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["groups/kept"] == 2 and rows[0]["sync/verify_max_abs_diff"] < 1e-4
     assert sorted(p.name for p in (run_dir / "logs").glob("server_*.log")) == ["server_0.log", "server_1.log"]

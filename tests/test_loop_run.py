@@ -1,8 +1,8 @@
 """The DAPO loop end to end on CPU: a TP=2 megatron-core trainer (torchrun, gloo) and two embedded
 servers over loopback. Three short runs share the servers:
 
-  A  staleness 1, 2 steps, a checkpoint every step: loss finite, server weights equal the trainer's and change
-     after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
+  A  staleness 1, 2 steps of 2 PPO epochs, a checkpoint every step, rewards in 2 worker processes: loss
+     finite, server weights equal the trainer's and change after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
      versions, uninformative (all-correct) groups never reach the loss, raising rewards counted;
   B  resumed from A's checkpoint of step 0: step 1 consumes the same prompts and ends at the same
      parameters as A's uninterrupted step 1 (fp32, 1e-6);
@@ -84,9 +84,16 @@ def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
     return run_dir, _rows(run_dir)
 
 
+RUN_A = ("trainer.total_steps=2", "algo.staleness=1", "algo.ppo_epochs=2", "checkpoint.save_every=1",
+         "checkpoint.keep_last=0", "reward.num_workers=2")
+
+
 @pytest.fixture(scope="module")
 def run_a(env):
-    return _run(env, "a", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0")
+    # rewards in worker processes (reward.num_workers): the raising ones are still counted failures.
+    # Two PPO epochs: a training step long enough for the coordinator (its own process, not slowed by
+    # the trainer) to complete groups of the old version meanwhile, so that the bound is really used.
+    return _run(env, "a", *RUN_A)
 
 
 def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
@@ -95,7 +102,7 @@ def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
     probe = []
     for r in rows:
         assert torch.isfinite(torch.tensor([r["actor/pg_loss"], r["actor/grad_norm"]])).all()
-        assert r["actor/optimizer_steps"] == 2 and r["actor/skipped_steps"] == 0
+        assert r["actor/optimizer_steps"] == 4 and r["actor/skipped_steps"] == 0  # 2 mini-batches x 2 epochs
         assert r["sync/verify_max_abs_diff"] < 1e-4  # servers hold exactly the trainer's new weights
         assert r["groups/kept"] == 4 and r["response/length_max"] <= 8
         # the staleness bound is kept by reservation: nothing over it, nothing discarded or regenerated
@@ -140,8 +147,7 @@ def test_resume_continues_with_same_data_and_parameters(env, run_a):
     save_b = env["root"] / "b_ckpt"
     shutil.copytree(run_dir_a / "checkpoints" / "step_000000", save_b / "step_000000")
     (save_b / "latest").write_text("step_000000\n")
-    run_dir_b, rows_b = _run(env, "b", "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1",
-                             "checkpoint.keep_last=0", f"checkpoint.save_dir={save_b}", "checkpoint.resume=true",
+    run_dir_b, rows_b = _run(env, "b", *RUN_A, f"checkpoint.save_dir={save_b}", "checkpoint.resume=true",
                              stop_after="1")
     assert [r["step"] for r in rows_b] == [1]
     assert rows_b[0]["prompt_indices"] == rows_a[1]["prompt_indices"]
@@ -196,28 +202,34 @@ def test_corrupt_checkpoint_is_refused_by_resume_and_convert(env, run_a, tmp_pat
 
 
 def test_rollout_state_that_does_not_fit_is_a_named_error(env, run_a):
-    """The real rollout.json of step 0 restores into a producer built as the run builds it; one with a
-    key missing, or drawn from another dataset, is a named error at setup (before any collective)."""
+    """The real rollout.json of step 0 restores into a coordinator built as the run builds it; one with a
+    key missing, or drawn from another dataset, is a named error at setup (before any collective),
+    raised with its type and message across the coordinator's process boundary."""
     from megatron_dapo.config import load_config
+    from megatron_dapo.coordinator.process import start_process_coordinator
+    from megatron_dapo.coordinator.service import CoordinatorService
     from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer import checkpoint as ckpt
-    from megatron_dapo.trainer.loop import _build_producer, _restore_rollout, load_tokenizer, prompt_dataset
 
     cfg = load_config(CONFIG, _args(env, env["root"] / "unused", "algo.staleness=1"))
-    tok = load_tokenizer(cfg)
-    data = prompt_dataset(cfg, cfg.data.train_files, tok)
     found = run_a[0] / "checkpoints" / "step_000000"
-    producer = _build_producer(cfg, env["urls"], data, tok)
-    pending = _restore_rollout(producer, found, ckpt.read_rollout_state(found))
-    assert pending is not None and len(pending.groups) == 4 and producer.version == 1
-    state = ckpt.read_rollout_state(found)
-    del state["sampler"]
-    with pytest.raises(ckpt.CheckpointError, match=r"rollout.json does not fit this run \(KeyError: 'sampler'\)"):
-        _restore_rollout(_build_producer(cfg, env["urls"], data, tok), found, state)
-    state = ckpt.read_rollout_state(found)
-    state["sampler"]["size"] += 1
-    with pytest.raises(DatasetError, match="sampler state is for a dataset of"):
-        _restore_rollout(_build_producer(cfg, env["urls"], data, tok), found, state)
+    service = CoordinatorService(cfg, env["urls"])
+    service.setup()
+    service.restore(str(found), ckpt.read_rollout_state(found), 1)
+    assert len(service._pending[1].groups) == 4 and service.producer.version == 1
+    coord = start_process_coordinator(cfg, env["urls"])
+    try:
+        coord.setup()
+        state = ckpt.read_rollout_state(found)
+        del state["sampler"]
+        with pytest.raises(ckpt.CheckpointError, match=r"rollout.json does not fit this run \(KeyError: 'sampler'\)"):
+            coord.restore(str(found), state, 1)
+        state = ckpt.read_rollout_state(found)
+        state["sampler"]["size"] += 1
+        with pytest.raises(DatasetError, match="sampler state is for a dataset of"):
+            coord.restore(str(found), state, 1)
+    finally:
+        coord.close()
 
 
 def test_resume_without_latest_refuses_and_overwrites_nothing(env, run_a):

@@ -43,6 +43,25 @@ def test_total_params_of_the_qwen3_models():
     assert active_params(moe) == total_30b - 48 * (128 - 8) * 3 * 2048 * 768 == 3_353_032_704  # "3.3B activated"
 
 
+def test_total_params_of_qwen2_5_7b():
+    # per layer q,o 2*3584*3584 + k,v 2*3584*(4*128) + QKV bias 3584 + 2*512 + norms 2*3584
+    # + SwiGLU 3*3584*18944; untied embedding and LM head 2*152064*3584; final norm 3584.
+    layer = 2 * 3584 * 3584 + 2 * 3584 * 512 + 3584 + 2 * 512 + 2 * 3584 + 3 * 3584 * 18944
+    expected = 28 * layer + 2 * 152064 * 3584 + 3584
+    assert expected == 7_615_616_512  # "7.61B" on the model card
+    assert total_params(shape_from_hf(BUILTIN_HF_CONFIGS["Qwen2.5-7B"])) == expected
+    assert BUILTIN_HF_CONFIGS["Qwen2.5-7B-Instruct"] == BUILTIN_HF_CONFIGS["Qwen2.5-7B"]
+
+    # Independent reference: the real transformers model built from the same fields.
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    fields = {k: v for k, v in BUILTIN_HF_CONFIGS["Qwen2.5-7B"].items() if k != "architectures"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**fields))
+    assert sum(p.numel() for p in model.parameters()) == expected
+
+
 @pytest.mark.parametrize("family, overrides", [("qwen3", {}), ("qwen3_moe", {}), ("qwen2", {"tie_word_embeddings": True})])
 def test_total_params_equal_the_hf_model(family, overrides):
     """Independent reference: the parameter count of the real transformers model."""

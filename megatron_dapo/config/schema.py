@@ -116,6 +116,11 @@ class AlgoConfig:
     # max weight versions a consumed sample may lag; 0 = synchronous on-policy. Enforced by reserving a
     # slot in a buffer <= V_traj + staleness at dispatch (megatron_dapo.coordinator.staleness): never discarded.
     staleness: int = 3
+    # Group slots of each staleness buffer (PSRL's psrl.staleness_buffer_entries); None = train_batch_size.
+    # In PSRL a buffer is one training batch: the trainer consumes one full buffer per weight version, and
+    # psrl.data.train_batch_size only sizes data loading. So here it must equal train_batch_size; a buffer
+    # with more slots than the batch is PSRL's batch-level redundancy (rollout.redundancy.extra_prompts).
+    staleness_buffer_groups: Optional[int] = None
     rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
     # Must be 0: DAPO removes the KL term (arXiv:2503.14476, sec. 2.3), so there is no reference policy.
     kl_coef: float = 0.0
@@ -291,6 +296,9 @@ class RewardConfig:
     name: str = "dapo_math"  # registered reward function
     timeout_s: float = 10.0  # a reward call over this time scores the sample as failed
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
+    # worker processes scoring rewards (a hanging call's worker is killed, a crashed one replaced);
+    # 0 = threads of the coordinator process
+    num_workers: int = 0
 
 
 @dataclass

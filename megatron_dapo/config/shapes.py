@@ -135,7 +135,20 @@ BUILTIN_HF_CONFIGS: dict[str, dict[str, Any]] = {
         "vocab_size": 151936,
         "tie_word_embeddings": True,
     },
+    # https://huggingface.co/Qwen/Qwen2.5-7B/blob/main/config.json (rope_theta 1e6, QKV bias); the
+    # -Instruct model has the same shape.
+    "Qwen2.5-7B": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
 }
+BUILTIN_HF_CONFIGS["Qwen2.5-7B-Instruct"] = BUILTIN_HF_CONFIGS["Qwen2.5-7B"]
 
 
 @dataclass(frozen=True)

@@ -137,6 +137,12 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"algo.gen_batch_size={a.gen_batch_size} must be >= 1 or null")
     if a.staleness < 0:
         errors.append(f"algo.staleness={a.staleness} must be >= 0 (0 = synchronous)")
+    if a.staleness_buffer_groups is not None and a.staleness_buffer_groups != a.train_batch_size:
+        errors.append(
+            f"algo.staleness_buffer_groups={a.staleness_buffer_groups} must equal algo.train_batch_size="
+            f"{a.train_batch_size} (or be null): a staleness buffer is one training step's batch, as in PSRL; "
+            f"more groups in flight than the batch is batch-level redundancy (rollout.redundancy.extra_prompts, issue 15)"
+        )
     if a.kl_coef != 0:
         errors.append(
             f"algo.kl_coef={a.kl_coef} is not supported: DAPO removes the KL penalty (Yu et al. 2025, "
@@ -319,6 +325,8 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append("data.prompt_key must not be empty")
     if cfg.reward.timeout_s <= 0:
         errors.append(f"reward.timeout_s={cfg.reward.timeout_s} must be > 0")
+    if cfg.reward.num_workers < 0:
+        errors.append(f"reward.num_workers={cfg.reward.num_workers} must be >= 0 (0 = threads of the coordinator)")
     t = cfg.trainer
     for key, seed in (("trainer.seed", t.seed), ("data.seed", d.seed)):
         if not 0 <= seed < 2**32:  # numpy and megatron-core's seeding take 32-bit unsigned seeds

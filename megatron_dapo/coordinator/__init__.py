@@ -1,9 +1,11 @@
-"""The rollout coordinator's policies: staleness by reservation (with redundant slots), partial
+"""The rollout coordinator: its process (service.py: the rollout side of a run, apart from the
+trainer; process.py: where it runs, a subprocess of trainer rank 0 or a named Ray actor, and the
+client rank 0 calls) and its policies: staleness by reservation (with redundant slots), partial
 rollout, per-server sync decisions, the registry of each server's weight version (servers.py), the
 proactive filter (retry.py) and request migration (migration.py).
 
-Plain classes and pure functions with an injectable clock and no I/O, so that the async producer
-(megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
+The policies are plain classes and pure functions with an injectable clock and no I/O, so that the
+async producer (megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
 """
 
 from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig

@@ -11,7 +11,9 @@ returns a non-finite score (NaN, +-inf) scores the sample `failure_score` (the w
 counted (`num_errors`, `num_timeouts`, `num_nonfinite`; the run's `reward/failures` metric); the
 run goes on.
 Calls run on daemon threads: a function stuck forever is abandoned (Python cannot kill a
-thread) but holds up neither the batch nor interpreter exit.
+thread) but holds up neither the batch nor interpreter exit. With `num_workers > 0` they run in
+worker processes instead (megatron_dapo.rewards.pool): a hanging call's worker is killed, a crashed
+one replaced, both scored as failures under the same time limit.
 """
 
 from __future__ import annotations
@@ -96,6 +98,29 @@ def _as_result(out) -> RewardResult:
     return RewardResult(score, bool(acc), pred=None if pred is None else str(pred))
 
 
+@dataclass(frozen=True)
+class RewardCall:
+    """A reward function with the config's `reward.kwargs`, called with only the dataset extras it
+    accepts (built-ins ignore what they do not know). A plain object, so that it pickles by the
+    function's name into reward worker processes."""
+
+    fn: RewardFn
+    kwargs: tuple[tuple[str, object], ...] = ()
+
+    def __call__(self, response, ground_truth, **extra):
+        import inspect
+
+        try:
+            params = inspect.signature(self.fn).parameters.values()
+        except (TypeError, ValueError):
+            params = None
+        if params is not None and not any(p.kind is p.VAR_KEYWORD for p in params):
+            names = {p.name for p in params}
+            extra = {k: v for k, v in extra.items() if k in names}
+        # the config's kwargs always go (a function that does not take one fails, and says so)
+        return self.fn(response, ground_truth, **{**extra, **dict(self.kwargs)})
+
+
 class RewardRunner:
     """Scores responses with per-data-source reward functions under a time limit."""
 
@@ -105,9 +130,15 @@ class RewardRunner:
         by_data_source: dict[str, str | RewardFn] | None = None,
         timeout_s: float = 10.0,
         failure_score: float = -1.0,
+        num_workers: int = 0,
     ):
         self.default = get_reward(default) if isinstance(default, str) else default
         self.by_source = {k: get_reward(v) if isinstance(v, str) else v for k, v in (by_data_source or {}).items()}
+        self.pool = None
+        if num_workers > 0:
+            from megatron_dapo.rewards.pool import RewardPool
+
+            self.pool = RewardPool(self.default, self.by_source, num_workers)
         self.timeout_s = timeout_s
         self.failure_score = failure_score
         self.num_scored = 0
@@ -122,6 +153,28 @@ class RewardRunner:
 
     def score_many(self, items: list[tuple[str, str, str, dict]]) -> list[RewardResult]:
         """Score (response, ground_truth, data_source, extra) items concurrently; same order back."""
+        results = self._score_in_pool(items) if self.pool is not None else self._score_in_threads(items)
+        self._count(results)
+        return results
+
+    def _failure(self, error: str) -> RewardResult:
+        return RewardResult(self.failure_score, False, True, error)
+
+    def _score_in_pool(self, items) -> list[RewardResult]:
+        results = []
+        for answer in self.pool.score(items, time.monotonic() + self.timeout_s):
+            if answer is None:
+                results.append(self._failure(f"timed out after {self.timeout_s}s"))
+            elif answer[0] == "error":
+                results.append(self._failure(answer[1]))
+            else:
+                try:
+                    results.append(_as_result(answer[1]))
+                except Exception as e:
+                    results.append(self._failure(f"{type(e).__name__}: {e}"))
+        return results
+
+    def _score_in_threads(self, items) -> list[RewardResult]:
         slots: list[RewardResult | None] = [None] * len(items)
         done = [threading.Event() for _ in items]
 
@@ -129,7 +182,7 @@ class RewardRunner:
             try:
                 slots[i] = _as_result(self.fn_for(source)(response, gt, **(extra or {})))
             except Exception as e:  # any failure of user code is a scored failure, not a crash
-                slots[i] = RewardResult(self.failure_score, False, True, f"{type(e).__name__}: {e}")
+                slots[i] = self._failure(f"{type(e).__name__}: {e}")
             finally:
                 done[i].set()
 
@@ -141,8 +194,11 @@ class RewardRunner:
             finished = event.wait(max(0.0, deadline - time.monotonic()))
             res = slots[i] if finished else None
             if res is None:
-                res = RewardResult(self.failure_score, False, True, f"timed out after {self.timeout_s}s")
+                res = self._failure(f"timed out after {self.timeout_s}s")
             results.append(res)
+        return results
+
+    def _count(self, results: list[RewardResult]) -> None:
         with self._lock:
             for res in results:
                 self.num_scored += 1
@@ -154,7 +210,11 @@ class RewardRunner:
                         self.num_nonfinite += 1
                     else:
                         self.num_errors += 1
-        return results
+
+    def close(self) -> None:
+        """End the worker processes (num_workers > 0)."""
+        if self.pool is not None:
+            self.pool.close()
 
     def score(self, response: str, ground_truth: str, data_source: str = "math_dapo", extra: dict | None = None):
         return self.score_many([(response, ground_truth, data_source, extra or {})])[0]

@@ -4,19 +4,21 @@ One `MegatronActor` per trainer rank, built after `init_distributed` / `init_mod
 
     actor = MegatronActor(cfg)                      # DapoConfig; HF weights from cfg.model.hf_path
     old = actor.compute_logprobs(batch)             # list of [response_len] fp32 tensors, every rank
-    metrics = actor.train_step(batch)               # dict of floats (same on every rank)
+    metrics = actor.train_step(shard)               # dict of floats (same on every rank)
     actor.save_checkpoint(dir); actor.load_checkpoint(dir)   # model + optimizer + scheduler, torch_dist
     for name, tensor in actor.export_weights(): ... # HF names, full tensors on rank 0 (collective)
 
-`batch` is a `megatron_dapo.trainer.batch.RolloutBatch` (the same on every rank). A train step:
+`batch` is a `megatron_dapo.trainer.batch.RolloutBatch`; a train step takes this rank's
+`megatron_dapo.trainer.shards.DPShard` of it (or the whole batch, the same on every rank, and cuts it
+the same way). A train step:
 
-1. rows are split over data-parallel ranks by group (no group straddles two ranks), balancing tokens;
+1. rows are split over data-parallel ranks by group (no group straddles two ranks), balancing tokens,
+   per mini-batch (`shard_batch`; done by the coordinator when it hands out shards);
 2. the old-policy logprobs of the rank's rows are recomputed with the current weights (no grad);
 3. for each of `ppo_epochs` epochs, for each mini-batch of `ppo_mini_batch_size` groups: the
-   rows are packed into micro-batches by the token budget `algo.max_tokens_per_micro_batch`, the
-   loss-token count of the whole mini-batch (all micro-batches, all DP ranks) is all-reduced, and
-   megatron-core's pipeline schedule runs forward / backward with the DAPO loss normalised by that
-   exact count; then one optimizer step (grad clipping, lr schedule with warm-up). A non-finite
+   rows are packed into micro-batches by the token budget `algo.max_tokens_per_micro_batch`, and
+   megatron-core's pipeline schedule runs forward / backward with the DAPO loss normalised by the
+   loss-token count of the whole mini-batch (all micro-batches, all DP ranks; it comes with the shard); then one optimizer step (grad clipping, lr schedule with warm-up). A non-finite
    loss or gradient norm skips that step (counted in `actor/skipped_steps`).
 
 Micro-batch losses are returned to the schedule multiplied by the number of micro-batches (the
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
+from megatron_dapo.trainer.shards import DPShard, shard_batch, split_groups_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +55,6 @@ def dapo_loss_options(cfg) -> dict:
     return dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
                 loss_agg_mode=a.loss_agg_mode, token_sum_norm=token_sum_norm(cfg),
                 rollout_is_cap=a.rollout_is.cap if a.rollout_is.enable else None)
-
-
-def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int) -> list[list[int]]:
-    """Rows of `groups` for each of `dp` ranks: whole groups, greedily balancing token counts."""
-    members: dict[int, list[int]] = {g: [] for g in groups}
-    for r, g in enumerate(group_of_row):
-        if g in members:
-            members[g].append(r)
-    load = [0] * dp
-    out: list[list[int]] = [[] for _ in range(dp)]
-    for g in sorted(groups, key=lambda g: (-sum(row_tokens[r] for r in members[g]), g)):
-        k = min(range(dp), key=lambda i: (load[i], i))
-        out[k].extend(members[g])
-        load[k] += sum(row_tokens[r] for r in members[g])
-    return [sorted(rows) for rows in out]
 
 
 class MegatronActor:
@@ -238,28 +226,30 @@ class MegatronActor:
         return [[r for r in rs if r in keep] for rs in per_rank]
 
     # ---------------------------------------------------------------- training
-    def train_step(self, batch) -> dict[str, float]:
-        """One trainer step on `batch` (a RolloutBatch, the same on every rank). Collective."""
+    def train_step(self, data) -> dict[str, float]:
+        """One trainer step. Collective. `data`: this rank's `DPShard` of the step batch (as the
+        coordinator hands it out), or the whole `RolloutBatch` (the same on every rank; cut here)."""
         a = self.cfg.algo
+        if isinstance(data, DPShard):
+            if (data.dp_rank, data.dp_size) != (self.dp_rank, self.dp_size):
+                raise ValueError(f"shard of DP rank {data.dp_rank}/{data.dp_size} given to DP rank "
+                                 f"{self.dp_rank}/{self.dp_size}")
+            shard = data
+        else:
+            self._check_batch(data)
+            shard = shard_batch(data, self.dp_size, a.ppo_mini_batch_size)[self.dp_rank]
+        batch = shard.batch
         self._check_batch(batch)
-        all_rows = list(range(batch.num_samples))
-        group_ids = sorted(set(batch.group_index.tolist()))
-        group_of_row = batch.group_index.tolist()
-        minis = [group_ids[i:i + a.ppo_mini_batch_size] for i in range(0, len(group_ids), a.ppo_mini_batch_size)]
-        # This rank's rows in each mini-batch; the old policy's logprobs for all of them, before any update.
-        my_rows = []
-        for mini in minis:
-            wanted = set(mini)
-            my_rows.append(self._split(batch, [r for r in all_rows if group_of_row[r] in wanted])[self.dp_rank])
-        old = self._local_logprobs(batch, sorted(r for rows in my_rows for r in rows))
+        # the old policy's logprobs for all of this rank's rows, before any update
+        old = self._local_logprobs(batch, list(range(batch.num_samples)))
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         n_steps = skipped = 0
         grad_norms = []
         for _epoch in range(a.ppo_epochs):
-            for mine in my_rows:
+            for mine, counts in zip(shard.mini_batches, shard.mini_batch_counts):
                 lr = self._current_lr()  # the lr this step applies (the scheduler moves after it)
-                metrics, ok, grad_norm = self._mini_batch_step(batch, mine, old)
+                metrics, ok, grad_norm = self._mini_batch_step(batch, mine, old, counts)
                 metrics["actor/lr"] = lr
                 n_steps += 1
                 skipped += 0 if ok else 1
@@ -297,19 +287,15 @@ class MegatronActor:
                 raise ValueError(f"RolloutBatch row {r}: {len(batch.rollout_logprobs[r])} rollout logprobs for "
                                  f"{resp} response tokens")
 
-    def _mini_batch_step(self, batch, rows: list[int], old: dict[int, torch.Tensor]):
+    def _mini_batch_step(self, batch, rows: list[int], old: dict[int, torch.Tensor], counts: tuple[int, int]):
         from megatron_dapo.algo.loss import LOG_RATIO_BOUND
         from megatron_dapo.kernels.dispatch import dapo_policy_loss
 
         a = self.cfg.algo
         loss_options = dapo_loss_options(self.cfg)
         packs = self._packs(batch, rows)
-        # The exact global normalisers of the mini-batch: loss tokens / sequences over every
-        # micro-batch of every DP rank, known before the first backward.
-        n_tok = sum(batch.response_lengths[r] * batch.response_loss_mask[r] for r in rows)
-        n_seq = sum(1 for r in rows if batch.response_lengths[r] * batch.response_loss_mask[r] > 0)
-        counts = torch.tensor([n_tok, n_seq], dtype=torch.float64)
-        dist.all_reduce(counts, group=self.dp_group)
+        # The exact global normalisers of the mini-batch (loss tokens / sequences over every
+        # micro-batch of every DP rank), known before the first backward: they come with the shard.
         global_tokens, global_seqs = float(counts[0]), float(counts[1])
         num_mb = len(packs)
         sums: dict[str, float] = {}

@@ -164,7 +164,9 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
         dataset = PromptDataset(cfg.data.val_files, tokenizer, cfg.data.max_prompt_length)
         urls = _serve_checkpoint(cfg, source, work, layout or {}, eval_dir / "logs", stack)
         settings = ValSettings.from_config(cfg)
-        report = evaluate(urls, dataset, reward_runner(cfg), settings, api_key=cfg.rollout.api_key,
+        rewards = reward_runner(cfg)
+        stack.callback(rewards.close)  # its worker processes (reward.num_workers)
+        report = evaluate(urls, dataset, rewards, settings, api_key=cfg.rollout.api_key,
                           tokenizer=tokenizer, timeout_s=cfg.rollout.request_timeout_s)
     prompts = dict(sorted(Counter(o.data_source for o in report.outcomes).items()))
     result = {

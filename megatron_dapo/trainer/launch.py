@@ -3,10 +3,12 @@
 Ray: one placement group with a bundle per trainer rank and per launched rollout server. Server
 actors start the servers (SGLang on GPUs, the embedded server on CPU) and report their URLs;
 trainer actors get torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT of rank 0's node)
-and run `train_rank`. On a CPU-only cluster bundles ask for fractions of a CPU so that the group
+and run `train_rank`; rank 0 starts the rollout coordinator as a named actor it owns (it dies with
+rank 0; megatron_dapo.coordinator.process). On a CPU-only cluster bundles ask for fractions of a CPU so that the group
 never asks for more CPUs than exist (Ray would wait forever).
 
-torchrun: the ranks already exist; servers are the external `rollout.servers` of the config.
+torchrun: the ranks already exist; servers are the external `rollout.servers` of the config; rank 0
+starts the coordinator as its subprocess.
 """
 
 from __future__ import annotations

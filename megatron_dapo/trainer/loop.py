@@ -1,15 +1,16 @@
 """The DAPO training loop, as run by every trainer rank (launched by Ray or by torchrun).
 
-    step t:  rank 0 takes a batch of B informative groups (no sample older than t - staleness)
-             -> every rank gets it -> actor: old-logprob recompute, DAPO loss, optimizer step
-             -> weight sync (all ranks export HF tensors, rank 0 broadcasts) -> servers at t + 1
-             -> metrics, checkpoint, validation
+    step t:  the coordinator hands rank 0 step t's batch (B informative groups, no sample older than
+             t - staleness) cut into DP shards -> each rank receives its own shard -> actor:
+             old-logprob recompute, DAPO loss, optimizer step -> weight sync (all ranks export HF
+             tensors, rank 0 broadcasts) -> servers at t + 1 -> metrics, checkpoint, validation
 
-Rank 0 also runs the rollout producer (megatron_dapo.trainer.rollout_side) on a background
-thread: generation of the next batches overlaps the training of this one, within the staleness
-bound. Checkpoints hold the model and optimizer (the actor's torch_dist checkpoint), RNG states,
-the data position, the weight version, the buffered groups, and the already-generated batch of
-the next step, so a resumed run trains the next step on exactly the data the interrupted one would have.
+The rollout side runs in the coordinator (megatron_dapo.coordinator.service): a subprocess of rank 0
+under torchrun, a named Ray actor under Ray. It generates the next batches while this one trains,
+within the staleness bound. Checkpoints hold the model and optimizer (the actor's torch_dist
+checkpoint), RNG states, the data position, the weight version, the buffered groups, and the
+already-generated batch of the next step, so a resumed run trains the next step on exactly the data
+the interrupted one would have.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,11 +27,9 @@ import torch.distributed as dist
 from megatron_dapo.config import dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir, gen_batch_size, max_new_tokens
 from megatron_dapo.trainer import checkpoint as ckpt
-from megatron_dapo.trainer.batch import RolloutBatch, build_batch, probe_batch
-from megatron_dapo.trainer.groups import JudgedGroup
-from megatron_dapo.trainer.metrics import (MetricsWriter, batch_metrics, console_line, response_metrics,
-                                           staleness_metrics)
-from megatron_dapo.trainer.rollout_side import BatchInfo, ProducerSettings, RolloutProducer
+from megatron_dapo.trainer.batch import probe_batch
+from megatron_dapo.trainer.metrics import MetricsWriter, console_line
+from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
 
 log = logging.getLogger(__name__)
 
@@ -70,26 +68,13 @@ def prompt_dataset(cfg, files, tokenizer):
 
 
 def reward_runner(cfg):
+    """The run's reward runner (in `reward.num_workers` worker processes when > 0; `close()` ends them)."""
     from megatron_dapo.rewards import RewardRunner, get_reward
+    from megatron_dapo.rewards.registry import RewardCall
 
-    fn = get_reward(cfg.reward.name)
-    kwargs = dict(cfg.reward.kwargs)
-    call = (lambda response, ground_truth, **extra: fn(response, ground_truth, **{**extra, **kwargs})) if kwargs else fn
     # the dataset's extra_info is passed as keyword arguments: built-ins ignore what they do not know
-    return RewardRunner(default=_tolerant(call), timeout_s=cfg.reward.timeout_s)
-
-
-def _tolerant(fn):
-    import inspect
-
-    try:
-        params = inspect.signature(fn).parameters.values()
-    except (TypeError, ValueError):
-        return fn
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return fn
-    names = {p.name for p in params}
-    return lambda response, ground_truth, **extra: fn(response, ground_truth, **{k: v for k, v in extra.items() if k in names})
+    call = RewardCall(get_reward(cfg.reward.name), tuple(dict(cfg.reward.kwargs).items()))
+    return RewardRunner(default=call, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 
 def coordination_settings(r) -> dict:
@@ -151,25 +136,7 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def _step_metrics(info: BatchInfo, cfg, batch: RolloutBatch) -> dict:
-    m = response_metrics(info.groups)
-    m.update(batch_metrics(batch))
-    m.update({
-        "groups/kept": info.kept,
-        "groups/dropped_all_correct": info.dropped_all_correct,
-        "groups/dropped_all_wrong": info.dropped_all_wrong,
-        "groups/gen_batches": info.gen_batches,
-        "reward/failures": info.reward_failures,
-        # measured on the batch, not assumed: the reservation protocol keeps it at 0
-        "groups/over_staleness_bound": sum(n for k, n in info.staleness.items() if k > cfg.algo.staleness),
-    })
-    m.update(info.metrics())
-    m.update(staleness_metrics(info.staleness, cfg.algo.staleness))
-    return m
-
-
-def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None, next_info: BatchInfo | None,
-          rank: int) -> Path | None:
+def _save(cfg, actor, step: int, version: int, coord, next_step: int | None, rank: int) -> Path | None:
     save_dir = Path(checkpoint_dir(cfg))
     tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
     dist.barrier()
@@ -178,16 +145,8 @@ def _save(cfg, actor, step: int, version: int, producer: RolloutProducer | None,
     dist.barrier()
     final = None
     if rank == 0:
-        rollout = producer.state_dict()
-        rollout["next_batch"] = None if next_info is None else {
-            **{k: getattr(next_info, k) for k in ("kept", "dropped_all_correct", "dropped_all_wrong", "gen_batches",
-                                                   "reward_failures", "wait_s", "reserved_slots",
-                                                   "occupied_slots", "partial_resumes", "tokens_regenerated")},
-            "staleness": dict(next_info.staleness),
-            "coordination": dict(next_info.coordination),
-            "groups": [g.to_state() for g in next_info.groups],
-        }
-        ckpt.write_rollout_state(tmp, rollout)
+        # the coordinator's state with the next step's batch, taken now
+        ckpt.write_rollout_state(tmp, coord.checkpoint_state(next_step))
         ckpt.write_trainer_state(tmp, {"step": step, "version": version, "world_size": dist.get_world_size()})
         final = ckpt.commit_save(save_dir, step, cfg.checkpoint.keep_last)
         log.info("checkpoint saved: %s", final)
@@ -223,30 +182,6 @@ def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
     return found, ckpt.read_rollout_state(found)
 
 
-def _restore_rollout(producer: RolloutProducer, found: Path, state: dict) -> BatchInfo | None:
-    """Load a checkpoint's rollout state into the producer; returns the saved next batch. A state
-    that does not fit (missing keys, wrong types) is a CheckpointError naming the file."""
-    from megatron_dapo.data.dataset import DatasetError
-
-    try:
-        pending = _restore_next(state.pop("next_batch"))
-        producer.load_state_dict(state)
-    except DatasetError:  # a sampler state for another dataset: it says so
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ckpt.CheckpointError(f"{found / 'rollout.json'} does not fit this run ({type(e).__name__}: {e})") from None
-    return pending
-
-
-def _restore_next(state: dict | None) -> BatchInfo | None:
-    if state is None:
-        return None
-    state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
-    return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
-                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
-                     coordination=Counter(state.pop("coordination", {})), **state)
-
-
 def build_actor(cfg):
     """This rank's actor, HF weights loaded: Megatron (trainer.actor) or FSDP2 (trainer.fsdp_actor)."""
     if cfg.trainer.backend == "fsdp2":
@@ -263,11 +198,11 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     """Run the whole training on this trainer rank; returns the result on rank 0 (None elsewhere).
 
     `stop_after`: leave after this many steps of this invocation (as if the run were stopped there).
-    `on_step_end(step, actor, batch)`: called on every rank after each step's weight sync (a
-    collective point: the callback may run collectives such as `actor.export_weights()`).
+    `on_step_end(step, actor, batch)`: called on every rank after each step's weight sync with the
+    rows this rank trained (its DP shard, a RolloutBatch); a collective point: the callback may run
+    collectives such as `actor.export_weights()`.
     """
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
-    from megatron_dapo.sync.bridge import WeightSyncBridge
 
     resume = cfg.checkpoint.resume if resume is None else resume
     info = init_distributed()
@@ -279,39 +214,51 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
 
     # Output directories, data and the checkpoint to resume first, on rank 0, before anything
     # collective: a bad one is reported on every rank at once instead of leaving the other ranks
-    # waiting in a collective (or failing at the first save, after a step of work).
-    producer = writer = val_data = resumed = restored_next = registry = None
+    # waiting in a collective (or failing at the first save, after a step of work). The coordinator
+    # (its own process) loads the data and builds the rollout side.
+    coord = writer = resumed = None
     per_server = cfg.rollout.sync.policy != "all_at_once"
     error = None
-    if rank == 0:
-        from megatron_dapo.coordinator.servers import ServerRegistry
+    try:
+        if rank == 0:
+            from megatron_dapo.coordinator.process import start_coordinator
+            from megatron_dapo.data.dataset import DatasetError
 
-        # each server's weight version, routing state and sync / idle time (versions set by the first sync)
-        registry = ServerRegistry(server_urls, version=-1)
-        from megatron_dapo.data.dataset import DatasetError
+            try:
+                prepare_output_dirs(cfg)
+                dump_yaml(cfg, run_dir / "config.yaml")
+                if resume:
+                    resumed = _read_resume_checkpoint(cfg, dist.get_world_size())
+                coord = start_coordinator(cfg, server_urls)
+                sizes = coord.setup()
+                log.info("rollout coordinator: %s; train prompts: %d (%d dropped, %d truncated as longer than %d "
+                         "tokens)", coord.where, sizes["train"], sizes["dropped"], sizes["truncated"],
+                         cfg.data.max_prompt_length)
+                if resumed is not None:
+                    found, state = resumed
+                    coord.restore(str(found), state, ckpt.read_trainer_state(found)["step"] + 1)
+            except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
+                error = f"{type(e).__name__}: {e}"
+        error, found = _broadcast((error, resumed and str(resumed[0])))
+        if error is not None:
+            raise RunSetupError(error)
+        if rank == 0:
+            writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
+        return _train(cfg, rank, coord, writer, found, server_urls, server_tp_sizes, resume, per_server,
+                      stop_after, on_step_end)
+    finally:
+        if coord is not None:
+            coord.close()
+        if writer is not None:
+            writer.close()
 
-        try:
-            prepare_output_dirs(cfg)
-            dump_yaml(cfg, run_dir / "config.yaml")
-            if resume:
-                resumed = _read_resume_checkpoint(cfg, dist.get_world_size())
-            tokenizer = load_tokenizer(cfg)
-            dataset = prompt_dataset(cfg, cfg.data.train_files, tokenizer)
-            log.info("train prompts: %d (%d dropped, %d truncated as longer than %d tokens)", len(dataset),
-                     dataset.num_dropped_too_long, dataset.num_truncated, cfg.data.max_prompt_length)
-            if cfg.data.val_files:
-                val_data = prompt_dataset(cfg, cfg.data.val_files, tokenizer)
-            producer = _build_producer(cfg, server_urls, dataset, tokenizer, registry)
-            if resumed is not None:
-                restored_next = _restore_rollout(producer, *resumed)
-        except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
-            error = f"{type(e).__name__}: {e}"
-    error, found = _broadcast((error, resumed and str(resumed[0])))
-    if error is not None:
-        raise RunSetupError(error)
-    if rank == 0:
-        writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
 
+def _train(cfg, rank, coord, writer, found, server_urls, server_tp_sizes, resume, per_server, stop_after,
+           on_step_end) -> RunResult | None:
+    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.trainer.shards import data_parallel_ranks, scatter_shards
+
+    registry = coord.registry if coord is not None else None
     actor = build_actor(cfg)
     # Under torchrun this variable makes every TCP rendezvous a client of torchrun's agent store;
     # the weight-update group's rendezvous (trainer rank 0 hosting, servers joining) would then
@@ -328,7 +275,7 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         if rank == 0:
             syncer = PerServerSync(server_urls, cfg.rollout.sync, registry, store, api_key=cfg.rollout.api_key,
                                    server_tp_sizes=server_tp_sizes, probe=probe,
-                                   on_publish=lambda url, v: producer.set_version(v), on_error=producer.fail)
+                                   on_publish=lambda url, v: coord.set_version(v), on_error=coord.fail)
             syncer.connect()
     else:
         bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
@@ -363,7 +310,7 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         return out
 
 
-    start_step, pending = 0, None
+    start_step = 0
     if resume and found is None and rank == 0:
         log.warning("resume requested but %s holds no checkpoint: starting from scratch", checkpoint_dir(cfg))
     if found is not None:
@@ -372,7 +319,6 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         ckpt.load_rng(found, rank)
         start_step = ckpt.read_trainer_state(found)["step"] + 1
         if rank == 0:
-            pending = restored_next
             log.info("resumed from %s: next step %d", found, start_step)
     # Servers may hold anything (a previous run's weights, a resumed run's older ones): start them
     # from exactly the trainer's weights, at the version the first step is consumed at.
@@ -384,25 +330,17 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     val = {}
 
     def validate(step):
-        if rank == 0 and val_data is not None:
-            from megatron_dapo.trainer.evaluate import ValSettings, evaluate
-
-            res = evaluate(server_urls, val_data, producer.rewards, ValSettings.from_config(cfg),
-                           api_key=cfg.rollout.api_key, tokenizer=producer.tokenizer,
-                           timeout_s=cfg.rollout.request_timeout_s).metrics
+        res = coord.validate() if rank == 0 else None
+        if res is not None:
             writer.log(step, res)
             val.setdefault("first", (step, res))
             val["last"] = (step, res)
             val.setdefault("all", []).append((step, res))
             log.info("step %d validation: %s", step, res)
 
-    poller = None
+    dp_rank_of = data_parallel_ranks(actor.dp_rank)
     if rank == 0:
-        from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
-
-        if (interval := poll_interval_s(cfg.rollout)) is not None:  # each server's own load, in the registry
-            poller = LoadPoller(registry, interval, api_key=cfg.rollout.api_key).start()
-        producer.start()
+        coord.start()
     try:
         total = cfg.trainer.total_steps
         if cfg.trainer.val_every and start_step == 0:
@@ -415,35 +353,27 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
         history, done = [], 0
         for step in range(start_step, total):
             t_step = time.perf_counter()
-            if rank == 0:
-                binfo = pending if pending is not None else producer.take_batch(step)
-                pending = None
-                batch = build_batch(binfo.groups, step, cfg.rollout.sampling.temperature,
-                                    cfg.algo.norm_adv_by_std, cfg.algo.overlong_filter)
-            else:
-                binfo, batch = None, None
-            batch = _broadcast(batch)
+            data = coord.take_step(step, actor.dp_size) if rank == 0 else None
+            shard = scatter_shards(data and data.shards, dp_rank_of)  # each rank: its own DP shard only
             t_gen = time.perf_counter() - t_step
             t0 = time.perf_counter()
-            train_metrics = actor.train_step(batch)
+            train_metrics = actor.train_step(shard)
             t_train = time.perf_counter() - t0
             sync_metrics = sync(step + 1)
             if rank == 0:
                 if not per_server:
-                    producer.set_version(step + 1)
-                tokens = sum(len(x) for x in batch.input_ids)
-                m = _step_metrics(binfo, cfg, batch)
+                    coord.set_version(step + 1)
+                m = dict(data.metrics)
                 m.update({k: float(v) for k, v in train_metrics.items()})
                 m.update(sync_metrics)
                 m.update(registry.metrics())
                 m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train,
                           "time/step_s": time.perf_counter() - t_step,
-                          "throughput/tokens_per_s": tokens / max(1e-9, time.perf_counter() - t_step)})
-                extra = {"prompt_indices": batch.prompt_indices, "weight_version": step + 1,
-                         "sample_versions": [min(v) if v else step for v in batch.token_versions]}
+                          "throughput/tokens_per_s": data.tokens / max(1e-9, time.perf_counter() - t_step)})
+                extra = {**data.extra, "weight_version": step + 1}
                 if per_server:
                     extra["server_syncs"] = registry.take_events()
-                writer.log(step, m, staleness=binfo.staleness, extra=extra)
+                writer.log(step, m, staleness=data.staleness, extra=extra)
                 if step % cfg.logging.log_every == 0 or step == total - 1:
                     log.info("step %d: %s", step, console_line(m))
                 history.append({"step": step, **m})
@@ -452,28 +382,19 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
                     bar.set_postfix(acc=f"{m['reward/accuracy']:.2f}", kept=int(m["groups/kept"]),
                                     gen=int(m["groups/gen_batches"]), refresh=False)
             if on_step_end is not None:
-                on_step_end(step, actor, batch)
+                on_step_end(step, actor, shard.batch)
             done += 1
             last = step == total - 1
             every = cfg.checkpoint.save_every
             if (every and (step + 1) % every == 0) or last:
-                next_info = None
-                if rank == 0 and not last:
-                    next_info = pending = producer.take_batch(step + 1)
-                _save(cfg, actor, step, step + 1, producer, next_info, rank)
+                _save(cfg, actor, step, step + 1, coord, None if last else step + 1, rank)
             if cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
                 validate(step + 1)
             if stop_after is not None and done >= stop_after:
                 break
         if bar is not None:
             bar.close()
-    finally:
-        if poller is not None:
-            poller.stop()
-        if producer is not None:
-            producer.stop()
-        if writer is not None:
-            writer.close()
+    finally:  # the coordinator and the metrics writer are closed by train_rank
         if syncer is not None:
             syncer.close()
         if bridge is not None:

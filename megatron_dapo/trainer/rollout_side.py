@@ -1,6 +1,7 @@
 """The rollout side of DAPO training: keep the servers busy, judge groups, buffer informative ones.
 
-`RolloutProducer` runs an asyncio loop on its own thread (trainer rank 0). It submits prompt
+`RolloutProducer` runs an asyncio loop on its own thread of the coordinator process
+(megatron_dapo.coordinator.service; not a trainer process). It submits prompt
 groups (one `/generate` with n samples each; a batch of n seeded ones when seeded) through the
 router; when a group's n samples are back it is scored (reward runner, overlong shaping) and judged
 by dynamic sampling; kept groups occupy staleness slots, and the trainer takes step t's full buffer

@@ -5,6 +5,8 @@ Usage: actor_checks.py CHECK[,CHECK...] TMPDIR
   train_dp2: DP=2 x uneven packed micro-batches gives the update of one big batch on one process
              (HF model + the DAPO loss + torch AdamW), a non-finite loss skips the step, and a
              torch_dist checkpoint restores model + optimizer (the next step matches).
+  shards:    a DP=2 step fed each rank's shard (cut by shard_batch, scattered from rank 0 as the
+             loop does) equals, bit for bit, the same step fed the whole batch (two mini-batches).
   sum_norm:  the same with seq-mean-token-sum-norm: micro-batches of any padded width divide by
              data.max_response_length, as the one-process reference does.
 """
@@ -274,6 +276,34 @@ def check_warmup(hf_dir):
     assert all(math.isclose(x, y) for x, y in zip(lrs, want)), (lrs, want)
 
 
+def check_shards(hf_dir):
+    """Shards, as the coordinator hands them out, give exactly the whole batch's step."""
+    from megatron_dapo.trainer.shards import data_parallel_ranks, scatter_shards, shard_batch
+
+    init_model_parallel(seed=1)  # DP=2
+    cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=2, train_batch_size=4)
+    batch = make_batch(seed=11, n_groups=4)
+    whole, sharded = MegatronActor(cfg), MegatronActor(cfg)
+    g = torch.Generator().manual_seed(3)
+    batch.rollout_logprobs = [(o + 0.3 * torch.randn(o.shape, generator=g)).tolist()
+                              for o in whole.compute_logprobs(batch)]
+    shards = shard_batch(batch, 2, cfg.algo.ppo_mini_batch_size) if dist.get_rank() == 0 else None
+    shard = scatter_shards(shards, data_parallel_ranks(sharded.dp_rank))
+    assert 0 < shard.batch.num_samples < batch.num_samples and len(shard.mini_batches) == 2
+    got_rows = [None, None]
+    dist.all_gather_object(got_rows, [tuple(x) for x in shard.batch.input_ids])
+    assert sorted(r for rows in got_rows for r in rows) == sorted(tuple(x) for x in batch.input_ids)
+    m_whole = whole.train_step(batch)
+    m_shard = sharded.train_step(shard)
+    w1, w2 = exported(whole), exported(sharded)
+    diff = max((w1[k] - w2[k]).abs().max().item() for k in w1)
+    moved = max((w1[k] - v).abs().max().item() for k, v in exported(MegatronActor(cfg)).items())
+    log(f"shard-fed vs whole-batch step: params max abs diff {diff:.1e} (update {moved:.1e}), "
+        f"rank 0 trained {shard.batch.num_samples} of {batch.num_samples} rows; metrics equal: {m_whole == m_shard}")
+    assert moved > 1e-4 and all(torch.equal(w1[k], w2[k]) for k in w1), diff
+    assert m_whole == m_shard, (m_whole, m_shard)
+
+
 def main(argv):
     checks, tmpdir = argv[0].split(","), argv[1]
     init_distributed()
@@ -295,6 +325,8 @@ def main(argv):
             dist.barrier()
             check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
             check_exact_update(moe_dir, ep=2, seed=8)
+        elif check == "shards":
+            check_shards(hf_dir)
         elif check == "warmup":
             check_warmup(hf_dir)
         elif check == "sum_norm":

@@ -3,7 +3,8 @@
 usage (torchrun): loop_run.py CONFIG OUT_DIR STOP_AFTER|-  [key.sub=value ...]
 Runs `train_rank` with the given overrides against the servers in rollout.servers; after every
 step rank 0 writes the full HF-named weights to OUT_DIR/weights_step{N}.pt (the test compares
-runs through them), the step's batch (tokens, rollout logprobs, token versions) to
+runs through them), the rows of the step's batch rank 0 trained (its DP shard: the whole batch at
+DP=1, as in the loop tests; tokens, rollout logprobs, token versions) to
 OUT_DIR/batch_step{N}.pt, and the rank-0 result to OUT_DIR/result.json.
 """
 
