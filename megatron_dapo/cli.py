@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "smoke": ("megatron_dapo.runtime.smoke:main", "a tiny megatron-core training run (TP=2, gloo)"),
     "plan": ("megatron_dapo.config.plan:main", "process layout and memory estimate for a cluster"),
     "plot": ("megatron_dapo.trainer.plot:main", "write PNG curves of a run's TensorBoard scalars"),
+    "simulate": ("megatron_dapo.sim.cli:main", "predict cluster throughput: the real coordinator, simulated engines"),
     "serve": ("megatron_dapo.rollout.embedded.server:main", "the embedded SGLang-compatible server"),
     "profile-engine": ("megatron_dapo.coordinator.profile_engine:main",
                        "measure a rollout server and fit its decode-step cost model"),

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 from megatron_dapo.coordinator.servers import ServerRegistry
@@ -59,7 +58,8 @@ class LoadPoller:
                 self._loop.call_soon_threadsafe(self._stop.set)
             except RuntimeError:  # the loop closed meanwhile
                 pass
-        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def __enter__(self) -> "LoadPoller":
         return self.start()
@@ -68,9 +68,11 @@ class LoadPoller:
         self.stop()
 
     def _main(self) -> None:
-        asyncio.run(self._run())
+        asyncio.run(self.run())
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """The polling loops until `stop()`. `start()` runs them on their own thread; a caller owning
+        an event loop (the simulator, on virtual time) may run this as a task there instead."""
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
         clients = {url: self._client_factory(url, **self._client_kwargs) for url in self.registry.urls}
@@ -81,10 +83,10 @@ class LoadPoller:
 
     async def _poll_loop(self, url: str, client: SGLangClient) -> None:
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = self._loop.time()  # the loop's clock: monotonic, or the simulator's virtual time
             await self._poll_one(url, client)
             self.polls[url] += 1
-            wait = self.interval_s - (time.monotonic() - started)
+            wait = self.interval_s - (self._loop.time() - started)
             if wait > 0:
                 try:
                     await asyncio.wait_for(self._stop.wait(), wait)

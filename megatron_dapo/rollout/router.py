@@ -56,7 +56,7 @@ class NoHealthyServer(RuntimeError):
 @dataclass
 class ServerState:
     url: str
-    client: SGLangClient
+    client: SGLangClient  # or anything with its generate / health / aclose (megatron_dapo.sim's engines)
     outstanding: int = 0
     failures: int = 0
     healthy: bool = True
@@ -107,12 +107,13 @@ class Router:
         routing: RoutingConfig | None = None,
         queue: QueueConfig | None = None,
         cost_model=None,  # a CostModel instead of routing.cost_model's file (a simulator's)
+        client_factory=SGLangClient,  # (url, api_key=..., **client_kwargs) -> client; the simulator's engines
     ):
         if not urls:
             raise ValueError("Router needs at least one server URL")
         kw = dict(client_kwargs or {})
         kw.setdefault("retries", 1)  # the router fails over instead of hammering a dead server
-        self.servers = [ServerState(u.rstrip("/"), SGLangClient(u, api_key=api_key, **kw)) for u in urls]
+        self.servers = [ServerState(u.rstrip("/"), client_factory(u, api_key=api_key, **kw)) for u in urls]
         if max_in_flight_per_server is not None:  # rollout.concurrency
             for s in self.servers:
                 s.slots = asyncio.Semaphore(max_in_flight_per_server)

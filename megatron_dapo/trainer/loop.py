@@ -92,7 +92,11 @@ def coordination_settings(r) -> dict:
     }
 
 
-def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
+def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_factory=None, clock=time.monotonic,
+                    cost_model=None):
+    """The rollout producer and its router as `cfg` says; `client_factory` / `clock` / `cost_model`: the
+    simulator's engines, virtual time and engine cost model (megatron_dapo.sim), else HTTP clients, real
+    time and rollout.routing.cost_model's file."""
     from megatron_dapo.coordinator.queues import QueueConfig
     from megatron_dapo.coordinator.routing import RoutingConfig
     from megatron_dapo.data.dataset import PromptSampler
@@ -117,11 +121,13 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None):
     r = cfg.rollout
 
     def router():
+        extra = {} if client_factory is None else {"client_factory": client_factory}
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
                       client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry,
-                      routing=RoutingConfig(**vars(r.routing)), queue=QueueConfig(**vars(r.queue)))
+                      routing=RoutingConfig(**vars(r.routing)), queue=QueueConfig(**vars(r.queue)),
+                      cost_model=cost_model, **extra)
 
-    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer)
+    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)
 
 
 def _broadcast(obj, src: int = 0):

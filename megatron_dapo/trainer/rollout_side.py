@@ -198,6 +198,7 @@ class RolloutProducer:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._listeners: list = []  # called (under the lock) whenever take_batch may have an answer
 
     # ---- views of the staleness buffers (under self._cv) ----------------------------------------
     @property
@@ -222,10 +223,21 @@ class RolloutProducer:
     def stop(self, timeout: float = 30.0) -> None:
         with self._cv:
             self._stop = True
-            self._cv.notify_all()
+            self._changed()
         self._poke()
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def add_listener(self, fn) -> None:
+        """`fn()` is called, under the producer's lock, whenever `try_take_batch` may have a new answer
+        (a group judged, an error, exhaustion, stop): how a caller on the producer's own event loop
+        (the simulator's trainer) waits without blocking the loop."""
+        self._listeners.append(fn)
+
+    def _changed(self) -> None:
+        self._cv.notify_all()
+        for fn in self._listeners:
+            fn()
 
     def _poke(self) -> None:
         if self._loop is not None and self._wake is not None:
@@ -242,7 +254,7 @@ class RolloutProducer:
         """Something outside the producer (a per-server weight sync) failed: take_batch raises it."""
         with self._cv:
             self.error = self.error or error
-            self._cv.notify_all()
+            self._changed()
 
     def _limit_reached(self) -> bool:
         limit = self.s.max_num_gen_batches * self.gen_batch_size
@@ -251,18 +263,18 @@ class RolloutProducer:
     # ---- the event loop ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            asyncio.run(self._main())
+            asyncio.run(self.run())
         except BaseException as e:  # surfaced to the trainer by take_batch
             log.exception("rollout producer failed")
             with self._cv:
                 self.error = e
-                self._cv.notify_all()
+                self._changed()
 
     def _dispatchable(self) -> list[tuple[int, int, int]]:
         """Draw a prompt for every slot that can be reserved now: (dataset index, draw, V_traj)."""
         if self._limit_reached():
             self.exhausted = True
-            self._cv.notify_all()
+            self._changed()
         if self.exhausted:
             return []
         picks = [(self.flight[d].idx, d, self.flight[d].v_traj) for d in self._redispatch]
@@ -274,7 +286,9 @@ class RolloutProducer:
             picks.append((idx, draw, self.version))
         return picks
 
-    async def _main(self) -> None:
+    async def run(self) -> None:
+        """The producer's loop: dispatch, judge, buffer until `stop()`. `start()` runs it on its own
+        thread; a caller owning an event loop (the simulator) may run it as a task there instead."""
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         router = self._router = self.router_factory()
@@ -329,7 +343,7 @@ class RolloutProducer:
         self.coordination_since_take["groups_moved_down"] += len(out.moved)
         self._abandon(out.aborted, "retry")
         self._abandon(self.slots.take_dropped(), "surplus")
-        self._cv.notify_all()
+        self._changed()
 
     async def _server_statuses(self, router) -> list[ServerStatus]:
         """Healthy servers' versions and loads: the router's counts (and the registry's last load reports);
@@ -528,7 +542,7 @@ class RolloutProducer:
                 if self.flight.pop(draw, None) is not None:
                     self.slots.release(draw)
                     self.error = e
-                    self._cv.notify_all()
+                    self._changed()
             return
         with self._cv:
             if self.flight.pop(draw, None) is None:  # given up while it was being judged
@@ -545,68 +559,88 @@ class RolloutProducer:
                     self.dropped_correct += 1
                 else:
                     self.dropped_wrong += 1
-            self._cv.notify_all()
+            self._changed()
         self._wake.set()
 
     # ---- the trainer's side --------------------------------------------------------------------
     def take_batch(self, step: int, timeout_s: float = 3600.0) -> BatchInfo:
         """Block until step `step`'s buffer is full, then hand over its B groups (in draw order)."""
-        B = self.s.train_batch_size
-        t0 = time.monotonic()
         with self._cv:
             if step != self.slots.next_buffer:
                 raise ValueError(f"take_batch({step}): the next buffer is step {self.slots.next_buffer}'s")
             self._waiting_for = step  # the proactive filter acts only while the trainer waits
         self._poke()
         try:
-            return self._take_batch(step, B, t0, timeout_s)
+            return self._take_batch(step, timeout_s)
         finally:
             with self._cv:
                 self._waiting_for = None
 
-    def _take_batch(self, step: int, B: int, t0: float, timeout_s: float) -> BatchInfo:
+    def _take_batch(self, step: int, timeout_s: float) -> BatchInfo:
+        t0, waited = time.monotonic(), self.clock()
         with self._cv:
             while True:
-                if self.error is not None:
-                    raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
-                if self.slots.ready():
+                info = self._take_ready(step, waited)
+                if info is not None:
                     break
-                kept = self.slots.count(OCCUPIED, step)
-                if self.exhausted:
-                    raise DynamicSamplingExhausted(
-                        f"dynamic sampling: {self.judged_since_take} groups judged in "
-                        f"{math.ceil(self.judged_since_take / self.gen_batch_size)} generation batches "
-                        f"(algo.filter_groups.max_num_gen_batches={self.s.max_num_gen_batches}, "
-                        f"{self.gen_batch_size} prompts each), only {kept} kept; dropped "
-                        f"{self.dropped_correct} all-correct and {self.dropped_wrong} all-wrong groups; "
-                        f"train_batch_size needs {B}. Raise max_num_gen_batches or n_resp_per_prompt, "
-                        f"or use an easier / warmer start."
-                    )
                 if time.monotonic() - t0 > timeout_s:
                     raise TimeoutError(f"no full batch for step {step} after {timeout_s}s "
-                                       f"({kept}/{B} groups kept, {self.in_flight} in flight)")
+                                       f"({self.slots.count(OCCUPIED, step)}/{self.s.train_batch_size} groups "
+                                       f"kept, {self.in_flight} in flight)")
                 self._cv.wait(1.0)
-            # Draw order, not finishing order: the order of a batch (hence its mini-batches) does not
-            # depend on timing.
-            groups = sorted(self.slots.consume(), key=lambda g: g.draw)
-            later = self.slots.count(OCCUPIED)
-            # Judged groups beyond this batch (already in later buffers) count towards the next one.
-            judged = self.judged_since_take - later
-            info = BatchInfo(
-                groups, B, self.dropped_correct, self.dropped_wrong,
-                gen_batches=max(1, math.ceil(judged / self.gen_batch_size)),
-                reward_failures=self.failures_since_take,
-                staleness=Counter(step - g.min_version for g in groups),
-                wait_s=time.monotonic() - t0,
-                reserved_slots=self.in_flight, occupied_slots=later,
-                partial_resumes=self.resumes_since_take, tokens_regenerated=self.regenerated_since_take,
-                coordination=self.coordination_since_take,
-            )
-            self.judged_since_take = later
-            self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
-            self.resumes_since_take = self.regenerated_since_take = 0
-            self.coordination_since_take = Counter({k: 0 for k in COORDINATION_COUNTS})
         self._poke()
+        return info
+
+    def try_take_batch(self, step: int, waiting_since: float | None = None) -> BatchInfo | None:
+        """`take_batch` without waiting: step `step`'s batch if its buffer is full, else None
+        (raises as take_batch does). `waiting_since`: clock() when the caller began waiting (wait_s)."""
+        with self._cv:
+            info = self._take_ready(step, self.clock() if waiting_since is None else waiting_since)
+            began = info is None and self._waiting_for != step
+            self._waiting_for = None if info is not None else step  # the caller waits until it has it
+        if info is not None or began:  # the proactive filter acts only while the trainer waits
+            self._poke()
+        return info
+
+    def _take_ready(self, step: int, waiting_since: float) -> BatchInfo | None:
+        """Under self._cv: consume step `step`'s buffer if it is full; None if not yet."""
+        B = self.s.train_batch_size
+        if step != self.slots.next_buffer:
+            raise ValueError(f"take_batch({step}): the next buffer is step {self.slots.next_buffer}'s")
+        if self.error is not None:
+            raise RuntimeError(f"rollout failed: {self.error!r}") from self.error
+        if not self.slots.ready():
+            if self.exhausted:
+                raise DynamicSamplingExhausted(
+                    f"dynamic sampling: {self.judged_since_take} groups judged in "
+                    f"{math.ceil(self.judged_since_take / self.gen_batch_size)} generation batches "
+                    f"(algo.filter_groups.max_num_gen_batches={self.s.max_num_gen_batches}, "
+                    f"{self.gen_batch_size} prompts each), only {self.slots.count(OCCUPIED, step)} kept; dropped "
+                    f"{self.dropped_correct} all-correct and {self.dropped_wrong} all-wrong groups; "
+                    f"train_batch_size needs {B}. Raise max_num_gen_batches or n_resp_per_prompt, "
+                    f"or use an easier / warmer start."
+                )
+            return None
+        # Draw order, not finishing order: the order of a batch (hence its mini-batches) does not
+        # depend on timing.
+        groups = sorted(self.slots.consume(), key=lambda g: g.draw)
+        later = self.slots.count(OCCUPIED)
+        # Judged groups beyond this batch (already in later buffers) count towards the next one.
+        judged = self.judged_since_take - later
+        info = BatchInfo(
+            groups, B, self.dropped_correct, self.dropped_wrong,
+            gen_batches=max(1, math.ceil(judged / self.gen_batch_size)),
+            reward_failures=self.failures_since_take,
+            staleness=Counter(step - g.min_version for g in groups),
+            wait_s=self.clock() - waiting_since,
+            reserved_slots=self.in_flight, occupied_slots=later,
+            partial_resumes=self.resumes_since_take, tokens_regenerated=self.regenerated_since_take,
+            coordination=self.coordination_since_take,
+        )
+        self.judged_since_take = later
+        self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
+        self.resumes_since_take = self.regenerated_since_take = 0
+        self.coordination_since_take = Counter({k: 0 for k in COORDINATION_COUNTS})
         return info
 
     # ---- checkpoints ---------------------------------------------------------------------------

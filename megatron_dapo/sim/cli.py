@@ -1,0 +1,153 @@
+"""`megatron-dapo simulate CONFIG [--nodes N --gpus-per-node G --engines E --step-time S --lengths dapo|FILE ...]`
+
+Predicts cluster-scale throughput by running the project's own rollout coordinator (producer,
+staleness reservation, router, sync policies) in virtual time against simulated engines timed by
+a cost model and a simulated trainer (megatron_dapo.sim.world). Prints, for synchronous training
+(staleness 0), plain async (all_at_once sync) and advanced (the coordinator's advanced switches), at
+each staleness asked for: trained tokens/s, rollout and trainer busy fractions, mean staleness,
+migrations, aborted tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# What each mode changes in the config. Advanced: every advanced switch of the coordinator, with PSRL's
+# advanced launchers' values (status_based sync on KV use <= 0.6, throughput_optimal routing at threshold
+# 0.2 with reserve_capability, priority queues, migration on a throughput ratio > 5 stopping below 10
+# requests, proactive filtering with threshold 4; redundant rollout stays off, as there).
+ADVANCED = ["rollout.sync.policy=status_based", "rollout.sync.indicator=kv_cache", "rollout.sync.threshold=0.6",
+            "rollout.routing.method=throughput_optimal", "rollout.routing.delta_throughput_threshold=0.2",
+            "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority",
+            "rollout.migration.enabled=true", "rollout.migration.indicator=throughput",
+            "rollout.migration.threshold=5", "rollout.migration.stop_indicator=request_num",
+            "rollout.migration.stop_threshold=10", "rollout.retry.enabled=true", "rollout.retry.threshold=4"]
+MODES: dict[str, list[str]] = {
+    "sync": ["rollout.sync.policy=all_at_once"],
+    "async": ["rollout.sync.policy=all_at_once"],
+    "advanced": ADVANCED,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatron-dapo simulate", description=__doc__.split("\n\n")[0])
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
+    p.add_argument("--nodes", type=int, help="nodes (sets trainer.nnodes)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (sets trainer.gpus_per_node)")
+    p.add_argument("--engines", type=int, help="rollout engines (sets rollout.num_servers)")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the engines' KV pool (80)")
+    p.add_argument("--cost-model", help="engine cost model JSON (profile-engine); default PSRL's 7B fit")
+    p.add_argument("--max-running", type=int, default=1024, help="max running requests per engine (1024)")
+    p.add_argument("--step-time", type=float, help="trainer seconds per step; default: FLOPs estimate")
+    p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s per trainer GPU (989, H100)")
+    p.add_argument("--mfu", type=float, default=0.35, help="trainer model FLOPs utilisation (0.35)")
+    p.add_argument("--sync-s", type=float, default=5.0, help="seconds of one weight sync (5)")
+    p.add_argument("--lengths", default="dapo", help="dapo | a run's metrics.jsonl | JSON with `lengths`")
+    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (256)")
+    p.add_argument("--keep-prob", type=float, default=0.5, help="dynamic sampling: share of groups kept (0.5)")
+    p.add_argument("--staleness", default="0,1,2,3", help="comma list (0,1,2,3)")
+    p.add_argument("--modes", default="sync,async,advanced", help="comma list of sync, async, advanced")
+    p.add_argument("--steps", type=int, default=6, help="measured steps (6)")
+    p.add_argument("--warmup-steps", type=int, default=2, help="steps before measuring (2)")
+    p.add_argument("--token-unit", type=int, default=0, help="tokens per simulated id (0: max_response_length / 1024)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    return p
+
+
+def build_world(cfg, args):
+    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
+    from megatron_dapo.sim.cluster import kv_tokens_per_engine, trainer_speed
+    from megatron_dapo.sim.lengths import load_lengths
+    from megatron_dapo.sim.world import World
+
+    max_len = cfg.data.max_response_length
+    lengths = load_lengths(args.lengths, max_len, args.seed)
+    cost = CostModel.load(args.cost_model) if args.cost_model else QWEN_7B_1GPU
+    if args.step_time is not None:
+        train_s, speed = (lambda tokens: args.step_time), None
+    else:
+        mean_seq = args.prompt_len + _mean_length(lengths)
+        speed = trainer_speed(cfg, mean_seq, args.gpu_tflops, args.mfu)
+        train_s = speed.step_s
+    unit = args.token_unit or max(1, max_len // 1024)
+    world = World(cost=cost, kv_capacity=kv_tokens_per_engine(cfg, args.gpu_mem_gib), max_running=args.max_running,
+                  train_s=train_s, sync_s=args.sync_s, keep_prob=args.keep_prob, lengths=lengths,
+                  prompt_len=args.prompt_len, token_unit=unit, steps=args.steps, warmup_steps=args.warmup_steps,
+                  seed=args.seed)
+    return world, speed
+
+
+def _mean_length(lengths, n: int = 4000) -> float:
+    return sum(lengths.total(i % 97, i) for i in range(n)) / n
+
+
+def settings(modes: list[str], staleness: list[int]) -> list[tuple[str, int]]:
+    rows = []
+    for mode in modes:
+        for s in ([0] if mode == "sync" else [s for s in staleness if s > 0 or mode == "advanced"]):
+            rows.append((mode, s))
+    return rows
+
+
+def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dict]:
+    from megatron_dapo.config.load import load_config
+    from megatron_dapo.sim.world import simulate
+
+    base = list(overrides)
+    if args.nodes is not None:
+        base.append(f"trainer.nnodes={args.nodes}")
+    if args.gpus_per_node is not None:
+        base.append(f"trainer.gpus_per_node={args.gpus_per_node}")
+    if args.engines is not None:
+        base.append(f"rollout.num_servers={args.engines}")
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise ValueError(f"--modes: unknown {bad} (one of {', '.join(MODES)})")
+    staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
+    cfg0 = load_config(config, base, validate=False)
+    world, speed = build_world(cfg0, args)
+    print(f"simulate {config}: {cfg0.rollout.num_servers} engines x tp {cfg0.rollout.server_tp}, KV pool "
+          f"{world.kv_capacity} tokens each; {cfg0.algo.train_batch_size} prompts x {cfg0.rollout.n_resp_per_prompt} "
+          f"per step; {world.lengths.describe()}; keep {world.keep_prob}; trainer "
+          + (f"{args.step_time} s/step" if speed is None else
+             f"{speed.gpus} GPUs at {args.mfu:.0%} of {args.gpu_tflops:.0f} TFLOP/s")
+          + f"; sync {world.sync_s} s; {world.warmup_steps}+{world.steps} steps", file=out)
+    header = ("mode", "stale", "tokens/s", "x sync", "step s", "rollout busy", "trainer busy", "mean stale",
+              "migrations", "aborted tok", "regen tok")
+    print(" | ".join(header), file=out)
+    rows, sync_tps = [], None
+    for mode, s in settings(modes, staleness):
+        cfg = load_config(config, [*base, f"algo.staleness={s}", *MODES[mode]], validate=False)
+        r = simulate(cfg, world)
+        if mode == "sync":
+            sync_tps = r.tokens_per_s
+        row = {"mode": mode, "staleness": s, **r.summary()}
+        rows.append(row)
+        ratio = f"{r.tokens_per_s / sync_tps:.2f}" if sync_tps else "-"
+        print(f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "
+              f"{r.trainer_busy:.2f} | {r.mean_staleness:.2f} | {r.migrations} | {r.aborted_tokens} | "
+              f"{r.regenerated_tokens}", file=out, flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
+    from megatron_dapo.config.errors import ConfigError
+
+    try:
+        rows = run_all(args.config, args.overrides, args)
+    except (ConfigError, ValueError) as e:
+        print(f"simulate error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        from pathlib import Path
+
+        tmp = Path(args.json + ".tmp")
+        tmp.write_text(json.dumps(rows, indent=2) + "\n")
+        tmp.replace(args.json)
+    return 0

@@ -1,0 +1,223 @@
+"""The simulator (megatron_dapo.sim): engine timing against a per-step reference, the real coordinator
+end to end in virtual time (bound kept, nothing lost), lengths, the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import re
+
+import pytest
+
+from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.sim.engine import SimEngine
+from megatron_dapo.sim.vtime import run_virtual
+
+COST = CostModel(a_b=2e-3, a_k=1e-6, o_thr=5e-3, o_b=1e-3, o_k=0.5e-3)
+
+
+def reference_finish_times(cost, arrivals, max_running):
+    """A naive engine stepping token by token: arrivals (time, input, target) join at the first step
+    boundary at or after their time (FIFO, up to max_running); returns each request's finish time."""
+    pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
+    running, done, t = {}, {}, 0.0
+    while len(done) < len(arrivals):
+        while pending and arrivals[pending[0]][0] <= t and len(running) < max_running:
+            i = pending.pop(0)
+            running[i] = 0
+        if not running:
+            t = max(t, arrivals[pending[0]][0])
+            continue
+        kv = sum(arrivals[i][1] + g for i, g in running.items())
+        t += cost.a_b + cost.a_k * kv + max(cost.o_thr, cost.o_b + cost.o_k * len(running))
+        for i in list(running):
+            running[i] += 1
+            if running[i] == arrivals[i][2]:
+                done[i] = t
+                del running[i]
+    return [done[i] for i in range(len(arrivals))]
+
+
+def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9):
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(cost, kv_capacity, max_running, loop=loop)
+        times = [None] * len(arrivals)
+
+        def submit(i):
+            fut = engine.submit(f"r{i}", arrivals[i][1], arrivals[i][2])
+            fut.add_done_callback(lambda f: times.__setitem__(i, (loop.time(), f.result())))
+
+        for i, (at, _, _) in enumerate(arrivals):
+            loop.call_at(at, submit, i)
+        while any(t is None for t in times):
+            await asyncio.sleep(1.0)
+        return times, engine
+
+    return run_virtual(main())
+
+
+def test_engine_two_requests_by_hand():
+    # A (10 input, 3 new) and B (20 input, 5 new) at t=0: three steps with n=2, then two with n=1
+    # after A's KV is freed (B holds 20 + 3 tokens then).
+    times, engine = engine_finish_times(COST, [(0.0, 10, 3), (0.0, 20, 5)], max_running=8)
+    flat2, flat1 = COST.a_b + max(COST.o_thr, COST.o_b + 2 * COST.o_k), COST.a_b + max(COST.o_thr, COST.o_b + COST.o_k)
+    t_a = sum(flat2 + COST.a_k * (30 + 2 * k) for k in range(3))
+    t_b = t_a + sum(flat1 + COST.a_k * (23 + k) for k in range(2))
+    assert times[0][0] == pytest.approx(t_a, rel=1e-12)
+    assert times[1][0] == pytest.approx(t_b, rel=1e-12)
+    assert [r.generated for _, r in times] == [3, 5] and not any(r.aborted for _, r in times)
+    assert engine.stats.tokens == 8 and engine.stats.busy_s == pytest.approx(t_b, rel=1e-12)
+
+
+def test_engine_matches_per_step_reference_with_arrivals_mid_step():
+    rng = random.Random(3)
+    arrivals = [(rng.uniform(0, 2.0), rng.randint(5, 300), rng.randint(1, 400)) for _ in range(60)]
+    ref = reference_finish_times(COST, arrivals, max_running=16)
+    times, engine = engine_finish_times(COST, arrivals, max_running=16)
+    assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
+    assert engine.stats.tokens == sum(a[2] for a in arrivals)
+    assert engine.stats.steps < 2 * len(arrivals) + sum(a[2] for a in arrivals)  # sanity: counted, not looped
+
+
+def test_engine_abort_returns_tokens_and_kv_pool_retracts():
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(COST, kv_capacity=120, max_running=8, loop=loop)
+        a = engine.submit("a", 50, 40)
+        b = engine.submit("b", 50, 40)  # both fit at first (100 <= 120); at 10 steps each the pool is full
+        await asyncio.sleep(COST.step_time(2, 100) * 3.5)  # mid-step 4
+        engine.abort("a")
+        ra = await a
+        rb = await b
+        return ra, rb, engine
+
+    ra, rb, engine = run_virtual(main())
+    assert ra.aborted and ra.generated == 4  # the step in progress completes before the abort takes effect
+    assert not rb.aborted and rb.generated == 40
+    assert engine.stats.aborted_tokens == 4
+
+
+def test_engine_retracts_newest_when_kv_full():
+    async def main():
+        engine = SimEngine(COST, kv_capacity=130, max_running=8, loop=asyncio.get_running_loop())
+        futs = [engine.submit(r, 50, 30) for r in ("old", "new")]
+        results = await asyncio.gather(*futs)
+        return results, engine
+
+    (old, new), engine = run_virtual(main())
+    # after 15 steps (130 tokens) "new" is retracted, keeps 15 tokens, and finishes after "old"
+    assert engine.stats.retractions == 1
+    assert old.generated == new.generated == 30 and engine.stats.tokens == 60
+
+
+# ---- the real coordinator in virtual time ------------------------------------------------------
+
+
+def tiny_cfg(staleness, policy="all_at_once", pause_mode="in_place", **extra):
+    from megatron_dapo.config.load import load_config
+
+    over = [f"algo.staleness={staleness}", f"rollout.sync.policy={policy}", f"rollout.sync.pause_mode={pause_mode}",
+            "algo.train_batch_size=6", "rollout.n_resp_per_prompt=4", "data.max_response_length=400",
+            "algo.overlong_buffer.len=100", "rollout.num_servers=2", *[f"{k}={v}" for k, v in extra.items()]]
+    return load_config("configs/qwen3/tiny_qwen3_cpu.yaml", over, validate=False)
+
+
+def tiny_world(**kw):
+    from megatron_dapo.sim.lengths import dapo_like
+    from megatron_dapo.sim.world import World
+
+    args = dict(cost=COST, kv_capacity=200_000, max_running=64, train_s=lambda tokens: tokens / 5000.0, sync_s=0.5,
+                keep_prob=0.6, lengths=dapo_like(400), prompt_len=40, token_unit=2, steps=4, warmup_steps=1)
+    return World(**{**args, **kw})
+
+
+def expected_units(cfg, world, group, sample):
+    """The length model's total for this sample's seed (in ids of token_unit tokens)."""
+    from megatron_dapo.trainer.rollout_side import sample_seed
+
+    # its seed index: the position it was drawn at (with redundant samples, rid "...-s<i>-..." says which
+    # of the N' it was; the kept n are renumbered)
+    drawn = re.search(r"-s(\d+)-", sample.rid)
+    seed = sample_seed(cfg.trainer.seed, group.draw, int(drawn.group(1)) if drawn else sample.index)
+    total = world.lengths.total(group.prompt_index + 1, seed)
+    return min(math.ceil(400 / world.token_unit), math.ceil(total / world.token_unit))
+
+
+ADVANCED = {"rollout.routing.method": "throughput_optimal", "rollout.routing.delta_throughput_threshold": 0.2,
+            "rollout.routing.server_order": "reserve_capability", "rollout.queue.policy": "priority",
+            "rollout.migration.enabled": "true", "rollout.migration.indicator": "throughput",
+            "rollout.migration.threshold": 5, "rollout.retry.enabled": "true", "rollout.retry.threshold": 4}
+
+
+@pytest.mark.parametrize("staleness,policy,pause_mode,extra", [
+    (0, "all_at_once", "in_place", {}), (2, "all_at_once", "abort", {}), (1, "greedy", "abort", {}),
+    (2, "status_based", "in_place", {}), (2, "status_based", "abort", ADVANCED),
+    (1, "all_at_once", "in_place", {"rollout.redundancy.extra_samples": 2, "rollout.redundancy.extra_prompts": 2})])
+def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_mode, extra):
+    from megatron_dapo.sim.world import simulate
+
+    cfg, world = tiny_cfg(staleness, policy, pause_mode, **{"rollout.sync.threshold": 1.0,
+                                                            "rollout.sync.indicator": "kv_cache",
+                                                            "rollout.loads.interval_ms": 50, **extra}), tiny_world()
+    r = simulate(cfg, world)
+    assert len(r.batches) == 5 and r.steps == 4
+    draws = [g.draw for info in r.batches for g in info.groups]
+    assert len(draws) == len(set(draws)) == 5 * 6  # no group trained twice
+    for step, info in enumerate(r.batches):
+        assert max(info.staleness) <= staleness and sum(info.staleness.values()) == 6
+        for g in info.groups:
+            assert len(g.samples) == 4 and g.kept
+            assert step - g.min_version <= staleness
+            for s in g.samples:  # aborted and continued samples come back whole: the seed's full length
+                assert s.finish_reason in ("stop", "length")
+                assert len(s.output_ids) == expected_units(cfg, world, g, s)
+    assert r.max_staleness <= staleness and 0 < r.rollout_busy <= 1 and 0 < r.trainer_busy <= 1
+    if pause_mode == "abort":
+        assert r.aborted_tokens > 0  # the syncs aborted requests, which partial rollout continued
+
+
+def test_async_beats_sync_and_ends_match_step_times():
+    from megatron_dapo.sim.world import simulate
+
+    world = tiny_world()
+    sync, async2 = simulate(tiny_cfg(0), world), simulate(tiny_cfg(2), world)
+    assert async2.tokens_per_s > 1.2 * sync.tokens_per_s
+    # synchronous: the trainer never overlaps generation, so a step is generation + train + sync
+    assert sync.trainer_busy < 0.5 and sync.mean_staleness == 0
+    assert async2.mean_staleness > 0
+
+
+# ---- lengths and the CLI -----------------------------------------------------------------------
+
+
+def test_lognormal_fit_reproduces_mean_and_cut_fraction():
+    from megatron_dapo.sim.lengths import dapo_like, fit_lognormal
+
+    truth = dapo_like(20480)
+    xs = [truth.total(i % 500, i) for i in range(20000)]
+    mean, cut = sum(xs) / len(xs), sum(x >= 20480 for x in xs) / len(xs)
+    fit = fit_lognormal(mean, cut, 20480)
+    ys = [fit.total(i % 500, i + 10**6) for i in range(20000)]
+    assert sum(ys) / len(ys) == pytest.approx(mean, rel=0.08)
+    assert sum(y >= 20480 for y in ys) / len(ys) == pytest.approx(cut, abs=0.02)
+
+
+def test_cli_prints_table_and_rejects_bad_lengths(tmp_path, capsys):
+    from megatron_dapo.sim.cli import main
+
+    out = tmp_path / "rows.json"
+    argv = ["configs/qwen3/tiny_qwen3_cpu.yaml", "algo.train_batch_size=4", "rollout.n_resp_per_prompt=4",
+            "data.max_response_length=256", "algo.overlong_buffer.len=64", "--step-time", "0.5", "--steps", "2",
+            "--warmup-steps", "1", "--staleness", "0,1", "--modes", "sync,async", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "sync | 0 |" in text and "async | 1 |" in text
+    rows = json.loads(out.read_text())
+    assert [(r["mode"], r["staleness"]) for r in rows] == [("sync", 0), ("async", 1)]
+    bad = tmp_path / "lengths.json"
+    bad.write_text('{"lengths": []}')
+    assert main([*argv[:-2], "--lengths", str(bad)]) == 2
+    assert "--lengths" in capsys.readouterr().err
