@@ -3,8 +3,8 @@
 Predicts cluster-scale throughput by running the project's own rollout coordinator (producer,
 staleness reservation, router, sync policies) in virtual time against simulated engines timed by
 a cost model and a simulated trainer (megatron_dapo.sim.world). Prints, for synchronous training
-(staleness 0), plain async (all_at_once sync) and advanced (an advanced YAML's rollout-coordination switches), at
-each staleness asked for: trained tokens/s, rollout and trainer busy fractions, mean staleness,
+(staleness 0), plain async (all_at_once sync) and advanced (an advanced YAML's rollout-coordination
+switches), at each staleness asked for: trained tokens/s, rollout and trainer busy fractions, mean staleness,
 migrations, aborted tokens.
 """
 
@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--staleness", default="0,1,2,3", help="comma list (0,1,2,3)")
     p.add_argument("--modes", default="sync,async,advanced", help="comma list of sync, async, advanced")
     p.add_argument("--advanced-config", default=str(ADVANCED_CONFIG),
-                   help="YAML whose rollout-coordination switches `advanced` uses (configs/qwen3/advanced_qwen3_8b.yaml)")
+                   help="YAML whose rollout-coordination switches `advanced` uses "
+                        "(configs/qwen3/advanced_qwen3_8b.yaml)")
     p.add_argument("--steps", type=int, default=6, help="measured steps (6)")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps before measuring (2)")
     p.add_argument("--token-unit", type=int, default=0, help="tokens per simulated id (0: max_response_length / 1024)")
