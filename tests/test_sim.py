@@ -4,10 +4,12 @@ end to end in virtual time (bound kept, nothing lost), lengths, the CLI."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
 import re
+from pathlib import Path
 
 import pytest
 
@@ -221,3 +223,35 @@ def test_cli_prints_table_and_rejects_bad_lengths(tmp_path, capsys):
     bad.write_text('{"lengths": []}')
     assert main([*argv[:-2], "--lengths", str(bad)]) == 2
     assert "--lengths" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("advanced", sorted(Path("configs/qwen3").glob("advanced_*.yaml")), ids=lambda p: p.stem)
+def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
+    from megatron_dapo.config.load import load_config
+    from megatron_dapo.sim.cli import ADVANCED_KEYS, mode_overrides
+
+    plain = "configs/qwen3/qwen3_8b.yaml"
+    got = load_config(plain, mode_overrides("advanced", advanced), validate=False)
+    want, base = load_config(str(advanced), [], validate=False), load_config(plain, [], validate=False)
+
+    def at(cfg, key):
+        value = cfg.rollout
+        for part in key.split("."):
+            value = getattr(value, part)
+        return value
+
+    for key in ADVANCED_KEYS:
+        if key == "routing":  # the router's cost model is the simulated engines' (--cost-model)
+            assert dataclasses.replace(at(got, key), cost_model=None) == dataclasses.replace(at(want, key),
+                                                                                               cost_model=None)
+        else:
+            assert at(got, key) == at(want, key), key
+    assert got.rollout.sync.policy == "status_based" and got.rollout.migration.enabled and got.rollout.retry.enabled
+    # the simulated setting itself (cluster, batch, staleness) stays the plain config's
+    assert (got.rollout.server_tp, got.algo.train_batch_size, got.algo.staleness) == \
+        (base.rollout.server_tp, base.algo.train_batch_size, base.algo.staleness)
+    assert mode_overrides("async") == ["rollout.sync.policy=all_at_once"]
+    with pytest.raises(ValueError, match="--advanced-config"):
+        mode_overrides("advanced", "configs/qwen3/nope.yaml")
+    with pytest.raises(ValueError, match="--modes"):
+        mode_overrides("fast")

@@ -3,32 +3,54 @@
 Predicts cluster-scale throughput by running the project's own rollout coordinator (producer,
 staleness reservation, router, sync policies) in virtual time against simulated engines timed by
 a cost model and a simulated trainer (megatron_dapo.sim.world). Prints, for synchronous training
-(staleness 0), plain async (all_at_once sync) and advanced (the coordinator's advanced switches), at
-each staleness asked for: trained tokens/s, rollout and trainer busy fractions, mean staleness,
+(staleness 0), plain async (all_at_once sync) and advanced (an advanced YAML's rollout-coordination
+switches), at each staleness asked for: trained tokens/s, rollout and trainer busy fractions, mean staleness,
 migrations, aborted tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 
-# What each mode changes in the config. Advanced: every advanced switch of the coordinator, with PSRL's
-# advanced launchers' values (status_based sync on KV use <= 0.6, throughput_optimal routing at threshold
-# 0.2 with reserve_capability, priority queues, migration on a throughput ratio > 5 stopping below 10
-# requests, proactive filtering with threshold 4; redundant rollout stays off, as there).
-ADVANCED = ["rollout.sync.policy=status_based", "rollout.sync.indicator=kv_cache", "rollout.sync.threshold=0.6",
-            "rollout.routing.method=throughput_optimal", "rollout.routing.delta_throughput_threshold=0.2",
-            "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority",
-            "rollout.migration.enabled=true", "rollout.migration.indicator=throughput",
-            "rollout.migration.threshold=5", "rollout.migration.stop_indicator=request_num",
-            "rollout.migration.stop_threshold=10", "rollout.retry.enabled=true", "rollout.retry.threshold=4"]
-MODES: dict[str, list[str]] = {
-    "sync": ["rollout.sync.policy=all_at_once"],
-    "async": ["rollout.sync.policy=all_at_once"],
-    "advanced": ADVANCED,
-}
+# The rollout-coordination switches `advanced` takes from an advanced YAML (sections of `rollout`, or
+# `section.field` for single fields); everything else (model, cluster, batch, staleness) stays the
+# simulated config's. One definition of "advanced": the advanced launchers' own config.
+ADVANCED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "advanced_qwen3_8b.yaml"
+ADVANCED_KEYS = ("concurrency", "partial_rollout", "sync.policy", "sync.indicator", "sync.threshold",
+                 "sync.check_req_before_sync", "routing", "queue", "migration", "retry", "redundancy", "loads")
+PLAIN = ["rollout.sync.policy=all_at_once"]
+
+
+def advanced_overrides(path: str | Path = ADVANCED_CONFIG) -> list[str]:
+    """`key=value` overrides that set ADVANCED_KEYS of `rollout` to the advanced YAML's values."""
+    from megatron_dapo.config.load import load_config
+
+    if not Path(path).is_file():
+        raise ValueError(f"--advanced-config: {path} not found")
+    rollout = load_config(str(path), [], validate=False).rollout
+    out = []
+    for key in ADVANCED_KEYS:
+        value = rollout
+        for part in key.split("."):
+            value = getattr(value, part)
+        items = dataclasses.asdict(value).items() if dataclasses.is_dataclass(value) else [(None, value)]
+        for name, v in items:
+            if key == "routing" and name == "cost_model":
+                continue  # the simulated engines' cost model (--cost-model) is the router's
+            dotted = f"rollout.{key}" + (f".{name}" if name else "")
+            out.append(f"{dotted}={v if isinstance(v, str) else json.dumps(v)}")  # a str field keeps the text
+    return out
+
+
+def mode_overrides(mode: str, advanced_config: str | Path = ADVANCED_CONFIG) -> list[str]:
+    """What a mode changes in the config: sync / async = all_at_once sync; advanced = the advanced YAML's."""
+    if mode not in ("sync", "async", "advanced"):
+        raise ValueError(f"--modes: unknown {mode!r} (one of sync, async, advanced)")
+    return advanced_overrides(advanced_config) if mode == "advanced" else list(PLAIN)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-prob", type=float, default=0.5, help="dynamic sampling: share of groups kept (0.5)")
     p.add_argument("--staleness", default="0,1,2,3", help="comma list (0,1,2,3)")
     p.add_argument("--modes", default="sync,async,advanced", help="comma list of sync, async, advanced")
+    p.add_argument("--advanced-config", default=str(ADVANCED_CONFIG),
+                   help="YAML whose rollout-coordination switches `advanced` uses "
+                        "(configs/qwen3/advanced_qwen3_8b.yaml)")
     p.add_argument("--steps", type=int, default=6, help="measured steps (6)")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps before measuring (2)")
     p.add_argument("--token-unit", type=int, default=0, help="tokens per simulated id (0: max_response_length / 1024)")
@@ -105,9 +130,7 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
     if args.engines is not None:
         base.append(f"rollout.num_servers={args.engines}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
-    if bad:
-        raise ValueError(f"--modes: unknown {bad} (one of {', '.join(MODES)})")
+    changes = {m: mode_overrides(m, args.advanced_config) for m in modes}
     staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
     cfg0 = load_config(config, base, validate=False)
     world, speed = build_world(cfg0, args)
@@ -122,7 +145,7 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
     print(" | ".join(header), file=out)
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
-        cfg = load_config(config, [*base, f"algo.staleness={s}", *MODES[mode]], validate=False)
+        cfg = load_config(config, [*base, f"algo.staleness={s}", *changes[mode]], validate=False)
         r = simulate(cfg, world)
         if mode == "sync":
             sync_tps = r.tokens_per_s
