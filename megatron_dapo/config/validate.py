@@ -273,11 +273,13 @@ def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:
     if r.retry.enabled and cfg.algo.staleness < 1:
         errors.append("rollout.retry.enabled needs algo.staleness >= 1: it moves completed groups down from "
                       "later staleness buffers, and at staleness 0 there are none")
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+
     m = r.migration
-    if m.threshold < 1:
-        errors.append(f"rollout.migration.threshold={m.threshold} must be >= 1 (a load ratio)")
-    if m.stop_threshold < 0:
-        errors.append(f"rollout.migration.stop_threshold={m.stop_threshold} must be >= 0")
+    try:  # the policy's own checks, as for routing and queues
+        MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold)
+    except ValueError as e:
+        errors.append(str(e))
     if m.enabled:
         if not r.partial_rollout:
             errors.append("rollout.migration.enabled needs rollout.partial_rollout: migrated requests "

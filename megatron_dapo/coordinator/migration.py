@@ -36,6 +36,8 @@ class MigrationPolicyConfig:
                                  f"got {getattr(self, name)!r}")
         if self.threshold < 1:
             raise ValueError(f"rollout.migration.threshold={self.threshold} must be >= 1 (a load ratio)")
+        if self.stop_threshold < 0:
+            raise ValueError(f"rollout.migration.stop_threshold={self.stop_threshold} must be >= 0")
 
     @property
     def needs_loads(self) -> bool:
