@@ -278,20 +278,37 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
             finally:
                 await asyncio.gather(*(c.aclose() for c in clients))
 
+        def partial_samples(state):
+            return [s for f in state["in_flight"] for s in f["samples"] or ()
+                    if s["finish_reason"] == "abort" and len(s["output_ids"]) < 32]
+
+        def pause_until_partial_work(p):
+            """Pause in abort mode until a pause catches a sample part-way (on a quiet machine the first
+            groups may finish before any pause, on a loaded one a pause may come before any token):
+            each miss continues generation (the producer resubmits what was aborted) and pauses again."""
+            deadline = time.monotonic() + 120
+            while True:
+                asyncio.run(admin("pause_generation", "abort"))
+                settle = time.monotonic() + 5
+                while time.monotonic() < settle:
+                    with p._cv:
+                        if any(f.samples for f in p.flight.values()):
+                            break
+                    time.sleep(0.05)
+                time.sleep(0.3)  # let the other aborted answers arrive
+                state = p.state_dict()
+                if any(s["output_ids"] for s in partial_samples(state)):
+                    return state
+                assert time.monotonic() < deadline, "no pause caught a sample part-way in 120 s"
+                asyncio.run(admin("continue_generation"))
+                time.sleep(0.1)
+
         make = lambda: _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32)
         p = make()
         p.start()
         try:
-            time.sleep(0.4)
-            asyncio.run(admin("pause_generation", "abort"))
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                with p._cv:
-                    if any(f.samples for f in p.flight.values()):
-                        break
-                time.sleep(0.05)
-            time.sleep(0.3)  # let the other aborted answers arrive
-            state = p.state_dict()
+            time.sleep(0.2)
+            state = pause_until_partial_work(p)
         finally:
             p.stop()
             asyncio.run(admin("abort_request", abort_all=True))
@@ -304,9 +321,7 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
         finally:
             q.stop()
         batch = [(g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups]
-        partial = [s for f in state["in_flight"] for s in f["samples"] or ()
-                   if s["finish_reason"] == "abort" and len(s["output_ids"]) < 32]
-        return batch, state, partial, info
+        return batch, state, partial_samples(state), info
 
     plain, partial, restarted = run(0, True), run(1000, True), run(2, False)
     assert plain[1:] == (0, 0)
