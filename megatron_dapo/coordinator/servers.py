@@ -18,7 +18,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import ServerLoad
@@ -158,7 +158,7 @@ class ServerRegistry:
     def records_snapshot(self) -> list[ServerRecord]:
         """A consistent copy of every server's record (version, routing state, last load report)."""
         with self._lock:
-            return [replace(r) for r in self.records.values()]
+            return [ServerRecord(**vars(r)) for r in self.records.values()]  # replace(r) costs 4x: per dispatch
 
     def statuses(self) -> list[ServerStatus]:
         """The router's view of every server: running = the router's count in flight there; waiting,

@@ -177,12 +177,14 @@ class Router:
         records = {r.url: r for r in self.registry.records_snapshot()} if self.registry is not None else {}
         views = []
         for s in self.servers:
-            v = ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed)
             r = records.get(s.url)
-            if r is not None:
-                v = replace(v, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
-                            kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
-            views.append(v)
+            if r is None:
+                views.append(ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed))
+            else:  # built in one go: this runs per server on every dispatch (each load report, each request end)
+                views.append(ServerView(s.url, version=r.version, healthy=s.healthy, syncing=r.syncing,
+                                        outstanding=s.outstanding, completed=s.completed, running=r.running,
+                                        waiting=r.waiting, kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity,
+                                        load_time=r.load_time))
         return views
 
     def _dispatch(self) -> None:
