@@ -67,7 +67,10 @@ class SimEngine:
         self.stats = EngineStats()
         self.step = 0  # decode steps completed
         self.anchor = self.loop.time()  # time of the boundary after step `self.step`
-        self.running: dict[str, EngineRequest] = {}  # in admission order, hence by start_step
+        self.running: dict[str, EngineRequest] = {}  # in admission order
+        # running requests by start_step (ascending: steps only grow), each in admission order: the
+        # newest request, which a full KV pool retracts, without a scan
+        self._cohorts: dict[int, dict[str, EngineRequest]] = {}
         self.waiting: deque[EngineRequest] = deque()
         self._rids: set[str] = set()  # running or waiting (submit's duplicate check without a scan)
         self._finish: list[tuple[int, int, str]] = []  # (finish step, seq, rid) heap over running
@@ -153,9 +156,10 @@ class SimEngine:
         """At a boundary: finish what is done, retract while the pool is full, admit what fits."""
         while self._finish and self._finish[0][0] <= self.step:
             _, _, rid = heapq.heappop(self._finish)
-            req = self.running.pop(rid, None)
+            req = self.running.get(rid)
             if req is None:
                 continue  # retracted or aborted earlier
+            self._unrun(req)
             self._leave(req)
             self._rids.discard(rid)
             req.generated = req.target
@@ -171,15 +175,16 @@ class SimEngine:
         self._admit()
 
     def _newest(self) -> EngineRequest:
-        """The running request admitted last: the first of those sharing the largest start_step (the
-        running dict is in admission order, so they are its tail), found without scanning all of it."""
-        tail = reversed(self.running.values())
-        newest = next(tail)
-        for req in tail:
-            if req.start_step != newest.start_step:
-                break
-            newest = req
-        return newest
+        """The running request with the largest start_step (the first admitted of several)."""
+        return next(iter(self._cohorts[next(reversed(self._cohorts))].values()))
+
+    def _unrun(self, req: EngineRequest) -> None:
+        """Take `req` out of the running set (and its cohort)."""
+        del self.running[req.rid]
+        cohort = self._cohorts[req.start_step]
+        del cohort[req.rid]
+        if not cohort:
+            del self._cohorts[req.start_step]
 
     def _answer(self, req: EngineRequest, result: EngineResult) -> None:
         """Resolve at the boundary's time: a change caught up mid-step lands when that step ends."""
@@ -219,6 +224,7 @@ class SimEngine:
             if not req.versions or req.versions[-1][1] != self.version:
                 req.versions.append((req.generated, self.version))
             self.running[req.rid] = req
+            self._cohorts.setdefault(self.step, {})[req.rid] = req
             self._kv_base += req.input_len + req.generated - self.step
             heapq.heappush(self._finish, (self.step + req.target - req.generated, next(self._seq), req.rid))
 
@@ -228,7 +234,7 @@ class SimEngine:
     def _remove(self, req: EngineRequest) -> None:
         """Take a running request out (retract / abort), keeping the tokens it generated."""
         req.generated += self.step - req.start_step
-        del self.running[req.rid]
+        self._unrun(req)
         self._kv_base -= req.input_len + req.generated - self.step
 
     # ---- the engine's API (what the simulated client calls) ------------------------------------
