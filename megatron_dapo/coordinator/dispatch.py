@@ -50,6 +50,10 @@ class Dispatcher:
         # group -> (its server, versions its requests were placed at)
         self._sticky: OrderedDict[str, tuple[str, frozenset[int]]] = OrderedDict()
         self._sticky_cap = sticky_groups
+        # The last dispatch, when it placed and failed nothing: (its servers' values, fail_unroutable,
+        # refusals it counted). Until a request is submitted, cancelled or ends, or a group is unpinned,
+        # the same servers give the same outcome: the policy is a pure function of request and views.
+        self._idle: tuple[list[tuple], bool, int] | None = None
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -58,11 +62,13 @@ class Dispatcher:
                v_traj: int | None = None, validation: bool = False) -> None:
         """Queue one request attempt; `v_traj` orders it in priority queues (default: min_version)."""
         v = v_traj if v_traj is not None else request.min_version or 0
+        self._idle = None
         self._waiting[key] = _Waiting(request, group_id)
         self.queue.put(QueuedRequest(v, request.resumed, request.tokens, validation, item=key))
 
     def cancel(self, key: Hashable) -> None:
         """The caller gave up on a waiting request (dropped from the queue at the next dispatch)."""
+        self._idle = None
         self._waiting.pop(key, None)
 
     def sticky(self, group_id: str | None) -> str | None:
@@ -72,6 +78,7 @@ class Dispatcher:
     def unpin(self, url: str) -> list[str]:
         """Forget the groups pinned to `url` (its requests are being migrated): their next requests
         are placed anew. Returns those groups."""
+        self._idle = None
         groups = [g for g, (u, _) in self._sticky.items() if u == url]
         for g in groups:
             del self._sticky[g]
@@ -85,6 +92,13 @@ class Dispatcher:
         out = Dispatched([], [])
         if not self._waiting:
             return out
+        seen = [tuple(vars(s).values()) for s in servers]  # values, not the caller's (mutable) views
+        if self._idle is not None and self._idle[0] == seen and self._idle[1] == fail_unroutable:
+            # nothing changed since a dispatch that placed nothing (each load report and request end
+            # asks again, often several per event-loop turn): its refusals, without deciding again
+            self.refusals += self._idle[2]
+            return out
+        refusals = self.refusals
         reports = {s.url: s for s in servers}
         views = {url: self._estimate(s) for url, s in reports.items()}
 
@@ -114,10 +128,13 @@ class Dispatcher:
             return Placement.UNROUTABLE
 
         self.queue.drain(place)
+        nothing = not out.placed and not out.failed
+        self._idle = (seen, fail_unroutable, self.refusals - refusals) if nothing else None
         return out
 
     def finished(self, key: Hashable, generated: int = 0) -> None:
         """A placed request ended (answered, aborted or failed) after generating `generated` tokens."""
+        self._idle = None
         self.loads.ended(key, generated)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
