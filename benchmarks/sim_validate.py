@@ -4,12 +4,17 @@ benchmarks/async_throughput.py against its simulation, setting by setting.
 The real run's `--out` JSON holds, per setting, its resolved algo / rollout / data config, the measured
 response lengths, trainer step and sync times. The simulation (megatron_dapo.sim) gets exactly those:
 the same config, lengths drawn from the measured ones, the measured mean train and sync seconds, and
-the embedded servers' decode cost model fitted by `megatron-dapo profile-engine` on one of them. It
-then runs the same warm-up and measured steps. Printed per setting: measured and simulated step time
-(wall time of the measured steps / steps) and trained tokens/s, their ratio, and whether the step
-times agree within 25% (the issue-15 check).
+a decode cost model of the servers: by default the setting's own `cost_fit` (async_throughput.py
+--step-trace: fitted on the decode steps the four servers took in that setting's measured window, with
+the trainer and the other servers on the same cores and the machine's load of the moment), else
+`--cost-model` (e.g. profile-engine's fit of one idle server: the old way, which left the simulation
+1.4-3.5x too fast on a shared machine). The engines batch as the embedded server does (`--batching
+static`: a batch runs to its end before waiting requests start). It then runs the same warm-up and
+measured steps. Printed per setting: measured and simulated step time (wall time of the measured steps /
+steps) and trained tokens/s, their ratio, whether the step times agree within 25% (the issue-15 check),
+and the cost fit's error against the traced steps.
 
-    python benchmarks/sim_validate.py --bench results.json --cost-model embedded_cost.json
+    python benchmarks/sim_validate.py --bench results.json [--cost-model cost.json] [--batching static]
         [--max-running 64 --kv-capacity 0 --tolerance 0.25]
 """
 
@@ -39,7 +44,7 @@ def measured(result: dict) -> dict:
             "train_s": statistics.mean(result["train_s"][w:]), "sync_s": statistics.mean(result["sync_s"][w:])}
 
 
-def simulate_result(result: dict, cost, max_running: int, kv_capacity: int):
+def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static"):
     from megatron_dapo.config.load import config_from_dict, config_to_dict, load_config
     from megatron_dapo.sim.lengths import EmpiricalLengths
     from megatron_dapo.sim.world import World, simulate
@@ -60,14 +65,18 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int):
     world = World(cost=cost, kv_capacity=kv_capacity or max_running * (max_len + cfg.data.max_prompt_length),
                   max_running=max_running, train_s=lambda tokens: m["train_s"], sync_s=m["sync_s"], keep_prob=1.0,
                   lengths=EmpiricalLengths(m["lengths"], max_len, source="the real run"),
-                  prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"])
+                  prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"],
+                  batching=batching)
     return m, simulate(cfg, world)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", type=Path, required=True, help="benchmarks/async_throughput.py --out JSON")
-    ap.add_argument("--cost-model", type=Path, required=True, help="profile-engine JSON of one embedded server")
+    ap.add_argument("--cost-model", type=Path, default=None,
+                    help="profile-engine JSON for every setting (default: each setting's own `cost_fit`)")
+    ap.add_argument("--batching", choices=("static", "continuous"), default="static",
+                    help="static: the embedded server's (default); continuous: SGLang's")
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
     ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per server (0: max-running full sequences)")
     ap.add_argument("--tolerance", type=float, default=0.25)
@@ -77,20 +86,27 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from megatron_dapo.coordinator.cost_model import CostModel
 
-    fit = CostModel.load(args.cost_model)
-    cost = CostModel(**{k: v * args.cpu_share for k, v in fit.to_dict().items()})
+    shared = CostModel.load(args.cost_model) if args.cost_model else None
     data = json.loads(args.bench.read_text())
     results = data["results"] if isinstance(data, dict) else data
-    print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within")
+    print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
+          "total decode time")
     ok = True
     for result in results:
-        m, r = simulate_result(result, cost, args.max_running, args.kv_capacity)
+        label = f"{result['setting']['name']}@s{result['setting']['staleness']}"
+        fit = result.get("cost_fit")
+        if shared is None and not fit:
+            raise SystemExit(f"{args.bench}: {label} has no cost_fit (run async_throughput.py with --step-trace) "
+                             "and no --cost-model was given")
+        cost = shared or CostModel.from_dict(fit, source=f"{label} cost_fit")
+        cost = CostModel(**{k: v * args.cpu_share for k, v in cost.to_dict().items()})
+        m, r = simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching)
         ratio = r.step_s / m["step_s"]
         within = abs(ratio - 1) <= args.tolerance
         ok &= within
-        label = f"{result['setting']['name']}@s{result['setting']['staleness']}"
+        fit_err = f"{fit['fit_rel_error']:.1%}, {fit['total_time_rel_error']:+.1%}" if fit and not shared else "-"
         print(f"{label} | {m['step_s']:.2f} | {r.step_s:.2f} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
-              f"{r.tokens_per_s:.0f} | {'yes' if within else 'NO'}", flush=True)
+              f"{r.tokens_per_s:.0f} | {'yes' if within else 'NO'} | {fit_err}", flush=True)
     return 0 if ok else 1
 
 

@@ -24,7 +24,11 @@ from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
 from megatron_dapo.sim.engine import SimEngine
+from megatron_dapo.sim.static_engine import StaticBatchEngine
 from megatron_dapo.sim.vtime import run_virtual
+
+
+ENGINES = {"continuous": SimEngine, "static": StaticBatchEngine}
 
 
 @dataclass
@@ -44,6 +48,9 @@ class World:
     warmup_steps: int = 2
     seed: int = 0
     prompts: int = 100_000
+    # "continuous": SGLang's batching (SimEngine); "static": the embedded server's, a batch runs to its end
+    # before waiting requests start (StaticBatchEngine), to simulate CPU runs of the embedded servers
+    batching: str = "continuous"
 
 
 @dataclass
@@ -83,7 +90,10 @@ async def _run(cfg, world: World) -> SimResult:
     cfg = copy.deepcopy(cfg)
     loop = asyncio.get_running_loop()
     urls = _urls(cfg.rollout.num_servers)
-    engines = {u: SimEngine(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop) for u in urls}
+    engine_cls = ENGINES.get(world.batching)
+    if engine_cls is None:
+        raise ValueError(f"simulate: batching must be one of {sorted(ENGINES)}, got {world.batching!r}")
+    engines = {u: engine_cls(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop) for u in urls}
     max_units = math.ceil(cfg.data.max_response_length / world.token_unit)
     if (cfg.rollout.sampling.max_new_tokens or cfg.data.max_response_length) != cfg.data.max_response_length:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
