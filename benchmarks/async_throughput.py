@@ -350,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from megatron_dapo.config.errors import ConfigError
     from megatron_dapo.rollout.launcher import embedded_server, start_servers
     from megatron_dapo.runtime.distributed import destroy_distributed
     from megatron_dapo.runtime.net import LOOPBACK, free_port
@@ -375,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
             for setting in settings:
                 t = time.time()
                 warmup = args.warmup if args.warmup is not None else setting.staleness + 1
-                res = run_setting(setting, base, warmup + args.measure, warmup, work / "runs" / f"r{repeat}")
+                try:
+                    res = run_setting(setting, base, warmup + args.measure, warmup, work / "runs" / f"r{repeat}")
+                except ConfigError as e:  # e.g. the advanced set's retry at staleness 0
+                    print(f"[{repeat}] {setting.label}: skipped ({e})", file=sys.stderr, flush=True)
+                    continue
                 res.repeat = repeat
                 if traces:
                     res.cost_fit = fit_window(res, traces)

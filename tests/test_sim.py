@@ -20,13 +20,15 @@ from megatron_dapo.sim.vtime import run_virtual
 COST = CostModel(a_b=2e-3, a_k=1e-6, o_thr=5e-3, o_b=1e-3, o_k=0.5e-3)
 
 
-def reference_finish_times(cost, arrivals, max_running):
+def reference_finish_times(cost, arrivals, max_running, static=False):
     """A naive engine stepping token by token: arrivals (time, input, target) join at the first step
-    boundary at or after their time (FIFO, up to max_running); returns each request's finish time."""
+    boundary at or after their time (FIFO, up to max_running; static: only into an empty engine, as the
+    embedded server batches); returns each request's finish time."""
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
     running, done, t = {}, {}, 0.0
     while len(done) < len(arrivals):
-        while pending and arrivals[pending[0]][0] <= t and len(running) < max_running:
+        may_join = not (static and running)
+        while may_join and pending and arrivals[pending[0]][0] <= t and len(running) < max_running:
             i = pending.pop(0)
             running[i] = 0
         if not running:
@@ -42,10 +44,10 @@ def reference_finish_times(cost, arrivals, max_running):
     return [done[i] for i in range(len(arrivals))]
 
 
-def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9):
+def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9, engine_cls=SimEngine):
     async def main():
         loop = asyncio.get_running_loop()
-        engine = SimEngine(cost, kv_capacity, max_running, loop=loop)
+        engine = engine_cls(cost, kv_capacity, max_running, loop=loop)
         times = [None] * len(arrivals)
 
         def submit(i):
@@ -82,6 +84,19 @@ def test_engine_matches_per_step_reference_with_arrivals_mid_step():
     assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
     assert engine.stats.tokens == sum(a[2] for a in arrivals)
     assert engine.stats.steps < 2 * len(arrivals) + sum(a[2] for a in arrivals)  # sanity: counted, not looped
+
+
+def test_static_batch_engine_matches_the_per_step_reference_of_the_embedded_batching():
+    from megatron_dapo.sim.static_engine import StaticBatchEngine
+
+    rng = random.Random(5)
+    arrivals = [(rng.uniform(0, 2.0), rng.randint(5, 300), rng.randint(1, 400)) for _ in range(40)]
+    ref = reference_finish_times(COST, arrivals, max_running=16, static=True)
+    times, engine = engine_finish_times(COST, arrivals, max_running=16, engine_cls=StaticBatchEngine)
+    assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
+    assert engine.stats.tokens == sum(a[2] for a in arrivals)
+    # the two batchings differ on this input: late arrivals wait for the running batch's longest request
+    assert max(ref) > max(reference_finish_times(COST, arrivals, max_running=16)) * 1.05
 
 
 def test_engine_abort_returns_tokens_and_kv_pool_retracts():
