@@ -39,9 +39,46 @@ def measured(result: dict) -> dict:
     lengths = [x for step in result["response_lengths"] for x in step]
     samples = sum(len(step) for step in result["response_lengths"])
     prompt_len = (sum(result["tokens"]) - sum(lengths)) / samples
+    inline = result["config"]["rollout"]["sync"]["policy"] == "all_at_once"
     return {"step_s": wall / steps, "tokens_per_s": sum(result["tokens"][w:]) / wall, "steps": steps,
-            "lengths": lengths, "prompt_len": prompt_len,
-            "train_s": statistics.mean(result["train_s"][w:]), "sync_s": statistics.mean(result["sync_s"][w:])}
+            "lengths": lengths, "prompt_len": prompt_len, "train_s": statistics.mean(result["train_s"][w:]),
+            # all_at_once: the trainer's inline sync; per-server policies: one server's sync (time/sync_s is
+            # then only the weight-store put, a few ms, while each server is out for its own load)
+            "sync_s": statistics.mean(result["sync_s"][w:]) if inline else per_server_sync_s(result),
+            # a step's wall time beyond waiting, training and the inline sync (batch assembly, metrics, log)
+            "other_s": wall / steps - statistics.mean(g + t + y for g, t, y in zip(
+                result["gen_wait_s"][w:], result["train_s"][w:], result["sync_s"][w:]))}
+
+
+def per_server_sync_s(result: dict) -> float:
+    """Mean seconds a server spent in one sync over the measured steps (the registry's per-server counters)."""
+    w = result["warmup"]
+    syncs = sum(result["syncs"][-1]) - sum(result["syncs"][w - 1])
+    secs = sum(result["server_sync_s"][-1]) - sum(result["server_sync_s"][w - 1])
+    return secs / syncs if syncs else 0.0
+
+
+def trace_usage(traces: list[str], since: float, until: float) -> dict:
+    """From the servers' step traces (async_throughput --step-trace), over [since, until]: each server's
+    share of the time in decode and in prefill steps, and the mean decode batch (a step's n weighted by
+    its seconds: what the batch was while the engine worked)."""
+    per = []
+    for path in traces:
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a torn last line
+                    continue
+                if since <= row["t"] <= until:
+                    rows.append(row)
+        dec = [r for r in rows if r["kind"] == "decode"]
+        dec_s = sum(r["s"] for r in dec)
+        per.append({"decode": dec_s / (until - since), "prefill": sum(r["s"] for r in rows if r["kind"] == "prefill")
+                    / (until - since), "batch": sum(r["n"] * r["s"] for r in dec) / dec_s if dec_s else 0.0})
+    return {"per_server": per, "decode": statistics.mean(p["decode"] for p in per),
+            "prefill": statistics.mean(p["prefill"] for p in per)}
 
 
 def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static"):
@@ -89,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     shared = CostModel.load(args.cost_model) if args.cost_model else None
     data = json.loads(args.bench.read_text())
     results = data["results"] if isinstance(data, dict) else data
+    traces = data.get("settings", {}).get("traces") if isinstance(data, dict) else None
     print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
-          "total decode time")
+          "total decode time | train s | sync s | other s | real decode / prefill share, sim busy [real per server]")
     ok = True
     for result in results:
         label = f"{result['setting']['name']}@s{result['setting']['staleness']}"
@@ -105,8 +143,15 @@ def main(argv: list[str] | None = None) -> int:
         within = abs(ratio - 1) <= args.tolerance
         ok &= within
         fit_err = f"{fit['fit_rel_error']:.1%}, {fit['total_time_rel_error']:+.1%}" if fit and not shared else "-"
+        busy = "-"
+        if traces and result.get("step_end_wall"):
+            w = result["warmup"]
+            use = trace_usage(traces, result["step_end_wall"][w - 1], result["step_end_wall"][-1])
+            each = ", ".join(f"{p['decode']:.2f}" for p in use["per_server"])
+            busy = f"{use['decode']:.2f} / {use['prefill']:.3f} / {r.rollout_busy:.2f} [{each}]"
         print(f"{label} | {m['step_s']:.2f} | {r.step_s:.2f} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
-              f"{r.tokens_per_s:.0f} | {'yes' if within else 'NO'} | {fit_err}", flush=True)
+              f"{r.tokens_per_s:.0f} | {'yes' if within else 'NO'} | {fit_err} | {m['train_s']:.2f} | "
+              f"{m['sync_s']:.3f} | {m['other_s']:.2f} | {busy}", flush=True)
     return 0 if ok else 1
 
 

@@ -90,7 +90,9 @@ def test_static_batch_engine_matches_the_per_step_reference_of_the_embedded_batc
     from megatron_dapo.sim.static_engine import StaticBatchEngine
 
     rng = random.Random(5)
-    arrivals = [(rng.uniform(0, 2.0), rng.randint(5, 300), rng.randint(1, 400)) for _ in range(40)]
+    # three at t = 0 (one /generate of three entries: the real server starts them as one batch), then random
+    arrivals = [(0.0, 10, 50), (0.0, 10, 70), (0.0, 10, 90)]
+    arrivals += [(rng.uniform(0, 2.0), rng.randint(5, 300), rng.randint(1, 400)) for _ in range(40)]
     ref = reference_finish_times(COST, arrivals, max_running=16, static=True)
     times, engine = engine_finish_times(COST, arrivals, max_running=16, engine_cls=StaticBatchEngine)
     assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
