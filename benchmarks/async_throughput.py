@@ -86,6 +86,8 @@ class Result:
     server_sync_s: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncing
     syncs: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncs
     step_end_wall: list[float] = field(default_factory=list)  # time.time() when each step ended (trace clock)
+    # per step, per-server sync policies: each server sync that ended in it ({"server", "version", "start", "end"})
+    server_syncs: list[list[dict]] = field(default_factory=list)
     # --step-trace: the decode cost model fitted on the servers' own decode steps in the measured window
     # (profile_engine.fit_trace's JSON: coefficients, fit_rel_error, total_time_rel_error, steps, points)
     cost_fit: dict | None = None
@@ -222,6 +224,7 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
         res.idle_s.append([row[f"server/{i}/idle_s"] for i in servers])
         res.server_sync_s.append([row[f"server/{i}/sync_s"] for i in servers])
         res.syncs.append([row[f"server/{i}/syncs"] for i in servers])
+        res.server_syncs.append(list(row.get("server_syncs", [])))
     return res
 
 

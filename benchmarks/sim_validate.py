@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -48,6 +49,11 @@ def measured(result: dict) -> dict:
             # a step's wall time beyond waiting, training and the inline sync (batch assembly, metrics, log)
             "other_s": wall / steps - statistics.mean(g + t + y for g, t, y in zip(
                 result["gen_wait_s"][w:], result["train_s"][w:], result["sync_s"][w:]))}
+
+
+def server_sync_durations(result: dict) -> list[float]:
+    """Seconds of every server sync that ended in the measured steps (async_throughput's server_syncs)."""
+    return [e["end"] - e["start"] for step in result.get("server_syncs", [])[result["warmup"]:] for e in step]
 
 
 def per_server_sync_s(result: dict) -> float:
@@ -81,8 +87,10 @@ def trace_usage(traces: list[str], since: float, until: float) -> dict:
             "prefill": statistics.mean(p["prefill"] for p in per)}
 
 
-def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static"):
+def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static",
+                    seed: int = 0):
     from megatron_dapo.config.load import config_from_dict, config_to_dict, load_config
+    from megatron_dapo.coordinator.cost_model import CostModel
     from megatron_dapo.sim.lengths import EmpiricalLengths
     from megatron_dapo.sim.world import World, simulate
 
@@ -101,10 +109,20 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batc
     max_len = cfg.data.max_response_length
     world = World(cost=cost, kv_capacity=kv_capacity or max_running * (max_len + cfg.data.max_prompt_length),
                   max_running=max_running, train_s=lambda tokens: m["train_s"], sync_s=m["sync_s"], keep_prob=1.0,
-                  lengths=EmpiricalLengths(m["lengths"], max_len, source="the real run"),
+                  lengths=EmpiricalLengths(m["lengths"], max_len, source="the real run", seed=seed),
                   prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"],
-                  batching=batching)
+                  batching=batching, server_sync_s=_sampler(server_sync_durations(result), seed), seed=seed,
+                  # the real router's model (throughput_optimal): the file the run loaded, not the engines' fit
+                  router_cost=CostModel.load(cfg.rollout.routing.cost_model) if cfg.rollout.routing.cost_model else None)
     return m, simulate(cfg, world)
+
+
+def _sampler(values: list[float], seed: int = 0):
+    """Draws from `values` (None if there are none)."""
+    if not values:
+        return None
+    rng = random.Random(seed)
+    return lambda: rng.choice(values)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
     ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per server (0: max-running full sequences)")
     ap.add_argument("--tolerance", type=float, default=0.25)
+    ap.add_argument("--seeds", type=int, default=5,
+                    help="simulations per setting (seeds of the length draws and sync durations); the mean is compared")
     ap.add_argument("--cpu-share", type=float, default=1.0,
                     help="multiply every cost coefficient by this (e.g. 2.5: 4 servers + a trainer on 2 cores, "
                          "where the profile ran one server alone)")
@@ -138,8 +158,12 @@ def main(argv: list[str] | None = None) -> int:
                              "and no --cost-model was given")
         cost = shared or CostModel.from_dict(fit, source=f"{label} cost_fit")
         cost = CostModel(**{k: v * args.cpu_share for k, v in cost.to_dict().items()})
-        m, r = simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching)
-        ratio = r.step_s / m["step_s"]
+        runs = [simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching, seed)
+                for seed in range(args.seeds)]
+        m, r = runs[0][0], runs[0][1]
+        sim_steps = [x.step_s for _, x in runs]
+        sim_step = statistics.mean(sim_steps)
+        ratio = sim_step / m["step_s"]
         within = abs(ratio - 1) <= args.tolerance
         ok &= within
         fit_err = f"{fit['fit_rel_error']:.1%}, {fit['total_time_rel_error']:+.1%}" if fit and not shared else "-"
@@ -148,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
             w = result["warmup"]
             use = trace_usage(traces, result["step_end_wall"][w - 1], result["step_end_wall"][-1])
             each = ", ".join(f"{p['decode']:.2f}" for p in use["per_server"])
-            busy = f"{use['decode']:.2f} / {use['prefill']:.3f} / {r.rollout_busy:.2f} [{each}]"
-        print(f"{label} | {m['step_s']:.2f} | {r.step_s:.2f} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
-              f"{r.tokens_per_s:.0f} | {'yes' if within else 'NO'} | {fit_err} | {m['train_s']:.2f} | "
+            sim_busy = statistics.mean(x.rollout_busy for _, x in runs)
+            busy = f"{use['decode']:.2f} / {use['prefill']:.3f} / {sim_busy:.2f} [{each}]"
+        spread = f" ({min(sim_steps):.2f}-{max(sim_steps):.2f})" if len(runs) > 1 else ""
+        sim_tps = statistics.mean(x.tokens_per_s for _, x in runs)
+        print(f"{label} | {m['step_s']:.2f} | {sim_step:.2f}{spread} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
+              f"{sim_tps:.0f} | {'yes' if within else 'NO'} | {fit_err} | {m['train_s']:.2f} | "
               f"{m['sync_s']:.3f} | {m['other_s']:.2f} | {busy}", flush=True)
     return 0 if ok else 1
 

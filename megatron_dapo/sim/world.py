@@ -51,6 +51,13 @@ class World:
     # "continuous": SGLang's batching (SimEngine); "static": the embedded server's, a batch runs to its end
     # before waiting requests start (StaticBatchEngine), to simulate CPU runs of the embedded servers
     batching: str = "continuous"
+    # per-server sync (greedy / status_based): seconds of each server's sync, drawn anew per sync (e.g. from a
+    # real run's measured ones: servers that start together finish apart, and the first to finish takes the
+    # work dispatched meanwhile); None: every sync takes `sync_s`
+    server_sync_s: Callable[[], float] | None = None
+    # the cost model throughput_optimal routing believes (None: the engines' own, `cost`); to replay a real
+    # run whose router loaded another fit than the one its engines were measured by
+    router_cost: CostModel | None = None
 
 
 @dataclass
@@ -108,7 +115,7 @@ async def _run(cfg, world: World) -> SimResult:
     registry = ServerRegistry(urls, version=0, clock=loop.time)
     dataset = SimPrompts(world.prompts, world.prompt_len, world.token_unit)
     producer = _build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
-                               cost_model=world.cost)  # throughput_optimal routing knows the engines' cost
+                               cost_model=world.router_cost or world.cost)  # throughput_optimal's model
     producer.rewards = SimReward(world.keep_prob, world.seed)
     changed = asyncio.Event()
     producer.add_listener(lambda: loop.call_soon(changed.set))
@@ -231,7 +238,7 @@ class SimTrainer:
             if c.pause_mode == "abort":
                 e.abort(None)
             e.pause()
-        await asyncio.sleep(self.world.sync_s)
+        await asyncio.sleep(self.world.server_sync_s() if self.world.server_sync_s else self.world.sync_s)
         e.set_version(version)
         if c.pause_generation:
             e.resume()
