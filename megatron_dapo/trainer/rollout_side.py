@@ -187,6 +187,7 @@ class RolloutProducer:
         self._tasks: dict[int, asyncio.Task] = {}  # draw -> its group's task
         self._aborts: set[asyncio.Task] = set()  # abort calls in flight
         self._router = None
+        self._refusals_at_take = 0  # the router's refusal count when the last batch was taken
         self.judged_since_take = 0
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
         self.resumes_since_take = self.regenerated_since_take = 0
@@ -637,6 +638,12 @@ class RolloutProducer:
             partial_resumes=self.resumes_since_take, tokens_regenerated=self.regenerated_since_take,
             coordination=self.coordination_since_take,
         )
+        # admission control (throughput_optimal, request_num_balance): times a request was kept waiting
+        refusals = self._router.refusals if self._router is not None else 0
+        # (a new router, after a restart of the producer's loop, counts from 0 again)
+        info.coordination["routing_refusals"] = refusals - (self._refusals_at_take if refusals >= self._refusals_at_take
+                                                            else 0)
+        self._refusals_at_take = refusals
         self.judged_since_take = later
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
         self.resumes_since_take = self.regenerated_since_take = 0
