@@ -137,9 +137,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tolerance", type=float, default=0.25)
     ap.add_argument("--seeds", type=int, default=5,
                     help="simulations per setting (seeds of the length draws and sync durations); the mean is compared")
-    ap.add_argument("--cpu-share", type=float, default=1.0,
-                    help="multiply every cost coefficient by this (e.g. 2.5: 4 servers + a trainer on 2 cores, "
-                         "where the profile ran one server alone)")
     args = ap.parse_args(argv)
     from megatron_dapo.coordinator.cost_model import CostModel
 
@@ -157,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.bench}: {label} has no cost_fit (run async_throughput.py with --step-trace) "
                              "and no --cost-model was given")
         cost = shared or CostModel.from_dict(fit, source=f"{label} cost_fit")
-        cost = CostModel(**{k: v * args.cpu_share for k, v in cost.to_dict().items()})
         runs = [simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching, seed)
                 for seed in range(args.seeds)]
         m, r = runs[0][0], runs[0][1]
