@@ -51,9 +51,14 @@ def measured(result: dict) -> dict:
                 result["gen_wait_s"][w:], result["train_s"][w:], result["sync_s"][w:]))}
 
 
-def server_sync_durations(result: dict) -> list[float]:
-    """Seconds of every server sync that ended in the measured steps (async_throughput's server_syncs)."""
-    return [e["end"] - e["start"] for step in result.get("server_syncs", [])[result["warmup"]:] for e in step]
+def server_sync_durations(result: dict) -> dict[int, list[float]]:
+    """Per server: seconds of each of its syncs that ended in the measured steps (async_throughput's
+    server_syncs)."""
+    out: dict[int, list[float]] = {}
+    for step in result.get("server_syncs", [])[result["warmup"]:]:
+        for e in step:
+            out.setdefault(e["server"], []).append(e["end"] - e["start"])
+    return out
 
 
 def per_server_sync_s(result: dict) -> float:
@@ -117,12 +122,13 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batc
     return m, simulate(cfg, world)
 
 
-def _sampler(values: list[float], seed: int = 0):
-    """Draws from `values` (None if there are none)."""
-    if not values:
+def _sampler(per_server: dict[int, list[float]], seed: int = 0):
+    """Server i -> a draw from server i's measured values (all servers' when it has none); None if none."""
+    pooled = [v for vs in per_server.values() for v in vs]
+    if not pooled:
         return None
     rng = random.Random(seed)
-    return lambda: rng.choice(values)
+    return lambda i: rng.choice(per_server.get(i) or pooled)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,10 +51,10 @@ class World:
     # "continuous": SGLang's batching (SimEngine); "static": the embedded server's, a batch runs to its end
     # before waiting requests start (StaticBatchEngine), to simulate CPU runs of the embedded servers
     batching: str = "continuous"
-    # per-server sync (greedy / status_based): seconds of each server's sync, drawn anew per sync (e.g. from a
-    # real run's measured ones: servers that start together finish apart, and the first to finish takes the
-    # work dispatched meanwhile); None: every sync takes `sync_s`
-    server_sync_s: Callable[[], float] | None = None
+    # per-server sync (greedy / status_based): seconds of a sync of engine i, drawn anew per sync (e.g. from a
+    # real run's measured ones of that server: servers that start together finish apart, and the first to
+    # finish takes the work dispatched meanwhile); None: every sync takes `sync_s`
+    server_sync_s: Callable[[int], float] | None = None  # engine index -> seconds
     # the cost model throughput_optimal routing believes (None: the engines' own, `cost`); to replay a real
     # run whose router loaded another fit than the one its engines were measured by
     router_cost: CostModel | None = None
@@ -238,7 +238,8 @@ class SimTrainer:
             if c.pause_mode == "abort":
                 e.abort(None)
             e.pause()
-        await asyncio.sleep(self.world.server_sync_s() if self.world.server_sync_s else self.world.sync_s)
+        draw = self.world.server_sync_s
+        await asyncio.sleep(draw(list(self.engines).index(url)) if draw else self.world.sync_s)
         e.set_version(version)
         if c.pause_generation:
             e.resume()
