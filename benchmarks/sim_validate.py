@@ -136,8 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", type=Path, required=True, help="benchmarks/async_throughput.py --out JSON")
     ap.add_argument("--cost-model", type=Path, default=None,
                     help="profile-engine JSON for every setting (default: each setting's own `cost_fit`)")
-    ap.add_argument("--batching", choices=("static", "continuous"), default="static",
-                    help="static: the embedded server's (default); continuous: SGLang's")
+    ap.add_argument("--batching", choices=("static", "static_split", "continuous"), default="static",
+                    help="static: the embedded server's, a burst reaching an idle server joins one batch (default); "
+                         "static_split: only its first request starts the batch; continuous: SGLang's")
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
     ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per server (0: max-running full sequences)")
     ap.add_argument("--tolerance", type=float, default=0.25)
@@ -160,8 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{args.bench}: {label} has no cost_fit (run async_throughput.py with --step-trace) "
                              "and no --cost-model was given")
         cost = shared or CostModel.from_dict(fit, source=f"{label} cost_fit")
-        runs = [simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching, seed)
-                for seed in range(args.seeds)]
+        runs, failed = [], []
+        for seed in range(args.seeds):
+            try:
+                runs.append(simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching, seed))
+            except RuntimeError as e:  # e.g. the coordinator's stall guard: a sample aborted again and again
+                failed.append(f"seed {seed}: {e}")
+        if not runs:
+            raise SystemExit(f"{label}: every simulation failed: {failed}")
+        for f in failed:
+            print(f"  {label}: simulation failed, left out ({f})", file=sys.stderr)
         m, r = runs[0][0], runs[0][1]
         sim_steps = [x.step_s for _, x in runs]
         sim_step = statistics.mean(sim_steps)

@@ -20,17 +20,24 @@ from megatron_dapo.sim.vtime import run_virtual
 COST = CostModel(a_b=2e-3, a_k=1e-6, o_thr=5e-3, o_b=1e-3, o_k=0.5e-3)
 
 
-def reference_finish_times(cost, arrivals, max_running, static=False):
+def reference_finish_times(cost, arrivals, max_running, static=False, split=False, calls=None):
     """A naive engine stepping token by token: arrivals (time, input, target) join at the first step
-    boundary at or after their time (FIFO, up to max_running; static: only into an empty engine, as the
-    embedded server batches); returns each request's finish time."""
+    boundary at or after their time (FIFO, up to max_running); returns each request's finish time.
+    static (the embedded server's batching): only into an empty engine; split: after a batch ends
+    everything waiting joins, but on arrivals at an idle engine only the entries of the first one's call
+    (`calls[i]`, default: each its own)."""
+    calls = calls or list(range(len(arrivals)))
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
-    running, done, t = {}, {}, 0.0
+    running, done, t, batch_ended = {}, {}, 0.0, False
     while len(done) < len(arrivals):
         may_join = not (static and running)
+        first_call = calls[pending[0]] if pending else None
         while may_join and pending and arrivals[pending[0]][0] <= t and len(running) < max_running:
+            if split and not batch_ended and calls[pending[0]] != first_call:
+                break
             i = pending.pop(0)
             running[i] = 0
+        batch_ended = False
         if not running:
             t = max(t, arrivals[pending[0]][0])
             continue
@@ -41,17 +48,20 @@ def reference_finish_times(cost, arrivals, max_running, static=False):
             if running[i] == arrivals[i][2]:
                 done[i] = t
                 del running[i]
+        batch_ended = not running
     return [done[i] for i in range(len(arrivals))]
 
 
-def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9, engine_cls=SimEngine):
+def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9, engine_cls=SimEngine, calls=None):
+    calls = calls or list(range(len(arrivals)))
+
     async def main():
         loop = asyncio.get_running_loop()
         engine = engine_cls(cost, kv_capacity, max_running, loop=loop)
         times = [None] * len(arrivals)
 
         def submit(i):
-            fut = engine.submit(f"r{i}", arrivals[i][1], arrivals[i][2])
+            fut = engine.submit(f"r{calls[i]}-{i}", arrivals[i][1], arrivals[i][2])
             fut.add_done_callback(lambda f: times.__setitem__(i, (loop.time(), f.result())))
 
         for i, (at, _, _) in enumerate(arrivals):
@@ -86,19 +96,25 @@ def test_engine_matches_per_step_reference_with_arrivals_mid_step():
     assert engine.stats.steps < 2 * len(arrivals) + sum(a[2] for a in arrivals)  # sanity: counted, not looped
 
 
-def test_static_batch_engine_matches_the_per_step_reference_of_the_embedded_batching():
-    from megatron_dapo.sim.static_engine import StaticBatchEngine
+@pytest.mark.parametrize("split", [False, True])
+def test_static_batch_engines_match_the_per_step_reference_of_the_embedded_batching(split):
+    from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
 
     rng = random.Random(5)
-    # three at t = 0 (one /generate of three entries: the real server starts them as one batch), then random
-    arrivals = [(0.0, 10, 50), (0.0, 10, 70), (0.0, 10, 90)]
+    # at t = 0 one /generate of three entries (always one batch) and another call of two, then random singles
+    arrivals = [(0.0, 10, 50), (0.0, 10, 70), (0.0, 10, 90), (0.0, 20, 30), (0.0, 20, 40)]
+    calls = ["a", "a", "a", "b", "b"]
     arrivals += [(rng.uniform(0, 2.0), rng.randint(5, 300), rng.randint(1, 400)) for _ in range(40)]
-    ref = reference_finish_times(COST, arrivals, max_running=16, static=True)
-    times, engine = engine_finish_times(COST, arrivals, max_running=16, engine_cls=StaticBatchEngine)
+    calls += [f"c{i}" for i in range(40)]
+    ref = reference_finish_times(COST, arrivals, max_running=16, static=True, split=split, calls=calls)
+    # split: the second call waits for the first one's batch; else the burst is one batch
+    assert (min(ref[3:5]) > max(ref[:3])) == split
+    times, engine = engine_finish_times(COST, arrivals, max_running=16, calls=calls,
+                                        engine_cls=SplitArrivalsEngine if split else StaticBatchEngine)
     assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
     assert engine.stats.tokens == sum(a[2] for a in arrivals)
-    # the two batchings differ on this input: late arrivals wait for the running batch's longest request
-    assert max(ref) > max(reference_finish_times(COST, arrivals, max_running=16)) * 1.05
+    # both differ from continuous batching here: late arrivals wait for the running batch's longest request
+    assert max(ref) > max(reference_finish_times(COST, arrivals, max_running=16, calls=calls)) * 1.05
 
 
 def test_engine_abort_returns_tokens_and_kv_pool_retracts():

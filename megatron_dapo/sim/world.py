@@ -24,11 +24,11 @@ from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
 from megatron_dapo.sim.engine import SimEngine
-from megatron_dapo.sim.static_engine import StaticBatchEngine
+from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
 from megatron_dapo.sim.vtime import run_virtual
 
 
-ENGINES = {"continuous": SimEngine, "static": StaticBatchEngine}
+ENGINES = {"continuous": SimEngine, "static": StaticBatchEngine, "static_split": SplitArrivalsEngine}
 
 
 @dataclass
@@ -48,8 +48,9 @@ class World:
     warmup_steps: int = 2
     seed: int = 0
     prompts: int = 100_000
-    # "continuous": SGLang's batching (SimEngine); "static": the embedded server's, a batch runs to its end
-    # before waiting requests start (StaticBatchEngine), to simulate CPU runs of the embedded servers
+    # "continuous": SGLang's batching (SimEngine); "static" / "static_split": the embedded server's, a batch
+    # runs to its end before waiting requests start (sim/static_engine.py: the two bounds for a burst of
+    # requests reaching an idle server), to simulate CPU runs of the embedded servers
     batching: str = "continuous"
     # per-server sync (greedy / status_based): seconds of a sync of engine i, drawn anew per sync (e.g. from a
     # real run's measured ones of that server: servers that start together finish apart, and the first to
