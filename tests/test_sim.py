@@ -214,6 +214,34 @@ def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_m
         assert r.aborted_tokens > 0  # the syncs aborted requests, which partial rollout continued
 
 
+@pytest.mark.parametrize("batching", ["static", "static_split"])
+def test_simulation_with_embedded_batching_keeps_the_bound_and_loses_nothing(batching):
+    from megatron_dapo.sim.world import simulate
+
+    cfg, world = tiny_cfg(1, "status_based", "in_place"), tiny_world(batching=batching)
+    r = simulate(cfg, world)
+    draws = [g.draw for info in r.batches for g in info.groups]
+    assert len(draws) == len(set(draws)) == 5 * 6 and r.max_staleness <= 1
+    for info in r.batches:
+        for g in info.groups:
+            assert all(len(s.output_ids) == expected_units(cfg, world, g, s) for s in g.samples)
+    # a batch runs to its end before waiting requests start: slower than continuous batching here
+    assert r.step_s > simulate(cfg, tiny_world()).step_s
+
+
+def test_routing_refusals_are_counted_per_batch():
+    from megatron_dapo.sim.world import simulate
+
+    def refusals(**extra):
+        r = simulate(tiny_cfg(1, **extra), tiny_world())
+        return [info.coordination["routing_refusals"] for info in r.batches]
+
+    assert sum(refusals()) == 0  # least_outstanding never refuses
+    # one request per server at a time, 6 groups (one request each) per batch on 2 servers: the rest wait
+    capped = refusals(**{"rollout.routing.method": "request_num_balance", "rollout.concurrency": 1})
+    assert all(n > 0 for n in capped)
+
+
 def test_async_beats_sync_and_ends_match_step_times():
     from megatron_dapo.sim.world import simulate
 
