@@ -141,7 +141,7 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
              f"{speed.gpus} GPUs at {args.mfu:.0%} of {args.gpu_tflops:.0f} TFLOP/s")
           + f"; sync {world.sync_s} s; {world.warmup_steps}+{world.steps} steps", file=out)
     header = ("mode", "stale", "tokens/s", "x sync", "step s", "rollout busy", "trainer busy", "mean stale",
-              "migrations", "aborted tok", "regen tok")
+              "migrations", "aborted tok", "regen tok", "decoded tok/s", "decode batch", "refusals", "retractions")
     print(" | ".join(header), file=out)
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
@@ -154,7 +154,9 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
         ratio = f"{r.tokens_per_s / sync_tps:.2f}" if sync_tps else "-"
         print(f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "
               f"{r.trainer_busy:.2f} | {r.mean_staleness:.2f} | {r.migrations} | {r.aborted_tokens} | "
-              f"{r.regenerated_tokens}", file=out, flush=True)
+              f"{r.regenerated_tokens} | {r.generated_per_s:.0f} | {r.mean_decode_batch:.1f} | {r.refusals} | "
+              f"{r.retractions}",
+              file=out, flush=True)
     return rows
 
 

@@ -60,6 +60,9 @@ class SimResult:
     regenerated_tokens: int  # thrown away (aborted groups regenerated from scratch)
     retractions: int
     migrations: int
+    generated_per_s: float = 0.0  # tokens the engines decoded per second (kept, filtered or aborted)
+    mean_decode_batch: float = 0.0  # requests per decode step, over all engines' steps
+    refusals: int = 0  # times routing kept a request waiting (admission control)
     batches: list = field(default_factory=list, repr=False)  # BatchInfo per step (all steps)
     step_ends: list = field(default_factory=list, repr=False)  # virtual time each step ended
 
@@ -145,6 +148,8 @@ class SimTrainer:
         self.sync_tasks: set[asyncio.Task] = set()
         self.batches, self.step_ends, self.train_busy = [], [], []
         self.engine_busy: list[float] = []  # total engine busy time at each step end
+        self.engine_work: list[tuple[int, int]] = []  # (tokens, decode steps) of all engines at each step end
+        self.refusals: list[int] = []  # the router's refusal count at each step end
 
     async def _take(self, step: int):
         since = self.loop.time()
@@ -173,6 +178,10 @@ class SimTrainer:
             for e in self.engines.values():
                 e.catch_up()  # decode time up to now is counted
             self.engine_busy.append(sum(e.stats.busy_s for e in self.engines.values()))
+            self.engine_work.append((sum(e.stats.tokens for e in self.engines.values()),
+                                     sum(e.stats.steps for e in self.engines.values())))
+            router = self.producer._router
+            self.refusals.append(router.refusals if router is not None else 0)
 
     async def _sync_all(self, version: int) -> None:
         """all_at_once, as the loop does it inline: pause every server, load, continue, publish."""
@@ -235,6 +244,8 @@ class SimTrainer:
         first = warmup - 1
         t0 = self.step_ends[first] if first >= 0 else 0.0
         busy0 = self.engine_busy[first] if first >= 0 else 0.0
+        tokens0, steps0 = self.engine_work[first] if first >= 0 else (0, 0)
+        gen_tokens, gen_steps = self.engine_work[-1][0] - tokens0, self.engine_work[-1][1] - steps0
         wall = self.step_ends[-1] - t0
         measured = self.batches[warmup:]
         tokens = sum(t for _, t in measured)
@@ -252,5 +263,8 @@ class SimTrainer:
             regenerated_tokens=sum(info.tokens_regenerated for info, _ in self.batches) * self.world.token_unit,
             retractions=sum(e.stats.retractions for e in engines),
             migrations=sum(info.coordination.get("migrations", 0) for info, _ in self.batches[warmup:]),
+            generated_per_s=gen_tokens / wall if wall > 0 else 0.0,
+            mean_decode_batch=gen_tokens / gen_steps if gen_steps else 0.0,
+            refusals=self.refusals[-1] - (self.refusals[first] if first >= 0 else 0),
             batches=[info for info, _ in self.batches], step_ends=list(self.step_ends),
         )
