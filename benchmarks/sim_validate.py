@@ -60,7 +60,8 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int):
     world = World(cost=cost, kv_capacity=kv_capacity or max_running * (max_len + cfg.data.max_prompt_length),
                   max_running=max_running, train_s=lambda tokens: m["train_s"], sync_s=m["sync_s"], keep_prob=1.0,
                   lengths=EmpiricalLengths(m["lengths"], max_len, source="the real run"),
-                  prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"])
+                  prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"],
+                  admission=None)  # the embedded server admits up to --max-batch, with no KV budget
     return m, simulate(cfg, world)
 
 

@@ -23,7 +23,7 @@ from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
-from megatron_dapo.sim.engine import SimEngine
+from megatron_dapo.sim.engine import KVAdmission, SimEngine
 from megatron_dapo.sim.vtime import run_virtual
 
 
@@ -44,6 +44,7 @@ class World:
     warmup_steps: int = 2
     seed: int = 0
     prompts: int = 100_000
+    admission: KVAdmission | None = KVAdmission()  # engines' KV budget for admitting (None: input only)
 
 
 @dataclass
@@ -86,7 +87,8 @@ async def _run(cfg, world: World) -> SimResult:
     cfg = copy.deepcopy(cfg)
     loop = asyncio.get_running_loop()
     urls = _urls(cfg.rollout.num_servers)
-    engines = {u: SimEngine(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop) for u in urls}
+    engines = {u: SimEngine(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop,
+                            admission=world.admission) for u in urls}
     max_units = math.ceil(cfg.data.max_response_length / world.token_unit)
     if (cfg.rollout.sampling.max_new_tokens or cfg.data.max_response_length) != cfg.data.max_response_length:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
