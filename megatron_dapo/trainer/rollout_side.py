@@ -279,12 +279,24 @@ class RolloutProducer:
             return []
         picks = [(self.flight[d].idx, d, self.flight[d].v_traj) for d in self._redispatch]
         self._redispatch = []
-        for _ in range(self.slots.reservable(self.version)):
-            idx, draw = self.sampler.next_draw()
-            self.slots.reserve(draw, self.version)
-            self.flight[draw] = InFlight(idx, self.version)
-            picks.append((idx, draw, self.version))
+        # Oldest version first: a group of V_traj v may run on any server holding >= v, so with
+        # per-server sync the lagging servers keep taking work while buffers up to v + s have room,
+        # instead of every new group waiting for (and piling onto) the servers that synced first.
+        for v in range(self._oldest_version(), self.version + 1):
+            for _ in range(self.slots.reservable(v)):
+                idx, draw = self.sampler.next_draw()
+                self.slots.reserve(draw, v)
+                self.flight[draw] = InFlight(idx, v)
+                picks.append((idx, draw, v))
         return picks
+
+    def _oldest_version(self) -> int:
+        """The oldest weight version a healthy server holds (= self.version unless servers sync
+        one by one, which only the registry's per-server versions show)."""
+        registry = getattr(self._router, "registry", None)
+        if registry is None:
+            return self.version
+        return min([self.version, *(registry.version(s.url) for s in self._router.healthy())])
 
     async def run(self) -> None:
         """The producer's loop: dispatch, judge, buffer until `stop()`. `start()` runs it on its own
