@@ -151,7 +151,6 @@ class SimTrainer:
         self.batches, self.step_ends, self.train_busy = [], [], []
         self.engine_busy: list[float] = []  # total engine busy time at each step end
         self.engine_work: list[tuple[int, int]] = []  # (tokens, decode steps) of all engines at each step end
-        self.refusals: list[int] = []  # the router's refusal count at each step end
 
     async def _take(self, step: int):
         since = self.loop.time()
@@ -182,8 +181,6 @@ class SimTrainer:
             self.engine_busy.append(sum(e.stats.busy_s for e in self.engines.values()))
             self.engine_work.append((sum(e.stats.tokens for e in self.engines.values()),
                                      sum(e.stats.steps for e in self.engines.values())))
-            router = self.producer._router
-            self.refusals.append(router.refusals if router is not None else 0)
 
     async def _sync_all(self, version: int) -> None:
         """all_at_once, as the loop does it inline: pause every server, load, continue, publish."""
@@ -267,6 +264,6 @@ class SimTrainer:
             migrations=sum(info.coordination.get("migrations", 0) for info, _ in self.batches[warmup:]),
             generated_per_s=gen_tokens / wall if wall > 0 else 0.0,
             mean_decode_batch=gen_tokens / gen_steps if gen_steps else 0.0,
-            refusals=self.refusals[-1] - (self.refusals[first] if first >= 0 else 0),
+            refusals=sum(info.coordination.get("routing_refusals", 0) for info, _ in measured),
             batches=[info for info, _ in self.batches], step_ends=list(self.step_ends),
         )
