@@ -56,8 +56,8 @@ def _workload(engine) -> tuple[list, list]:
     return a, b
 
 
-def _rows(path, windows) -> list[dict]:
-    return [r for since, until in windows for r in read_step_trace([path], since, until)]
+def _rows(path, windows, kind: str = "decode") -> list[dict]:
+    return [r for since, until in windows for r in read_step_trace([path], since, until, kind)]
 
 
 def test_trace_has_every_step_with_its_batch_and_kv(traced):
@@ -81,9 +81,9 @@ def test_trace_has_every_step_with_its_batch_and_kv(traced):
 def test_fit_of_one_half_predicts_the_other_within_its_error(traced, tmp_path, capsys):
     engine, path = traced
     a, b = _workload(engine)
-    first = _rows(path, a)
+    first, prefills = _rows(path, a), _rows(path, a, "prefill")
     half = tmp_path / "half_a.jsonl"  # the trace lines of half A, as a file of their own
-    half.write_text("".join(json.dumps(r) + "\n" for r in first))
+    half.write_text("".join(json.dumps(r) + "\n" for r in first + prefills))
     out = tmp_path / "cost.json"
     assert cli_main(["profile-engine", "--from-trace", str(half), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -99,6 +99,9 @@ def test_fit_of_one_half_predicts_the_other_within_its_error(traced, tmp_path, c
     assert fit["fit_rel_error"] == pytest.approx(math.sqrt(sum(wi * r * r for wi, r in zip(w, rel)) / sum(w)))
     # a fit weighted by steps keeps the total time of the steps it was fitted on
     assert abs(fit["total_time_rel_error"]) < 0.02
+    # prefill: one per batch (12), its seconds per prefilled token
+    assert fit["prefills"] == len(prefills) == 12
+    assert model.p_k == pytest.approx(sum(r["s"] for r in prefills) / sum(r["tokens"] for r in prefills))
 
     # half B (the same batches, each run right after its twin): the fit predicts its total decode time
     # within the fit's own error

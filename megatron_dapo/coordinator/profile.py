@@ -135,9 +135,11 @@ TRACE_CONTEXT_BIN = 32  # tokens of context per sequence (K / n) that one point'
 TRACE_MIN_STEPS = 1  # every step counts (the by-steps fit weighs a point by its steps)
 
 
-def read_step_trace(paths: Sequence[str], since: float | None = None, until: float | None = None) -> list[dict]:
-    """The decode-step rows of trace files whose wall-clock end `t` lies in [since, until]. A torn last line
-    (a server killed mid-write) is skipped; any other unreadable line is an error naming file and line."""
+def read_step_trace(paths: Sequence[str], since: float | None = None, until: float | None = None,
+                    kind: str = "decode") -> list[dict]:
+    """The `kind` rows (decode or prefill) of trace files whose wall-clock end `t` lies in [since, until]. A
+    torn last line (a server killed mid-write) is skipped; any other unreadable line is an error naming file
+    and line."""
     import json
 
     rows = []
@@ -149,7 +151,7 @@ def read_step_trace(paths: Sequence[str], since: float | None = None, until: flo
                 continue
             try:
                 row = json.loads(line)
-                keep = row["kind"] == "decode" and (since is None or row["t"] >= since) and (
+                keep = row["kind"] == kind and (since is None or row["t"] >= since) and (
                     until is None or row["t"] <= until)
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 if i == len(lines):  # no newline after it: the last line, cut short
@@ -171,6 +173,13 @@ def trace_points(rows: Sequence[dict], context_bin: int = TRACE_CONTEXT_BIN,
     return [ProfilePoint(n=float(n), kv_tokens=sum(r["kv"] for r in g) / len(g), step_s=sum(r["s"] for r in g) / len(g),
                          steps=len(g))
             for (n, _), g in sorted(groups.items()) if len(g) >= min_steps]
+
+
+def prefill_cost(rows: Sequence[dict]) -> float:
+    """Seconds per prefilled token (CostModel.p_k) of traced prefill rows: their total time over their
+    total tokens (0 without any)."""
+    tokens = sum(r["tokens"] for r in rows)
+    return sum(r["s"] for r in rows) / tokens if tokens else 0.0
 
 
 def total_time_error(model: CostModel, rows: Sequence[dict]) -> float:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 import time
@@ -28,6 +29,7 @@ from megatron_dapo.coordinator.profile import (
     ProfilePoint,
     fit_cost_model,
     format_table,
+    prefill_cost,
     read_step_trace,
     total_time_error,
     trace_points,
@@ -142,8 +144,12 @@ def fit_trace(paths: list[str], since: float | None = None, until: float | None 
     except ValueError as e:
         raise ValueError(f"{len(rows)} decode steps in {', '.join(map(str, paths))} ({len(points)} points): {e}") \
             from None
+    prefills = read_step_trace(paths, since, until, kind="prefill")
+    # prefill: its own steps' time per token (decode waits for them, as the simulator's engines do)
+    model = dataclasses.replace(model, p_k=prefill_cost(prefills))
     return {**model.to_dict(), "fit_rel_error": rel_error, "total_time_rel_error": total_time_error(model, rows),
-            "steps": len(rows), "decode_s": sum(r["s"] for r in rows), "points": [p.to_dict() for p in points],
+            "steps": len(rows), "decode_s": sum(r["s"] for r in rows), "prefills": len(prefills),
+            "prefill_s": sum(r["s"] for r in prefills), "points": [p.to_dict() for p in points],
             "traces": [str(p) for p in paths], "since": since, "until": until}
 
 
@@ -161,7 +167,8 @@ def _main_trace(args) -> int:
           f"{len(points)} points (steps binned by batch n and context per sequence; fit weighted by steps)")
     print(format_table(model, points))
     print(f"fit relative error (rms over points, weighted by steps): {fit['fit_rel_error']:.2%}; total decode time fitted vs traced: "
-          f"{fit['total_time_rel_error']:+.2%}")
+          f"{fit['total_time_rel_error']:+.2%}; prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, "
+          f"p_k = {model.p_k:.3g} s per token")
     print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
     model.save(Path(args.out), **{k: v for k, v in fit.items() if k not in model.to_dict()})
     print(f"wrote {args.out}")

@@ -32,10 +32,10 @@ class StaticBatchEngine(SimEngine):
     _admit_pending = False
     _arriving = False  # inside submit: an arrival, not the end of a batch
 
-    def submit(self, rid: str, input_len: int, target: int):
+    def submit(self, rid: str, input_len: int, target: int, max_new: int | None = None):
         self._arriving = True
         try:
-            return super().submit(rid, input_len, target)
+            return super().submit(rid, input_len, target, max_new)
         finally:
             self._arriving = False
 
