@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(args.bench.read_text())
     results = data["results"] if isinstance(data, dict) else data
     traces = data.get("settings", {}).get("traces") if isinstance(data, dict) else None
+    if traces and not all(Path(t).is_file() for t in traces):
+        traces = None  # the run's step traces are not on this machine: no decode-share column
     print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
           "total decode time | train s | sync s | other s | real decode / prefill share, sim busy [real per server]")
     ok = True
