@@ -118,7 +118,8 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batc
                   prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"],
                   batching=batching, server_sync_s=_sampler(server_sync_durations(result), seed), seed=seed,
                   # the real router's model (throughput_optimal): the file the run loaded, not the engines' fit
-                  router_cost=CostModel.load(cfg.rollout.routing.cost_model) if cfg.rollout.routing.cost_model else None,
+                  router_cost=CostModel.load(cfg.rollout.routing.cost_model) if cfg.rollout.routing.cost_model
+                  else None,
                   admission=None)  # the embedded server admits up to --max-batch, with no KV budget
     return m, simulate(cfg, world)
 

@@ -166,9 +166,9 @@ def _main_trace(args) -> int:
     print(f"{fit['steps']} decode steps ({fit['decode_s']:.1f} s) from {len(args.from_trace)} trace(s), "
           f"{len(points)} points (steps binned by batch n and context per sequence; fit weighted by steps)")
     print(format_table(model, points))
-    print(f"fit relative error (rms over points, weighted by steps): {fit['fit_rel_error']:.2%}; total decode time fitted vs traced: "
-          f"{fit['total_time_rel_error']:+.2%}; prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, "
-          f"p_k = {model.p_k:.3g} s per token")
+    print(f"fit relative error (rms over points, weighted by steps): {fit['fit_rel_error']:.2%}; "
+          f"total decode time fitted vs traced: {fit['total_time_rel_error']:+.2%}; "
+          f"prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, p_k = {model.p_k:.3g} s per token")
     print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
     model.save(Path(args.out), **{k: v for k, v in fit.items() if k not in model.to_dict()})
     print(f"wrote {args.out}")
@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.from_trace:
         return _main_trace(args)
+    if args.since is not None or args.until is not None:
+        parser.error("--since / --until select steps of a trace: they need --from-trace")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
     if args.repeats < 1 or args.max_token_id < 2:
