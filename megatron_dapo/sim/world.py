@@ -24,7 +24,11 @@ from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
 from megatron_dapo.sim.engine import KVAdmission, SimEngine
+from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
 from megatron_dapo.sim.vtime import run_virtual
+
+
+ENGINES = {"continuous": SimEngine, "static": StaticBatchEngine, "static_split": SplitArrivalsEngine}
 
 
 @dataclass
@@ -45,6 +49,17 @@ class World:
     seed: int = 0
     prompts: int = 100_000
     admission: KVAdmission | None = KVAdmission()  # engines' KV budget for admitting (None: input only)
+    # "continuous": SGLang's batching (SimEngine); "static" / "static_split": the embedded server's, a batch
+    # runs to its end before waiting requests start (sim/static_engine.py: the two bounds for a burst of
+    # requests reaching an idle server), to simulate CPU runs of the embedded servers
+    batching: str = "continuous"
+    # per-server sync (greedy / status_based): seconds of a sync of engine i, drawn anew per sync (e.g. from a
+    # real run's measured ones of that server: servers that start together finish apart, and the first to
+    # finish takes the work dispatched meanwhile); None: every sync takes `sync_s`
+    server_sync_s: Callable[[int], float] | None = None  # engine index -> seconds
+    # the cost model throughput_optimal routing believes (None: the engines' own, `cost`); to replay a real
+    # run whose router loaded another fit than the one its engines were measured by
+    router_cost: CostModel | None = None
 
 
 @dataclass
@@ -87,8 +102,11 @@ async def _run(cfg, world: World) -> SimResult:
     cfg = copy.deepcopy(cfg)
     loop = asyncio.get_running_loop()
     urls = _urls(cfg.rollout.num_servers)
-    engines = {u: SimEngine(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop,
-                            admission=world.admission) for u in urls}
+    engine_cls = ENGINES.get(world.batching)
+    if engine_cls is None:
+        raise ValueError(f"simulate: batching must be one of {sorted(ENGINES)}, got {world.batching!r}")
+    engines = {u: engine_cls(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop,
+                         admission=world.admission) for u in urls}
     max_units = math.ceil(cfg.data.max_response_length / world.token_unit)
     if (cfg.rollout.sampling.max_new_tokens or cfg.data.max_response_length) != cfg.data.max_response_length:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
@@ -103,7 +121,7 @@ async def _run(cfg, world: World) -> SimResult:
     registry = ServerRegistry(urls, version=0, clock=loop.time)
     dataset = SimPrompts(world.prompts, world.prompt_len, world.token_unit)
     producer = _build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
-                               cost_model=world.cost)  # throughput_optimal routing knows the engines' cost
+                               cost_model=world.router_cost or world.cost)  # throughput_optimal's model
     producer.rewards = SimReward(world.keep_prob, world.seed)
     changed = asyncio.Event()
     producer.add_listener(lambda: loop.call_soon(changed.set))
@@ -229,7 +247,8 @@ class SimTrainer:
             if c.pause_mode == "abort":
                 e.abort(None)
             e.pause()
-        await asyncio.sleep(self.world.sync_s)
+        draw = self.world.server_sync_s
+        await asyncio.sleep(draw(list(self.engines).index(url)) if draw else self.world.sync_s)
         e.set_version(version)
         if c.pause_generation:
             e.resume()
