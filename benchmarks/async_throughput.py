@@ -85,6 +85,12 @@ class Result:
     idle_s: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative idle
     server_sync_s: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncing
     syncs: list[list[float]] = field(default_factory=list)  # per step, per server: cumulative syncs
+    step_end_wall: list[float] = field(default_factory=list)  # time.time() when each step ended (trace clock)
+    # per step, per-server sync policies: each server sync that ended in it ({"server", "version", "start", "end"})
+    server_syncs: list[list[dict]] = field(default_factory=list)
+    # --step-trace: the decode cost model fitted on the servers' own decode steps in the measured window
+    # (profile_engine.fit_trace's JSON: coefficients, fit_rel_error, total_time_rel_error, steps, points)
+    cost_fit: dict | None = None
 
     def _window(self) -> slice:
         return slice(self.warmup, None)
@@ -203,6 +209,7 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
 
     def on_step_end(step, actor, batch):
         res.step_end.append(time.monotonic())
+        res.step_end_wall.append(time.time())
         res.tokens.append(sum(len(x) for x in batch.input_ids))
         res.response_lengths.append([int(n) for n in batch.response_lengths])
 
@@ -217,6 +224,7 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
         res.idle_s.append([row[f"server/{i}/idle_s"] for i in servers])
         res.server_sync_s.append([row[f"server/{i}/sync_s"] for i in servers])
         res.syncs.append([row[f"server/{i}/syncs"] for i in servers])
+        res.server_syncs.append(list(row.get("server_syncs", [])))
     return res
 
 
@@ -253,6 +261,28 @@ def table(results: list[Result], baseline: str) -> str:
                      f"| {m['response_length_p50']:.0f} / {m['response_length_p90']:.0f} "
                      f"/ {m['response_length_max']:.0f} |")
     return "\n".join(lines)
+
+
+def fit_window(res: Result, traces: list[Path]) -> dict | None:
+    """The cost model of the servers' decode steps in `res`'s measured window (None if too few to fit)."""
+    from megatron_dapo.coordinator.profile_engine import fit_trace
+
+    try:
+        return fit_trace([str(t) for t in traces], since=res.step_end_wall[res.warmup - 1], until=res.step_end_wall[-1])
+    except ValueError as e:
+        print(f"{res.setting.label}: no cost fit ({e})", file=sys.stderr)
+        return None
+
+
+def advanced_setting(config: Path, cost_model: Path | None, extra: list[str]) -> list[str]:
+    """`--setting advanced ...`: the rollout-coordination switches of an advanced YAML (the simulator's
+    own reading of it, sim.cli.advanced_overrides), the routing cost model of these engines, then `extra`."""
+    from megatron_dapo.sim.cli import advanced_overrides
+
+    out = ["advanced", *advanced_overrides(config)]
+    if cost_model is not None:
+        out.append(f"rollout.routing.cost_model={cost_model}")
+    return out + list(extra)
 
 
 def write_json(path: Path, args, results: list[Result]) -> None:
@@ -292,7 +322,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policies", nargs="+", default=list(POLICY_SETTINGS), choices=list(POLICY_SETTINGS))
     ap.add_argument("--setting", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                     help="one more named override set, run at every staleness")
+    ap.add_argument("--advanced-config", type=Path, default=None,
+                    help="add the set `advanced`: this advanced YAML's rollout-coordination switches "
+                         "(e.g. configs/qwen3/advanced_qwen3_8b.yaml)")
+    ap.add_argument("--advanced-cost-model", type=Path, default=None,
+                    help="rollout.routing.cost_model of `advanced` (throughput_optimal routing needs one): "
+                         "a profile-engine JSON of these engines, e.g. a trace fit of an earlier run")
+    ap.add_argument("--advanced-overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="applied to `advanced` after the YAML's switches (e.g. rollout.redundancy.extra_prompts=0)")
     ap.add_argument("--baseline", default="all_at_once", help="the set ratios are taken against")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="servers trace their decode steps (serve --step-trace, under the work dir); each "
+                         "setting's JSON gets `cost_fit`, the cost model fitted on its measured window")
     ap.add_argument("--out", type=Path, default=None, help="write every setting's numbers as JSON")
     ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
     ap.add_argument("--report", type=Path, default=None, help="print the table of a saved --out file; run nothing")
@@ -303,12 +344,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if min(args.measure, args.repeats, args.warmup or 1) < 1:
         raise SystemExit(f"--measure {args.measure}, --repeats {args.repeats} and --warmup {args.warmup} must be >= 1")
-    settings = build_settings(args.staleness, args.policies, args.setting)
+    extra = list(args.setting)
+    if args.advanced_config is not None:
+        extra.insert(0, advanced_setting(args.advanced_config, args.advanced_cost_model,
+                                                  args.advanced_overrides))
+    settings = build_settings(args.staleness, args.policies, extra)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     import torch
 
-    from megatron_dapo.rollout.launcher import launch_embedded_servers
+    from megatron_dapo.config.errors import ConfigError
+    from megatron_dapo.rollout.launcher import embedded_server, start_servers
     from megatron_dapo.runtime.distributed import destroy_distributed
     from megatron_dapo.runtime.net import LOOPBACK, free_port
     from megatron_dapo.trainer.launch import exit_on_sigterm
@@ -319,7 +365,12 @@ def main(argv: list[str] | None = None) -> int:
                        "MASTER_PORT": str(free_port())})
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="async_throughput_"))
     paths = prepare(work, args.max_len, args.eos_shift)
-    servers = launch_embedded_servers(str(paths["model"]), args.servers, work / "server_logs", timeout_s=300)
+    traces = [work / "traces" / f"server_{i}.jsonl" for i in range(args.servers)] if args.step_trace else []
+    servers = [embedded_server(str(paths["model"]), work / "server_logs" / f"server_{i}.log", seed=i,
+                               extra_args=["--step-trace", str(traces[i])] if traces else None)
+               for i in range(args.servers)]
+    start_servers(servers, timeout_s=300)
+    args.traces = [str(t) for t in traces]  # recorded with the settings in --out
     results = []
     t0 = time.time()
     try:
@@ -328,8 +379,14 @@ def main(argv: list[str] | None = None) -> int:
             for setting in settings:
                 t = time.time()
                 warmup = args.warmup if args.warmup is not None else setting.staleness + 1
-                res = run_setting(setting, base, warmup + args.measure, warmup, work / "runs" / f"r{repeat}")
+                try:
+                    res = run_setting(setting, base, warmup + args.measure, warmup, work / "runs" / f"r{repeat}")
+                except ConfigError as e:  # e.g. the advanced set's retry at staleness 0
+                    print(f"[{repeat}] {setting.label}: skipped ({e})", file=sys.stderr, flush=True)
+                    continue
                 res.repeat = repeat
+                if traces:
+                    res.cost_fit = fit_window(res, traces)
                 results.append(res)
                 m = res.summary()
                 print(f"[{repeat}] {setting.label}: {m['tokens_per_s']:.0f} tokens/s, "

@@ -32,8 +32,9 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("loads")
     model = save_tiny_hf_model("qwen3", tmp / "model")
     srv = launch_embedded(str(model), tmp / "server.log", api_key=KEY, timeout_s=120,
-                          extra_args=["--max-batch", str(MAX_BATCH)])
+                          extra_args=["--max-batch", str(MAX_BATCH), "--step-trace", str(tmp / "trace.jsonl")])
     srv.context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
+    srv.trace = tmp / "trace.jsonl"
     yield srv
     srv.stop()
 
@@ -133,3 +134,17 @@ def test_a_server_without_decode_counters_is_timed_from_outside(server):
     assert (counted.n, counted.steps) == (2.0, 19) and (timed.n, timed.steps) == (2.0, 19)
     assert timed.kv_tokens == counted.kv_tokens == 2 * (16 + 10)
     assert 0.25 < timed.step_s / counted.step_s < 4, (timed, counted)
+
+
+def test_step_trace_holds_every_decode_step_the_server_counted(server):
+    """`serve --step-trace`: after whatever the other tests ran, one line per decode step, agreeing with the
+    server's own decode counters on /v1/loads (steps, batch sizes, microseconds)."""
+    with httpx.Client(trust_env=False, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
+        http.post(server.url + "/generate", json=payloads.fixed_length_body([[5] * 12, [6] * 30], 9)).raise_for_status()
+        moments = http.get(server.url + "/v1/loads").json()["loads"][0]["decode_moments"]
+    rows = [json.loads(line) for line in server.trace.read_text().splitlines()]
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert moments[0] == len(decode) and moments[1] == sum(r["n"] for r in decode)
+    assert moments[2] == pytest.approx(sum(r["s"] for r in decode) * 1e6, abs=len(decode))
+    # the last batch: two prompts (12 and 30 tokens), 8 decode steps after the prefill's token
+    assert [r["kv"] for r in decode[-8:]] == [12 + 30 + 2 * k for k in range(1, 9)]

@@ -202,12 +202,13 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
                       router_kw=router_kw, routers=routers)
         stop = threading.Event()
         t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
-        batches, resumes = [], 0
+        batches, resumes, refusals = [], 0, 0
         p.start()
         t.start()
         try:
             for step in range(steps):
                 info = p.take_batch(step, timeout_s=300)
+                refusals += info.coordination["routing_refusals"]
                 for g in info.groups:
                     assert [s.index for s in g.samples] == [0, 1, 2, 3] and not any(s.aborted for s in g.samples)
                 batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
@@ -220,15 +221,16 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
             stop.set()
             t.join()
             p.stop()
-        return batches, resumes, routers[0]
+        return batches, resumes, routers[0], refusals
 
-    plain, _, _ = run({}, pauses=0)
+    plain, _, _, none = run({}, pauses=0)
     with LoadPoller(registry, 0.05) as poller:
-        batches, resumes, router = run(advanced, pauses=1000)
+        batches, resumes, router, refusals = run(advanced, pauses=1000)
     draws = [d for batch in batches for d, _, _ in batch]
     assert len(draws) == len(set(draws)) == 6
     assert batches == plain
     assert resumes > 0 and router.refusals > 0
+    assert none == 0 and 0 < refusals <= router.refusals  # the per-step metric (the rest came after the last take)
     assert all(n > 0 for n in poller.polls.values()) and all(r.load_time for r in registry.records_snapshot())
 
 

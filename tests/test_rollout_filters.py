@@ -185,3 +185,38 @@ def test_the_producer_applies_retry_while_the_trainer_waits():
     assert (info.coordination["retries"], info.coordination["groups_aborted_retry"],
             info.coordination["groups_moved_down"]) == (1, 2, 2)
     assert p.totals["aborted_retry"] == 2 and p.slots.reservable(1) == 6  # buffers 1 and 2: room for fresh prompts
+
+
+def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
+    """Per-server sync: servers hold versions 1 and 2, the trainer is at step 2 (staleness 1, B = 2).
+    Buffers 2 (<= 1 + 1) take groups of V_traj 1, which any server may run; only buffer 3's slots
+    need V_traj 2. Without a registry (all servers on the producer's version) every group is V_traj 2."""
+    from types import SimpleNamespace
+
+    from megatron_dapo.coordinator.servers import ServerRegistry
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
+
+    def producer(router):
+        settings = ProducerSettings(train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8,
+                                    staleness=1)
+        p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=2)
+        p.slots.next_buffer = 2
+        p._router = router
+        return p
+
+    registry = ServerRegistry(["http://a", "http://b"], version=2)
+    registry.records["http://a"].version = 1
+    router = SimpleNamespace(registry=registry, healthy=lambda: [SimpleNamespace(url="http://a"),
+                                                                 SimpleNamespace(url="http://b")])
+    picks = producer(router)._dispatchable()
+    assert sorted(v for _, _, v in picks) == [1, 1, 2, 2]
+    p = producer(router)
+    p._dispatchable()
+    assert {d: p.slots.where[d][0] for d in p.flight if p.flight[d].v_traj == 1} and all(
+        p.slots.where[d][0] == 2 for d in p.flight if p.flight[d].v_traj == 1)
+    # the lagging server is unhealthy: only the up-to-date one counts
+    router.healthy = lambda: [SimpleNamespace(url="http://b")]
+    assert [v for _, _, v in producer(router)._dispatchable()] == [2, 2, 2, 2]
+    assert [v for _, _, v in producer(None)._dispatchable()] == [2, 2, 2, 2]

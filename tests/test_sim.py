@@ -20,15 +20,32 @@ from megatron_dapo.sim.vtime import run_virtual
 COST = CostModel(a_b=2e-3, a_k=1e-6, o_thr=5e-3, o_b=1e-3, o_k=0.5e-3)
 
 
-def reference_finish_times(cost, arrivals, max_running):
+def reference_finish_times(cost, arrivals, max_running, static=False, split=False, calls=None):
     """A naive engine stepping token by token: arrivals (time, input, target) join at the first step
-    boundary at or after their time (FIFO, up to max_running); returns each request's finish time."""
+    boundary at or after their time (FIFO, up to max_running), each join prefilling its input
+    (cost.p_k per token, nothing decodes meanwhile; what arrives during a prefill joins the next one,
+    before the decode step); returns each request's finish time.
+    static (the embedded server's batching): only into an empty engine; split: after a batch ends
+    everything waiting joins, but on arrivals at an idle engine only the entries of the first one's call
+    (`calls[i]`, default: each its own)."""
+    calls = calls or list(range(len(arrivals)))
     pending = sorted(range(len(arrivals)), key=lambda i: arrivals[i][0])
-    running, done, t = {}, {}, 0.0
+    running, done, t, batch_ended = {}, {}, 0.0, False
     while len(done) < len(arrivals):
-        while pending and arrivals[pending[0]][0] <= t and len(running) < max_running:
-            i = pending.pop(0)
-            running[i] = 0
+        while True:
+            joined = []
+            may_join = not (static and running)
+            first_call = calls[pending[0]] if pending else None
+            while may_join and pending and arrivals[pending[0]][0] <= t and len(running) < max_running:
+                if split and not batch_ended and calls[pending[0]] != first_call:
+                    break
+                i = pending.pop(0)
+                running[i] = 0
+                joined.append(i)
+            batch_ended = False
+            if not joined:
+                break
+            t += cost.p_k * sum(arrivals[i][1] for i in joined)
         if not running:
             t = max(t, arrivals[pending[0]][0])
             continue
@@ -39,17 +56,21 @@ def reference_finish_times(cost, arrivals, max_running):
             if running[i] == arrivals[i][2]:
                 done[i] = t
                 del running[i]
+        batch_ended = not running
     return [done[i] for i in range(len(arrivals))]
 
 
-def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9):
+def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9, admission=None, engine_cls=SimEngine,
+                        calls=None):
+    calls = calls or list(range(len(arrivals)))
+
     async def main():
         loop = asyncio.get_running_loop()
-        engine = SimEngine(cost, kv_capacity, max_running, loop=loop)
+        engine = engine_cls(cost, kv_capacity, max_running, loop=loop, admission=admission)
         times = [None] * len(arrivals)
 
         def submit(i):
-            fut = engine.submit(f"r{i}", arrivals[i][1], arrivals[i][2])
+            fut = engine.submit(f"r{calls[i]}-{i}", arrivals[i][1], arrivals[i][2])
             fut.add_done_callback(lambda f: times.__setitem__(i, (loop.time(), f.result())))
 
         for i, (at, _, _) in enumerate(arrivals):
@@ -82,6 +103,94 @@ def test_engine_matches_per_step_reference_with_arrivals_mid_step():
     assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
     assert engine.stats.tokens == sum(a[2] for a in arrivals)
     assert engine.stats.steps < 2 * len(arrivals) + sum(a[2] for a in arrivals)  # sanity: counted, not looped
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_static_batch_engines_match_the_per_step_reference_of_the_embedded_batching(split):
+    from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
+
+    rng = random.Random(5)
+    # at t = 0 one /generate of three entries (always one batch) and another call of two, then random singles
+    arrivals = [(0.0, 10, 50), (0.0, 10, 70), (0.0, 10, 90), (0.0, 20, 30), (0.0, 20, 40)]
+    calls = ["a", "a", "a", "b", "b"]
+    arrivals += [(rng.uniform(0, 2.0), rng.randint(5, 300), rng.randint(1, 400)) for _ in range(40)]
+    calls += [f"c{i}" for i in range(40)]
+    ref = reference_finish_times(COST, arrivals, max_running=16, static=True, split=split, calls=calls)
+    # split: the second call waits for the first one's batch; else the burst is one batch
+    assert (min(ref[3:5]) > max(ref[:3])) == split
+    times, engine = engine_finish_times(COST, arrivals, max_running=16, calls=calls,
+                                        engine_cls=SplitArrivalsEngine if split else StaticBatchEngine)
+    assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
+    assert engine.stats.tokens == sum(a[2] for a in arrivals)
+    # both differ from continuous batching here: late arrivals wait for the running batch's longest request
+    assert max(ref) > max(reference_finish_times(COST, arrivals, max_running=16, calls=calls)) * 1.05
+
+
+def test_engine_prefill_matches_per_step_reference():
+    """Admissions cost p_k per input token and stall decoding, as in the naive reference."""
+    cost = dataclasses.replace(COST, p_k=2e-5)
+    rng = random.Random(5)
+    arrivals = [(rng.uniform(0, 2.0), rng.randint(5, 3000), rng.randint(1, 400)) for _ in range(60)]
+    ref = reference_finish_times(cost, arrivals, max_running=16)
+    times, engine = engine_finish_times(cost, arrivals, max_running=16)
+    assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
+    assert engine.stats.prefill_s == pytest.approx(2e-5 * sum(a[1] for a in arrivals), rel=1e-9)
+    free = engine_finish_times(COST, arrivals, max_running=16)[0]
+    assert all(t > f for (t, _), (f, _) in zip(times, free))  # prefill delays every request
+
+
+def test_engine_sglang_admission_holds_back_room_for_running_outputs():
+    """SGLang's budget: C (input 700) fits the pool's free tokens but not once A's and B's remaining
+    outputs are reserved, so it waits for A to finish; greedy admission takes it at once."""
+    from megatron_dapo.sim.engine import KVAdmission
+
+    adm = KVAdmission(init_ratio=0.5, min_factor=0.2, decay_steps=10, clip_new_tokens=100)
+    arrivals = [(0.0, 100, 50), (0.0, 100, 80), (0.0, 700, 5)]
+
+    async def run(admission):
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(COST, 1000, 8, loop=loop, admission=admission)
+        futs = [engine.submit(f"r{i}", inp, tgt, max_new=300) for i, (_, inp, tgt) in enumerate(arrivals)]
+        starts = {}
+        while len(starts) < 3:
+            starts.update({rid: engine.step for rid in engine.running if rid not in starts})
+            await asyncio.sleep(COST.step_time(1, 0) / 4)
+        await asyncio.gather(*futs)
+        return starts, engine
+
+    starts, engine = run_virtual(run(adm))
+    # A's KV 100 + B's need 100 + min(300, 100) = 200 <= 1000 - 100 - 0.5 * 100; C needs 700 + 100 more
+    # than 1000 - 200 - 0.5 * 200 = 700 leaves, and only A's end (step 50) frees enough
+    assert starts == {"r0": 0, "r1": 0, "r2": 50}
+    assert engine.ratio == pytest.approx(adm.min_ratio)  # decayed by (0.5 - 0.1) / 10 per step, floored
+    greedy, _ = run_virtual(run(None))
+    assert greedy == {"r0": 0, "r1": 0, "r2": 0}
+
+
+def test_engine_retracts_fewest_generated_first_and_resets_the_ratio():
+    from megatron_dapo.sim.engine import KVAdmission
+
+    adm = KVAdmission(init_ratio=0.01, min_factor=1.0, clip_new_tokens=1, retract_decode_steps=20)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(COST, kv_capacity=200, max_running=8, loop=loop, admission=adm)
+        old = engine.submit("old", 50, 60, max_new=100)
+        await asyncio.sleep(COST.step_time(1, 50) * 10.5)  # "old" has 10 tokens (+1 in the step in progress)
+        new = engine.submit("new", 50, 60, max_new=100)
+        seen = []
+        while not old.done():
+            if engine.stats.retractions and not seen:
+                seen.append((dict(engine.running), engine.ratio, engine._out(engine.running["old"])))
+            await asyncio.sleep(COST.step_time(2, 100) / 3)
+        await new
+        return seen, engine
+
+    seen, engine = run_virtual(main())
+    running, ratio, out = seen[0]
+    # the pool (200) fills when 50 + 50 + 11 + 2k > 200: "new" has fewer tokens, so it goes
+    assert list(running) == ["old"] and engine.stats.retractions == 1
+    assert ratio == pytest.approx((out + 20 * 1) / (100 + 1))
 
 
 def test_engine_abort_returns_tokens_and_kv_pool_retracts():
@@ -179,6 +288,34 @@ def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_m
     assert r.max_staleness <= staleness and 0 < r.rollout_busy <= 1 and 0 < r.trainer_busy <= 1
     if pause_mode == "abort":
         assert r.aborted_tokens > 0  # the syncs aborted requests, which partial rollout continued
+
+
+@pytest.mark.parametrize("batching", ["static", "static_split"])
+def test_simulation_with_embedded_batching_keeps_the_bound_and_loses_nothing(batching):
+    from megatron_dapo.sim.world import simulate
+
+    cfg, world = tiny_cfg(1, "status_based", "in_place"), tiny_world(batching=batching)
+    r = simulate(cfg, world)
+    draws = [g.draw for info in r.batches for g in info.groups]
+    assert len(draws) == len(set(draws)) == 5 * 6 and r.max_staleness <= 1
+    for info in r.batches:
+        for g in info.groups:
+            assert all(len(s.output_ids) == expected_units(cfg, world, g, s) for s in g.samples)
+    # a batch runs to its end before waiting requests start: slower than continuous batching here
+    assert r.step_s > simulate(cfg, tiny_world()).step_s
+
+
+def test_routing_refusals_are_counted_per_batch():
+    from megatron_dapo.sim.world import simulate
+
+    def refusals(**extra):
+        r = simulate(tiny_cfg(1, **extra), tiny_world())
+        return [info.coordination["routing_refusals"] for info in r.batches]
+
+    assert sum(refusals()) == 0  # least_outstanding never refuses
+    # one request per server at a time, 6 groups (one request each) per batch on 2 servers: the rest wait
+    capped = refusals(**{"rollout.routing.method": "request_num_balance", "rollout.concurrency": 1})
+    assert all(n > 0 for n in capped)
 
 
 def test_async_beats_sync_and_ends_match_step_times():

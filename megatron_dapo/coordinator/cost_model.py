@@ -6,8 +6,11 @@ One decode step of an engine holding n running requests and K resident KV tokens
 
 (attention cost grows with the KV tokens read; the rest of the forward is flat until the batch is
 large enough to be compute bound), and the engine then produces n tokens: throughput T = n / L.
-Coefficients are per model and parallel layout; `megatron-dapo profile-engine` measures a server and
-fits them, and writes the JSON that `CostModel.load` reads.
+Prefilling P tokens (admitting a request, or re-admitting a retracted or resumed one) takes p_k * P
+seconds, during which nothing decodes; routing's gain rule ignores it (as PSRL's does), the simulated
+engines pay it. Coefficients are per model and parallel layout; `megatron-dapo profile-engine`
+measures a server and fits the decode ones (p_k stays 0 in its files unless set: prefill free), and
+writes the JSON that `CostModel.load` reads.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class CostModel:
     o_thr: float  # s, floor of the batch-dependent part (memory bound)
     o_b: float  # s
     o_k: float  # s per running request
+    p_k: float = 0.0  # s per prefilled token (optional in files)
 
     def __post_init__(self):
         for f in fields(self):
@@ -52,11 +56,11 @@ class CostModel:
         if not isinstance(d, dict):
             raise ValueError(f"{source}: expected a JSON object with {[f.name for f in fields(cls)]}")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in d]
+        missing = [n for n in names if n not in d and n not in OPTIONAL]
         if missing:
             raise ValueError(f"{source}: missing coefficient(s) {missing}")
         try:
-            return cls(**{n: d[n] for n in names})
+            return cls(**{n: d[n] for n in names if n in d})
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 
@@ -76,5 +80,9 @@ class CostModel:
         return cls.from_dict(d, source=f"cost model {path}")
 
 
-# PSRL's published fit for a 7B model on one GPU (SGLang): a sensible default for simulations.
-QWEN_7B_1GPU = CostModel(a_b=2.8e-3, a_k=3.35e-8, o_thr=6.4e-3, o_b=2.7e-3, o_k=0.123e-3)
+OPTIONAL = ("p_k",)
+
+# PSRL's published decode fit for a 7B model on one GPU (SGLang): a sensible default for simulations.
+# PSRL publishes no prefill cost; p_k is the FLOPs estimate 2 * 7.6e9 FLOPs per token at 45% of an
+# H100's 989 TFLOP/s (~29k prefill tokens/s).
+QWEN_7B_1GPU = CostModel(a_b=2.8e-3, a_k=3.35e-8, o_thr=6.4e-3, o_b=2.7e-3, o_k=0.123e-3, p_k=3.4e-5)

@@ -1,5 +1,7 @@
 """`megatron-dapo profile-engine --server URL [--out cost.json]`: measure a running rollout server
 (SGLang 0.5.23 or the embedded one) and fit the decode-step cost model the router and the simulator use.
+`--from-trace FILE [FILE ...]` fits it instead from the decode steps an embedded server traced while it
+served a real run (`serve --step-trace`): the engines under that run's own load.
 
 For each batch size n and prompt length p of the grid, one batch of n distinct prompts generates exactly
 `--new-tokens` tokens each (EOS ignored) on an otherwise idle server. The server's own decode counters
@@ -8,18 +10,30 @@ give that run's mean decode step time and batch; its mean resident KV tokens is 
 A server that reports no decode counters is timed from outside instead: the run's wall time minus that of
 the same batch generating one token, over the extra steps. The points are fitted by least squares
 (coordinator/profile.py); the JSON carries the coefficients, `fit_rel_error` and the points.
+
+From a trace, the decode steps are grouped by batch n and context per sequence (`trace_points`), and the
+fit is also checked against the total of every traced step (`total_time_rel_error`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
 import time
 from pathlib import Path
 
-from megatron_dapo.coordinator.profile import ProfilePoint, fit_cost_model, format_table
+from megatron_dapo.coordinator.profile import (
+    ProfilePoint,
+    fit_cost_model,
+    format_table,
+    prefill_cost,
+    read_step_trace,
+    total_time_error,
+    trace_points,
+)
 from megatron_dapo.rollout.client import SGLangClient, SGLangError
 
 
@@ -39,7 +53,12 @@ def _ints(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo profile-engine", description=__doc__.split("\n\n")[0])
-    p.add_argument("--server", required=True, help="base URL of the running server (http://host:port)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--server", help="base URL of the running server (http://host:port)")
+    src.add_argument("--from-trace", nargs="+", metavar="FILE",
+                     help="step-trace files of embedded servers (serve --step-trace): fit their decode steps")
+    p.add_argument("--since", type=float, default=None, help="--from-trace: only steps ending at/after this time")
+    p.add_argument("--until", type=float, default=None, help="--from-trace: only steps ending at/before this time")
     p.add_argument("--out", default="cost_model.json", help="where to write the fitted coefficients (JSON)")
     p.add_argument("--api-key", default=None, help="Bearer key of the server")
     p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
@@ -115,9 +134,54 @@ async def profile(args) -> list[ProfilePoint]:
     return points
 
 
+def fit_trace(paths: list[str], since: float | None = None, until: float | None = None) -> dict:
+    """The cost model of traced decode steps, as the JSON `main` writes (coefficients, fit_rel_error,
+    total_time_rel_error, steps, points). ValueError if the files hold too few steps to fit."""
+    rows = read_step_trace(paths, since, until)
+    points = trace_points(rows)
+    try:
+        model, rel_error = fit_cost_model(points, by_steps=True)
+    except ValueError as e:
+        raise ValueError(f"{len(rows)} decode steps in {', '.join(map(str, paths))} ({len(points)} points): {e}") \
+            from None
+    prefills = read_step_trace(paths, since, until, kind="prefill")
+    # prefill: its own steps' time per token (decode waits for them, as the simulator's engines do)
+    model = dataclasses.replace(model, p_k=prefill_cost(prefills))
+    return {**model.to_dict(), "fit_rel_error": rel_error, "total_time_rel_error": total_time_error(model, rows),
+            "steps": len(rows), "decode_s": sum(r["s"] for r in rows), "prefills": len(prefills),
+            "prefill_s": sum(r["s"] for r in prefills), "points": [p.to_dict() for p in points],
+            "traces": [str(p) for p in paths], "since": since, "until": until}
+
+
+def _main_trace(args) -> int:
+    from megatron_dapo.coordinator.cost_model import CostModel
+
+    try:
+        fit = fit_trace(args.from_trace, args.since, args.until)
+    except (OSError, ValueError) as e:
+        print(f"profile-engine: {e}", file=sys.stderr)
+        return 1
+    model = CostModel.from_dict(fit)
+    points = [ProfilePoint(**p) for p in fit["points"]]
+    print(f"{fit['steps']} decode steps ({fit['decode_s']:.1f} s) from {len(args.from_trace)} trace(s), "
+          f"{len(points)} points (steps binned by batch n and context per sequence; fit weighted by steps)")
+    print(format_table(model, points))
+    print(f"fit relative error (rms over points, weighted by steps): {fit['fit_rel_error']:.2%}; "
+          f"total decode time fitted vs traced: {fit['total_time_rel_error']:+.2%}; "
+          f"prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, p_k = {model.p_k:.3g} s per token")
+    print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
+    model.save(Path(args.out), **{k: v for k, v in fit.items() if k not in model.to_dict()})
+    print(f"wrote {args.out}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.from_trace:
+        return _main_trace(args)
+    if args.since is not None or args.until is not None:
+        parser.error("--since / --until select steps of a trace: they need --from-trace")
     if args.new_tokens < 2:
         parser.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
     if args.repeats < 1 or args.max_token_id < 2:

@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the engines' KV pool (80)")
     p.add_argument("--cost-model", help="engine cost model JSON (profile-engine); default PSRL's 7B fit")
     p.add_argument("--max-running", type=int, default=1024, help="max running requests per engine (1024)")
+    p.add_argument("--engine-admission", choices=["sglang", "greedy"], default="sglang",
+                   help="engines' KV budget for admitting: SGLang's (input + a decaying share of every "
+                        "running request's remaining output) or greedy (the input only)")
     p.add_argument("--step-time", type=float, help="trainer seconds per step; default: FLOPs estimate")
     p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s per trainer GPU (989, H100)")
     p.add_argument("--mfu", type=float, default=0.35, help="trainer model FLOPs utilisation (0.35)")
@@ -86,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 def build_world(cfg, args):
     from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
     from megatron_dapo.sim.cluster import kv_tokens_per_engine, trainer_speed
+    from megatron_dapo.sim.engine import KVAdmission
     from megatron_dapo.sim.lengths import load_lengths
     from megatron_dapo.sim.world import World
 
@@ -102,7 +106,7 @@ def build_world(cfg, args):
     world = World(cost=cost, kv_capacity=kv_tokens_per_engine(cfg, args.gpu_mem_gib), max_running=args.max_running,
                   train_s=train_s, sync_s=args.sync_s, keep_prob=args.keep_prob, lengths=lengths,
                   prompt_len=args.prompt_len, token_unit=unit, steps=args.steps, warmup_steps=args.warmup_steps,
-                  seed=args.seed)
+                  seed=args.seed, admission=KVAdmission() if args.engine_admission == "sglang" else None)
     return world, speed
 
 
@@ -141,7 +145,7 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
              f"{speed.gpus} GPUs at {args.mfu:.0%} of {args.gpu_tflops:.0f} TFLOP/s")
           + f"; sync {world.sync_s} s; {world.warmup_steps}+{world.steps} steps", file=out)
     header = ("mode", "stale", "tokens/s", "x sync", "step s", "rollout busy", "trainer busy", "mean stale",
-              "migrations", "aborted tok", "regen tok")
+              "migrations", "aborted tok", "regen tok", "decoded tok/s", "decode batch", "refusals", "retractions")
     print(" | ".join(header), file=out)
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
@@ -154,7 +158,9 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
         ratio = f"{r.tokens_per_s / sync_tps:.2f}" if sync_tps else "-"
         print(f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "
               f"{r.trainer_busy:.2f} | {r.mean_staleness:.2f} | {r.migrations} | {r.aborted_tokens} | "
-              f"{r.regenerated_tokens}", file=out, flush=True)
+              f"{r.regenerated_tokens} | {r.generated_per_s:.0f} | {r.mean_decode_batch:.1f} | {r.refusals} | "
+              f"{r.retractions}",
+              file=out, flush=True)
     return rows
 
 

@@ -51,7 +51,8 @@ class SimClient:
         for i, sp in enumerate(params):
             units, at_max = self._target_units(prompt_key, sp)
             cut.append(at_max)
-            futures.append(self.engine.submit(f"{rid}-{i}", len(input_ids) * self.unit, units * self.unit))
+            futures.append(self.engine.submit(f"{rid}-{i}", len(input_ids) * self.unit, units * self.unit,
+                                              max_new=sp.max_new_tokens * self.unit))
         results: list[EngineResult] = await asyncio.gather(*futures)
         return [self._sample(f"{rid}-{i}" if len(params) > 1 else rid, input_ids, r, at_max, i)
                 for i, (r, at_max) in enumerate(zip(results, cut))]

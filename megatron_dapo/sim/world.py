@@ -23,8 +23,12 @@ from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
-from megatron_dapo.sim.engine import SimEngine
+from megatron_dapo.sim.engine import KVAdmission, SimEngine
+from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
 from megatron_dapo.sim.vtime import run_virtual
+
+
+ENGINES = {"continuous": SimEngine, "static": StaticBatchEngine, "static_split": SplitArrivalsEngine}
 
 
 @dataclass
@@ -44,6 +48,18 @@ class World:
     warmup_steps: int = 2
     seed: int = 0
     prompts: int = 100_000
+    admission: KVAdmission | None = KVAdmission()  # engines' KV budget for admitting (None: input only)
+    # "continuous": SGLang's batching (SimEngine); "static" / "static_split": the embedded server's, a batch
+    # runs to its end before waiting requests start (sim/static_engine.py: the two bounds for a burst of
+    # requests reaching an idle server), to simulate CPU runs of the embedded servers
+    batching: str = "continuous"
+    # per-server sync (greedy / status_based): seconds of a sync of engine i, drawn anew per sync (e.g. from a
+    # real run's measured ones of that server: servers that start together finish apart, and the first to
+    # finish takes the work dispatched meanwhile); None: every sync takes `sync_s`
+    server_sync_s: Callable[[int], float] | None = None  # engine index -> seconds
+    # the cost model throughput_optimal routing believes (None: the engines' own, `cost`); to replay a real
+    # run whose router loaded another fit than the one its engines were measured by
+    router_cost: CostModel | None = None
 
 
 @dataclass
@@ -60,6 +76,9 @@ class SimResult:
     regenerated_tokens: int  # thrown away (aborted groups regenerated from scratch)
     retractions: int
     migrations: int
+    generated_per_s: float = 0.0  # tokens the engines decoded per second (kept, filtered or aborted)
+    mean_decode_batch: float = 0.0  # requests per decode step, over all engines' steps
+    refusals: int = 0  # times routing kept a request waiting (admission control)
     batches: list = field(default_factory=list, repr=False)  # BatchInfo per step (all steps)
     step_ends: list = field(default_factory=list, repr=False)  # virtual time each step ended
 
@@ -83,7 +102,11 @@ async def _run(cfg, world: World) -> SimResult:
     cfg = copy.deepcopy(cfg)
     loop = asyncio.get_running_loop()
     urls = _urls(cfg.rollout.num_servers)
-    engines = {u: SimEngine(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop) for u in urls}
+    engine_cls = ENGINES.get(world.batching)
+    if engine_cls is None:
+        raise ValueError(f"simulate: batching must be one of {sorted(ENGINES)}, got {world.batching!r}")
+    engines = {u: engine_cls(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop,
+                         admission=world.admission) for u in urls}
     max_units = math.ceil(cfg.data.max_response_length / world.token_unit)
     if (cfg.rollout.sampling.max_new_tokens or cfg.data.max_response_length) != cfg.data.max_response_length:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
@@ -98,7 +121,7 @@ async def _run(cfg, world: World) -> SimResult:
     registry = ServerRegistry(urls, version=0, clock=loop.time)
     dataset = SimPrompts(world.prompts, world.prompt_len, world.token_unit)
     producer = _build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
-                               cost_model=world.cost)  # throughput_optimal routing knows the engines' cost
+                               cost_model=world.router_cost or world.cost)  # throughput_optimal's model
     producer.rewards = SimReward(world.keep_prob, world.seed)
     changed = asyncio.Event()
     producer.add_listener(lambda: loop.call_soon(changed.set))
@@ -145,6 +168,7 @@ class SimTrainer:
         self.sync_tasks: set[asyncio.Task] = set()
         self.batches, self.step_ends, self.train_busy = [], [], []
         self.engine_busy: list[float] = []  # total engine busy time at each step end
+        self.engine_work: list[tuple[int, int]] = []  # (tokens, decode steps) of all engines at each step end
 
     async def _take(self, step: int):
         since = self.loop.time()
@@ -173,6 +197,8 @@ class SimTrainer:
             for e in self.engines.values():
                 e.catch_up()  # decode time up to now is counted
             self.engine_busy.append(sum(e.stats.busy_s for e in self.engines.values()))
+            self.engine_work.append((sum(e.stats.tokens for e in self.engines.values()),
+                                     sum(e.stats.steps for e in self.engines.values())))
 
     async def _sync_all(self, version: int) -> None:
         """all_at_once, as the loop does it inline: pause every server, load, continue, publish."""
@@ -221,7 +247,8 @@ class SimTrainer:
             if c.pause_mode == "abort":
                 e.abort(None)
             e.pause()
-        await asyncio.sleep(self.world.sync_s)
+        draw = self.world.server_sync_s
+        await asyncio.sleep(draw(list(self.engines).index(url)) if draw else self.world.sync_s)
         e.set_version(version)
         if c.pause_generation:
             e.resume()
@@ -235,6 +262,8 @@ class SimTrainer:
         first = warmup - 1
         t0 = self.step_ends[first] if first >= 0 else 0.0
         busy0 = self.engine_busy[first] if first >= 0 else 0.0
+        tokens0, steps0 = self.engine_work[first] if first >= 0 else (0, 0)
+        gen_tokens, gen_steps = self.engine_work[-1][0] - tokens0, self.engine_work[-1][1] - steps0
         wall = self.step_ends[-1] - t0
         measured = self.batches[warmup:]
         tokens = sum(t for _, t in measured)
@@ -252,5 +281,8 @@ class SimTrainer:
             regenerated_tokens=sum(info.tokens_regenerated for info, _ in self.batches) * self.world.token_unit,
             retractions=sum(e.stats.retractions for e in engines),
             migrations=sum(info.coordination.get("migrations", 0) for info, _ in self.batches[warmup:]),
+            generated_per_s=gen_tokens / wall if wall > 0 else 0.0,
+            mean_decode_batch=gen_tokens / gen_steps if gen_steps else 0.0,
+            refusals=sum(info.coordination.get("routing_refusals", 0) for info, _ in measured),
             batches=[info for info, _ in self.batches], step_ends=list(self.step_ends),
         )

@@ -150,7 +150,8 @@ class BatchInfo:
 
 
 COORDINATION_COUNTS = ("groups_aborted_surplus", "groups_aborted_retry", "groups_moved_down", "retries",
-                       "samples_aborted_surplus", "migrations", "requests_migrated")
+                       "samples_aborted_surplus", "migrations", "requests_migrated", "routing_refusals",
+                       "router_queue")
 
 
 @dataclass
@@ -182,6 +183,7 @@ class RolloutProducer:
         self.retry = ProactiveRetry(settings.retry_threshold, clock) if settings.retry_threshold else None
         self.migration = MigrationPolicy(settings.migration, clock) if settings.migration else None
         self.coordination_since_take: Counter = Counter({k: 0 for k in COORDINATION_COUNTS})
+        self._refusals_taken = 0  # the router's refusal count at the last batch
         self.totals: Counter = Counter()  # groups ever: dropped (dynamic sampling) / aborted_surplus / aborted_retry
         self._waiting_for: int | None = None  # the buffer take_batch waits on
         self._tasks: dict[int, asyncio.Task] = {}  # draw -> its group's task
@@ -279,12 +281,24 @@ class RolloutProducer:
             return []
         picks = [(self.flight[d].idx, d, self.flight[d].v_traj) for d in self._redispatch]
         self._redispatch = []
-        for _ in range(self.slots.reservable(self.version)):
-            idx, draw = self.sampler.next_draw()
-            self.slots.reserve(draw, self.version)
-            self.flight[draw] = InFlight(idx, self.version)
-            picks.append((idx, draw, self.version))
+        # Oldest version first: a group of V_traj v may run on any server holding >= v, so with
+        # per-server sync the lagging servers keep taking work while buffers up to v + s have room,
+        # instead of every new group waiting for (and piling onto) the servers that synced first.
+        for v in range(self._oldest_version(), self.version + 1):
+            for _ in range(self.slots.reservable(v)):
+                idx, draw = self.sampler.next_draw()
+                self.slots.reserve(draw, v)
+                self.flight[draw] = InFlight(idx, v)
+                picks.append((idx, draw, v))
         return picks
+
+    def _oldest_version(self) -> int:
+        """The oldest weight version a healthy server holds (= self.version unless servers sync
+        one by one, which only the registry's per-server versions show)."""
+        registry = getattr(self._router, "registry", None)
+        if registry is None:
+            return self.version
+        return min([self.version, *(registry.version(s.url) for s in self._router.healthy())])
 
     async def run(self) -> None:
         """The producer's loop: dispatch, judge, buffer until `stop()`. `start()` runs it on its own
@@ -635,13 +649,24 @@ class RolloutProducer:
             wait_s=self.clock() - waiting_since,
             reserved_slots=self.in_flight, occupied_slots=later,
             partial_resumes=self.resumes_since_take, tokens_regenerated=self.regenerated_since_take,
-            coordination=self.coordination_since_take,
+            coordination=self._router_counts(self.coordination_since_take),
         )
         self.judged_since_take = later
         self.dropped_correct = self.dropped_wrong = self.failures_since_take = 0
         self.resumes_since_take = self.regenerated_since_take = 0
         self.coordination_since_take = Counter({k: 0 for k in COORDINATION_COUNTS})
         return info
+
+    def _router_counts(self, counts: Counter) -> Counter:
+        """`counts` plus the router's admission control since the last batch: times a request was
+        refused (kept waiting), and requests waiting at the router now."""
+        router = self._router
+        if router is not None:
+            refusals = router.refusals
+            counts["routing_refusals"] += max(0, refusals - self._refusals_taken)
+            counts["router_queue"] += len(router.dispatcher)
+            self._refusals_taken = refusals
+        return counts
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dapo.rollout.embedded.load_stats import LoadStats
+from megatron_dapo.rollout.embedded.load_stats import LoadStats, StepTrace
 from megatron_dapo.rollout.embedded.sampling import (
     GREEDY_EPS,
     Penalties,
@@ -106,7 +106,8 @@ class _Batch:
 
 class Engine:
     def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
-                 weight_version: str = "default", max_context: int | None = None, batch_invariant: bool = False):
+                 weight_version: str = "default", max_context: int | None = None, batch_invariant: bool = False,
+                 step_trace: StepTrace | None = None):
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -130,6 +131,7 @@ class Engine:
         self.step_lock = threading.RLock()  # held around every forward step and every weight load
         self._batch: _Batch | None = None
         self.stats = LoadStats()
+        self.step_trace = step_trace  # None: no per-step lines (the default; the counters above are kept)
         self._held_answers: list | None = None  # during a step: answers to send once it is counted
         self._active: dict[str, GenRequest] = {}  # rid -> request, until its answer is sent
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
@@ -229,6 +231,8 @@ class Engine:
             self._qlock.notify_all()
         self._thread.join(timeout=10)
         self.abort(abort_all=True, message="server shutting down")
+        if self.step_trace is not None and not self._thread.is_alive():  # a stuck worker may still write
+            self.step_trace.close()
 
     # ---- worker --------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -259,6 +263,8 @@ class Engine:
         before = sum(len(r.output) for r in reqs)
         # identical sequences are prefilled once, except in batch-invariant mode
         seqs = [tuple(r.prompt + r.output) for r in reqs] if prefill else []
+        # resident KV before the step, as load_report counts it (only when traced: O(batch) per step)
+        kv = 0 if prefill or self.step_trace is None else sum(len(r.prompt) + len(r.output) for r in reqs)
         self._held_answers = []  # answered once the step is counted: a client then sees it in /v1/loads
         try:
             start = time.perf_counter()
@@ -270,6 +276,9 @@ class Engine:
                 self.stats.prefill_step(uncached, start, end, generated)
             else:
                 self.stats.decode_step(len(reqs), start, end, generated)
+            if self.step_trace is not None:
+                self.step_trace.step("prefill" if prefill else "decode", len(reqs), kv, end - start,
+                                     uncached if prefill else 0)
         finally:
             held, self._held_answers = self._held_answers, None
             for future, answer in held:

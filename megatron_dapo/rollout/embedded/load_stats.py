@@ -7,16 +7,20 @@
 - `total_prefill_uncached_tokens` / `total_prefill_busy_us`: cumulative prefill work.
 - `gen_throughput`: generated tokens per second over the recent decode steps (SGLang: over its last
   decode-log window, reset to 0 once no decode step came for `stale_s`).
+- `StepTrace` (opt-in, --step-trace): every step's batch, KV tokens and seconds, as JSON lines.
 
 Updated by the engine's worker thread, read by the server's event loop: a lock keeps each read whole.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 
 GEN_THROUGHPUT_WINDOW_STEPS = 40  # SGLang's default --decode-log-interval
 GEN_THROUGHPUT_STALE_S = 30.0  # SGLang's GEN_THROUGHPUT_STALENESS_SECONDS
@@ -73,3 +77,30 @@ class LoadStats:
         """(total_prefill_uncached_tokens, total_prefill_busy_us)."""
         with self._lock:
             return self._prefill_tokens, self._prefill_us
+
+
+class StepTrace:
+    """Opt-in trace of the engine's steps (the server's --step-trace PATH): one JSON line per prefill or
+    decode step, `{"t": wall-clock end, "kind": "decode"|"prefill", "n": sequences, "kv": resident KV tokens
+    before the step, "s": seconds, "tokens": prefilled tokens (prefill only)}`.
+
+    Written by the engine's worker thread after each step. The file is opened line-buffered and in append
+    mode, so a killed server leaves every finished line readable (at most the last one torn), and several
+    runs of one server can share a file. `megatron-dapo profile-engine --from-trace` fits the cost model
+    from it: the decode steps a run actually took, under the run's own load.
+    """
+
+    def __init__(self, path: str | os.PathLike, clock: Callable[[], float] = time.time):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        self.path = Path(path)
+        self.clock = clock  # wall clock: lines of several servers line up with a benchmark's step times
+        self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the server's life)
+
+    def step(self, kind: str, n: int, kv_tokens: int, seconds: float, prefill_tokens: int = 0) -> None:
+        row = {"t": round(self.clock(), 6), "kind": kind, "n": n, "kv": kv_tokens, "s": round(seconds, 7)}
+        if kind == "prefill":
+            row["tokens"] = prefill_tokens
+        self._file.write(json.dumps(row, separators=(",", ":")) + "\n")
+
+    def close(self) -> None:
+        self._file.close()

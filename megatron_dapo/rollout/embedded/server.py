@@ -45,6 +45,7 @@ from pydantic import ValidationError
 from megatron_dapo.rollout.embedded import load_report
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+from megatron_dapo.rollout.embedded.load_stats import StepTrace
 from megatron_dapo.rollout.embedded.limits import BodySizeLimit, ServerLimits, sampling_range_problem
 from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
 from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, announcement_problem, receive
@@ -136,9 +137,11 @@ class _UpdateGate:
 class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
                  weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False,
-                 served_model_name: str | None = None, limits: ServerLimits | None = None):
+                 served_model_name: str | None = None, limits: ServerLimits | None = None,
+                 step_trace: str | None = None):
         self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
-                             batch_invariant=batch_invariant)
+                             batch_invariant=batch_invariant,
+                             step_trace=StepTrace(step_trace) if step_trace else None)
         self.loader = HFWeightLoader(model)
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path  # SGLang's default
@@ -716,6 +719,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most sequences one /generate may start (its n, or the prompts of a batch)")
     p.add_argument("--weight-group-timeout-s", type=float, default=defaults.group_timeout_s,
                    help="/init_weights_update_group answers with an error if the group has not formed by then")
+    p.add_argument("--step-trace", default=None, metavar="PATH",
+                   help="append one JSON line per prefill / decode step (batch, KV tokens, seconds) to PATH, for "
+                        "`megatron-dapo profile-engine --from-trace`; off by default")
     return p
 
 
@@ -736,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
                             weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
                             batch_invariant=args.enable_deterministic_inference,
-                            served_model_name=args.served_model_name, limits=limits)
+                            served_model_name=args.served_model_name, limits=limits, step_trace=args.step_trace)
     print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
           f"listening on http://{args.host}:{args.port}", flush=True)
     # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,

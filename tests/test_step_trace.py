@@ -1,0 +1,130 @@
+"""The embedded engine's step trace (serve --step-trace) and the cost-model fit from it
+(`profile-engine --from-trace`), fast: a real engine (tiny model, in-process) traces its steps, the lines
+agree with its own decode counters, and a fit of one half of a workload predicts the other half."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+import torch
+
+from megatron_dapo.cli import main as cli_main
+from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.coordinator.profile import read_step_trace, trace_points
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    """An engine with a step trace, and its file."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import tiny_hf_config
+    from megatron_dapo.rollout.embedded.engine import Engine
+    from megatron_dapo.rollout.embedded.load_stats import StepTrace
+
+    path = tmp_path_factory.mktemp("trace") / "server_0.jsonl"
+    torch.manual_seed(0)
+    eng = Engine(AutoModelForCausalLM.from_config(tiny_hf_config("qwen3"), dtype=torch.float32), max_batch=16,
+                 step_trace=StepTrace(path))
+    yield eng, path
+    eng.close()
+
+
+def _run(engine, n: int, prompt_len: int, new_tokens: int) -> None:
+    """One batch of n distinct prompts, each generating exactly new_tokens."""
+    from megatron_dapo.rollout.embedded.engine import GenRequest
+
+    reqs = [GenRequest(rid=f"r{i}-{time.monotonic_ns()}", prompt=[1 + (i + j) % 50 for j in range(prompt_len)],
+                       max_new_tokens=new_tokens, ignore_eos=True) for i in range(n)]
+    for f in engine.submit_many(reqs):
+        f.result(timeout=120)
+
+
+def _workload(engine) -> tuple[list, list]:
+    """Every batch shape twice in a row, one run into half A and one into B, in turns A B then B A: the two
+    halves see the same machine load (time windows of each, wall clock as the trace's)."""
+    a, b = [], []
+    for i, (n, prompt_len) in enumerate((n, p) for n in (1, 4, 12) for p in (8, 120)):
+        for _ in range(2):
+            for half in ((a, b) if i % 2 == 0 else (b, a)):
+                t = time.time()
+                _run(engine, n, prompt_len, new_tokens=20)
+                half.append((t, time.time()))
+    return a, b
+
+
+def _rows(path, windows, kind: str = "decode") -> list[dict]:
+    return [r for since, until in windows for r in read_step_trace([path], since, until, kind)]
+
+
+def test_trace_has_every_step_with_its_batch_and_kv(traced):
+    engine, path = traced
+    before = engine.stats.decode_moments() or [0.0] * 6
+    lines0 = len(path.read_text().splitlines())
+    _run(engine, 3, prompt_len=10, new_tokens=6)
+    rows = [json.loads(x) for x in path.read_text().splitlines()[lines0:]]
+    moments = [a - b for a, b in zip(engine.stats.decode_moments(), before)]
+    assert [r["kind"] for r in rows] == ["prefill"] + ["decode"] * 5  # the first token comes from the prefill
+    assert rows[0]["n"] == 3 and rows[0]["tokens"] == 30
+    # resident KV before each decode step: 3 prompts of 10 plus the tokens made so far
+    assert [r["kv"] for r in rows[1:]] == [3 * (10 + k) for k in range(1, 6)]
+    # against the engine's own counters (SGLang's decode moments): steps, batch sum, microseconds
+    decode = rows[1:]
+    assert moments[0] == len(decode) and moments[1] == sum(r["n"] for r in decode)
+    assert moments[2] == pytest.approx(sum(r["s"] for r in decode) * 1e6, abs=len(decode))
+    assert all(r["t"] >= rows[0]["t"] for r in decode) and all(r["s"] > 0 for r in decode)
+
+
+def test_fit_of_one_half_predicts_the_other_within_its_error(traced, tmp_path, capsys):
+    engine, path = traced
+    a, b = _workload(engine)
+    first, prefills = _rows(path, a), _rows(path, a, "prefill")
+    half = tmp_path / "half_a.jsonl"  # the trace lines of half A, as a file of their own
+    half.write_text("".join(json.dumps(r) + "\n" for r in first + prefills))
+    out = tmp_path / "cost.json"
+    assert cli_main(["profile-engine", "--from-trace", str(half), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    fit = json.loads(out.read_text())
+    model = CostModel.load(out)
+    assert "fit relative error" in printed and f"wrote {out}" in printed
+    assert fit["steps"] == len(first) == 12 * 19  # 12 batches of 19 decode steps each
+
+    # the reported error, recomputed here: rms over the points, each counted by its steps
+    points = trace_points(first)
+    rel = [(model.step_time(p.n, p.kv_tokens) - p.step_s) / p.step_s for p in points]
+    w = [p.steps for p in points]
+    assert fit["fit_rel_error"] == pytest.approx(math.sqrt(sum(wi * r * r for wi, r in zip(w, rel)) / sum(w)))
+    # a fit weighted by steps keeps the total time of the steps it was fitted on
+    assert abs(fit["total_time_rel_error"]) < 0.02
+    # prefill: one per batch (12), its seconds per prefilled token
+    assert fit["prefills"] == len(prefills) == 12
+    assert model.p_k == pytest.approx(sum(r["s"] for r in prefills) / sum(r["tokens"] for r in prefills))
+
+    # half B (the same batches, each run right after its twin): the fit predicts its total decode time
+    # within the fit's own error
+    second = _rows(path, b)
+    traced_s = sum(r["s"] for r in second)
+    predicted_s = sum(model.step_time(r["n"], r["kv"]) for r in second)
+    assert abs(predicted_s - traced_s) / traced_s <= max(fit["fit_rel_error"], 0.05)
+
+
+def test_trace_reader_skips_a_torn_last_line_and_names_a_bad_one(tmp_path):
+    good = '{"t":1.0,"kind":"decode","n":2,"kv":10,"s":0.01}\n'
+    torn = tmp_path / "killed.jsonl"
+    torn.write_text(good * 2 + '{"t":2.0,"kind":"dec')  # a server killed mid-write
+    assert len(read_step_trace([torn])) == 2
+    assert len(read_step_trace([torn], since=1.5)) == 0
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(good + "not json\n" + good)
+    with pytest.raises(ValueError, match=r"bad.jsonl, line 2"):
+        read_step_trace([bad])
+
+
+def test_from_trace_with_too_few_steps_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "short.jsonl"
+    path.write_text('{"t":1.0,"kind":"decode","n":2,"kv":10,"s":0.01}\n')
+    assert cli_main(["profile-engine", "--from-trace", str(path), "--out", str(tmp_path / "c.json")]) == 1
+    assert "1 decode steps" in capsys.readouterr().err and not (tmp_path / "c.json").exists()
