@@ -394,7 +394,7 @@ def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
         mode_overrides("fast")
 
 
-def test_engine_retracts_the_first_of_the_newest_cohort_and_frees_rids():
+def test_engine_retraction_order_and_rids_in_flight():
     async def main():
         engine = SimEngine(COST, kv_capacity=330, max_running=8, loop=asyncio.get_running_loop())
         old = engine.submit("old", 100, 200)
@@ -411,8 +411,7 @@ def test_engine_retracts_the_first_of_the_newest_cohort_and_frees_rids():
         return first, results, engine
 
     first, (old, x, y, again), engine = run_virtual(main())
-    # the newest requests are x and y (same start step); of those the first admitted goes, as
-    # max(running, key=start_step) picks it
+    # x and y have generated nothing (fewest tokens first), same input, same step: the first admitted goes
     assert first == ["x"]
     assert not old.aborted and y.aborted and not x.aborted and x.generated == 200 and again.generated == 1
     assert not engine.running and not engine.waiting and not engine._rids
