@@ -94,16 +94,17 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     assert train[:4] == ["megatron-dapo", "train", "--config", cfg_path]
     assert plan[9:] == train[4:]  # plan checks exactly what train will run
 
-    # The advanced switches as the config loader reads them (PSRL's advanced recipe).
+    # The advanced switches as the config loader reads them (PSRL's advanced recipe, with the gain
+    # threshold and the sync KV threshold the simulator favours: RESULTS.md).
     cfg = _train_config(train)
     r = cfg.rollout
     assert (cfg.algo.staleness, cfg.trainer.backend, cfg.trainer.nnodes) == (staleness, backend, nodes)
     assert (r.routing.method, r.routing.delta_throughput_threshold, r.routing.server_order) == (
-        "throughput_optimal", 0.2, "reserve_capability")
+        "throughput_optimal", 0.0, "reserve_capability")
     assert r.routing.cost_model == str(cost_model_file)
     assert (r.queue.policy, r.concurrency, r.partial_rollout) == ("priority", 512, True)
     assert (r.sync.policy, r.sync.indicator, r.sync.threshold, r.sync.check_req_before_sync) == (
-        "status_based", "kv_cache", 0.6, False)
+        "status_based", "kv_cache", 0.9, False)
     assert (r.migration.enabled, r.migration.indicator, r.migration.threshold, r.migration.stop_indicator,
             r.migration.stop_threshold) == (True, "throughput", 5.0, "request_num", 10)
     assert (r.retry.enabled, r.retry.threshold) == (True, 4)
