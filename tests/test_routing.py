@@ -374,6 +374,57 @@ def test_dispatcher_sticky_groups_cancel_and_unroutable():
     assert out.failed == ["v9"] and len(d) == 0
 
 
+@pytest.mark.parametrize("queue", ["fifo", "priority"])
+def test_dispatcher_repeats_an_unchanged_refusal_exactly_as_deciding_again(queue):
+    """A dispatch with nothing changed since one that placed nothing is not decided again; the
+    reference decides every time. Same placements, failures and refusals over a random history of
+    submits, cancels, request ends, unpins, new load reports and views changed in place."""
+    import random
+
+    from megatron_dapo.coordinator.dispatch import Dispatcher
+
+    class Deciding(Dispatcher):
+        def dispatch(self, servers, fail_unroutable=False):
+            self._idle = None  # forget the last outcome: decide every time
+            return super().dispatch(servers, fail_unroutable)
+
+    rng = random.Random(5)
+    route = dict(delta_throughput_threshold=0.6, server_order="reserve_capability")
+    fast, ref = (cls(policy(concurrency=3, **route), QueueConfig(queue)) for cls in (Dispatcher, Deciding))
+    views = [srv(u, version=1, kv_capacity=40_000) for u in "abc"]
+    placed, n = [], 0
+    for _ in range(600):
+        act = rng.random()
+        if act < 0.25:
+            n += 1
+            req = RouteRequest(prompt_tokens=rng.randint(100, 9000), generated_tokens=rng.choice([0, 500]),
+                               min_version=rng.choice([None, 1, 1, 2]), resumed=rng.random() < 0.3)
+            for d in (fast, ref):
+                d.submit(n, req, group_id=f"g{n % 7}", v_traj=req.min_version)
+        elif act < 0.3 and n:
+            key = rng.randint(1, n)
+            for d in (fast, ref):
+                d.cancel(key)
+        elif act < 0.4 and placed:
+            key = placed.pop(rng.randrange(len(placed)))
+            for d in (fast, ref):
+                d.finished(key, generated=rng.randint(0, 300))
+        elif act < 0.43:
+            url = rng.choice("abc")
+            assert fast.unpin(url) == ref.unpin(url)
+        elif act < 0.55:  # a new load report (a new stamp)
+            v = rng.choice(views)
+            v.running, v.kv_tokens, v.load_time = rng.randint(0, 4), rng.randint(0, 30_000), rng.random()
+        elif act < 0.6:  # a view changed in place, same object (version, syncing, router counts)
+            v = rng.choice(views)
+            v.version, v.syncing, v.outstanding = rng.choice([1, 2]), rng.random() < 0.2, rng.randint(0, 3)
+        fail = rng.random() < 0.05
+        got, want = fast.dispatch(views, fail), ref.dispatch(views, fail)
+        assert (got.placed, got.failed, fast.refusals, len(fast)) == (want.placed, want.failed, ref.refusals, len(ref))
+        placed += [key for key, _ in got.placed]
+    assert fast.refusals > 50 and n > 100  # the history did exercise admission control
+
+
 # ---- the router: admission control over real HTTP on loopback ------------------------------------
 def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
     """throughput_optimal with one request in flight per server and priority queues: a server whose

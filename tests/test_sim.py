@@ -392,3 +392,26 @@ def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
         mode_overrides("advanced", "configs/qwen3/nope.yaml")
     with pytest.raises(ValueError, match="--modes"):
         mode_overrides("fast")
+
+
+def test_engine_retraction_order_and_rids_in_flight():
+    async def main():
+        engine = SimEngine(COST, kv_capacity=330, max_running=8, loop=asyncio.get_running_loop())
+        old = engine.submit("old", 100, 200)
+        await asyncio.sleep(COST.step_time(1, 100) * 2.5)  # "old" runs alone for a few steps
+        later = [engine.submit(r, 100, 200) for r in ("x", "y")]  # admitted together, at one step
+        with pytest.raises(ValueError, match="already in flight"):
+            engine.submit("x", 10, 10)
+        while engine.stats.retractions == 0:
+            await asyncio.sleep(0.01)
+        first = [r.rid for r in engine.waiting]  # what the full pool retracted first
+        engine.abort("y")
+        again = engine.submit("y", 10, 1)  # an aborted rid may be used again
+        results = await asyncio.gather(old, *later, again)
+        return first, results, engine
+
+    first, (old, x, y, again), engine = run_virtual(main())
+    # x and y have generated nothing (fewest tokens first), same input, same step: the first admitted goes
+    assert first == ["x"]
+    assert not old.aborted and y.aborted and not x.aborted and x.generated == 200 and again.generated == 1
+    assert not engine.running and not engine.waiting and not engine._rids

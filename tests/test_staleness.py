@@ -6,7 +6,7 @@ import random
 import pytest
 
 from megatron_dapo.coordinator import StalenessController, StalenessError, finish_partial, merge_continuation
-from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
+from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED
 from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
 from megatron_dapo.trainer.groups import token_versions
 
@@ -166,6 +166,9 @@ def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop
         assert {k for k, (b, i) in c.where.items() if c.buffers[b][i].state == RESERVED} == set(in_flight)
         assert all(sum(s.state == OCCUPIED for s in buf) <= slots and len(buf) == slots + extra
                    for buf in c.buffers.values())
+        # the controller's per-buffer tallies are what a scan of the slots counts
+        assert all(c.count(state, b) == sum(s.state == state for s in buf)
+                   for b, buf in c.buffers.items() for state in (EMPTY, RESERVED, OCCUPIED))
         clock.t += rng.random()
     waiting_items = [item[0] for _, _, item in c.occupied_items()]
     # no prompt lost or duplicated; nothing completed was discarded except surplus / given-up groups

@@ -9,7 +9,7 @@ may have become routable, so a request waiting for one can go on.
 
 Each server's own load (running and waiting requests, KV tokens in use and capacity, recent generation
 throughput) comes from its /v1/loads report: the load poller (coordinator/load_poller.py, its own
-thread) writes it with `update_load`; routing policies read it with `records_snapshot`.
+thread) writes it with `update_load`; routing policies read it with `route_views`.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from megatron_dapo.coordinator.routing import ServerView
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import ServerLoad
 
@@ -159,6 +160,15 @@ class ServerRegistry:
         """A consistent copy of every server's record (version, routing state, last load report)."""
         with self._lock:
             return [replace(r) for r in self.records.values()]
+
+    def route_views(self) -> list[ServerView]:
+        """Every server as routing sees it from here, consistently: version, syncing and last load
+        report (the router fills in its own counts). What the router reads on every dispatch, so
+        built directly instead of from copied records."""
+        with self._lock:
+            return [ServerView(r.url, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
+                               kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
+                    for r in self.records.values()]
 
     def statuses(self) -> list[ServerStatus]:
         """The router's view of every server: running = the router's count in flight there; waiting,

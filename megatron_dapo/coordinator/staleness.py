@@ -107,7 +107,9 @@ class StalenessController:
         self.extra = extra
         self.capacity = slots + extra  # slots per buffer; `slots` occupied make it ready
         self.next_buffer = next_buffer  # the buffer the trainer consumes next; earlier ones are gone
-        self.buffers: dict[int, list[Slot]] = {}
+        self.buffers: dict[int, list[Slot]] = {}  # written only through _set (keeps _tally)
+        # buffer -> slots per state: the fullness tests every dispatch and completion asks, without a scan
+        self._tally: dict[int, dict[str, int]] = {}
         self.where: dict[Hashable, tuple[int, int]] = {}  # key -> (buffer, slot), reserved or occupied
         self._dropped: list[Hashable] = []  # reservations given up by the controller, for the caller to abort
 
@@ -115,14 +117,23 @@ class StalenessController:
     def _buffer(self, b: int) -> list[Slot]:
         if b not in self.buffers:
             self.buffers[b] = [Slot(since=self.clock()) for _ in range(self.capacity)]
+            self._tally[b] = {EMPTY: self.capacity, RESERVED: 0, OCCUPIED: 0}
         return self.buffers[b]
 
+    def _set(self, b: int, i: int, slot: Slot) -> None:
+        """Put `slot` at (b, i), keeping the per-state tally of buffer b."""
+        buf, tally = self.buffers[b], self._tally[b]
+        tally[buf[i].state] -= 1
+        tally[slot.state] += 1
+        buf[i] = slot
+
     def _full(self, b: int) -> bool:
-        return sum(s.state == OCCUPIED for s in self._buffer(b)) >= self.slots
+        self._buffer(b)
+        return self._tally[b][OCCUPIED] >= self.slots
 
     def _has_room(self, b: int) -> bool:
         """Buffer `b` may still take a group: not full, and an empty slot."""
-        return not self._full(b) and any(s.state == EMPTY for s in self._buffer(b))
+        return not self._full(b) and self._tally[b][EMPTY] > 0
 
     def _open(self, hi: int, lo: int | None = None) -> list[int]:
         """Buffers that may still take a group, from the next one (or `lo`) up to `hi`."""
@@ -130,11 +141,12 @@ class StalenessController:
 
     def reservable(self, v_traj: int) -> int:
         """Empty slots a group dispatched now at version `v_traj` could reserve."""
-        return sum(sum(s.state == EMPTY for s in self._buffer(b)) for b in self._open(v_traj + self.staleness))
+        return sum(self._tally[b][EMPTY] for b in self._open(v_traj + self.staleness))
 
     def count(self, state: str, buffer: int | None = None) -> int:
-        bufs = [self.buffers[buffer]] if buffer in self.buffers else [] if buffer is not None else self.buffers.values()
-        return sum(s.state == state for buf in bufs for s in buf)
+        if buffer is not None:
+            return self._tally[buffer][state] if buffer in self._tally else 0
+        return sum(t[state] for t in self._tally.values())
 
     def ready(self) -> bool:
         """The next buffer holds `slots` completed groups: the trainer may consume it."""
@@ -173,15 +185,15 @@ class StalenessController:
             return None
         b = open_[-1]
         buf = self.buffers[b]
-        i = max(j for j, s in enumerate(buf) if s.state == EMPTY)
-        buf[i] = Slot(RESERVED, key, v_traj, since=self.clock())
+        i = next(j for j in range(len(buf) - 1, -1, -1) if buf[j].state == EMPTY)
+        self._set(b, i, Slot(RESERVED, key, v_traj, since=self.clock()))
         self.where[key] = (b, i)
         return b, i
 
     def release(self, key: Hashable) -> None:
         """Give a reserved slot back (the group was dropped, failed, or is abandoned)."""
         b, i = self._reserved(key)
-        self.buffers[b][i] = Slot(since=self.clock())
+        self._set(b, i, Slot(since=self.clock()))
         del self.where[key]
 
     def occupy(self, key: Hashable, item: Any) -> tuple[int, int]:
@@ -194,24 +206,35 @@ class StalenessController:
         """
         b_res, i_res = self._reserved(key)
         v_traj = self.buffers[b_res][i_res].v_traj
-        self.buffers[b_res][i_res] = Slot(since=self.clock())
-        later = next(((b, i) for b in range(self.next_buffer, b_res + 1) for i, s in enumerate(self.buffers[b])
-                      if (b, i) < (b_res, i_res) and s.state == RESERVED and b_res <= s.v_traj + self.staleness),
-                     None)
+        self._set(b_res, i_res, Slot(since=self.clock()))
+        later = self._earliest_movable(b_res, i_res)
         if later is not None:  # its worst case moves later, still within its bound
             moved = self.buffers[later[0]][later[1]]
-            self.buffers[b_res][i_res] = moved
+            self._set(b_res, i_res, moved)
             self.where[moved.key] = (b_res, i_res)
-            self.buffers[later[0]][later[1]] = Slot(since=self.clock())
+            self._set(later[0], later[1], Slot(since=self.clock()))
         # the reserved buffer is not full (a full one holds no reservation), so it or an earlier
         # buffer has room: never later than reserved
         b = self._open(b_res)[0]
         i = next(i for i, s in enumerate(self.buffers[b]) if s.state == EMPTY)
-        self.buffers[b][i] = Slot(OCCUPIED, key, v_traj, item, since=self.clock())
+        self._set(b, i, Slot(OCCUPIED, key, v_traj, item, since=self.clock()))
         self.where[key] = (b, i)
         if self._full(b):
             self._evict_reservations(b)
         return b, i
+
+    def _earliest_movable(self, b_res: int, i_res: int) -> tuple[int, int] | None:
+        """The first reservation before slot (b_res, i_res), in buffer and slot order, whose bound
+        still holds in buffer b_res; buffers without reservations are skipped unread."""
+        for b in range(self.next_buffer, b_res + 1):
+            if not self._tally[b][RESERVED]:
+                continue
+            buf = self.buffers[b]
+            for i in range(i_res if b == b_res else len(buf)):
+                s = buf[i]
+                if s.state == RESERVED and b_res <= s.v_traj + self.staleness:
+                    return b, i
+        return None
 
     def _evict_reservations(self, b: int) -> None:
         """Buffer `b` just filled: its remaining (redundant) reservations move to their worst case in
@@ -219,7 +242,7 @@ class StalenessController:
         for key in self.reserved_keys(b):
             pos = self.where.pop(key)
             v_traj = self.buffers[b][pos[1]].v_traj
-            self.buffers[b][pos[1]] = Slot(since=self.clock())
+            self._set(b, pos[1], Slot(since=self.clock()))
             if self._reserve_worst_case(key, v_traj, lo=b + 1) is None:
                 self._dropped.append(key)
 
@@ -249,9 +272,9 @@ class StalenessController:
             if len(moved) == n or not self._has_room(buffer):
                 break
             slot = self.buffers[b][i]
-            self.buffers[b][i] = Slot(since=self.clock())
+            self._set(b, i, Slot(since=self.clock()))
             j = next(j for j, s in enumerate(self.buffers[buffer]) if s.state == EMPTY)
-            self.buffers[buffer][j] = replace(slot, since=self.clock())
+            self._set(buffer, j, replace(slot, since=self.clock()))
             self.where[slot.key] = (buffer, j)
             moved.append(slot.key)
         if self._full(buffer):
@@ -264,6 +287,7 @@ class StalenessController:
             raise StalenessError(f"buffer {self.next_buffer} is not full: "
                                  f"{self.count(OCCUPIED, self.next_buffer)}/{self.slots} slots occupied")
         buf = self.buffers.pop(self.next_buffer)
+        del self._tally[self.next_buffer]
         for s in buf:
             if s.state != EMPTY:
                 del self.where[s.key]
@@ -291,5 +315,5 @@ class StalenessController:
         s = self._buffer(buffer)[slot]
         if s.state != EMPTY or key in self.where:
             raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is taken or the group is placed twice")
-        self.buffers[buffer][slot] = Slot(state, key, v_traj, item, since=self.clock())
+        self._set(buffer, slot, Slot(state, key, v_traj, item, since=self.clock()))
         self.where[key] = (buffer, slot)

@@ -174,14 +174,11 @@ class Router:
     def _views(self) -> list[ServerView]:
         """Each server as the policy sees it: health and the router's counts, plus the registry's
         version, syncing and last load report when there is a registry."""
-        records = {r.url: r for r in self.registry.records_snapshot()} if self.registry is not None else {}
+        known = {v.url: v for v in self.registry.route_views()} if self.registry is not None else {}
         views = []
         for s in self.servers:
-            v = ServerView(s.url, healthy=s.healthy, outstanding=s.outstanding, completed=s.completed)
-            r = records.get(s.url)
-            if r is not None:
-                v = replace(v, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
-                            kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
+            v = known.get(s.url) or ServerView(s.url)  # fresh objects: filled in place
+            v.healthy, v.outstanding, v.completed = s.healthy, s.outstanding, s.completed
             views.append(v)
         return views
 

@@ -102,6 +102,7 @@ class SimEngine:
         self.anchor = self.loop.time()  # time of the boundary after step `self.step`
         self.running: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()
+        self._rids: set[str] = set()  # running or waiting (submit's duplicate check without a scan)
         self._finish: list[tuple[int, int, str]] = []  # (finish step, seq, rid) heap over running
         self._seq = itertools.count()
         self._kv_base = 0  # sum over running of (input_len + generated - start_step): K = base + n * step
@@ -191,6 +192,7 @@ class SimEngine:
             if req is None:
                 continue  # retracted or aborted earlier
             self._leave(req)
+            self._rids.discard(rid)
             req.generated = req.target
             self._answer(req, EngineResult(req.generated, False, req.versions))
         if self.running and self.kv_tokens() + self.n > self.kv_capacity:
@@ -296,7 +298,7 @@ class SimEngine:
     def submit(self, rid: str, input_len: int, target: int, max_new: int | None = None) -> asyncio.Future:
         """Generate `target` tokens after `input_len` input tokens (`max_new`: the request's
         max_new_tokens, >= target; default target); resolves to an EngineResult."""
-        if rid in self.running or any(r.rid == rid for r in self.waiting):
+        if rid in self._rids:
             raise ValueError(f"engine: request id {rid!r} is already in flight")
         self.catch_up()
         target = max(0, target)
@@ -305,6 +307,7 @@ class SimEngine:
             req.future.set_result(EngineResult(0, False, [(0, self.version)]))
             return req.future
         self.waiting.append(req)
+        self._rids.add(rid)
         self._admit()
         self._reschedule()
         return req.future
@@ -313,18 +316,23 @@ class SimEngine:
         """Abort request `rid` (and the entries `rid-i` of a batch request; None: all); each answers
         with the tokens it has. Returns how many."""
         self.catch_up()
-        hit = [r for r in list(self.running.values()) + list(self.waiting)
-               if rid is None or r.rid == rid or r.rid.startswith(f"{rid}-")]
-        for req in hit:
-            if req.rid in self.running:
-                self._remove(req)
-            else:
-                self.waiting.remove(req)
+
+        def hit(r: EngineRequest) -> bool:
+            return rid is None or r.rid == rid or r.rid.startswith(f"{rid}-")
+
+        running = [r for r in self.running.values() if hit(r)]
+        waiting = [r for r in self.waiting if hit(r)]
+        if waiting:  # one pass over the queue, not a deque.remove per request
+            self.waiting = deque(r for r in self.waiting if not hit(r))
+        for req in running:
+            self._remove(req)
+        for req in running + waiting:
+            self._rids.discard(req.rid)
             self.stats.aborted_tokens += req.generated
             self._answer(req, EngineResult(req.generated, True, req.versions))
         self._settle()
         self._reschedule()
-        return len(hit)
+        return len(running) + len(waiting)
 
     def pause(self) -> None:
         """Stop decoding at the next step boundary (SGLang's in_place pause: requests keep their KV)."""

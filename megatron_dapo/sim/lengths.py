@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -28,8 +28,13 @@ class LognormalLengths:
     sample_sigma: float = 0.75
     seed: int = 0
 
+    _prompt_mu: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # prompt key -> mu
+
     def total(self, prompt_key: int, sample_key: int) -> int:
-        mu = math.log(self.median) + self.prompt_sigma * _rng(self.seed, "p", prompt_key).gauss(0, 1)
+        mu = self._prompt_mu.get(prompt_key)
+        if mu is None:  # once per prompt: seeding a Random from a string is most of a draw's cost
+            mu = math.log(self.median) + self.prompt_sigma * _rng(self.seed, "p", prompt_key).gauss(0, 1)
+            self._prompt_mu[prompt_key] = mu
         x = math.exp(mu + self.sample_sigma * _rng(self.seed, "s", sample_key).gauss(0, 1))
         return max(1, min(self.max_len, int(x)))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import selectors
+import threading
 
 
 class SimulationStalled(RuntimeError):
@@ -26,13 +27,24 @@ class _JumpingSelector(selectors.DefaultSelector):
             raise SimulationStalled("simulation stalled: every task waits and no timer is set")
         if timeout > 0:
             self._loop.advance(timeout)
-        return super().select(0)  # the self-pipe only (call_soon_threadsafe)
+        if not self._loop.woken:  # nothing came through the self-pipe: no system call
+            return []
+        self._loop.woken = False
+        return super().select(0)  # the self-pipe only (call_soon_threadsafe from another thread)
 
 
 class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, start: float = 0.0):
         self._now = float(start)
+        self.woken = False  # another thread wrote to the self-pipe since the last select
         super().__init__(_JumpingSelector(self))
+
+    def _write_to_self(self) -> None:
+        # call_soon_threadsafe from the loop's own thread (the router's and the producer's wake-ups:
+        # here all of them) has queued its callback already; only another thread needs the self-pipe
+        if threading.get_ident() != self._thread_id:
+            self.woken = True
+            super()._write_to_self()
 
     def time(self) -> float:
         return self._now

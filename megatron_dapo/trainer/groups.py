@@ -35,8 +35,9 @@ def token_versions(sample: Sample) -> list[int]:
         return [version_number(sample.weight_version)] * n
     out = [version_number(sample.weight_version)] * n
     for span in sample.weight_versions:
-        for i in range(max(0, span.start), min(n, span.end)):
-            out[i] = version_number(span.version)
+        lo, hi = max(0, span.start), min(n, span.end)
+        if hi > lo:
+            out[lo:hi] = [version_number(span.version)] * (hi - lo)
     return out
 
 
