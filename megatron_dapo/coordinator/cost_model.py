@@ -9,8 +9,8 @@ large enough to be compute bound), and the engine then produces n tokens: throug
 Prefilling P tokens (admitting a request, or re-admitting a retracted or resumed one) takes p_k * P
 seconds, during which nothing decodes; routing's gain rule ignores it (as PSRL's does), the simulated
 engines pay it. Coefficients are per model and parallel layout; `megatron-dapo profile-engine`
-measures a server and fits the decode ones (p_k stays 0 in its files unless set: prefill free), and
-writes the JSON that `CostModel.load` reads.
+measures a server and fits the decode ones (live) or all of them from a server's step trace
+(`--from-trace`), and writes the JSON that `CostModel.load` reads (p_k may be absent: prefill free).
 """
 
 from __future__ import annotations
