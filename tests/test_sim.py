@@ -167,6 +167,36 @@ def test_engine_sglang_admission_holds_back_room_for_running_outputs():
     assert greedy == {"r0": 0, "r1": 0, "r2": 0}
 
 
+def test_engine_held_back_tokens_kept_without_a_scan_equal_the_scan():
+    """The running requests' held-back tokens, kept incrementally (clip, then linear), equal the sum
+    min(max_new - generated, clip) over them at every event of a run with retractions and aborts."""
+    from megatron_dapo.sim.engine import KVAdmission
+
+    adm = KVAdmission(clip_new_tokens=50)
+    rng = random.Random(7)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(COST, kv_capacity=3000, max_running=16, loop=loop, admission=adm)
+        checked = 0
+        futs = []
+        for i in range(120):
+            target = rng.randint(1, 200)
+            futs.append(engine.submit(f"r{i}", rng.randint(5, 300), target, max_new=target + rng.randint(0, 100)))
+            if rng.random() < 0.1:
+                engine.abort(f"r{rng.randrange(i + 1)}")
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            engine.catch_up()
+            scan = sum(min(r.max_new - engine._out(r), adm.clip_new_tokens) for r in engine.running.values())
+            assert engine._held() == scan
+            checked += bool(engine.running)
+        await asyncio.gather(*futs)
+        return engine, checked
+
+    engine, checked = run_virtual(main())
+    assert engine.stats.retractions > 0 and checked > 50 and engine._held() == 0
+
+
 def test_engine_retracts_fewest_generated_first_and_resets_the_ratio():
     from megatron_dapo.sim.engine import KVAdmission
 

@@ -65,9 +65,13 @@ class EngineRequest:
     target: int  # tokens this request will generate, if nothing interrupts it
     future: asyncio.Future
     max_new: int = 0  # its max_new_tokens (what SGLang's KV budget reckons with); 0 = target
+    held: int | None = None  # running under KVAdmission: HELD_LINEAR, or the seq of its clip-end entry
     generated: int = 0  # tokens generated so far (up to the last admission or retraction)
     start_step: int = 0  # engine step counter at admission
     versions: list[tuple[int, int]] = field(default_factory=list)  # (first token index, weight version)
+
+
+HELD_LINEAR = -1
 
 
 @dataclass
@@ -106,6 +110,14 @@ class SimEngine:
         self._finish: list[tuple[int, int, str]] = []  # (finish step, seq, rid) heap over running
         self._seq = itertools.count()
         self._kv_base = 0  # sum over running of (input_len + generated - start_step): K = base + n * step
+        # What the running requests hold back under KVAdmission, sum of min(c - step, clip) with c =
+        # max_new - generated + start_step (fixed while running), kept without a scan: `clip` each while
+        # step < c - clip (those in the heap of (c - clip, seq, rid); stale entries skipped), c - step after.
+        self._held_clipped = 0
+        self._held_linear = 0  # requests past their clip end
+        self._held_linear_c = 0  # sum of their c
+        self._clip_ends: list[tuple[int, int, str]] = []
+        self._hold_seq = itertools.count()
         self._timer: asyncio.TimerHandle | None = None
         self.paused = False
 
@@ -252,8 +264,44 @@ class SimEngine:
         free = self.kv_capacity - self.kv_tokens()
         if self.admission is None:
             return free - self.n - 1  # the next step's tokens
-        clip = self.admission.clip_new_tokens
-        return free - self.ratio * sum(min(r.max_new - self._out(r), clip) for r in self.running.values())
+        return free - self.ratio * self._held()
+
+    def _held(self) -> int:
+        """Sum over running requests of min(max_new - generated so far, clip)."""
+        while self._clip_ends and self._clip_ends[0][0] <= self.step:
+            _, seq, rid = heapq.heappop(self._clip_ends)
+            req = self.running.get(rid)
+            if req is not None and req.held == seq:  # past its clip end: c - step from now on
+                self._held_clipped -= 1
+                self._held_linear += 1
+                self._held_linear_c += self._clip_free_step(req)
+                req.held = HELD_LINEAR
+        return (self.admission.clip_new_tokens * self._held_clipped + self._held_linear_c
+                - self.step * self._held_linear)
+
+    def _clip_free_step(self, req: EngineRequest) -> int:
+        """c: the step at which a running request's max_new_tokens would run out."""
+        return req.max_new - req.generated + req.start_step
+
+    def _hold(self, req: EngineRequest) -> None:
+        c, clip = self._clip_free_step(req), self.admission.clip_new_tokens
+        if self.step < c - clip:
+            req.held = next(self._hold_seq)
+            self._held_clipped += 1
+            heapq.heappush(self._clip_ends, (c - clip, req.held, req.rid))
+        else:
+            req.held = HELD_LINEAR
+            self._held_linear += 1
+            self._held_linear_c += c
+
+    def _unhold(self, req: EngineRequest) -> None:
+        """Before a running request leaves (its generated / start_step still those of its admission)."""
+        if req.held == HELD_LINEAR:
+            self._held_linear -= 1
+            self._held_linear_c -= self._clip_free_step(req)
+        elif req.held is not None:
+            self._held_clipped -= 1  # its heap entry goes stale
+        req.held = None
 
     def _need(self, req: EngineRequest) -> int:
         """KV tokens admitting `req` takes from `_room`."""
@@ -279,6 +327,8 @@ class SimEngine:
             self.running[req.rid] = req
             self._kv_base += req.input_len + req.generated - self.step
             heapq.heappush(self._finish, (self.step + req.target - req.generated, next(self._seq), req.rid))
+            if self.admission is not None:
+                self._hold(req)
         if prefill and self.cost.p_k > 0:  # one prefill batch before the next decode step
             dt = self.cost.p_k * prefill
             self.anchor = max(self.anchor, self.loop.time()) + dt
@@ -286,13 +336,14 @@ class SimEngine:
             self.stats.prefill_s += dt
 
     def _leave(self, req: EngineRequest) -> None:
+        self._unhold(req)
         self._kv_base -= req.input_len + req.generated - req.start_step
 
     def _remove(self, req: EngineRequest) -> None:
         """Take a running request out (retract / abort), keeping the tokens it generated."""
-        req.generated += self.step - req.start_step
+        self._leave(req)
+        req.generated = self._out(req)
         del self.running[req.rid]
-        self._kv_base -= req.input_len + req.generated - self.step
 
     # ---- the engine's API (what the simulated client calls) ------------------------------------
     def submit(self, rid: str, input_len: int, target: int, max_new: int | None = None) -> asyncio.Future:
