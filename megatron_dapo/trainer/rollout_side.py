@@ -402,6 +402,8 @@ class RolloutProducer:
         aborted = await router.migrate_from(m.source)
         log.info("migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source,
                  m.ratio, m.starved)
+        if not aborted:  # all it runs continues earlier migrations (the router keeps them): nothing moved
+            return
         with self._cv:
             self.coordination_since_take["migrations"] += 1
             self.coordination_since_take["requests_migrated"] += aborted
