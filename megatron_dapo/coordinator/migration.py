@@ -21,7 +21,8 @@ model"; the real CPU benchmark, "the advanced set against plain async"):
   at once (0, the default, keeps that).
 - No cascades: the source of a migration is emptied on purpose, so it is not starved (no destination)
   at the next check, nor before it has been starved for `min_starved_ms` again; a server that just
-  received migrated work is no source for the next check nor for `min_starved_ms`. PSRL has neither
+  received migrated work is neither a source nor (its work still on the way) a destination again for
+  the next check and `min_starved_ms`. PSRL has neither
   rule; without them an emptied source at once pulls the work of a third server (simulated Qwen3-8B
   4 x 8: 198 migrations in three steps).
 - The router never aborts a migrated request again before it has ended (rollout/router.py
@@ -104,8 +105,10 @@ class MigrationPolicy:
         """Servers starved long enough to take work; updates when each one's starvation began."""
         out = []
         for s in servers:
-            if not starved(s) or self._recent(self._source_at, s.url, now):
-                self._starved_since.pop(s.url, None)  # an emptied source's starvation starts after it settles
+            settling = self._recent(self._source_at, s.url, now) or self._recent(self._dest_at, s.url, now)
+            if not starved(s) or settling:
+                # an emptied source, or a destination whose work is on its way: starved only after settling
+                self._starved_since.pop(s.url, None)
                 continue
             since = self._starved_since.setdefault(s.url, now)
             if now - since >= self.cfg.min_starved_ms / 1000.0:
