@@ -28,6 +28,8 @@ model"; the real CPU benchmark, "the advanced set against plain async"):
 - The router never aborts a migrated request again before it has ended (rollout/router.py
   `migrate_from`): on a server that batches statically it waits behind the running batch without a
   token, and partial rollout's stall guard would stop the run after a few aborts without progress.
+  A server's `protected` count (those requests) is left out of what its migration would move: a server
+  running only such requests is no source, and `stop_threshold` applies to the rest.
 """
 
 from __future__ import annotations
@@ -83,6 +85,14 @@ def starved(s: ServerStatus) -> bool:
     return not s.syncing and s.waiting == 0 and s.routable == 0
 
 
+def movable(s: ServerStatus, stop_indicator: str) -> float:
+    """`stop_indicator` of what a migration off `s` would move: with request_num, its requests less those
+    continuing an earlier migration (the router keeps them where they are)."""
+    if stop_indicator == "request_num":
+        return s.indicator(stop_indicator) - s.protected
+    return s.indicator(stop_indicator) if s.indicator("request_num") > s.protected else 0.0
+
+
 class MigrationPolicy:
     """Decides at each check (`choose`), keeping per server when it was first seen starved and when it
     last took part in a migration (as source or destination)."""
@@ -123,7 +133,7 @@ class MigrationPolicy:
         for dst in self._destinations(servers, now):
             for src in servers:
                 if (src.url == dst.url or src.syncing or src.version > dst.version
-                        or self._recent(self._dest_at, src.url, now)):
+                        or self._recent(self._dest_at, src.url, now) or not movable(src, self.cfg.stop_indicator)):
                     continue
                 r = _ratio(src.indicator(self.cfg.indicator), dst.indicator(self.cfg.indicator))
                 if r > self.cfg.threshold and (best is None or r > best.ratio):
@@ -131,7 +141,7 @@ class MigrationPolicy:
         if best is None:
             return None
         src = next(s for s in servers if s.url == best.source)
-        if src.indicator(self.cfg.stop_indicator) < self.cfg.stop_threshold:
+        if movable(src, self.cfg.stop_indicator) < self.cfg.stop_threshold:
             return None
         self._source_at[best.source] = self._dest_at[best.starved] = (self._checks, now)
         self._starved_since.pop(best.source, None)

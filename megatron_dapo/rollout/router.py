@@ -365,6 +365,10 @@ class Router:
     def running_on(self, url: str) -> int:
         return sum(r.server.url == url for r in self._running.values())
 
+    def protected_on(self, url: str) -> int:
+        """Sequences on `url` that `migrate_from` would not abort (continuations of earlier migrations)."""
+        return sum(len(r.rids) for r in self._running.values() if r.migrated and r.server.url == url)
+
     async def _abort(self, requests: list[RunningRequest]) -> int:
         """Abort the requests on their servers; they answer with finish_reason abort. A server that
         cannot be reached has lost them anyway."""
