@@ -191,6 +191,20 @@ def test_migration_does_not_cascade():
     assert len(q.history) == 2
 
 
+def test_migration_moves_only_what_the_router_may_abort():
+    """Requests continuing an earlier migration stay where they are (the router keeps them): a server
+    running only those is no source, and stop_threshold applies to the others."""
+    from dataclasses import replace
+
+    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), FakeClock(5.0))
+    assert p.choose([replace(_server("a", running=40), protected=40), _server("b")]) is None
+    assert p.choose([replace(_server("a", running=40), protected=31), _server("b")]) is None  # 9 movable
+    assert p.choose([replace(_server("a", running=40), protected=30), _server("b")]).source == "a"
+    k = MigrationPolicy(MigrationPolicyConfig(indicator="kv_cache", stop_indicator="kv_cache", stop_threshold=0.5))
+    assert k.choose([replace(_server("a", running=4, kv=0.9), protected=4), _server("b")]) is None
+    assert k.choose([replace(_server("a", running=4, kv=0.9), protected=3), _server("b")]).source == "a"
+
+
 def test_the_router_never_migrates_a_migrated_request_again():
     """A sample a migration aborted continues on some server; while that continuation runs (e.g. behind
     a static batch, without a token), `migrate_from` that server aborts everything else but not it.
