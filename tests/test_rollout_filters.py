@@ -1,6 +1,7 @@
 """Redundant slots, the proactive filter (`retry`) and request migration: each decision rule on
 constructed states (pure, fast). The randomised invariants are in test_staleness.py."""
 
+import asyncio
 import math
 
 import pytest
@@ -9,6 +10,8 @@ from megatron_dapo.coordinator.migration import MigrationPolicyConfig, Migration
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED, StalenessController
 from megatron_dapo.coordinator.sync_policy import ServerStatus
+from megatron_dapo.rollout.router import Router, server_rids
+from megatron_dapo.rollout.types import Sample, SamplingParams
 
 from tests.fake_clock import FakeClock
 
@@ -205,37 +208,35 @@ def test_migration_moves_only_what_the_router_may_abort():
     assert k.choose([replace(_server("a", running=4, kv=0.9), protected=3), _server("b")]).source == "a"
 
 
+class HoldingClient:
+    """A server client that answers a request only when it is aborted, with no new token."""
+
+    def __init__(self, url, **_):
+        self.url, self.held = url, {}
+
+    async def generate(self, input_ids, sampling, rid=None):
+        rids = server_rids(rid, sampling)  # what the router aborts by
+        futs = [asyncio.get_running_loop().create_future() for _ in rids]
+        self.held.update(zip(rids, futs))
+        return list(await asyncio.gather(*futs))
+
+    async def abort_request(self, rid=None, abort_all=False):
+        fut = self.held.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(Sample(rid=rid, prompt_ids=[], output_ids=[], logprobs=[], finish_reason="abort",
+                                  weight_version="0"))
+
+    async def health(self, timeout_s=5.0):
+        return True
+
+    async def aclose(self):
+        pass
+
+
 def test_the_router_never_migrates_a_migrated_request_again():
     """A sample a migration aborted continues on some server; while that continuation runs (e.g. behind
     a static batch, without a token), `migrate_from` that server aborts everything else but not it.
     Real Router, clients that hold each request until it is aborted."""
-    import asyncio
-
-    from megatron_dapo.rollout.router import Router, server_rids
-    from megatron_dapo.rollout.types import Sample, SamplingParams
-
-    class HoldingClient:  # answers a request only when aborted, with no new token
-        def __init__(self, url, **_):
-            self.url, self.held = url, {}
-
-        async def generate(self, input_ids, sampling, rid=None):
-            rids = server_rids(rid, sampling)  # what the router aborts by
-            futs = [asyncio.get_running_loop().create_future() for _ in rids]
-            self.held.update(zip(rids, futs))
-            return list(await asyncio.gather(*futs))
-
-        async def abort_request(self, rid=None, abort_all=False):
-            fut = self.held.pop(rid, None)
-            if fut is not None and not fut.done():
-                fut.set_result(Sample(rid=rid, prompt_ids=[], output_ids=[], logprobs=[], finish_reason="abort",
-                                      weight_version="0"))
-
-        async def health(self, timeout_s=5.0):
-            return True
-
-        async def aclose(self):
-            pass
-
     sp = SamplingParams(max_new_tokens=8)
 
     async def running(router, url) -> set[str]:
@@ -362,3 +363,32 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
     router.healthy = lambda: [SimpleNamespace(url="http://b")]
     assert [v for _, _, v in producer(router)._dispatchable()] == [2, 2, 2, 2]
     assert [v for _, _, v in producer(None)._dispatchable()] == [2, 2, 2, 2]
+
+
+def test_the_router_books_a_load_report_before_the_requests_that_end_after_it():
+    """A server reports 2 running, then both requests end before the router dispatches again: the router
+    must see 0 there (it read reports only when dispatching, so the older report overwrote the ends and
+    a migrated server's continuations all went to its destination)."""
+    from megatron_dapo.coordinator.servers import ServerRegistry
+    from megatron_dapo.rollout.types import ServerLoad
+
+    sp = SamplingParams(max_new_tokens=8)
+
+    async def go():
+        registry = ServerRegistry(["http://a", "http://b"])
+        async with Router(["http://a", "http://b"], client_factory=HoldingClient, registry=registry) as router:
+            reqs = [asyncio.ensure_future(router.generate([1], [sp], group_id="g", rid=f"r{i}")) for i in range(2)]
+            await asyncio.sleep(0)
+            url = router.dispatcher.sticky("g")
+            registry.update_load(url, ServerLoad(running=2, waiting=0, kv_tokens=20, kv_capacity=1000,
+                                                 throughput=5.0, token_usage=0.02, max_running_requests=8))
+            assert await router.migrate_from(url) == 2
+            await asyncio.gather(*reqs)
+            # the next request's dispatch reads that report: the server runs only what it places there
+            h = asyncio.ensure_future(router.generate([1], [sp], group_id="h", rid="h"))
+            await asyncio.sleep(0)
+            assert router.dispatcher.loads.load(url)[0] == (router.dispatcher.sticky("h") == url)
+            await router.abort_group("h")
+            await h
+
+    asyncio.run(asyncio.wait_for(go(), 10))
