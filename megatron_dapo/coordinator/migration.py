@@ -22,9 +22,11 @@ model"; the real CPU benchmark, "the advanced set against plain async"):
 - No cascades: the source of a migration is emptied on purpose, so it is not starved (no destination)
   at the next check, nor before it has been starved for `min_starved_ms` again; a server that just
   received migrated work is neither a source nor (its work still on the way) a destination again for
-  the next check and `min_starved_ms`. PSRL has neither
-  rule; without them an emptied source at once pulls the work of a third server (simulated Qwen3-8B
-  4 x 8: 198 migrations in three steps).
+  the next check and `min_starved_ms`. PSRL has neither rule. Simulated (Qwen3-8B 4 x 8, 198
+  migrations in three steps) an emptied source at once pulled a third server's work, fed by the
+  router's load book, which read a load report taken before the aborted requests ended as if taken
+  after, so the source still looked full and every continuation went to the destination (fixed in
+  rollout/router.py `_release`: the continuations now spread over the servers by routing, as PSRL means).
 - The router never aborts a migrated request again before it has ended (rollout/router.py
   `migrate_from`): on a server that batches statically it waits behind the running batch without a
   token, and partial rollout's stall guard would stop the run after a few aborts without progress.
