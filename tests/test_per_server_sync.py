@@ -10,6 +10,7 @@ import torch
 from megatron_dapo.coordinator.servers import ServerRegistry
 
 from tests.fake_clock import FakeClock
+from tests.http_stub import serve_app
 
 
 def test_registry_routes_accounts_and_publishes():
@@ -72,11 +73,7 @@ def test_router_sends_a_request_only_to_a_server_holding_its_version():
         app = web.Application()
         app.router.add_post("/generate", generate)
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return await serve_app(app)
 
     async def run():
         seen = []
@@ -183,12 +180,9 @@ def test_status_based_load_check_skips_a_hung_server_and_syncs_the_others(monkey
         for handler in (answering, hanging):
             app = web.Application()
             app.router.add_get("/v1/loads", handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
+            runner, url = await serve_app(app)
             runners.append(runner)
-            urls.append(f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+            urls.append(url)
 
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
