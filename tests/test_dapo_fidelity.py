@@ -16,6 +16,7 @@ import torch
 from megatron_dapo.config import ConfigError, DapoConfig, config_from_dict, dump_yaml, load_config
 from megatron_dapo.config.schema import OverlongBufferConfig
 from megatron_dapo.config.validate import validate_config
+from tests.http_stub import serve_app
 from tests.workers.algo_reference import ref_policy_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,13 +277,9 @@ def test_router_caps_in_flight_requests_per_server():
             return web.Response(text="ok")
 
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, url = await serve_app(app)
         try:
-            async with Router([f"http://127.0.0.1:{port}"], max_in_flight_per_server=cap) as router:
+            async with Router([url], max_in_flight_per_server=cap) as router:
                 sp = SamplingParams(n=1, max_new_tokens=1)
                 await asyncio.wait_for(asyncio.gather(*(router.generate([1, 2], sp) for _ in range(8))), 30)
         finally:

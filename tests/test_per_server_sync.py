@@ -10,6 +10,7 @@ import torch
 from megatron_dapo.coordinator.servers import ServerRegistry
 
 from tests.fake_clock import FakeClock
+from tests.http_stub import serve_app
 
 
 def test_registry_routes_accounts_and_publishes():
@@ -72,11 +73,7 @@ def test_router_sends_a_request_only_to_a_server_holding_its_version():
         app = web.Application()
         app.router.add_post("/generate", generate)
         app.router.add_get("/health", health)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return await serve_app(app)
 
     async def run():
         seen = []
@@ -149,3 +146,65 @@ def test_weight_store_holds_at_most_two_copies():
     store.release(slow)
     third.join(10)
     assert not third.is_alive() and store.snapshot().version == 3
+
+
+def test_status_based_load_check_skips_a_hung_server_and_syncs_the_others(monkeypatch):
+    """A lagging server whose /v1/loads never answers is left out of this round after the load timeout;
+    the one that answers gets its load, and the check neither fails the run nor waits for the hung one."""
+    import threading
+    import time
+
+    from aiohttp import web
+
+    from megatron_dapo.config.schema import SyncConfig
+    from megatron_dapo.sync import per_server
+    from megatron_dapo.sync.per_server import PerServerSync, WeightStore
+
+    row = {"num_running_reqs": 3, "num_waiting_reqs": 0, "num_used_tokens": 120, "max_total_num_tokens": 1000,
+           "gen_throughput": 42.5, "token_usage": 0.12, "max_running_requests": 64}
+    hung = threading.Event()
+
+    async def answering(request):
+        return web.json_response({"loads": [row]})
+
+    async def hanging(request):
+        hung.set()
+        await release.wait()  # until the test ends
+        return web.json_response({"loads": [row]})
+
+    loop, urls, runners, release = asyncio.new_event_loop(), [], [], None
+
+    async def start():
+        nonlocal release
+        release = asyncio.Event()
+        for handler in (answering, hanging):
+            app = web.Application()
+            app.router.add_get("/v1/loads", handler)
+            runner, url = await serve_app(app)
+            runners.append(runner)
+            urls.append(url)
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    monkeypatch.setattr(per_server, "LOAD_TIMEOUT_S", 0.5)
+    syncer = PerServerSync(urls, SyncConfig(policy="status_based", indicator="kv_cache", threshold=0.5),
+                           ServerRegistry(urls, version=0), WeightStore())
+    syncer._open_load_clients()
+    try:
+        t0 = time.monotonic()
+        statuses = syncer._with_loads(syncer.registry.statuses(), latest=1)
+        took = time.monotonic() - t0
+        assert hung.is_set() and [s.url for s in statuses] == [urls[0]]  # the hung one: not this round
+        s = statuses[0]
+        assert (s.running, s.waiting, s.throughput, s.kv_cache) == (3, 0, 42.5, 0.12)
+        assert took < 10  # the load timeout, not the 30 s (or 600 s) the whole round waited before
+        assert syncer.policy.choose(statuses, 1) == [urls[0]]  # KV 0.12 <= 0.5: the answering one syncs
+    finally:
+        syncer.close()
+        loop.call_soon_threadsafe(release.set)
+        for runner in runners:
+            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()

@@ -16,6 +16,7 @@ from megatron_dapo.coordinator.routing import (
     Verdict,
     make_routing_policy,
 )
+from tests.http_stub import serve_app
 
 M = QWEN_7B_1GPU
 
@@ -448,11 +449,7 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
 
         app = web.Application()
         app.router.add_post("/generate", generate)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return await serve_app(app)
 
     M.save(tmp_path / "cost.json")
 

@@ -392,6 +392,28 @@ def test_cli_prints_table_and_rejects_bad_lengths(tmp_path, capsys):
     assert "--lengths" in capsys.readouterr().err
 
 
+def test_ceiling_mode_frees_the_trainer_and_the_syncs_only(tmp_path, capsys):
+    from megatron_dapo.sim.cli import main
+
+    out = tmp_path / "rows.json"
+    argv = ["configs/qwen3/tiny_qwen3_cpu.yaml", "algo.train_batch_size=4", "rollout.n_resp_per_prompt=4",
+            "data.max_response_length=256", "algo.overlong_buffer.len=64", "--step-time", "30", "--sync-s", "10",
+            "--steps", "2", "--warmup-steps", "1", "--staleness", "1,2", "--modes", "async,ceiling",
+            "--json", str(out)]
+    assert main(argv) == 0
+    rows = {(r["mode"], r["staleness"]): r for r in json.loads(out.read_text())}
+    assert set(rows) == {("async", 1), ("async", 2), ("ceiling", 2)}  # the ceiling at the largest staleness
+    ceiling, async2 = rows["ceiling", 2], rows["async", 2]
+    assert ceiling["trainer_busy"] == 0
+    # a 30 s step and a 10 s sync bound the async run (trainer busy most of the time); without them the
+    # tiny engines train several times faster, and their share of time decoding rises
+    assert async2["trainer_busy"] > 0.5
+    assert ceiling["tokens_per_s"] > 3 * async2["tokens_per_s"]
+    assert ceiling["rollout_busy"] > async2["rollout_busy"]
+    text = capsys.readouterr().out
+    assert "ceiling | 2 |" in text and "of the ceiling: async@1 " in text
+
+
 @pytest.mark.parametrize("advanced", sorted(Path("configs/qwen3").glob("advanced_*.yaml")), ids=lambda p: p.stem)
 def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
     from megatron_dapo.config.load import load_config
@@ -422,6 +444,7 @@ def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
         mode_overrides("advanced", "configs/qwen3/nope.yaml")
     with pytest.raises(ValueError, match="--modes"):
         mode_overrides("fast")
+    assert mode_overrides("ceiling") == mode_overrides("async")
 
 
 def test_engine_retraction_order_and_rids_in_flight():

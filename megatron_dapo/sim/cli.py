@@ -6,6 +6,11 @@ a cost model and a simulated trainer (megatron_dapo.sim.world). Prints, for sync
 (staleness 0), plain async (all_at_once sync) and advanced (an advanced YAML's rollout-coordination
 switches), at each staleness asked for: trained tokens/s, rollout and trainer busy fractions, mean staleness,
 migrations, aborted tokens.
+
+`--modes ceiling` adds the rollout ceiling: plain async at the largest staleness asked, with a trainer
+that takes no time and weight syncs that cost nothing. What is left is the engines (their KV pools,
+the length distribution) and dynamic sampling's filtered groups; a coordinator that neither makes
+engines decode faster than at a full KV pool nor filters fewer groups cannot train faster than this.
 """
 
 from __future__ import annotations
@@ -46,10 +51,14 @@ def advanced_overrides(path: str | Path = ADVANCED_CONFIG) -> list[str]:
     return out
 
 
+MODES = ("sync", "async", "advanced", "ceiling")
+
+
 def mode_overrides(mode: str, advanced_config: str | Path = ADVANCED_CONFIG) -> list[str]:
-    """What a mode changes in the config: sync / async = all_at_once sync; advanced = the advanced YAML's."""
-    if mode not in ("sync", "async", "advanced"):
-        raise ValueError(f"--modes: unknown {mode!r} (one of sync, async, advanced)")
+    """What a mode changes in the config: sync / async / ceiling = all_at_once sync; advanced = the
+    advanced YAML's."""
+    if mode not in MODES:
+        raise ValueError(f"--modes: unknown {mode!r} (one of {', '.join(MODES)})")
     return advanced_overrides(advanced_config) if mode == "advanced" else list(PLAIN)
 
 
@@ -74,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (256)")
     p.add_argument("--keep-prob", type=float, default=0.5, help="dynamic sampling: share of groups kept (0.5)")
     p.add_argument("--staleness", default="0,1,2,3", help="comma list (0,1,2,3)")
-    p.add_argument("--modes", default="sync,async,advanced", help="comma list of sync, async, advanced")
+    p.add_argument("--modes", default="sync,async,advanced",
+                   help="comma list of sync, async, advanced, ceiling (async with a free trainer and syncs)")
     p.add_argument("--advanced-config", default=str(ADVANCED_CONFIG),
                    help="YAML whose rollout-coordination switches `advanced` uses "
                         "(configs/qwen3/advanced_qwen3_8b.yaml)")
@@ -117,14 +127,25 @@ def _mean_length(lengths, n: int = 4000) -> float:
 def settings(modes: list[str], staleness: list[int]) -> list[tuple[str, int]]:
     rows = []
     for mode in modes:
-        for s in ([0] if mode == "sync" else [s for s in staleness if s > 0 or mode == "advanced"]):
-            rows.append((mode, s))
+        if mode == "sync":
+            rows.append((mode, 0))
+        elif mode == "ceiling":
+            rows.append((mode, max([1, *staleness])))
+        else:
+            rows.extend((mode, s) for s in staleness if s > 0 or mode == "advanced")
     return rows
 
 
-def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dict]:
+def ceiling_world(world):
+    """The same engines, lengths and filter with a trainer and weight syncs that take no time."""
+    return dataclasses.replace(world, train_s=lambda tokens: 0.0, sync_s=0.0, server_sync_s=None)
+
+
+def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
     from megatron_dapo.config.load import load_config
     from megatron_dapo.sim.world import simulate
+
+    out = out or sys.stdout  # at call time: a default bound at import would keep a replaced stdout
 
     base = list(overrides)
     if args.nodes is not None:
@@ -150,7 +171,7 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
         cfg = load_config(config, [*base, f"algo.staleness={s}", *changes[mode]], validate=False)
-        r = simulate(cfg, world)
+        r = simulate(cfg, ceiling_world(world) if mode == "ceiling" else world)
         if mode == "sync":
             sync_tps = r.tokens_per_s
         row = {"mode": mode, "staleness": s, **r.summary()}
@@ -161,6 +182,10 @@ def run_all(config: str, overrides: list[str], args, out=sys.stdout) -> list[dic
               f"{r.regenerated_tokens} | {r.generated_per_s:.0f} | {r.mean_decode_batch:.1f} | {r.refusals} | "
               f"{r.retractions}",
               file=out, flush=True)
+    ceiling = next((r["tokens_per_s"] for r in rows if r["mode"] == "ceiling"), None)
+    if ceiling:
+        print("of the ceiling: " + ", ".join(f"{r['mode']}@{r['staleness']} {r['tokens_per_s'] / ceiling:.2f}"
+                                             for r in rows if r["mode"] != "ceiling"), file=out)
     return rows
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
 from megatron_dapo.sync.bridge import WeightSyncBridge, _is_sender, _LoopThread
@@ -117,10 +118,15 @@ class PerServerSync:
         for b in self.bridges.values():
             b.connect()
         if self.policy_cfg.policy == "status_based":
-            from megatron_dapo.rollout.client import SGLangClient
+            self._open_load_clients()
 
-            self._http = _LoopThread()
-            self._clients = {u: SGLangClient(u, api_key=self.api_key) for u in self.bridges}
+    def _open_load_clients(self) -> None:
+        from megatron_dapo.rollout.client import SGLangClient
+
+        self._http = _LoopThread()
+        # the poller's timeout, no retries: a hung server must not hold the other servers' syncs
+        self._clients = {u: SGLangClient(u, api_key=self.api_key, timeout_s=LOAD_TIMEOUT_S, retries=0)
+                         for u in self.bridges}
 
     def sync_all(self) -> None:
         """Bring every server to the store's version now (before rollout starts), in parallel."""
@@ -185,7 +191,7 @@ class PerServerSync:
             return await asyncio.gather(*(self._clients[s.url].get_loads() for s in lagging), return_exceptions=True)
 
         unknown = set()
-        for s, row in zip(lagging, self._http.run(loads(), 30) if lagging else []):
+        for s, row in zip(lagging, self._http.run(loads(), 6 * LOAD_TIMEOUT_S) if lagging else []):
             if isinstance(row, BaseException):  # down or restarting: not chosen until it reports again
                 log.warning("%s: no load report (%s); not syncing it this round", s.url, row)
                 unknown.add(s.url)
