@@ -483,6 +483,7 @@ def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path, content, ex
         (["rollout.retry.enabled=true", "algo.staleness=0"], "rollout.retry.enabled needs algo.staleness >= 1"),
         (["rollout.migration.threshold=0.5"], "rollout.migration.threshold=0.5 must be >= 1"),
         (["rollout.migration.stop_threshold=-1"], "rollout.migration.stop_threshold=-1.0 must be >= 0"),
+        (["rollout.migration.min_starved_ms=-1"], "rollout.migration.min_starved_ms=-1.0 must be >= 0"),
         (["rollout.migration.enabled=true", "rollout.partial_rollout=false"],
          "rollout.migration.enabled needs rollout.partial_rollout"),
         (["rollout.migration.enabled=true", "rollout.num_servers=1"],

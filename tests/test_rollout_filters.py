@@ -1,6 +1,7 @@
 """Redundant slots, the proactive filter (`retry`) and request migration: each decision rule on
 constructed states (pure, fast). The randomised invariants are in test_staleness.py."""
 
+import asyncio
 import math
 
 import pytest
@@ -9,6 +10,8 @@ from megatron_dapo.coordinator.migration import MigrationPolicyConfig, Migration
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED, StalenessController
 from megatron_dapo.coordinator.sync_policy import ServerStatus
+from megatron_dapo.rollout.router import Router, server_rids
+from megatron_dapo.rollout.types import Sample, SamplingParams
 
 from tests.fake_clock import FakeClock
 
@@ -131,6 +134,146 @@ def test_migration_indicators_throughput_and_kv_cache():
         MigrationPolicyConfig(stop_indicator="tokens")
 
 
+def test_migration_waits_until_starvation_has_lasted_min_starved_ms():
+    """A server empty for a moment (just synced, its queue about to be refilled) triggers nothing; one
+    starved at every check for min_starved_ms does; a check in between that sees it busy starts over."""
+    clock = FakeClock(100.0)
+    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10, min_starved_ms=2000), clock)
+    busy, empty = _server("s0", running=40, throughput=900.0), _server("s1")
+    assert p.choose([busy, empty]) is None  # first seen starved now
+    clock.t = 101.9
+    assert p.choose([busy, empty]) is None  # 1.9 s
+    clock.t = 102.0
+    m = p.choose([busy, empty])
+    assert (m.source, m.starved, m.at) == ("s0", "s1", 102.0)
+    # a server refilled in between: its starvation starts again at the next empty check
+    q = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10, min_starved_ms=2000), clock)
+    for t, s1 in ((200.0, empty), (201.0, _server("s1", routable=3)), (202.0, empty), (203.9, empty)):
+        clock.t = t
+        assert q.choose([busy, s1]) is None, t
+    clock.t = 204.0
+    assert q.choose([busy, empty]).starved == "s1"
+    with pytest.raises(ValueError, match="rollout.migration.min_starved_ms=-1"):
+        MigrationPolicyConfig(min_starved_ms=-1)
+
+
+def test_migration_does_not_cascade():
+    """The source a migration emptied is no destination at the next check (nor before it has been
+    starved min_starved_ms again), and the server that received the work is no source meanwhile:
+    with min_starved_ms 0 (PSRL's timing) for one check, with it set for that long."""
+    clock = FakeClock(10.0)
+    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), clock)
+    assert p.choose([_server("a", running=40), _server("b"), _server("c", running=30)]).source == "a"
+    # a emptied (its requests aborted, not yet re-placed), b still empty: neither a destination for a
+    # third server's work, nor b a source, at the next check
+    clock.t = 10.1
+    after = [_server("a"), _server("b"), _server("c", running=30)]
+    assert p.choose(after) is None
+    # a check later both have settled: with min_starved_ms 0 either may take work again
+    clock.t = 10.2
+    assert p.choose(after).source == "c"
+
+    q = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10, min_starved_ms=1000), clock)
+    clock.t = 20.0
+    q.choose([_server("a", running=40), _server("b")])  # a starved-since is recorded for b
+    clock.t = 21.0
+    assert q.choose([_server("a", running=40), _server("b"), _server("c", running=30)]).source == "a"
+    # b received a's work (it now runs 40, a runs 0): b is no source, a no destination, for 1 s ...
+    moved = [_server("a"), _server("b", running=40, throughput=900.0), _server("c", running=30)]
+    for t in (21.1, 21.5, 21.99):
+        clock.t = t
+        assert q.choose(moved) is None, t
+    # ... and then a has to be starved for 1 s of its own: from 22.0 (first check after settling) to 23.0
+    clock.t = 22.0
+    assert q.choose(moved) is None
+    clock.t = 22.99
+    assert q.choose(moved) is None
+    clock.t = 23.0
+    m = q.choose(moved)
+    assert (m.source, m.starved) == ("b", "a")  # b's 40 (largest ratio) may move now: it settled
+    assert len(q.history) == 2
+
+
+def test_migration_moves_only_what_the_router_may_abort():
+    """Requests continuing an earlier migration stay where they are (the router keeps them): a server
+    running only those is no source, and stop_threshold applies to the others."""
+    from dataclasses import replace
+
+    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), FakeClock(5.0))
+    assert p.choose([replace(_server("a", running=40), protected=40), _server("b")]) is None
+    assert p.choose([replace(_server("a", running=40), protected=31), _server("b")]) is None  # 9 movable
+    assert p.choose([replace(_server("a", running=40), protected=30), _server("b")]).source == "a"
+    k = MigrationPolicy(MigrationPolicyConfig(indicator="kv_cache", stop_indicator="kv_cache", stop_threshold=0.5))
+    assert k.choose([replace(_server("a", running=4, kv=0.9), protected=4), _server("b")]) is None
+    assert k.choose([replace(_server("a", running=4, kv=0.9), protected=3), _server("b")]).source == "a"
+
+
+class HoldingClient:
+    """A server client that answers a request only when it is aborted, with no new token."""
+
+    def __init__(self, url, **_):
+        self.url, self.held = url, {}
+
+    async def generate(self, input_ids, sampling, rid=None):
+        rids = server_rids(rid, sampling)  # what the router aborts by
+        futs = [asyncio.get_running_loop().create_future() for _ in rids]
+        self.held.update(zip(rids, futs))
+        return list(await asyncio.gather(*futs))
+
+    async def abort_request(self, rid=None, abort_all=False):
+        fut = self.held.pop(rid, None)
+        if fut is not None and not fut.done():
+            fut.set_result(Sample(rid=rid, prompt_ids=[], output_ids=[], logprobs=[], finish_reason="abort",
+                                  weight_version="0"))
+
+    async def health(self, timeout_s=5.0):
+        return True
+
+    async def aclose(self):
+        pass
+
+
+def test_the_router_never_migrates_a_migrated_request_again():
+    """A sample a migration aborted continues on some server; while that continuation runs (e.g. behind
+    a static batch, without a token), `migrate_from` that server aborts everything else but not it.
+    Real Router, clients that hold each request until it is aborted."""
+    sp = SamplingParams(max_new_tokens=8)
+
+    async def running(router, url) -> set[str]:
+        await asyncio.sleep(0)
+        return {rid for r in router._running.values() if r.server.url == url for rid in r.rids}
+
+    async def go():
+        async with Router(["http://a", "http://b"], client_factory=HoldingClient) as router:
+            await asyncio.wait_for(scenario(router), 10)
+
+    async def scenario(router):
+        if True:
+            g1 = asyncio.ensure_future(router.generate([1, 2], [sp], group_id="g1", rid="g1"))
+            await asyncio.sleep(0)
+            src = router.dispatcher.sticky("g1")
+            assert await router.migrate_from(src) == 1
+            (piece,) = await g1
+            assert piece.aborted
+            # its continuation (partial rollout: generated= set) and a fresh group land on one server
+            cont = asyncio.ensure_future(router.generate([1, 2], [sp], group_id="g1", rid="g1-c", generated=0))
+            fresh = asyncio.ensure_future(router.generate([3], [sp], group_id="g2", rid="g2"))
+            for _ in range(3):
+                await asyncio.sleep(0)
+            for url in ("http://a", "http://b"):
+                on = await running(router, url)
+                assert await router.migrate_from(url) == len(on - {"g1-c-0"})
+            assert (await fresh)[0].aborted and not cont.done()  # the continuation still runs
+            # once it ends, the group's next continuation is an ordinary request again
+            assert await router.abort_group("g1") == 1 and (await cont)[0].aborted
+            again = asyncio.ensure_future(router.generate([1, 2], [sp], group_id="g1", rid="g1-d", generated=0))
+            await asyncio.sleep(0)
+            where = router.dispatcher.sticky("g1")
+            assert await router.migrate_from(where) == 1 and (await again)[0].aborted
+
+    asyncio.run(go())
+
+
 def test_the_router_tracks_requests_by_the_rids_the_server_knows():
     from megatron_dapo.rollout import payloads
     from megatron_dapo.rollout.router import server_rids
@@ -220,3 +363,32 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
     router.healthy = lambda: [SimpleNamespace(url="http://b")]
     assert [v for _, _, v in producer(router)._dispatchable()] == [2, 2, 2, 2]
     assert [v for _, _, v in producer(None)._dispatchable()] == [2, 2, 2, 2]
+
+
+def test_the_router_books_a_load_report_before_the_requests_that_end_after_it():
+    """A server reports 2 running, then both requests end before the router dispatches again: the router
+    must see 0 there (it read reports only when dispatching, so the older report overwrote the ends and
+    a migrated server's continuations all went to its destination)."""
+    from megatron_dapo.coordinator.servers import ServerRegistry
+    from megatron_dapo.rollout.types import ServerLoad
+
+    sp = SamplingParams(max_new_tokens=8)
+
+    async def go():
+        registry = ServerRegistry(["http://a", "http://b"])
+        async with Router(["http://a", "http://b"], client_factory=HoldingClient, registry=registry) as router:
+            reqs = [asyncio.ensure_future(router.generate([1], [sp], group_id="g", rid=f"r{i}")) for i in range(2)]
+            await asyncio.sleep(0)
+            url = router.dispatcher.sticky("g")
+            registry.update_load(url, ServerLoad(running=2, waiting=0, kv_tokens=20, kv_capacity=1000,
+                                                 throughput=5.0, token_usage=0.02, max_running_requests=8))
+            assert await router.migrate_from(url) == 2
+            await asyncio.gather(*reqs)
+            # the next request's dispatch reads that report: the server runs only what it places there
+            h = asyncio.ensure_future(router.generate([1], [sp], group_id="h", rid="h"))
+            await asyncio.sleep(0)
+            assert router.dispatcher.loads.load(url)[0] == (router.dispatcher.sticky("h") == url)
+            await router.abort_group("h")
+            await h
+
+    asyncio.run(asyncio.wait_for(go(), 10))

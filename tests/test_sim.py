@@ -468,3 +468,39 @@ def test_engine_retraction_order_and_rids_in_flight():
     assert first == ["x"]
     assert not old.aborted and y.aborted and not x.aborted and x.generated == 200 and again.generated == 1
     assert not engine.running and not engine.waiting and not engine._rids
+
+
+@pytest.mark.parametrize("min_starved_ms", [0, 300])
+def test_simulated_migrations_neither_cascade_nor_stall(monkeypatch, min_starved_ms):
+    """The advanced switches (PSRL's thresholds) on engines that batch statically and step about as fast
+    for 1 as for 16 sequences, like the embedded CPU server (where a migrated request waits behind the
+    running batch without a token): every run completes (partial rollout's stall guard never fires, as
+    it did on 1 of these 8 seeds when a migrated request could be migrated again), and no server takes
+    part in two migrations in roles the rules forbid (a destination as source or destination again, a
+    source as destination) within two checks or min_starved_ms."""
+    from megatron_dapo.coordinator import migration
+    from megatron_dapo.sim.world import simulate
+
+    policies = []
+    init = migration.MigrationPolicy.__init__
+    monkeypatch.setattr(migration.MigrationPolicy, "__init__",
+                        lambda self, *a, **k: (init(self, *a, **k), policies.append(self))[0])
+    cpu_like = CostModel(a_b=0.0, a_k=4e-6, o_thr=0.03, o_b=0.0, o_k=0.002)  # the CPU benchmark's fit, rounded
+    cfg = tiny_cfg(2, "status_based", "in_place", **{
+        "rollout.sync.indicator": "kv_cache", "rollout.sync.threshold": 0.6, "rollout.sync.check_req_before_sync":
+        "false", "rollout.loads.interval_ms": 200, "rollout.num_servers": 4, "algo.train_batch_size": 4, **ADVANCED,
+        "rollout.migration.min_starved_ms": min_starved_ms})
+    check_s = cfg.rollout.sync.check_interval_ms / 1000.0
+    settle = max(2 * check_s, min_starved_ms / 1000.0) - 1e-9
+    migrations = 0
+    for seed in range(8):
+        r = simulate(cfg, tiny_world(batching="static_split", cost=cpu_like, kv_capacity=64 * 440, steps=6,
+                                     seed=seed))
+        assert len(r.batches) == 7
+        history = policies.pop().history
+        migrations += len(history)
+        for i, m2 in enumerate(history):
+            for m1 in history[:i]:
+                if m2.at - m1.at < settle:
+                    assert m2.starved not in (m1.source, m1.starved) and m2.source != m1.starved, (seed, m1, m2)
+    assert not policies and migrations > 0  # the setting does migrate

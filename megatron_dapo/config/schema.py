@@ -187,6 +187,9 @@ class MigrationConfig:
     threshold: float = 5.0  # migrate when the ratio is above this
     stop_indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
     stop_threshold: float = 10.0  # ... and the busy server's stop_indicator is at least this
+    # a server counts as starved only after it has been so at every check for this long (0: at once, PSRL);
+    # a just-synced or just-drained server is empty for a moment before the producer refills it
+    min_starved_ms: float = 0.0
 
 
 @dataclass

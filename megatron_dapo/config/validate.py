@@ -277,7 +277,8 @@ def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:
 
     m = r.migration
     try:  # the policy's own checks, as for routing and queues
-        MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold)
+        MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold,
+                              m.min_starved_ms)
     except ValueError as e:
         errors.append(str(e))
     if m.enabled:

@@ -11,6 +11,27 @@ its own is not; 1 when both are 0), with `indicator` request_num (running + wait
 not worth the re-prefill). The caller aborts all its requests; partial rollout continues them, the
 router re-placing them (sticky pins to the source dropped) on the least loaded servers.
 PSRL: `SyncAndMigrateMixin._check_should_migrate` (one source per check).
+
+Where this differs from PSRL, and why (simulated, benchmarks/RESULTS.md "The goal settings under this
+model"; the real CPU benchmark, "the advanced set against plain async"):
+- Starvation must last (`min_starved_ms`, on the injectable clock): a server is a destination only
+  after it has been starved at every check for that long. Right after a status_based sync, or when its
+  last request ends, a server is empty for a moment before the producer refills it, and its throughput
+  reads ~0 (an embedded server's decays), so every busy server's ratio to it is infinite; PSRL migrates
+  at once (0, the default, keeps that).
+- No cascades: the source of a migration is emptied on purpose, so it is not starved (no destination)
+  at the next check, nor before it has been starved for `min_starved_ms` again; a server that just
+  received migrated work is neither a source nor (its work still on the way) a destination again for
+  the next check and `min_starved_ms`. PSRL has neither rule. Simulated (Qwen3-8B 4 x 8, 198
+  migrations in three steps) an emptied source at once pulled a third server's work, fed by the
+  router's load book, which read a load report taken before the aborted requests ended as if taken
+  after, so the source still looked full and every continuation went to the destination (fixed in
+  rollout/router.py `_release`: the continuations now spread over the servers by routing, as PSRL means).
+- The router never aborts a migrated request again before it has ended (rollout/router.py
+  `migrate_from`): on a server that batches statically it waits behind the running batch without a
+  token, and partial rollout's stall guard would stop the run after a few aborts without progress.
+  A server's `protected` count (those requests) is left out of what its migration would move: a server
+  running only such requests is no source, and `stop_threshold` applies to the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +49,7 @@ class MigrationPolicyConfig:
     threshold: float = 5.0
     stop_indicator: str = "request_num"
     stop_threshold: float = 10.0
+    min_starved_ms: float = 0.0  # a destination must have been starved this long (0: at once, as PSRL)
 
     def __post_init__(self):
         for name in ("indicator", "stop_indicator"):
@@ -38,6 +60,8 @@ class MigrationPolicyConfig:
             raise ValueError(f"rollout.migration.threshold={self.threshold} must be >= 1 (a load ratio)")
         if self.stop_threshold < 0:
             raise ValueError(f"rollout.migration.stop_threshold={self.stop_threshold} must be >= 0")
+        if not self.min_starved_ms >= 0:  # also refuses NaN
+            raise ValueError(f"rollout.migration.min_starved_ms={self.min_starved_ms} must be >= 0")
 
     @property
     def needs_loads(self) -> bool:
@@ -63,25 +87,66 @@ def starved(s: ServerStatus) -> bool:
     return not s.syncing and s.waiting == 0 and s.routable == 0
 
 
+def movable(s: ServerStatus, stop_indicator: str) -> float:
+    """`stop_indicator` of what a migration off `s` would move: with request_num, its requests less those
+    continuing an earlier migration (the router keeps them where they are)."""
+    if stop_indicator == "request_num":
+        return s.indicator(stop_indicator) - s.protected
+    return s.indicator(stop_indicator) if s.indicator("request_num") > s.protected else 0.0
+
+
 class MigrationPolicy:
+    """Decides at each check (`choose`), keeping per server when it was first seen starved and when it
+    last took part in a migration (as source or destination)."""
+
     def __init__(self, cfg: MigrationPolicyConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
         self.history: list[Migration] = []
+        self._checks = 0
+        self._starved_since: dict[str, float] = {}  # url -> first check of its current starvation
+        self._source_at: dict[str, tuple[int, float]] = {}  # url -> (check, time) it was last migrated off
+        self._dest_at: dict[str, tuple[int, float]] = {}  # url -> (check, time) it last received work
+
+    def _recent(self, at: dict[str, tuple[int, float]], url: str, now: float) -> bool:
+        """A migration at this check, the previous one, or within min_starved_ms, involved `url` so."""
+        last = at.get(url)
+        return last is not None and (self._checks - last[0] <= 1
+                                     or now - last[1] < self.cfg.min_starved_ms / 1000.0)
+
+    def _destinations(self, servers: Sequence[ServerStatus], now: float) -> list[ServerStatus]:
+        """Servers starved long enough to take work; updates when each one's starvation began."""
+        out = []
+        for s in servers:
+            settling = self._recent(self._source_at, s.url, now) or self._recent(self._dest_at, s.url, now)
+            if not starved(s) or settling:
+                # an emptied source, or a destination whose work is on its way: starved only after settling
+                self._starved_since.pop(s.url, None)
+                continue
+            since = self._starved_since.setdefault(s.url, now)
+            if now - since >= self.cfg.min_starved_ms / 1000.0:
+                out.append(s)
+        return out
 
     def choose(self, servers: Sequence[ServerStatus]) -> Migration | None:
         """The server to migrate off now, or None."""
+        now = self.clock()
+        self._checks += 1
         best: Migration | None = None
-        for dst in (s for s in servers if starved(s)):
+        for dst in self._destinations(servers, now):
             for src in servers:
-                if src.url == dst.url or src.syncing or src.version > dst.version:
+                if (src.url == dst.url or src.syncing or src.version > dst.version
+                        or self._recent(self._dest_at, src.url, now) or not movable(src, self.cfg.stop_indicator)):
                     continue
                 r = _ratio(src.indicator(self.cfg.indicator), dst.indicator(self.cfg.indicator))
                 if r > self.cfg.threshold and (best is None or r > best.ratio):
-                    best = Migration(src.url, dst.url, r, self.clock())
+                    best = Migration(src.url, dst.url, r, now)
         if best is None:
             return None
         src = next(s for s in servers if s.url == best.source)
-        if src.indicator(self.cfg.stop_indicator) < self.cfg.stop_threshold:
+        if movable(src, self.cfg.stop_indicator) < self.cfg.stop_threshold:
             return None
+        self._source_at[best.source] = self._dest_at[best.starved] = (self._checks, now)
+        self._starved_since.pop(best.source, None)
+        self._starved_since.pop(best.starved, None)  # it has work coming: starved again only from scratch
         self.history.append(best)
         return best

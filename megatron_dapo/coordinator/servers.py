@@ -161,6 +161,12 @@ class ServerRegistry:
         with self._lock:
             return [replace(r) for r in self.records.values()]
 
+    def load_report(self, url: str) -> tuple[float | None, int, int, int]:
+        """Server `url`'s last load report: (load_time, running, waiting, kv_tokens)."""
+        with self._lock:
+            r = self.records[url]
+            return r.load_time, r.running, r.waiting, r.kv_tokens
+
     def route_views(self) -> list[ServerView]:
         """Every server as routing sees it from here, consistently: version, syncing and last load
         report (the router fills in its own counts). What the router reads on every dispatch, so

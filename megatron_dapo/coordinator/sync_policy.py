@@ -36,6 +36,7 @@ class ServerStatus:
     kv_cache: float = 0.0  # fraction of the KV cache in use
     syncing: bool = False
     routable: int = 0  # requests queued at the router that this server may serve at its version
+    protected: int = 0  # of its requests, those a migration may not abort (continuing an earlier migration)
 
     def indicator(self, name: str) -> float:
         if name == "request_num":

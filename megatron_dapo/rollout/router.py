@@ -24,6 +24,9 @@ at once, as before.
 The router knows which requests (given a `rid`) run where, so the coordinator can abort a group's
 requests (`abort_group`: redundant or given-up groups) or every request of one server
 (`migrate_from`: the groups pinned there are unpinned, so their continuations are placed anew).
+A continuation placed after a migration aborted its sample is not aborted by a migration again
+before it ends: on a server that batches statically it may wait behind a whole batch without
+producing a token, and partial rollout gives a sample up after a few aborts without progress.
 
     router = Router(["http://127.0.0.1:30000", "http://127.0.0.1:30001"])
     async with router:
@@ -38,6 +41,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from megatron_dapo.coordinator.dispatch import Dispatcher
@@ -71,6 +75,7 @@ class RunningRequest:
     server: ServerState
     group_id: str | None
     rids: list[str]  # what the server calls the request (a batch: one rid per entry)
+    migrated: bool = False  # continues a sample a migration aborted: never migrated again
 
 
 def server_rids(rid: str | None, sampling) -> list[str]:
@@ -129,6 +134,7 @@ class Router:
         self.dispatcher = Dispatcher(self.policy, queue, sticky_groups=sticky_groups)
         self._listener = None
         self._running: dict[int, RunningRequest] = {}  # requests sent to a server, by a serial number
+        self._migrated: Counter = Counter()  # group -> its samples a migration aborted, not yet continued
         self._serial = 0
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -204,6 +210,11 @@ class Router:
         s = t.server
         s.outstanding -= 1
         if self.registry is not None:
+            # a load report that arrived before this end counts it as running: the book must take the
+            # report first (it reads reports lazily, at the next dispatch), or the end is lost and the
+            # server looks as loaded as before (all of a migrated server's requests would come back
+            # to ... its destination only)
+            self.dispatcher.loads.observe(s.url, *self.registry.load_report(s.url))
             self.registry.request_ended(s.url)
         self.dispatcher.finished(t, generated)
         asyncio.get_running_loop().call_soon(self._dispatch)  # after the caller's own bookkeeping
@@ -294,7 +305,9 @@ class Router:
             try:
                 async with s.slots or contextlib.nullcontext():
                     # tracked once it goes to the server (not while it waits for a concurrency slot here)
-                    self._running[serial] = RunningRequest(s, group_id, server_rids(sent_rid, sampling))
+                    self._running[serial] = RunningRequest(s, group_id, server_rids(sent_rid, sampling),
+                                                           migrated=generated is not None
+                                                           and self._continues_migrated(group_id))
                     samples = await s.client.generate(input_ids, sampling, rid=sent_rid)
                 produced = sum(len(smp.output_ids) for smp in samples)
             except (SGLangConnectionError, SGLangHTTPError) as e:
@@ -352,6 +365,10 @@ class Router:
     def running_on(self, url: str) -> int:
         return sum(r.server.url == url for r in self._running.values())
 
+    def protected_on(self, url: str) -> int:
+        """Sequences on `url` that `migrate_from` would not abort (continuations of earlier migrations)."""
+        return sum(len(r.rids) for r in self._running.values() if r.migrated and r.server.url == url)
+
     async def _abort(self, requests: list[RunningRequest]) -> int:
         """Abort the requests on their servers; they answer with finish_reason abort. A server that
         cannot be reached has lost them anyway."""
@@ -364,14 +381,29 @@ class Router:
 
     async def abort_group(self, group_id: str) -> int:
         """Abort every running request of the group; returns how many rids were aborted."""
+        self._migrated.pop(group_id, None)  # given up: no continuations will come
         return await self._abort([r for r in self._running.values() if r.group_id == group_id])
 
+    def _continues_migrated(self, group_id: str | None) -> bool:
+        """A continuation of `group_id` is being sent: is it one of a sample a migration aborted?"""
+        if group_id is None or not self._migrated.get(group_id):
+            return False
+        self._migrated[group_id] -= 1
+        if not self._migrated[group_id]:
+            del self._migrated[group_id]
+        return True
+
     async def migrate_from(self, url: str) -> int:
-        """Abort every running request on `url`, unpinning their groups (their continuations are
-        placed anew); returns how many rids were aborted."""
+        """Abort every running request on `url` except continuations of earlier migrations (they
+        run until they end), unpinning the groups pinned there (their continuations are placed
+        anew); returns how many rids were aborted."""
         url = url.rstrip("/")
         self.dispatcher.unpin(url)
-        return await self._abort([r for r in self._running.values() if r.server.url == url])
+        chosen = [r for r in self._running.values() if r.server.url == url and not r.migrated]
+        for r in chosen:
+            if r.group_id is not None:
+                self._migrated[r.group_id] += len(r.rids)
+        return await self._abort(chosen)
 
     # ---- fan-out control -----------------------------------------------------------------------
     async def call_all(self, method: str, *args, healthy_only: bool = True, **kwargs) -> list:

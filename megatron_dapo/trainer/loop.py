@@ -86,8 +86,8 @@ def coordination_settings(r) -> dict:
         "extra_samples": r.redundancy.extra_samples,
         "extra_prompts": r.redundancy.extra_prompts,
         "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
-        "migration": MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold)
-        if m.enabled else None,
+        "migration": MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold,
+                                           m.min_starved_ms) if m.enabled else None,
         "check_interval_s": r.sync.check_interval_ms / 1000.0,
     }
 

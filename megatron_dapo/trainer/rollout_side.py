@@ -370,6 +370,8 @@ class RolloutProducer:
             statuses = [ServerStatus(s.url, version, running=s.outstanding) for s in router.servers]
         healthy = {s.url for s in router.healthy()}
         statuses = [s for s in statuses if s.url in healthy]
+        for s in statuses:
+            s.protected = router.protected_on(s.url)
         if self.migration.cfg.needs_loads:
             by_url = {s.url: s for s in router.servers}
             rows = await asyncio.gather(*(by_url[s.url].client.get_loads() for s in statuses),
@@ -402,6 +404,8 @@ class RolloutProducer:
         aborted = await router.migrate_from(m.source)
         log.info("migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source,
                  m.ratio, m.starved)
+        if not aborted:  # all it runs continues earlier migrations (the router keeps them): nothing moved
+            return
         with self._cv:
             self.coordination_since_take["migrations"] += 1
             self.coordination_since_take["requests_migrated"] += aborted
