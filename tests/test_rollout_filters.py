@@ -392,3 +392,40 @@ def test_the_router_books_a_load_report_before_the_requests_that_end_after_it():
             await h
 
     asyncio.run(asyncio.wait_for(go(), 10))
+
+
+def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
+    """Migration on the servers' own loads: a server whose /v1/loads does not answer within the load
+    timeout is no candidate this round; the others' reports are read (the migration loop is not held)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+    from megatron_dapo.coordinator.servers import ServerRegistry
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rollout.types import SamplingParams, ServerLoad
+    from megatron_dapo.trainer import rollout_side
+    from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
+
+    class Answers:
+        async def get_loads(self):
+            return ServerLoad(running=7, waiting=0, kv_tokens=300, kv_capacity=1000, throughput=55.0,
+                              token_usage=0.3, max_running_requests=64)
+
+    class Hangs:
+        async def get_loads(self):
+            await asyncio.Event().wait()
+
+    monkeypatch.setattr(rollout_side, "LOAD_TIMEOUT_S", 0.2)
+    settings = ProducerSettings(train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8,
+                                migration=MigrationPolicyConfig(indicator="kv_cache"))
+    p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=0)
+    servers = [SimpleNamespace(url="http://a", client=Answers()), SimpleNamespace(url="http://b", client=Hangs())]
+    router = SimpleNamespace(registry=ServerRegistry(["http://a", "http://b"], version=0), servers=servers,
+                             healthy=lambda: servers, protected_on=lambda url: 0)
+
+    async def read():
+        return await asyncio.wait_for(p._server_statuses(router), 5)  # without the load timeout: forever
+
+    statuses = asyncio.run(read())
+    assert [(s.url, s.running, s.throughput, s.kv_cache) for s in statuses] == [("http://a", 7, 55.0, 0.3)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import io
 import json
 import math
 import random
@@ -412,6 +413,30 @@ def test_ceiling_mode_frees_the_trainer_and_the_syncs_only(tmp_path, capsys):
     assert ceiling["rollout_busy"] > async2["rollout_busy"]
     text = capsys.readouterr().out
     assert "ceiling | 2 |" in text and "of the ceiling: async@1 " in text
+
+
+def test_command_line_overrides_win_over_the_mode_switches(monkeypatch):
+    from megatron_dapo.sim import cli, world
+    from megatron_dapo.sim.world import SimResult
+
+    seen = []
+
+    def fake_simulate(cfg, w):
+        seen.append(cfg)
+        return SimResult(steps=1, wall_s=1.0, tokens_per_s=1.0, rollout_busy=1.0, trainer_busy=0.0,
+                         mean_staleness=0.0, max_staleness=0, step_s=1.0, aborted_tokens=0, regenerated_tokens=0,
+                         retractions=0, migrations=0)
+
+    monkeypatch.setattr(world, "simulate", fake_simulate)
+    args = cli._parser().parse_intermixed_args(["configs/qwen3/qwen3_8b.yaml", "--modes", "advanced,async",
+                                                "--staleness", "2", "--step-time", "1"])
+    cli.run_all(args.config, ["rollout.migration.enabled=false", "rollout.routing.method=request_num_balance"],
+                args, out=io.StringIO())
+    advanced, plain = seen
+    assert advanced.rollout.sync.policy == "status_based" and advanced.rollout.retry.enabled  # the YAML's
+    assert not advanced.rollout.migration.enabled  # ... but the command line's where it says so
+    assert advanced.rollout.routing.method == plain.rollout.routing.method == "request_num_balance"
+    assert plain.rollout.sync.policy == "all_at_once" and advanced.algo.staleness == plain.algo.staleness == 2
 
 
 @pytest.mark.parametrize("advanced", sorted(Path("configs/qwen3").glob("advanced_*.yaml")), ids=lambda p: p.stem)

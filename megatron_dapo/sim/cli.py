@@ -170,7 +170,8 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
     print(" | ".join(header), file=out)
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
-        cfg = load_config(config, [*base, f"algo.staleness={s}", *changes[mode]], validate=False)
+        # the command line's key=value last: an explicit override wins over the mode's switches
+        cfg = load_config(config, [*changes[mode], *base, f"algo.staleness={s}"], validate=False)
         r = simulate(cfg, ceiling_world(world) if mode == "ceiling" else world)
         if mode == "sync":
             sync_tps = r.tokens_per_s

@@ -69,6 +69,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from megatron_dapo.coordinator import StalenessController, finish_partial
+from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
@@ -374,8 +375,9 @@ class RolloutProducer:
             s.protected = router.protected_on(s.url)
         if self.migration.cfg.needs_loads:
             by_url = {s.url: s for s in router.servers}
-            rows = await asyncio.gather(*(by_url[s.url].client.get_loads() for s in statuses),
-                                        return_exceptions=True)
+            # the generation clients wait minutes for an answer; a load report that slow is no report
+            rows = await asyncio.gather(*(asyncio.wait_for(by_url[s.url].client.get_loads(), LOAD_TIMEOUT_S)
+                                          for s in statuses), return_exceptions=True)
             known = []
             for st, load in zip(statuses, rows):
                 if isinstance(load, BaseException):  # no report: not a candidate this round
