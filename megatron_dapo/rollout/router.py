@@ -40,8 +40,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
 from collections import Counter
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_dapo.coordinator.dispatch import Dispatcher
