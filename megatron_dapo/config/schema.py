@@ -16,6 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+# sections whose dataclass is the coordinator's own (one definition: these also check their values)
+from megatron_dapo.coordinator.queues import QueueConfig
+from megatron_dapo.coordinator.routing import RoutingConfig
+
 Dtype = Literal["fp32", "bf16", "fp16"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -210,32 +214,6 @@ class RedundancyConfig:
 
     extra_samples: int = 0  # generate n + this samples per group, keep the first n to finish
     extra_prompts: int = 0  # up to train_batch_size + this groups in flight per staleness buffer
-
-
-@dataclass
-class RoutingConfig:
-    """Which server takes each request (megatron_dapo.coordinator.routing); see README "Routing"."""
-
-    # least_outstanding: fewest requests in flight; request_num_balance: fewest sequences running +
-    # waiting, none above rollout.concurrency; throughput_optimal(_with_budget): largest marginal
-    # throughput by the cost model, admitted only if >= delta_throughput_threshold of an idle server's
-    method: Literal["least_outstanding", "request_num_balance", "throughput_optimal",
-                    "throughput_optimal_with_budget"] = "least_outstanding"
-    delta_throughput_threshold: float = 0.5  # throughput_optimal*: in [0, 1]
-    # throughput_optimal*: server groups tried in order: version (new requests newest version first,
-    # resumed ones oldest allowed first) or reserve_capability (the group's siblings' version first)
-    server_order: Literal["version", "reserve_capability"] = "version"
-    request_budget: int = 1024  # throughput_optimal_with_budget: generated tokens rounded up to this
-    cost_model: Optional[str] = None  # throughput_optimal*: JSON written by `megatron-dapo profile-engine`
-
-
-@dataclass
-class QueueConfig:
-    """The order requests wait in at the router (megatron_dapo.coordinator.queues)."""
-
-    # fifo: arrival order; priority: resumed trajectories by version (oldest first), new requests last
-    policy: Literal["fifo", "priority"] = "fifo"
-    order: Literal["id", "short", "long"] = "id"  # priority: inside a queue by arrival / fewest / most tokens
 
 
 @dataclass

@@ -26,7 +26,7 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import Any, Literal
 
 POLICIES = ("fifo", "priority")
 ORDERS = ("id", "short", "long")
@@ -41,8 +41,11 @@ class Placement(Enum):
 
 @dataclass
 class QueueConfig:
-    policy: str = "fifo"
-    order: str = "id"
+    """`rollout.queue`: the order requests wait in at the router."""
+
+    # fifo: arrival order; priority: resumed trajectories by version (oldest first), new requests last
+    policy: Literal["fifo", "priority"] = "fifo"
+    order: Literal["id", "short", "long"] = "id"  # priority: inside a queue by arrival / fewest / most tokens
 
     def __post_init__(self):
         if self.policy not in POLICIES:

@@ -48,6 +48,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from itertools import groupby
+from typing import Literal, Optional
 
 from megatron_dapo.coordinator.cost_model import CostModel
 
@@ -57,11 +58,19 @@ SERVER_ORDERS = ("version", "reserve_capability")
 
 @dataclass
 class RoutingConfig:
-    method: str = "least_outstanding"
-    delta_throughput_threshold: float = 0.5
-    server_order: str = "version"
-    request_budget: int = 1024
-    cost_model: str | None = None  # path of the JSON `megatron-dapo profile-engine` writes
+    """`rollout.routing`: which server takes each request; see README "Routing"."""
+
+    # least_outstanding: fewest requests in flight; request_num_balance: fewest sequences running +
+    # waiting, none above rollout.concurrency; throughput_optimal(_with_budget): largest marginal
+    # throughput by the cost model, admitted only if >= delta_throughput_threshold of an idle server's
+    method: Literal["least_outstanding", "request_num_balance", "throughput_optimal",
+                    "throughput_optimal_with_budget"] = "least_outstanding"
+    delta_throughput_threshold: float = 0.5  # throughput_optimal*: in [0, 1]
+    # throughput_optimal*: server groups tried in order: version (new requests newest version first,
+    # resumed ones oldest allowed first) or reserve_capability (the group's siblings' version first)
+    server_order: Literal["version", "reserve_capability"] = "version"
+    request_budget: int = 1024  # throughput_optimal_with_budget: generated tokens rounded up to this
+    cost_model: Optional[str] = None  # throughput_optimal*: JSON written by `megatron-dapo profile-engine`
 
     def __post_init__(self):
         if self.method not in METHODS:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -97,8 +97,6 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_
     """The rollout producer and its router as `cfg` says; `client_factory` / `clock` / `cost_model`: the
     simulator's engines, virtual time and engine cost model (megatron_dapo.sim), else HTTP clients, real
     time and rollout.routing.cost_model's file."""
-    from megatron_dapo.coordinator.queues import QueueConfig
-    from megatron_dapo.coordinator.routing import RoutingConfig
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.router import Router
 
@@ -124,7 +122,8 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_
         extra = {} if client_factory is None else {"client_factory": client_factory}
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
                       client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry,
-                      routing=RoutingConfig(**vars(r.routing)), queue=QueueConfig(**vars(r.queue)),
+                      # copies, checked (a config loaded unvalidated, e.g. by the simulator, may hold bad values)
+                      routing=replace(r.routing), queue=replace(r.queue),
                       cost_model=cost_model, **extra)
 
     return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)
