@@ -132,14 +132,22 @@ class Dispatcher:
         self._idle = (seen, fail_unroutable, self.refusals - refusals) if nothing else None
         return out
 
-    def finished(self, key: Hashable, generated: int = 0) -> None:
-        """A placed request ended (answered, aborted or failed) after generating `generated` tokens."""
+    def finished(self, key: Hashable, generated: int = 0, server: ServerView | None = None) -> None:
+        """A placed request ended (answered, aborted or failed) after generating `generated` tokens.
+        `server`: its server's latest load report. A report that arrived before this end counts the
+        request as running; the book reads reports lazily (at the next dispatch), so it must take it
+        before the end, or the end is lost and the server keeps looking as loaded as before."""
         self._idle = None
+        if server is not None:
+            self._observe(server)
         self.loads.ended(key, generated)
 
     # ---- bookkeeping ---------------------------------------------------------------------------
-    def _estimate(self, s: ServerView) -> ServerView:
+    def _observe(self, s: ServerView) -> None:
         self.loads.observe(s.url, s.load_time, s.running, s.waiting, s.kv_tokens)
+
+    def _estimate(self, s: ServerView) -> ServerView:
+        self._observe(s)
         running, waiting, kv_tokens = self.loads.load(s.url)
         return _with(s, running=running, waiting=waiting, kv_tokens=kv_tokens)
 

@@ -161,20 +161,22 @@ class ServerRegistry:
         with self._lock:
             return [replace(r) for r in self.records.values()]
 
-    def load_report(self, url: str) -> tuple[float | None, int, int, int]:
-        """Server `url`'s last load report: (load_time, running, waiting, kv_tokens)."""
+    @staticmethod
+    def _view(r: ServerRecord) -> ServerView:
+        return ServerView(r.url, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
+                          kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
+
+    def route_view(self, url: str) -> ServerView:
+        """Server `url` as routing sees it from here (version, syncing, last load report)."""
         with self._lock:
-            r = self.records[url]
-            return r.load_time, r.running, r.waiting, r.kv_tokens
+            return self._view(self.records[url])
 
     def route_views(self) -> list[ServerView]:
         """Every server as routing sees it from here, consistently: version, syncing and last load
         report (the router fills in its own counts). What the router reads on every dispatch, so
         built directly instead of from copied records."""
         with self._lock:
-            return [ServerView(r.url, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
-                               kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
-                    for r in self.records.values()]
+            return [self._view(r) for r in self.records.values()]
 
     def statuses(self) -> list[ServerStatus]:
         """The router's view of every server: running = the router's count in flight there; waiting,

@@ -209,14 +209,11 @@ class Router:
     def _release(self, t: _Ticket, generated: int) -> None:
         s = t.server
         s.outstanding -= 1
+        report = None
         if self.registry is not None:
-            # a load report that arrived before this end counts it as running: the book must take the
-            # report first (it reads reports lazily, at the next dispatch), or the end is lost and the
-            # server looks as loaded as before (all of a migrated server's requests would come back
-            # to ... its destination only)
-            self.dispatcher.loads.observe(s.url, *self.registry.load_report(s.url))
+            report = self.registry.route_view(s.url)
             self.registry.request_ended(s.url)
-        self.dispatcher.finished(t, generated)
+        self.dispatcher.finished(t, generated, report)
         asyncio.get_running_loop().call_soon(self._dispatch)  # after the caller's own bookkeeping
 
     async def _place(self, input_ids: Sequence[int], sequences: int, group_id: str | None,
