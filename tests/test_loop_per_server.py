@@ -73,6 +73,7 @@ def _check_run(env, name, policy, pause_mode, *overrides):
         for ids, p, n, lps, vers in zip(b["input_ids"], b["prompt_lengths"], b["response_lengths"],
                                         b["rollout_logprobs"], b["token_versions"]):
             assert len(vers) == n and all(step - 1 <= v <= step for v in vers), (step, vers)
+            assert vers == sorted(vers), (step, vers)  # a continuation never goes back to older weights
             for j, v in enumerate(vers):
                 want, neighbour = (float(ref[w][tuple(ids)][p - 1 + j]) for w in (v, v + 1))
                 assert abs(lps[j] - want) < 1e-4, (step, j, v, lps[j], want)

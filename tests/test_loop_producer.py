@@ -32,13 +32,23 @@ def setup(tmp_path_factory):
 
 def _set_server_version(urls, version):
     import asyncio
+    import contextlib
 
     from megatron_dapo.rollout.client import SGLangClient
 
     async def go():
-        for u in urls:
-            async with SGLangClient(u) as c:
-                await c.update_weight_version(str(version))
+        # as the weight-sync bridge's global sync: every server paused (in place) before any changes
+        # version and none goes on before all have, so no request continues on the older weights
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(SGLangClient(u)) for u in urls]
+            for c in clients:
+                await c.pause_generation("in_place")
+            try:
+                for c in clients:
+                    await c.update_weight_version(str(version))
+            finally:
+                for c in clients:
+                    await c.continue_generation()
 
     asyncio.run(go())
 
@@ -191,6 +201,7 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
 
     ds, urls = setup
     QWEN_7B_1GPU.save(tmp_path / "cost.json")
+    _set_server_version(urls, 0)  # the servers' labels follow the registry's versions (earlier tests moved them)
     registry = ServerRegistry(urls, version=0)
     advanced = dict(routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability",
                                           cost_model=str(tmp_path / "cost.json")),
@@ -214,8 +225,9 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
                 batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
                                 for g in info.groups])
                 resumes += info.partial_resumes
-                if "registry" in router_kw:
-                    registry.publish_all(step + 1)  # the same weights, relabelled: V_traj moves on
+                if "registry" in router_kw:  # the same weights, relabelled: V_traj moves on
+                    _set_server_version(urls, step + 1)
+                    registry.publish_all(step + 1)
                 p.set_version(step + 1)
         finally:
             stop.set()

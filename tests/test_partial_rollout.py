@@ -8,7 +8,7 @@ import asyncio
 import pytest
 import torch
 
-from megatron_dapo.coordinator import finish_partial
+from megatron_dapo.coordinator import continuation_ids, finish_partial
 from megatron_dapo.rollout.client import SGLangClient
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.trainer.groups import token_versions
@@ -56,13 +56,13 @@ async def _interrupted(url, sampling, between_pauses):
                 k += 1
 
     async with SGLangClient(url) as c:
-        async def generate(ids, sp):
-            (s,) = await c.generate(ids, sp)
+        async def generate(so_far, sp):
+            (s,) = await c.generate(continuation_ids(so_far), sp)
             return s
 
         pauser = asyncio.ensure_future(interrupter())
         try:
-            first = await generate(PROMPT, sampling)
+            (first,) = await c.generate(PROMPT, sampling)
             out = await finish_partial(generate, first, sampling, max_stalls=100, on_resume=lambda: resumes.append(1))
         finally:
             done.set()

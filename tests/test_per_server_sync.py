@@ -102,6 +102,18 @@ def test_router_sends_a_request_only_to_a_server_holding_its_version():
                 await asyncio.to_thread(reg.end_sync, a, 2)  # published from another thread, as the syncer does
                 await asyncio.wait_for(pending, 10)
                 assert seen == ["a"]
+
+                # a holds 2, b holds 1: continuations of V_traj 0 spread over both, unless their tokens
+                # already reached version 2 (a trajectory never goes back to older weights)
+                async def continuations(**kw):
+                    seen.clear()
+                    await asyncio.gather(*(router.generate([1, 2, 7], sp, min_version=0, generated=1, **kw)
+                                           for _ in range(6)))
+                    return sorted(set(seen))
+
+                assert await continuations() == ["a", "b"]
+                assert await continuations(newest_version=2) == ["a"]
+                assert await continuations(newest_version=1) == ["a", "b"]
         finally:
             await ra.cleanup()
             await rb.cleanup()

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from megatron_dapo.coordinator import StalenessController, StalenessError, finish_partial, merge_continuation
+from megatron_dapo.coordinator import (StalenessController, StalenessError, continuation_ids, finish_partial,
+                                       merge_continuation)
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED
 from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
 from megatron_dapo.trainer.groups import token_versions
@@ -230,8 +231,9 @@ def test_merge_continuation_keeps_tokens_logprobs_and_versions():
 def test_finish_partial_continues_with_fewer_tokens_and_gives_up_without_progress():
     calls = []
 
-    async def generate(input_ids, sampling):
-        calls.append((list(input_ids), sampling.max_new_tokens, sampling.sampling_seed))
+    async def generate(so_far, sampling):
+        input_ids = continuation_ids(so_far)
+        calls.append((input_ids, sampling.max_new_tokens, sampling.sampling_seed))
         n = len(input_ids) - 2
         return _piece([n + 1], str(n), "abort" if n < 3 else "stop", prompt=input_ids)
 
@@ -242,8 +244,8 @@ def test_finish_partial_continues_with_fewer_tokens_and_gives_up_without_progres
     assert calls == [([1, 2, 1], 9, 7), ([1, 2, 1, 2], 8, 7), ([1, 2, 1, 2, 3], 7, 7)]
     assert token_versions(out) == [0, 1, 2, 3]
 
-    async def stuck(input_ids, sampling):
-        return _piece([], "0", "abort", prompt=input_ids)
+    async def stuck(so_far, sampling):
+        return _piece([], "0", "abort", prompt=continuation_ids(so_far))
 
     with pytest.raises(RuntimeError, match="without a new token"):
         asyncio.run(finish_partial(stuck, _piece([1], "0", "abort"), sp, max_stalls=2))

@@ -9,9 +9,10 @@ async producer (megatron_dapo.trainer.rollout_side) and a simulator can drive th
 """
 
 from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
-from megatron_dapo.coordinator.partial import continuation_sampling, finish_partial, merge_continuation
+from megatron_dapo.coordinator.partial import (continuation_ids, continuation_sampling, finish_partial,
+                                               merge_continuation)
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import StalenessController, StalenessError
 
 __all__ = ["MigrationPolicy", "MigrationPolicyConfig", "ProactiveRetry", "StalenessController", "StalenessError",
-           "continuation_sampling", "finish_partial", "merge_continuation"]
+           "continuation_ids", "continuation_sampling", "finish_partial", "merge_continuation"]

@@ -55,13 +55,19 @@ def merge_continuation(prefix: Sample, cont: Sample) -> Sample:
     )
 
 
-async def finish_partial(generate: Callable[[list[int], SamplingParams], Awaitable[Sample]], sample: Sample,
+def continuation_ids(sample: Sample) -> list[int]:
+    """The input of a request continuing `sample`: its prompt and the tokens generated so far."""
+    return list(sample.prompt_ids) + list(sample.output_ids)
+
+
+async def finish_partial(generate: Callable[[Sample, SamplingParams], Awaitable[Sample]], sample: Sample,
                          sampling: SamplingParams, max_stalls: int = 3,
                          on_resume: Callable[[], None] | None = None,
                          on_progress: Callable[[Sample], None] | None = None) -> Sample:
     """Continue `sample` (of prompt `sample.prompt_ids`, drawn with `sampling`) until it is not aborted.
 
-    `generate(input_ids, sampling)` sends one request (e.g. through the router, sticky to the group);
+    `generate(so_far, sampling)` sends one request continuing the trajectory `so_far` (its input: the
+    prompt and the tokens so far, `continuation_ids`; e.g. through the router, sticky to the group);
     `on_resume()` is called per continuation request, `on_progress(merged)` after each (what a
     checkpoint saves of a request still in flight). Gives up after `max_stalls` + 1 aborts in a row
     that added no token (a server that aborts everything would otherwise loop forever).
@@ -75,7 +81,7 @@ async def finish_partial(generate: Callable[[list[int], SamplingParams], Awaitab
             raise RuntimeError(f"sample {sample.rid}: aborted {stalls} times in a row without a new token")
         if on_resume is not None:
             on_resume()
-        piece = await generate(list(sample.prompt_ids) + list(sample.output_ids), cont)
+        piece = await generate(sample, cont)
         stalls = 0 if piece.output_ids else stalls + 1
         sample = merge_continuation(sample, piece)
         if on_progress is not None:

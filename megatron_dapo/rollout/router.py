@@ -9,7 +9,9 @@ failures a server is marked unhealthy and receives nothing until a background `/
 
 With a `registry` (megatron_dapo.coordinator.servers, per-server weight sync), a request of
 trajectory version `min_version` goes only to a server that is not syncing and holds a version
->= min_version; when none does, it waits until the syncer publishes one.
+>= min_version; when none does, it waits until the syncer publishes one. A continuation (partial
+rollout) also needs the newest version among its tokens (`newest_version`): a trajectory never goes
+back to older weights, so its tokens' versions never decrease.
 
 Every request enters a queue (megatron_dapo.coordinator.queues: `fifo`, or `priority` by
 trajectory version) and a dispatcher offers waiting requests to the routing policy
@@ -217,16 +219,18 @@ class Router:
         asyncio.get_running_loop().call_soon(self._dispatch)  # after the caller's own bookkeeping
 
     async def _place(self, input_ids: Sequence[int], sequences: int, group_id: str | None,
-                     min_version: int | None, generated: int | None, validation: bool,
-                     tried: set[str]) -> _Ticket | None:
+                     min_version: int | None, newest_version: int | None, generated: int | None,
+                     validation: bool, tried: set[str]) -> _Ticket | None:
         """Queue one attempt and wait until the dispatcher places it; None = no healthy server."""
+        floor = max((v for v in (min_version, newest_version) if v is not None), default=None)
         req = RouteRequest(prompt_tokens=len(input_ids) - (generated or 0), generated_tokens=generated or 0,
-                           sequences=sequences, min_version=min_version if self.registry is not None else None,
+                           sequences=sequences, min_version=floor if self.registry is not None else None,
                            resumed=generated is not None, exclude=frozenset(tried))
         t = _Ticket(asyncio.get_running_loop().create_future())
+        # priority queues order by V_traj (the staleness deadline), not by the version it may run at
         self.dispatcher.submit(t, req, group_id, v_traj=min_version or 0, validation=validation)
         if self.registry is not None:
-            self.registry.waiting(min_version, +1)  # what status_based sync asks: work held for a server
+            self.registry.waiting(floor, +1)  # what status_based sync asks: work held for a server
         placed = False
         try:
             self._dispatch()
@@ -234,7 +238,7 @@ class Router:
             return t if placed else None
         finally:
             if self.registry is not None:
-                self.registry.waiting(min_version, -1)
+                self.registry.waiting(floor, -1)
             if not placed:
                 if t.future.done() and not t.future.cancelled() and t.future.result() is not None:
                     self._release(t, 0)  # placed just as the caller was cancelled
@@ -277,11 +281,13 @@ class Router:
     async def generate(self, input_ids: Sequence[int],
                        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                        group_id: str | None = None, rid: str | None = None, min_version: int | None = None,
-                       generated: int | None = None, validation: bool = False) -> list[Sample]:
+                       generated: int | None = None, newest_version: int | None = None,
+                       validation: bool = False) -> list[Sample]:
         """One /generate (n samples in one request), with failover; returns when all n are done.
         `min_version`: the request's V_traj (with a registry: only servers holding at least it).
         `generated`: set for a request that continues a trajectory (partial rollout): how many of
-        `input_ids` it generated so far (the rest is the prompt)."""
+        `input_ids` it generated so far (the rest is the prompt); `newest_version`: the newest weight
+        version among those tokens (with a registry: only servers holding at least it)."""
         sampling = sampling or SamplingParams()
         sequences = sampling.n if isinstance(sampling, SamplingParams) else len(sampling)
         tried: set[str] = set()
@@ -289,7 +295,8 @@ class Router:
         attempt = 0
         while attempt < self.max_attempts:
             await self._wait_any_healthy()
-            t = await self._place(input_ids, sequences, group_id, min_version, generated, validation, tried)
+            t = await self._place(input_ids, sequences, group_id, min_version, newest_version, generated,
+                                  validation, tried)
             if t is None:
                 attempt += 1
                 continue

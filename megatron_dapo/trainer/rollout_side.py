@@ -68,14 +68,14 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from megatron_dapo.coordinator import StalenessController, finish_partial
+from megatron_dapo.coordinator import StalenessController, continuation_ids, finish_partial
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import Sample, SamplingParams
-from megatron_dapo.trainer.groups import JudgedGroup, judge_group, sample_from_state
+from megatron_dapo.trainer.groups import JudgedGroup, judge_group, sample_from_state, token_versions
 
 log = logging.getLogger(__name__)
 
@@ -530,11 +530,13 @@ class RolloutProducer:
 
         v_traj = self._v_traj(draw)
 
-        async def generate(input_ids, sampling):
+        async def generate(so_far: Sample, sampling):
             rid = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:6]}"
-            # a resumed trajectory: routing charges its generated tokens, priority queues order it by V_traj
-            (piece,) = await router.generate(input_ids, sampling, group_id=sample.group_id, rid=rid,
-                                             min_version=v_traj, generated=len(input_ids) - len(sample.prompt_ids))
+            # a resumed trajectory: routing charges its generated tokens, priority queues order it by V_traj,
+            # and it goes on at its newest tokens' version or later (never back to older weights)
+            (piece,) = await router.generate(continuation_ids(so_far), sampling, group_id=sample.group_id, rid=rid,
+                                             min_version=v_traj, generated=len(so_far.output_ids),
+                                             newest_version=max(token_versions(so_far), default=None))
             return piece
 
         return await finish_partial(generate, sample, self._sampling(draw, sample.index), self.s.max_resubmits,
