@@ -30,15 +30,17 @@ NOT_A_USE = {"config/schema.py", "config/validate.py"}
 REFUSED_UNLESS_DEFAULT = {"algo.kl_coef": 0.1, "algo.staleness_buffer_groups": 3}
 
 
-def _leaf_fields(cls, prefix="", section=("", "DapoConfig")):
-    """(dotted path, annotation, (name, class name) of the section holding it) of every leaf field."""
+def _leaf_fields(cls, prefix="", section=""):
+    """(dotted path, annotation, (name, class name) of the section holding it) of every leaf field; the
+    class is the one declaring the field (a section may extend the coordinator's own class, e.g. SyncConfig)."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            yield from _leaf_fields(tp, f"{prefix}{f.name}.", (f.name, tp.__name__))
+            yield from _leaf_fields(tp, f"{prefix}{f.name}.", f.name)
         else:
-            yield f"{prefix}{f.name}", tp, section
+            owner = next(c for c in cls.__mro__ if f.name in vars(c).get("__annotations__", {}))
+            yield f"{prefix}{f.name}", tp, (section, owner.__name__)
 
 
 def _module_names() -> dict[str, tuple[set[str], set[str]]]:

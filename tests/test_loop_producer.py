@@ -357,7 +357,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     dynamic sampling or aborted (counted), never twice."""
     from collections import Counter
 
-    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+    from megatron_dapo.coordinator.migration import MigrationConfig
     from megatron_dapo.trainer.groups import token_versions
 
     ds, urls = setup
@@ -366,7 +366,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     B, n, staleness, min_steps, max_steps = 3, 4, 1, 4, 12
     p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
                   extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
-                  migration=MigrationPolicyConfig(indicator="kv_cache", threshold=1.0, stop_threshold=1))
+                  migration=MigrationConfig(enabled=True, indicator="kv_cache", threshold=1.0, stop_threshold=1))
     trained, counts, taken = [], Counter(), 0
     p.start()
     try:

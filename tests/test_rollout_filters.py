@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from megatron_dapo.coordinator.migration import MigrationPolicyConfig, MigrationPolicy
+from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED, StalenessController
 from megatron_dapo.coordinator.sync_policy import ServerStatus
@@ -103,7 +103,7 @@ def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routab
 
 def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server():
     clock = FakeClock(9.0)
-    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), clock)
+    p = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10), clock)
     # s1 is starved (nothing waiting, nothing at the router for it); s0 has 12, s2 has 40 requests
     m = p.choose([_server("s0", running=12), _server("s1", running=2), _server("s2", running=40)])
     assert (m.source, m.starved, m.ratio, m.at) == ("s2", "s1", 20.0, 9.0)
@@ -123,22 +123,22 @@ def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server(
 
 
 def test_migration_indicators_throughput_and_kv_cache():
-    p = MigrationPolicy(MigrationPolicyConfig(indicator="throughput", threshold=3.0,
+    p = MigrationPolicy(MigrationConfig(indicator="throughput", threshold=3.0,
                                         stop_indicator="kv_cache", stop_threshold=0.5))
     assert p.choose([_server("a", running=8, throughput=400.0, kv=0.7),
                      _server("b", running=8, throughput=100.0, kv=0.1)]).source == "a"
     assert p.choose([_server("a", running=8, throughput=400.0, kv=0.4),  # stop indicator too low
                      _server("b", running=8, throughput=100.0, kv=0.1)]) is None
-    assert MigrationPolicyConfig(indicator="kv_cache").needs_loads and not MigrationPolicyConfig().needs_loads
+    assert MigrationConfig(indicator="kv_cache").needs_loads and not MigrationConfig().needs_loads
     with pytest.raises(ValueError, match="rollout.migration.stop_indicator"):
-        MigrationPolicyConfig(stop_indicator="tokens")
+        MigrationConfig(stop_indicator="tokens")
 
 
 def test_migration_waits_until_starvation_has_lasted_min_starved_ms():
     """A server empty for a moment (just synced, its queue about to be refilled) triggers nothing; one
     starved at every check for min_starved_ms does; a check in between that sees it busy starts over."""
     clock = FakeClock(100.0)
-    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10, min_starved_ms=2000), clock)
+    p = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10, min_starved_ms=2000), clock)
     busy, empty = _server("s0", running=40, throughput=900.0), _server("s1")
     assert p.choose([busy, empty]) is None  # first seen starved now
     clock.t = 101.9
@@ -147,14 +147,14 @@ def test_migration_waits_until_starvation_has_lasted_min_starved_ms():
     m = p.choose([busy, empty])
     assert (m.source, m.starved, m.at) == ("s0", "s1", 102.0)
     # a server refilled in between: its starvation starts again at the next empty check
-    q = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10, min_starved_ms=2000), clock)
+    q = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10, min_starved_ms=2000), clock)
     for t, s1 in ((200.0, empty), (201.0, _server("s1", routable=3)), (202.0, empty), (203.9, empty)):
         clock.t = t
         assert q.choose([busy, s1]) is None, t
     clock.t = 204.0
     assert q.choose([busy, empty]).starved == "s1"
     with pytest.raises(ValueError, match="rollout.migration.min_starved_ms=-1"):
-        MigrationPolicyConfig(min_starved_ms=-1)
+        MigrationConfig(min_starved_ms=-1)
 
 
 def test_migration_does_not_cascade():
@@ -162,7 +162,7 @@ def test_migration_does_not_cascade():
     starved min_starved_ms again), and the server that received the work is no source meanwhile:
     with min_starved_ms 0 (PSRL's timing) for one check, with it set for that long."""
     clock = FakeClock(10.0)
-    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), clock)
+    p = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10), clock)
     assert p.choose([_server("a", running=40), _server("b"), _server("c", running=30)]).source == "a"
     # a emptied (its requests aborted, not yet re-placed), b still empty: neither a destination for a
     # third server's work, nor b a source, at the next check
@@ -173,7 +173,7 @@ def test_migration_does_not_cascade():
     clock.t = 10.2
     assert p.choose(after).source == "c"
 
-    q = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10, min_starved_ms=1000), clock)
+    q = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10, min_starved_ms=1000), clock)
     clock.t = 20.0
     q.choose([_server("a", running=40), _server("b")])  # a starved-since is recorded for b
     clock.t = 21.0
@@ -199,11 +199,11 @@ def test_migration_moves_only_what_the_router_may_abort():
     running only those is no source, and stop_threshold applies to the others."""
     from dataclasses import replace
 
-    p = MigrationPolicy(MigrationPolicyConfig(threshold=5.0, stop_threshold=10), FakeClock(5.0))
+    p = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10), FakeClock(5.0))
     assert p.choose([replace(_server("a", running=40), protected=40), _server("b")]) is None
     assert p.choose([replace(_server("a", running=40), protected=31), _server("b")]) is None  # 9 movable
     assert p.choose([replace(_server("a", running=40), protected=30), _server("b")]).source == "a"
-    k = MigrationPolicy(MigrationPolicyConfig(indicator="kv_cache", stop_indicator="kv_cache", stop_threshold=0.5))
+    k = MigrationPolicy(MigrationConfig(indicator="kv_cache", stop_indicator="kv_cache", stop_threshold=0.5))
     assert k.choose([replace(_server("a", running=4, kv=0.9), protected=4), _server("b")]) is None
     assert k.choose([replace(_server("a", running=4, kv=0.9), protected=3), _server("b")]).source == "a"
 
@@ -400,7 +400,7 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
+    from megatron_dapo.coordinator.migration import MigrationConfig
     from megatron_dapo.coordinator.servers import ServerRegistry
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.types import SamplingParams, ServerLoad
@@ -418,7 +418,7 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
 
     monkeypatch.setattr(rollout_side, "LOAD_TIMEOUT_S", 0.2)
     settings = ProducerSettings(train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8,
-                                migration=MigrationPolicyConfig(indicator="kv_cache"))
+                                migration=MigrationConfig(enabled=True, indicator="kv_cache"))
     p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=0)
     servers = [SimpleNamespace(url="http://a", client=Answers()), SimpleNamespace(url="http://b", client=Hangs())]
     router = SimpleNamespace(registry=ServerRegistry(["http://a", "http://b"], version=0), servers=servers,

@@ -48,9 +48,9 @@ def test_status_based_checks_once_per_interval():
 
 
 def test_bad_policy_settings_name_the_field():
-    with pytest.raises(ValueError, match="sync policy must be one of all_at_once, greedy, status_based"):
+    with pytest.raises(ValueError, match="rollout.sync.policy must be one of all_at_once, greedy, status_based"):
         SyncPolicyConfig("eager")
-    with pytest.raises(ValueError, match="sync indicator"):
+    with pytest.raises(ValueError, match="rollout.sync.indicator must be one of"):
         SyncPolicyConfig("status_based", indicator="gpu")
-    with pytest.raises(ValueError, match="check_interval_ms"):
+    with pytest.raises(ValueError, match="rollout.sync.check_interval_ms=0 must be > 0"):
         SyncPolicyConfig("status_based", check_interval_ms=0)

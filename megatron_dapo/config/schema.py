@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 # sections whose dataclass is the coordinator's own (one definition: these also check their values)
+from megatron_dapo.coordinator.migration import MigrationConfig
 from megatron_dapo.coordinator.queues import QueueConfig
 from megatron_dapo.coordinator.routing import RoutingConfig
+from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -156,8 +158,9 @@ class SamplingConfig:
 
 
 @dataclass
-class SyncConfig:
-    """Weight sync trainer -> rollout servers after each step."""
+class SyncConfig(SyncPolicyConfig):
+    """Weight sync trainer -> rollout servers after each step: when each server syncs (the policy fields,
+    megatron_dapo.coordinator.sync_policy.SyncPolicyConfig) and how the bridge moves the weights."""
 
     bucket_mb: int = 512  # tensors are broadcast in buckets of about this many MiB
     pause_generation: bool = True  # pause servers during an update; False = let in-flight requests finish
@@ -167,33 +170,6 @@ class SyncConfig:
     flatten_bucket: bool = False  # broadcast one flat buffer per bucket instead of one per tensor
     verify: bool = False  # after a sync, compare server and trainer logprobs on a probe sequence
     verify_tolerance: float = 1e-4  # max abs logprob difference accepted by verify
-    # When each server takes new weights (megatron_dapo.coordinator.sync_policy): all_at_once = every
-    # server after each step, inline (the default); greedy = a server as soon as it lags; status_based =
-    # a lagging server when idle enough (indicator <= threshold). greedy / status_based serve each server
-    # from a host-memory weight store on trainer rank 0 (one update group per server) while training goes on.
-    policy: Literal["all_at_once", "greedy", "status_based"] = "all_at_once"
-    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"  # status_based load measure
-    threshold: float = 0.0  # status_based: sync a lagging server when its indicator is <= this
-    check_interval_ms: float = 100.0  # greedy / status_based: how often the servers are examined
-    check_req_before_sync: bool = True  # status_based: not while the router holds requests it could serve
-
-
-@dataclass
-class MigrationConfig:
-    """Request migration (megatron_dapo.coordinator.migration): when a server is starved, abort every
-    request of the most loaded one; partial rollout continues them on the least loaded servers.
-    Checked every rollout.sync.check_interval_ms. Needs partial_rollout and at least two servers."""
-
-    enabled: bool = False
-    # load measure compared as a ratio busy / starved: request_num (running + waiting), throughput
-    # (generated tokens/s) or kv_cache (fraction of KV in use; the last two read /v1/loads)
-    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
-    threshold: float = 5.0  # migrate when the ratio is above this
-    stop_indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
-    stop_threshold: float = 10.0  # ... and the busy server's stop_indicator is at least this
-    # a server counts as starved only after it has been so at every check for this long (0: at once, PSRL);
-    # a just-synced or just-drained server is empty for a moment before the producer refills it
-    min_starved_ms: float = 0.0
 
 
 @dataclass

@@ -8,11 +8,11 @@ The policies are plain classes and pure functions with an injectable clock and n
 async producer (megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
 """
 
-from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
+from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
 from megatron_dapo.coordinator.partial import (continuation_ids, continuation_sampling, finish_partial,
                                                merge_continuation)
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import StalenessController, StalenessError
 
-__all__ = ["MigrationPolicy", "MigrationPolicyConfig", "ProactiveRetry", "StalenessController", "StalenessError",
+__all__ = ["MigrationConfig", "MigrationPolicy", "ProactiveRetry", "StalenessController", "StalenessError",
            "continuation_ids", "continuation_sampling", "finish_partial", "merge_continuation"]

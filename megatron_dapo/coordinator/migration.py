@@ -39,26 +39,36 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from megatron_dapo.coordinator.sync_policy import INDICATORS, ServerStatus
 
 
 @dataclass
-class MigrationPolicyConfig:
-    indicator: str = "request_num"
-    threshold: float = 5.0
-    stop_indicator: str = "request_num"
-    stop_threshold: float = 10.0
-    min_starved_ms: float = 0.0  # a destination must have been starved this long (0: at once, as PSRL)
+class MigrationConfig:
+    """`rollout.migration`: when a server is starved, abort every request of the most loaded one; partial
+    rollout continues them on the least loaded servers. Checked every rollout.sync.check_interval_ms.
+    Needs partial_rollout and at least two servers."""
+
+    enabled: bool = False
+    # load measure compared as a ratio busy / starved: request_num (running + waiting), throughput
+    # (generated tokens/s) or kv_cache (fraction of KV in use; the last two read /v1/loads)
+    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
+    threshold: float = 5.0  # migrate when the ratio is above this
+    stop_indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
+    stop_threshold: float = 10.0  # ... and the busy server's stop_indicator is at least this
+    # a server counts as starved only after it has been so at every check for this long (0: at once, PSRL);
+    # a just-synced or just-drained server is empty for a moment before the producer refills it
+    min_starved_ms: float = 0.0
 
     def __post_init__(self):
         for name in ("indicator", "stop_indicator"):
             if getattr(self, name) not in INDICATORS:
                 raise ValueError(f"rollout.migration.{name} must be one of {', '.join(INDICATORS)}, "
                                  f"got {getattr(self, name)!r}")
-        if self.threshold < 1:
+        if not self.threshold >= 1:
             raise ValueError(f"rollout.migration.threshold={self.threshold} must be >= 1 (a load ratio)")
-        if self.stop_threshold < 0:
+        if not self.stop_threshold >= 0:
             raise ValueError(f"rollout.migration.stop_threshold={self.stop_threshold} must be >= 0")
         if not self.min_starved_ms >= 0:  # also refuses NaN
             raise ValueError(f"rollout.migration.min_starved_ms={self.min_starved_ms} must be >= 0")
@@ -99,7 +109,7 @@ class MigrationPolicy:
     """Decides at each check (`choose`), keeping per server when it was first seen starved and when it
     last took part in a migration (as source or destination)."""
 
-    def __init__(self, cfg: MigrationPolicyConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, cfg: MigrationConfig, clock: Callable[[], float] = time.monotonic):
         self.cfg, self.clock = cfg, clock
         self.history: list[Migration] = []
         self._checks = 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from megatron_dapo.coordinator.cost_model import CostModel
 from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
 from megatron_dapo.coordinator.servers import ServerRegistry
-from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
+from megatron_dapo.coordinator.sync_policy import make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
 from megatron_dapo.sim.engine import KVAdmission, SimEngine
 from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
@@ -219,8 +219,7 @@ class SimTrainer:
     # ---- per-server sync (greedy / status_based), as megatron_dapo.sync.per_server does it -----
     async def per_server_sync(self) -> None:
         c = self.sync_cfg
-        policy = make_sync_policy(SyncPolicyConfig(c.policy, c.indicator, c.threshold, c.check_interval_ms,
-                                                   c.check_req_before_sync), clock=self.loop.time)
+        policy = make_sync_policy(c, clock=self.loop.time)
         interval = c.check_interval_ms / 1000.0
         while not self.stopping:  # a flag: wait_for (3.11) may swallow a cancel that meets a timeout
             with contextlib.suppress(asyncio.TimeoutError):

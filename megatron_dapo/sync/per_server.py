@@ -29,7 +29,7 @@ import torch
 
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.servers import ServerRegistry
-from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig, make_sync_policy
+from megatron_dapo.coordinator.sync_policy import make_sync_policy
 from megatron_dapo.sync.bridge import WeightSyncBridge, _is_sender, _LoopThread
 
 log = logging.getLogger(__name__)
@@ -97,9 +97,7 @@ class PerServerSync:
                  probe: Sequence[int] | None = None, on_publish: Callable[[str, int], None] | None = None,
                  on_error: Callable[[BaseException], None] | None = None, clock=time.monotonic):
         self.cfg, self.registry, self.store = sync_cfg, registry, store
-        self.policy_cfg = SyncPolicyConfig(sync_cfg.policy, sync_cfg.indicator, sync_cfg.threshold,
-                                           sync_cfg.check_interval_ms, sync_cfg.check_req_before_sync)
-        self.policy = make_sync_policy(self.policy_cfg, clock)
+        self.policy = make_sync_policy(sync_cfg, clock)
         tps = list(server_tp_sizes or [1] * len(urls))
         self.bridges = {u.rstrip("/"): WeightSyncBridge([u], sync_cfg, api_key=api_key, server_tp_sizes=[tp],
                                                         group_name=f"megatron_dapo_weight_sync_{i}")
@@ -117,7 +115,7 @@ class PerServerSync:
     def connect(self) -> None:
         for b in self.bridges.values():
             b.connect()
-        if self.policy_cfg.policy == "status_based":
+        if self.cfg.policy == "status_based":
             self._open_load_clients()
 
     def _open_load_clients(self) -> None:
@@ -160,7 +158,7 @@ class PerServerSync:
 
     # ---- the policy loop -----------------------------------------------------------------------
     def _run(self) -> None:
-        interval = self.policy_cfg.check_interval_ms / 1000.0
+        interval = self.cfg.check_interval_ms / 1000.0
         while not self._stop.is_set():
             self._wake.wait(interval)
             self._wake.clear()

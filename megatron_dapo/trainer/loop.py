@@ -79,15 +79,11 @@ def reward_runner(cfg):
 
 def coordination_settings(r) -> dict:
     """ProducerSettings fields of rollout.redundancy / rollout.retry / rollout.migration."""
-    from megatron_dapo.coordinator.migration import MigrationPolicyConfig
-
-    m = r.migration
     return {
         "extra_samples": r.redundancy.extra_samples,
         "extra_prompts": r.redundancy.extra_prompts,
         "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
-        "migration": MigrationPolicyConfig(m.indicator, m.threshold, m.stop_indicator, m.stop_threshold,
-                                           m.min_starved_ms) if m.enabled else None,
+        "migration": r.migration,
         "check_interval_s": r.sync.check_interval_ms / 1000.0,
     }
 

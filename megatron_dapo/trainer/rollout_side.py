@@ -70,7 +70,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_dapo.coordinator import StalenessController, continuation_ids, finish_partial
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
-from megatron_dapo.coordinator.migration import MigrationPolicy, MigrationPolicyConfig
+from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
 from megatron_dapo.coordinator.sync_policy import ServerStatus
@@ -116,13 +116,13 @@ class ProducerSettings:
     extra_samples: int = 0  # sample-level redundancy: n + this per group, keep the first n
     extra_prompts: int = 0  # prompt-level redundancy: B + this reservations per staleness buffer
     retry_threshold: int = 0  # proactive filter: largest gap it closes; 0 = off
-    migration: MigrationPolicyConfig | None = None  # None = off
+    migration: MigrationConfig = field(default_factory=MigrationConfig)  # off unless enabled
     check_interval_s: float = 0.1  # how often migration examines the servers
 
     @property
     def aborts_groups(self) -> bool:
         """Some switch aborts requests by rid: send every group with a rid per sample."""
-        return bool(self.extra_samples or self.extra_prompts or self.retry_threshold or self.migration)
+        return bool(self.extra_samples or self.extra_prompts or self.retry_threshold or self.migration.enabled)
 
 
 @dataclass
@@ -182,7 +182,7 @@ class RolloutProducer:
         self.slots = StalenessController(settings.train_batch_size, settings.staleness, clock=clock,
                                          extra=settings.extra_prompts)
         self.retry = ProactiveRetry(settings.retry_threshold, clock) if settings.retry_threshold else None
-        self.migration = MigrationPolicy(settings.migration, clock) if settings.migration else None
+        self.migration = MigrationPolicy(settings.migration, clock) if settings.migration.enabled else None
         self.coordination_since_take: Counter = Counter({k: 0 for k in COORDINATION_COUNTS})
         self._refusals_taken = 0  # the router's refusal count at the last batch
         self.totals: Counter = Counter()  # groups ever: dropped (dynamic sampling) / aborted_surplus / aborted_retry
