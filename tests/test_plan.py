@@ -256,3 +256,58 @@ def test_weight_store_of_per_server_sync_is_reported():
     assert weight_store_bytes(cfg, plan.shape) == want == 2 * 2 * total_params(plan.shape)
     assert f"weight store (rollout.sync.policy=greedy): {want / GiB:.2f} GiB" in format_plan(plan)
     assert "weight store" not in format_plan(make_plan(_cluster("qwen3_8b.yaml", 4), gpu_mem_gib=80))
+
+
+# ------------------------------------------------------------------------------------- step time
+
+
+def test_step_estimate_matches_a_flop_count_of_the_hf_model():
+    """The estimate's forward FLOPs per token against torch's FLOP counter over a real (tiny) HF Qwen3
+    forward: every matmul counted, attention over the whole L x L square (the estimate charges the causal
+    half), norms not at all (the estimate counts them as 2 FLOPs per parameter: < 1 % here)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from megatron_dapo.config.speed import trainer_speed
+
+    hf = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024)
+    model = Qwen3ForCausalLM(Qwen3Config(**hf, attn_implementation="eager")).eval()
+    L = 384
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, 512, (1, L)))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    attention = counts.get("aten.bmm", 0)  # QK^T and AV: 2 * 2 * L^2 * head_dim per head and layer
+    assert attention == 3 * 4 * 2 * 2 * L * L * 16
+    counted_causal = counter.get_total_flops() - attention / 2
+
+    cfg = load_config(CONFIGS / "tiny_qwen3_cpu.yaml", ["model.recompute_granularity=none"])
+    speed = trainer_speed(cfg, shape_from_hf({**hf, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}),
+                          mean_seq_tokens=L)
+    forward_per_token = speed.flops_per_token / 4  # old logprobs, forward, backward (2): 4 forwards' worth
+    assert forward_per_token * L == pytest.approx(counted_causal, rel=0.01)
+
+
+def test_plan_prints_the_step_time_the_simulator_trains_at(capsys):
+    import argparse
+
+    from megatron_dapo.sim.cli import build_world
+
+    assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8",
+                 "rollout.n_resp_per_prompt=16", "--response-len", "6000", "--mfu", "0.4"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trainer step (estimate)"))
+    cfg = _cluster("qwen3_8b.yaml", 4, "rollout.n_resp_per_prompt=16")
+    plan = make_plan(cfg, response_tokens=6000, mfu=0.4)
+    tokens = 512 * 16 * (256 + 6000)
+    assert plan.step.tokens(cfg) == tokens and f"= {tokens / 1e6:.2f} M tokens" in line
+    assert f"-> {plan.step.speed.step_s(tokens):.0f} s on 16 GPUs at 40% of 989 TFLOP/s" in line
+
+    # the simulator's trainer, on sequences of the same mean length, takes the same time per token
+    args = argparse.Namespace(lengths="dapo", seed=0, cost_model=None, step_time=None, prompt_len=256,
+                              gpu_tflops=989.0, mfu=0.4, token_unit=0, gpu_mem_gib=80.0, max_running=1024,
+                              sync_s=5.0, keep_prob=0.5, steps=1, warmup_steps=0, engine_admission="sglang")
+    _, sim_speed = build_world(cfg, args)
+    default = make_plan(cfg, mfu=0.4)  # the default response length: the simulator's DAPO-like mean
+    assert sim_speed == default.step.speed
+    assert sim_speed.step_s(1e6) == pytest.approx(default.step.speed.step_s(1e6))

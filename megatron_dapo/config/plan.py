@@ -9,6 +9,8 @@ Placement: trainer ranks take the first GPUs of the job, node-major (rank r on n
 local GPU r % G); launched SGLang servers take the following GPUs in blocks of
 rollout.server_tp, and a server never spans nodes. Rank groups come from megatron-core's own
 `RankGenerator` with its default order "tp-cp-ep-dp-pp", so they are the groups the trainer builds.
+The step-time estimate (`megatron_dapo.config.speed`, at `--mfu` of `--gpu-tflops`) is the one the
+simulator trains at.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from megatron_dapo.config.memory import (
 )
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.config.speed import DEFAULT_MFU, H100_BF16_TFLOPS, TrainerSpeed, trainer_speed
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 
@@ -127,6 +130,18 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M"
 
 
+@dataclass(frozen=True)
+class StepEstimate:
+    """One training step's tokens and time at the assumed mean lengths (megatron_dapo.config.speed)."""
+
+    prompt_tokens: float  # mean per sample
+    response_tokens: float
+    speed: TrainerSpeed
+
+    def tokens(self, cfg: DapoConfig) -> float:
+        return cfg.algo.train_batch_size * cfg.rollout.n_resp_per_prompt * (self.prompt_tokens + self.response_tokens)
+
+
 @dataclass
 class Plan:
     cfg: DapoConfig
@@ -137,14 +152,19 @@ class Plan:
     headroom: float
     stages: list[StageMemory]
     rollout: RolloutMemory | None
+    step: StepEstimate | None = None  # None: the layout leaves no trainer GPU
 
     @property
     def usable_bytes(self) -> int:
         return int(self.gpu_mem_gib * GiB * (1 - self.headroom))
 
 
-def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1) -> Plan:
-    """Layout and memory of `cfg` (already validated) on GPUs of `gpu_mem_gib`; raises nothing on fit."""
+def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1, prompt_tokens: float = 256,
+              response_tokens: float | None = None, peak_tflops: float = H100_BF16_TFLOPS,
+              mfu: float = DEFAULT_MFU) -> Plan:
+    """Layout, memory and step time of `cfg` (already validated) on GPUs of `gpu_mem_gib`; raises nothing
+    on fit. Step time at mean `prompt_tokens` / `response_tokens` per sample (default response: the mean
+    of the simulator's DAPO-like length model, megatron_dapo.sim.lengths.dapo_like)."""
     resolved = resolve_model_shape(cfg.model)
     if resolved.shape is None:
         raise ConfigError(
@@ -156,7 +176,15 @@ def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1)
     rollout = None
     if layout.servers:
         rollout = rollout_memory(cfg, resolved.shape, int(gpu_mem_gib * GiB))
-    return Plan(cfg, resolved.shape, resolved.source, layout, gpu_mem_gib, headroom, stages, rollout)
+    if response_tokens is None:
+        from megatron_dapo.sim.lengths import dapo_like, mean_length
+
+        response_tokens = mean_length(dapo_like(cfg.data.max_response_length))
+    step = None
+    if derived.trainer_world_size(cfg) >= 1:
+        speed = trainer_speed(cfg, resolved.shape, prompt_tokens + response_tokens, peak_tflops, mfu)
+        step = StepEstimate(prompt_tokens, response_tokens, speed)
+    return Plan(cfg, resolved.shape, resolved.source, layout, gpu_mem_gib, headroom, stages, rollout, step)
 
 
 def fit_errors(plan: Plan) -> list[str]:
@@ -264,7 +292,20 @@ def format_plan(plan: Plan) -> str:
         out.append(f"weight store (rollout.sync.policy={r.sync.policy}): {store / scale:.2f} {unit} of host memory on "
                    f"trainer rank 0 (the newest weights and the previous ones a lagging server may still read)")
     out.append(f"usable per GPU: {plan.usable_bytes / GiB:.2f} GiB; largest training GPU: {worst.total / scale:.2f} {unit}")
+    if plan.step is not None:
+        out += ["", _format_step(plan)]
     return "\n".join(out)
+
+
+def _format_step(plan: Plan) -> str:
+    st, cfg = plan.step, plan.cfg
+    tokens = st.tokens(cfg)
+    sp = st.speed
+    return (f"trainer step (estimate): {cfg.algo.train_batch_size} prompts x {cfg.rollout.n_resp_per_prompt} samples x "
+            f"{st.prompt_tokens + st.response_tokens:.0f} tokens (mean prompt {st.prompt_tokens:.0f} + response "
+            f"{st.response_tokens:.0f}) = {tokens / 1e6:.2f} M tokens -> {sp.step_s(tokens):.0f} s on {sp.gpus} GPUs "
+            f"at {sp.mfu:.0%} of {sp.peak_tflops:.0f} TFLOP/s ({sp.flops_per_token:.3g} FLOPs per token; "
+            f"`megatron-dapo simulate` trains at this rate)")
 
 
 def _optimizer_alternative(plan: Plan) -> int:
@@ -293,6 +334,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
     parser.add_argument("--headroom", type=float, default=0.1,
                         help="fraction of GPU memory kept free for the CUDA context, NCCL and fragmentation (0.1)")
+    parser.add_argument("--gpu-tflops", type=float, default=H100_BF16_TFLOPS,
+                        help=f"peak bf16 TFLOP/s per trainer GPU, for the step time ({H100_BF16_TFLOPS:g}, H100)")
+    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
+                        help=f"trainer model FLOPs utilisation, for the step time ({DEFAULT_MFU})")
+    parser.add_argument("--prompt-len", type=float, default=256, help="mean prompt tokens, for the step time (256)")
+    parser.add_argument("--response-len", type=float,
+                        help="mean response tokens, for the step time (default: the simulator's DAPO-like "
+                             "lengths for data.max_response_length)")
     return parser
 
 
@@ -306,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides, validate=False)
         for note in validate_config(cfg):
             print(f"note: {note}", file=sys.stderr)
-        plan = make_plan(cfg, args.gpu_mem_gib, args.headroom)
+        plan = make_plan(cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, args.gpu_tflops,
+                         args.mfu)
     except ConfigError as e:
         print(f"plan error: {e}", file=sys.stderr)
         return 2

@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from megatron_dapo.config.speed import DEFAULT_MFU, H100_BF16_TFLOPS
+
 # The rollout-coordination switches `advanced` takes from an advanced YAML (sections of `rollout`, or
 # `section.field` for single fields); everything else (model, cluster, batch, staleness) stays the
 # simulated config's. One definition of "advanced": the advanced launchers' own config.
@@ -75,9 +77,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-admission", choices=["sglang", "greedy"], default="sglang",
                    help="engines' KV budget for admitting: SGLang's (input + a decaying share of every "
                         "running request's remaining output) or greedy (the input only)")
-    p.add_argument("--step-time", type=float, help="trainer seconds per step; default: FLOPs estimate")
-    p.add_argument("--gpu-tflops", type=float, default=989.0, help="peak bf16 TFLOP/s per trainer GPU (989, H100)")
-    p.add_argument("--mfu", type=float, default=0.35, help="trainer model FLOPs utilisation (0.35)")
+    p.add_argument("--step-time", type=float, help="trainer seconds per step; default: plan's FLOPs estimate")
+    p.add_argument("--gpu-tflops", type=float, default=H100_BF16_TFLOPS,
+                   help=f"peak bf16 TFLOP/s per trainer GPU ({H100_BF16_TFLOPS:g}, H100)")
+    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"trainer model FLOPs utilisation ({DEFAULT_MFU})")
     p.add_argument("--sync-s", type=float, default=5.0, help="seconds of one weight sync (5)")
     p.add_argument("--lengths", default="dapo", help="dapo | a run's metrics.jsonl | JSON with `lengths`")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (256)")
@@ -98,9 +101,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def build_world(cfg, args):
     from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
-    from megatron_dapo.sim.cluster import kv_tokens_per_engine, trainer_speed
+    from megatron_dapo.config.speed import trainer_speed
+    from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
     from megatron_dapo.sim.engine import KVAdmission
-    from megatron_dapo.sim.lengths import load_lengths
+    from megatron_dapo.sim.lengths import load_lengths, mean_length
     from megatron_dapo.sim.world import World
 
     max_len = cfg.data.max_response_length
@@ -109,8 +113,8 @@ def build_world(cfg, args):
     if args.step_time is not None:
         train_s, speed = (lambda tokens: args.step_time), None
     else:
-        mean_seq = args.prompt_len + _mean_length(lengths)
-        speed = trainer_speed(cfg, mean_seq, args.gpu_tflops, args.mfu)
+        mean_seq = args.prompt_len + mean_length(lengths)
+        speed = trainer_speed(cfg, model_shape(cfg), mean_seq, args.gpu_tflops, args.mfu)
         train_s = speed.step_s
     unit = args.token_unit or max(1, max_len // 1024)
     world = World(cost=cost, kv_capacity=kv_tokens_per_engine(cfg, args.gpu_mem_gib), max_running=args.max_running,
@@ -118,10 +122,6 @@ def build_world(cfg, args):
                   prompt_len=args.prompt_len, token_unit=unit, steps=args.steps, warmup_steps=args.warmup_steps,
                   seed=args.seed, admission=KVAdmission() if args.engine_admission == "sglang" else None)
     return world, speed
-
-
-def _mean_length(lengths, n: int = 4000) -> float:
-    return sum(lengths.total(i % 97, i) for i in range(n)) / n
 
 
 def settings(modes: list[str], staleness: list[int]) -> list[tuple[str, int]]:

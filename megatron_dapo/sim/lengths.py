@@ -66,6 +66,11 @@ def dapo_like(max_len: int, seed: int = 0) -> LognormalLengths:
     return LognormalLengths(median=max_len / 4, max_len=max_len, seed=seed)
 
 
+def mean_length(lengths, n: int = 4000) -> float:
+    """The mean response length of a length model, over `n` deterministic draws."""
+    return sum(lengths.total(i % 97, i) for i in range(n)) / n
+
+
 def fit_lognormal(mean: float, truncated_frac: float, max_len: int, seed: int = 0) -> LognormalLengths:
     """Median and total sigma (split as the default's) whose cut mean and cut fraction match a run's."""
     best = None

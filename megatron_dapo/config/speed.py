@@ -1,0 +1,43 @@
+"""The trainer's step time from FLOPs: `megatron-dapo plan` prints it, `megatron-dapo simulate` trains
+at it (unless given `--step-time`).
+
+Per trained token, an old-logprob forward, a forward + backward (3 forwards' worth), and one more
+forward with full recompute; each forward 2 * active params (top-k experts only) plus causal attention
+over the mean sequence. Over the trainer GPUs at a model FLOPs utilisation (MFU) of their peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_dapo.config import derived
+from megatron_dapo.config.memory import active_params
+from megatron_dapo.config.shapes import ModelShape
+
+H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 / H200 SXM
+DEFAULT_MFU = 0.35
+
+
+@dataclass(frozen=True)
+class TrainerSpeed:
+    gpus: int
+    flops_per_token: float
+    peak_tflops: float
+    mfu: float
+
+    def step_s(self, tokens: int) -> float:
+        """Seconds to train on `tokens` (prompt + response) tokens."""
+        return tokens * self.flops_per_token / (self.gpus * self.peak_tflops * 1e12 * self.mfu)
+
+
+def trainer_speed(cfg, shape: ModelShape, mean_seq_tokens: float, peak_tflops: float = H100_BF16_TFLOPS,
+                  mfu: float = DEFAULT_MFU) -> TrainerSpeed:
+    """`cfg`'s trainer on sequences of `mean_seq_tokens`; ValueError when it has no GPU left."""
+    gpus = derived.trainer_world_size(cfg)
+    if gpus < 1:
+        raise ValueError(f"trainer: no GPUs left for training ({cfg.trainer.nnodes} x {cfg.trainer.gpus_per_node} "
+                         f"minus {derived.launched_rollout_gpus(cfg)} for the engines)")
+    attn = 2 * 2 * shape.num_layers * shape.num_attention_heads * shape.head_dim * mean_seq_tokens / 2
+    forward = 2 * active_params(shape) + attn
+    passes = 1 + 3 + (1 if cfg.model.recompute_granularity == "full" else 0)
+    return TrainerSpeed(gpus, passes * forward, peak_tflops, mfu)
