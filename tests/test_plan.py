@@ -311,3 +311,15 @@ def test_plan_prints_the_step_time_the_simulator_trains_at(capsys):
     default = make_plan(cfg, mfu=0.4)  # the default response length: the simulator's DAPO-like mean
     assert sim_speed == default.step.speed
     assert sim_speed.step_s(1e6) == pytest.approx(default.step.speed.step_s(1e6))
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--mfu", "0", "--mfu=0.0 must be in (0, 1]"),
+    ("--mfu", "1.5", "--mfu=1.5 must be in (0, 1]"),
+    ("--gpu-tflops", "-1", "--gpu-tflops=-1.0 must be > 0"),
+    ("--response-len", "-100", "--response-len=-100.0 must be >= 0"),
+    ("--prompt-len", "nan", "--prompt-len=nan must be >= 0"),
+])
+def test_plan_refuses_step_time_options_that_make_no_sense(capsys, flag, value, message):
+    assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8", flag, value]) == 2
+    assert f"plan error: {message}" in capsys.readouterr().err

@@ -391,6 +391,9 @@ def test_cli_prints_table_and_rejects_bad_lengths(tmp_path, capsys):
     bad.write_text('{"lengths": []}')
     assert main([*argv[:-2], "--lengths", str(bad)]) == 2
     assert "--lengths" in capsys.readouterr().err
+    flops_timed = [a for a in argv[:-2] if a not in ("--step-time", "0.5")]  # plan's estimate, at --mfu 0
+    assert main([*flops_timed, "--mfu", "0"]) == 2
+    assert "simulate error: --mfu=0.0 must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_ceiling_mode_frees_the_trainer_and_the_syncs_only(tmp_path, capsys):

@@ -176,6 +176,9 @@ def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1,
     rollout = None
     if layout.servers:
         rollout = rollout_memory(cfg, resolved.shape, int(gpu_mem_gib * GiB))
+    for name, n in (("--prompt-len", prompt_tokens), ("--response-len", response_tokens)):
+        if n is not None and not n >= 0:
+            raise ValueError(f"{name}={n} must be >= 0 (mean tokens per sample)")
     if response_tokens is None:
         from megatron_dapo.sim.lengths import dapo_like, mean_length
 
@@ -357,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"note: {note}", file=sys.stderr)
         plan = make_plan(cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, args.gpu_tflops,
                          args.mfu)
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         print(f"plan error: {e}", file=sys.stderr)
         return 2
     print(format_plan(plan))

@@ -32,7 +32,14 @@ class TrainerSpeed:
 
 def trainer_speed(cfg, shape: ModelShape, mean_seq_tokens: float, peak_tflops: float = H100_BF16_TFLOPS,
                   mfu: float = DEFAULT_MFU) -> TrainerSpeed:
-    """`cfg`'s trainer on sequences of `mean_seq_tokens`; ValueError when it has no GPU left."""
+    """`cfg`'s trainer on sequences of `mean_seq_tokens`; ValueError naming the option that makes no
+    sense (`--mfu`, `--gpu-tflops`, the mean lengths) or when the trainer has no GPU left."""
+    if not 0 < mfu <= 1:  # also refuses NaN
+        raise ValueError(f"--mfu={mfu} must be in (0, 1] (a share of the peak)")
+    if not peak_tflops > 0:
+        raise ValueError(f"--gpu-tflops={peak_tflops} must be > 0")
+    if not mean_seq_tokens > 0:
+        raise ValueError(f"mean sequence of {mean_seq_tokens} tokens (--prompt-len + response length) must be > 0")
     gpus = derived.trainer_world_size(cfg)
     if gpus < 1:
         raise ValueError(f"trainer: no GPUs left for training ({cfg.trainer.nnodes} x {cfg.trainer.gpus_per_node} "
