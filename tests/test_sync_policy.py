@@ -54,3 +54,25 @@ def test_bad_policy_settings_name_the_field():
         SyncPolicyConfig("status_based", indicator="gpu")
     with pytest.raises(ValueError, match="rollout.sync.check_interval_ms=0 must be > 0"):
         SyncPolicyConfig("status_based", check_interval_ms=0)
+
+
+def test_policies_check_a_config_the_loader_filled_field_by_field():
+    """The simulator loads configs without validation: the coordinator's policies and queues still refuse
+    bad values."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.coordinator.migration import MigrationPolicy
+    from megatron_dapo.coordinator.queues import RequestQueues
+    from megatron_dapo.coordinator.routing import make_routing_policy
+
+    cfg = load_config("configs/qwen3/tiny_qwen3_cpu.yaml",
+                      ["rollout.sync.check_interval_ms=0", "rollout.migration.threshold=0.5",
+                       "rollout.routing.request_budget=0", "rollout.queue.order=short"], validate=False)
+    r = cfg.rollout
+    for build, section, message in [
+        (make_sync_policy, r.sync, "rollout.sync.check_interval_ms=0.0 must be > 0"),
+        (MigrationPolicy, r.migration, "rollout.migration.threshold=0.5 must be >= 1"),
+        (make_routing_policy, r.routing, "rollout.routing.request_budget must be >= 1"),
+        (RequestQueues, r.queue, "rollout.queue.order='short' needs rollout.queue.policy=priority"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            build(section)

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from megatron_dapo.coordinator.sync_policy import INDICATORS, ServerStatus
@@ -110,7 +110,7 @@ class MigrationPolicy:
     last took part in a migration (as source or destination)."""
 
     def __init__(self, cfg: MigrationConfig, clock: Callable[[], float] = time.monotonic):
-        self.cfg, self.clock = cfg, clock
+        self.cfg, self.clock = replace(cfg), clock  # a checked copy, as make_sync_policy's
         self.history: list[Migration] = []
         self._checks = 0
         self._starved_since: dict[str, float] = {}  # url -> first check of its current starvation

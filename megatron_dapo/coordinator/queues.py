@@ -24,7 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any, Literal
 
@@ -80,7 +80,7 @@ def order_key(req: QueuedRequest, order: str) -> tuple:
 
 class RequestQueues:
     def __init__(self, cfg: QueueConfig | None = None):
-        self.cfg = cfg or QueueConfig()
+        self.cfg = replace(cfg) if cfg is not None else QueueConfig()  # a checked copy
         self._ids = itertools.count()
         self._queues: dict[tuple, list[tuple[tuple, QueuedRequest]]] = {}
 

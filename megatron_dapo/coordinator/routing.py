@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from itertools import groupby
 from typing import Literal, Optional
@@ -243,8 +243,9 @@ class ThroughputOptimalWithBudget(ThroughputOptimal):
 def make_routing_policy(cfg: RoutingConfig | None = None, concurrency: int | None = None,
                         model: CostModel | None = None):
     """The policy `cfg.method` names; `concurrency` = per-server cap on requests in flight
-    (rollout.concurrency); `model` overrides the cost model file (a simulator's own)."""
-    cfg = cfg or RoutingConfig()
+    (rollout.concurrency); `model` overrides the cost model file (a simulator's own). Works on a checked
+    copy of `cfg`, as make_sync_policy does."""
+    cfg = replace(cfg) if cfg is not None else RoutingConfig()
     if cfg.method == "least_outstanding":
         return LeastOutstanding(cfg)
     if cfg.method == "request_num_balance":

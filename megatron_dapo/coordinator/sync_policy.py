@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 POLICIES = ("all_at_once", "greedy", "status_based")
@@ -108,4 +108,7 @@ class StatusBased:
 
 
 def make_sync_policy(cfg: SyncPolicyConfig, clock: Callable[[], float] = time.monotonic):
+    """The policy `cfg` names, on a checked copy (the loader sets fields one by one, so a config loaded
+    without validation, as the simulator's, has not run the checks)."""
+    cfg = replace(cfg)
     return {"all_at_once": AllAtOnce, "greedy": Greedy, "status_based": StatusBased}[cfg.policy](cfg, clock)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -118,8 +118,7 @@ def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_
         extra = {} if client_factory is None else {"client_factory": client_factory}
         return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
                       client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry,
-                      # copies, checked (a config loaded unvalidated, e.g. by the simulator, may hold bad values)
-                      routing=replace(r.routing), queue=replace(r.queue),
+                      routing=r.routing, queue=r.queue,
                       cost_model=cost_model, **extra)
 
     return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)
