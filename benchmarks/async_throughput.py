@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=512, help="max response tokens (data.max_response_length)")
     ap.add_argument("--eos-shift", type=float, default=1.7, help="end-of-turn logit shift: sets the median length")
     ap.add_argument("--servers", type=int, default=4)
+    ap.add_argument("--server-batching", choices=("static", "continuous"), default="static",
+                    help="the embedded servers' --batching: static (their default) or continuous (SGLang's)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all settings; the table shows medians")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--policies", nargs="+", default=list(POLICY_SETTINGS), choices=list(POLICY_SETTINGS))
@@ -367,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     paths = prepare(work, args.max_len, args.eos_shift)
     traces = [work / "traces" / f"server_{i}.jsonl" for i in range(args.servers)] if args.step_trace else []
     servers = [embedded_server(str(paths["model"]), work / "server_logs" / f"server_{i}.log", seed=i,
-                               extra_args=["--step-trace", str(traces[i])] if traces else None)
+                               extra_args=["--batching", args.server_batching]
+                               + (["--step-trace", str(traces[i])] if traces else []))
                for i in range(args.servers)]
     start_servers(servers, timeout_s=300)
     args.traces = [str(t) for t in traces]  # recorded with the settings in --out
@@ -398,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.stop()
         destroy_distributed()
-    print(f"{args.servers} embedded servers, B={args.batch} x n={args.n}, max_len {args.max_len}, "
+    print(f"{args.servers} embedded servers ({args.server_batching} batching), B={args.batch} x n={args.n}, max_len {args.max_len}, "
           f"eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
           f"{args.warmup if args.warmup is not None else 'staleness + 1'} warm-up, "
           f"total {time.time() - t0:.0f}s")

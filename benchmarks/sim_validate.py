@@ -10,7 +10,8 @@ the trainer and the other servers on the same cores and the machine's load of th
 `--cost-model` (e.g. profile-engine's fit of one idle server: the old way, which left the simulation
 1.4-3.5x too fast on a shared machine). The engines batch as the embedded server does (`--batching
 static`: a batch runs to its end before waiting requests start). It then runs the same warm-up and
-measured steps. Printed per setting: measured and simulated step time (wall time of the measured steps /
+measured steps (`--batching continuous` for a run whose servers batched continuously; the run's JSON
+says which). Printed per setting: measured and simulated step time (wall time of the measured steps /
 steps) and trained tokens/s, their ratio, whether the step times agree within 25% (the issue-15 check),
 and the cost fit's error against the traced steps.
 
@@ -138,9 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bench", type=Path, required=True, help="benchmarks/async_throughput.py --out JSON")
     ap.add_argument("--cost-model", type=Path, default=None,
                     help="profile-engine JSON for every setting (default: each setting's own `cost_fit`)")
-    ap.add_argument("--batching", choices=("static", "static_split", "continuous"), default="static",
-                    help="static: the embedded server's, a burst reaching an idle server joins one batch (default); "
-                         "static_split: only its first request starts the batch; continuous: SGLang's")
+    ap.add_argument("--batching", choices=("static", "static_split", "continuous"), default=None,
+                    help="static: the embedded server's default, a burst reaching an idle server joins one batch; "
+                         "static_split: only its first request starts the batch; continuous: SGLang's, and the "
+                         "embedded server's --batching continuous (default: as the run's servers batched)")
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
     ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per server (0: max-running full sequences)")
     ap.add_argument("--tolerance", type=float, default=0.25)
@@ -152,7 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     shared = CostModel.load(args.cost_model) if args.cost_model else None
     data = json.loads(args.bench.read_text())
     results = data["results"] if isinstance(data, dict) else data
-    traces = data.get("settings", {}).get("traces") if isinstance(data, dict) else None
+    saved = data.get("settings", {}) if isinstance(data, dict) else {}
+    traces = saved.get("traces")
+    batching = args.batching or saved.get("server_batching", "static")  # runs before the flag batched statically
     if traces and not all(Path(t).is_file() for t in traces):
         traces = None  # the run's step traces are not on this machine: no decode-share column
     print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, failed = [], []
         for seed in range(args.seeds):
             try:
-                runs.append(simulate_result(result, cost, args.max_running, args.kv_capacity, args.batching, seed))
+                runs.append(simulate_result(result, cost, args.max_running, args.kv_capacity, batching, seed))
             except RuntimeError as e:  # e.g. the coordinator's stall guard: a sample aborted again and again
                 failed.append(f"seed {seed}: {e}")
         if not runs:

@@ -279,6 +279,84 @@ def test_engine_retract_resumes_with_new_weights_and_spans(tiny_qwen3):
                                     {"version": "2", "start": n_before, "end": 300}]
 
 
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_engine_continuous_batching_joins_arrivals_to_the_running_batch(tiny_qwen3, batching, batch_invariant):
+    """Requests arriving while others decode: with continuous batching they join the running batch
+    (and short ones finish first), with static batching they wait for it to end; either way every
+    sample is the one HF computes (greedy tokens, logprobs), and a seeded one is what it is alone."""
+    import threading
+
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+
+    model, _ = tiny_qwen3
+    prompts = {"a": [1, 2, 3], "b": [7, 8, 9, 10, 11], "c": [4, 5], "d": [6], "e": [2, 2]}
+    lengths = {"a": 60, "b": 8, "c": 90, "d": 6, "e": 5}
+
+    def req(rid):
+        seed = 5 if rid == "c" else None  # c samples (temperature 1), the others are greedy
+        return GenRequest(rid=rid, prompt=prompts[rid], max_new_tokens=lengths[rid], temperature=float(rid == "c"),
+                          ignore_eos=True, return_logprob=True, sampling_seed=seed)
+
+    eng = Engine(model, seed=0, batch_invariant=batch_invariant, batching=batching, max_batch=3)
+    decode_batches, timed, a_at_10 = [], eng._timed, threading.Event()
+
+    def counting(step, reqs, prefill):  # in the worker, which holds the step lock (reentrant)
+        if not prefill:
+            decode_batches.append(len(reqs))
+        out = timed(step, reqs, prefill)
+        if not a_at_10.is_set() and len(reqs[0].output) >= 10 and reqs[0].rid == "a":
+            eng.pause("in_place")  # b, c and d arrive at a's 10th token
+            a_at_10.set()
+        return out
+
+    eng._timed = counting
+    order = []  # the order the answers were sent in (the callbacks run in the engine's thread)
+
+    def submit(rid):
+        futs[rid] = eng.submit(req(rid))
+        futs[rid].add_done_callback(lambda _: order.append(rid))
+
+    futs = {}
+    try:
+        eng.pause("in_place")  # a starts alone
+        submit("a")
+        futs["a"].add_done_callback(lambda _: eng.pause("in_place"))  # at the step that ends a
+        eng.resume()
+        assert a_at_10.wait(60)
+        for rid in "bcd":  # together: two fit beside a
+            submit(rid)
+        eng.resume()
+        futs["a"].result(120)  # paused by then: e arrives while c runs (continuous) or waits (static)
+        submit("e")
+        eng.resume()
+        answers = {rid: f.result(120) for rid, f in futs.items()}
+    finally:
+        eng.close()
+    alone = Engine(model, seed=1)
+    try:
+        c_alone = alone.submit(req("c")).result(120)
+    finally:
+        alone.close()
+
+    assert max(decode_batches) == 3
+    if batching == "continuous":  # b and c join a; d takes b's place; e joins c once a is done
+        assert order == ["b", "d", "a", "e", "c"]
+    else:  # a alone; then b, c and d; e waits for c
+        assert order == ["a", "d", "b", "c", "e"]
+    for rid in "abde":
+        out = answers[rid]["output_ids"]
+        hf = model.generate(torch.tensor([prompts[rid]]), max_new_tokens=len(out), do_sample=False,
+                            min_new_tokens=len(out))
+        assert out == hf[0, len(prompts[rid]):].tolist(), rid
+    for rid in "abcde":
+        got = [x[0] for x in answers[rid]["meta_info"]["output_token_logprobs"]]
+        ref = _teacher_forced(model, prompts[rid], answers[rid]["output_ids"], float(rid == "c"))
+        assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-4, rid
+    assert answers["c"]["output_ids"] == c_alone["output_ids"]
+    assert {rid: len(a["output_ids"]) for rid, a in answers.items()} == lengths
+
+
 def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
     from megatron_dapo.rollout.embedded import schemas as S
     from megatron_dapo.rollout.embedded.engine import Engine, GenRequest

@@ -3,8 +3,10 @@
 One worker thread runs the model. Requests that are waiting when a batch starts are prefilled together
 (left-padded; identical sequences, e.g. the n samples of one prompt, are prefilled once and their cache
 rows repeated), then decoded one token per step with `past_key_values`. Finished rows leave the batch at
-once (their answer is sent), so a group's samples come back as they finish; requests arriving meanwhile
-start with the next batch.
+once (their answer is sent), so a group's samples come back as they finish. Requests arriving meanwhile
+start with the next batch (`batching="static"`, the default), or, with `batching="continuous"` (as
+SGLang schedules), are prefilled between two decode steps and join the running batch (its cache
+left-padded to a common length) up to `max_batch` sequences.
 
 Pause modes, as SGLang's `PauseGenerationReqInput` defines them:
 - in_place: the running batch stops between steps and keeps its KV cache; after continue it goes on
@@ -45,6 +47,10 @@ from megatron_dapo.rollout.embedded.sampling import (
 )
 
 log = logging.getLogger(__name__)
+
+# static: a batch runs until its last sequence ends, requests arriving meanwhile wait for the next one;
+# continuous (SGLang's): waiting requests are prefilled and join the running batch between decode steps
+BATCHING = ("static", "continuous")
 
 
 @dataclass
@@ -107,12 +113,15 @@ class _Batch:
 class Engine:
     def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
                  weight_version: str = "default", max_context: int | None = None, batch_invariant: bool = False,
-                 step_trace: StepTrace | None = None):
+                 step_trace: StepTrace | None = None, batching: str = "static"):
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
         self.batch_invariant = batch_invariant
+        if batching not in BATCHING:
+            raise ValueError(f"batching must be one of {BATCHING}, got {batching!r}")
+        self.batching = batching
         self.weight_version = str(weight_version)
         cfg = model.config
         self.max_context = max_context or getattr(cfg, "max_position_embeddings", None) or 1 << 30
@@ -247,19 +256,24 @@ class Engine:
                     if self._paused:
                         continue
                     self._reap_aborted()
-                    if self._batch is None:
-                        with self._qlock:
-                            reqs = [self._waiting.popleft() for _ in range(min(self.max_batch, len(self._waiting)))]
-                        if reqs:
-                            self._timed(self._prefill, reqs, prefill=True)
-                    else:
+                    running = len(self._batch.reqs) if self._batch is not None else 0
+                    reqs = self._admit(running) if running == 0 or self.batching == "continuous" else []
+                    if reqs:
+                        joined = self._timed(self._prefill, reqs, prefill=True)
+                        self._batch = self._merge(self._batch, joined)
+                    elif self._batch is not None:
                         self._timed(self._decode, list(self._batch.reqs), prefill=False)
             except Exception as e:  # never let one bad step kill the server: fail the batch, go on
                 log.exception("generation step failed")
                 self._fail_batch(e)
 
-    def _timed(self, step, reqs: list[GenRequest], prefill: bool) -> None:
-        """Run one prefill or decode step over `reqs` and count it in `self.stats`."""
+    def _admit(self, running: int) -> list[GenRequest]:
+        """Take as many waiting requests as the batch has room for."""
+        with self._qlock:
+            return [self._waiting.popleft() for _ in range(min(self.max_batch - running, len(self._waiting)))]
+
+    def _timed(self, step, reqs: list[GenRequest], prefill: bool):
+        """Run one prefill or decode step over `reqs`, count it in `self.stats`; returns what `step` does."""
         before = sum(len(r.output) for r in reqs)
         # identical sequences are prefilled once, except in batch-invariant mode
         seqs = [tuple(r.prompt + r.output) for r in reqs] if prefill else []
@@ -268,7 +282,7 @@ class Engine:
         self._held_answers = []  # answered once the step is counted: a client then sees it in /v1/loads
         try:
             start = time.perf_counter()
-            step(reqs) if prefill else step()
+            out = step(reqs) if prefill else step()
             end = time.perf_counter()
             generated = sum(len(r.output) for r in reqs) - before
             if prefill:
@@ -279,6 +293,7 @@ class Engine:
             if self.step_trace is not None:
                 self.step_trace.step("prefill" if prefill else "decode", len(reqs), kv, end - start,
                                      uncached if prefill else 0)
+            return out
         finally:
             held, self._held_answers = self._held_answers, None
             for future, answer in held:
@@ -308,15 +323,32 @@ class Engine:
     def _wants_input_logprobs(r: GenRequest) -> bool:
         return r.return_logprob and r.logprob_start_len >= 0 and not r.output
 
-    def _start_batch(self, reqs, cache, mask, lengths, last) -> None:
-        self._batch = _Batch(list(reqs), cache, mask, lengths, None)
+    def _start_batch(self, reqs, cache, mask, lengths, last) -> _Batch | None:
+        batch = _Batch(list(reqs), cache, mask, lengths, None)
         done = [self._budget(r) <= 0 for r in reqs]
         for r, d in zip(reqs, done):
             if d:
                 r.finish = {"type": "length", "length": r.max_new_tokens}
-        self._sample_and_advance(last, skip=done)
+        return self._sample_and_advance(batch, last, skip=done)
 
-    def _prefill_each(self, reqs: list[GenRequest]) -> None:
+    def _merge(self, running: _Batch | None, joined: _Batch | None) -> _Batch | None:
+        """One batch of `running` and the just-prefilled `joined` (continuous batching). The padded
+        cache is left-aligned anew: both are cut to their longest sequence, the shorter left-padded."""
+        if running is None or joined is None:
+            return running or joined
+        if isinstance(running.cache, list):  # batch-invariant mode: one cache per sequence
+            cache, mask = running.cache + joined.cache, None
+        else:
+            masks = [_trim_padding(b) for b in (running, joined)]
+            width = max(m.shape[1] for m in masks)
+            for a, b in zip(running.cache.layers, joined.cache.layers):
+                a.keys = torch.cat([_left_pad(a.keys, width, -2), _left_pad(b.keys, width, -2)])
+                a.values = torch.cat([_left_pad(a.values, width, -2), _left_pad(b.values, width, -2)])
+            cache, mask = running.cache, torch.cat([_left_pad(m, width, -1) for m in masks])
+        return _Batch(running.reqs + joined.reqs, cache, mask, torch.cat([running.next_pos, joined.next_pos]),
+                      torch.cat([running.last_tokens, joined.last_tokens]))
+
+    def _prefill_each(self, reqs: list[GenRequest]) -> _Batch | None:
         from transformers import DynamicCache
 
         caches, lasts = [], []
@@ -332,9 +364,9 @@ class Engine:
             caches.append(cache)
             lasts.append(logits[0, -1])
         lengths = torch.tensor([len(r.prompt) + len(r.output) for r in reqs], device=self.device)
-        self._start_batch(reqs, caches, None, lengths, torch.stack(lasts))
+        return self._start_batch(reqs, caches, None, lengths, torch.stack(lasts))
 
-    def _prefill(self, reqs: list[GenRequest]) -> None:
+    def _prefill(self, reqs: list[GenRequest]) -> _Batch | None:
         from transformers import DynamicCache
 
         if self.batch_invariant:
@@ -361,7 +393,7 @@ class Engine:
         last = logits[:, -1][index]
         cache.batch_select_indices(index)
         lengths = torch.tensor([len(s) for s in seqs], device=self.device)
-        self._start_batch(reqs, cache, mask[index], lengths, last)
+        return self._start_batch(reqs, cache, mask[index], lengths, last)
 
     def _decode(self) -> None:
         b = self._batch
@@ -374,19 +406,20 @@ class Engine:
                                                    b.next_pos[i:i + 1].unsqueeze(-1), b.cache[i])
                 rows.append(logits[0, -1])
             b.next_pos = b.next_pos + 1
-            self._sample_and_advance(torch.stack(rows))
+            self._batch = self._sample_and_advance(b, torch.stack(rows))
             return
         ids = b.last_tokens.unsqueeze(-1)
         b.mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=-1)
         logits, b.cache = self._forward(ids, b.mask, b.next_pos.unsqueeze(-1), b.cache)
         b.next_pos = b.next_pos + 1
-        self._sample_and_advance(logits[:, -1])
+        self._batch = self._sample_and_advance(b, logits[:, -1])
 
     def _budget(self, r: GenRequest) -> int:
         return min(r.max_new_tokens - len(r.output), self.max_context - len(r.prompt) - len(r.output))
 
-    def _sample_and_advance(self, last_logits: torch.Tensor, skip: list[bool] | None = None) -> None:
-        b = self._batch
+    def _sample_and_advance(self, b: _Batch, last_logits: torch.Tensor,
+                            skip: list[bool] | None = None) -> _Batch | None:
+        """Draw each row's next token; returns the batch of the rows still running (None: none)."""
         dev = last_logits.device
         temp = torch.tensor([r.temperature for r in b.reqs], device=dev)
         top_p = torch.tensor([r.top_p for r in b.reqs], device=dev)
@@ -408,7 +441,7 @@ class Engine:
             if top is not None and r.top_logprobs_num > 0:
                 r.output_top.append((top[0][i][:r.top_logprobs_num], top[1][i][:r.top_logprobs_num]))
             r.finish = self._finish_reason(r, tok)
-        self._retire_finished()
+        return self._retire_finished(b)
 
     def _penalties(self, r: GenRequest) -> Penalties:
         stop_ids = frozenset()
@@ -432,15 +465,14 @@ class Engine:
             return {"type": "length", "length": r.max_new_tokens}
         return None
 
-    def _retire_finished(self) -> None:
-        b = self._batch
+    def _retire_finished(self, b: _Batch) -> _Batch | None:
         keep = [i for i, r in enumerate(b.reqs) if r.finish is None]
         for r in b.reqs:
             if r.finish is not None:
                 self._send(r)
         if not keep:
-            self._batch = None
-        elif len(keep) < len(b.reqs):
+            return None
+        if len(keep) < len(b.reqs):
             idx = torch.tensor(keep, device=b.next_pos.device)
             if isinstance(b.cache, list):  # batch-invariant mode: one cache per sequence
                 b.cache = [b.cache[i] for i in keep]
@@ -449,6 +481,7 @@ class Engine:
                 b.mask = b.mask[idx]
             b.reqs = [b.reqs[i] for i in keep]
             b.next_pos, b.last_tokens = b.next_pos[idx], b.last_tokens[idx]
+        return b
 
     def _reap_aborted(self) -> None:
         with self._qlock:
@@ -460,7 +493,7 @@ class Engine:
             for r in self._batch.reqs:
                 if r.abort_msg and r.finish is None:
                     r.finish = {"type": "abort", "message": r.abort_msg, "status_code": None, "err_type": None}
-            self._retire_finished()
+            self._batch = self._retire_finished(self._batch)
 
     def _retract(self) -> None:
         if self._batch is None:
@@ -521,6 +554,22 @@ class Engine:
             r.output, skip_special_tokens=r.skip_special_tokens,
             spaces_between_special_tokens=r.spaces_between_special_tokens)
         return {"text": text, "output_ids": list(r.output), "meta_info": meta}
+
+
+def _trim_padding(b: _Batch) -> torch.Tensor:
+    """Cut the cache columns no row attends to (the left padding of rows that have left the batch);
+    returns the mask without them."""
+    first = int(b.mask.any(0).int().argmax())  # the first column some row attends to
+    if first:
+        for layer in b.cache.layers:
+            layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+    return b.mask[:, first:]
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """`t` with zeros in front along `dim` (-1 or -2) up to `width`."""
+    missing = width - t.shape[dim]
+    return torch.nn.functional.pad(t, (missing, 0) if dim == -1 else (0, 0, missing, 0))
 
 
 def weight_version_spans(events: list[tuple[str, int]], current: str, n_tokens: int) -> list[dict]:

@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from megatron_dapo.rollout.embedded import load_report
 from megatron_dapo.rollout.embedded import schemas as S
-from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+from megatron_dapo.rollout.embedded.engine import BATCHING, Engine, GenRequest
 from megatron_dapo.rollout.embedded.load_stats import StepTrace
 from megatron_dapo.rollout.embedded.limits import BodySizeLimit, ServerLimits, sampling_range_problem
 from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
@@ -138,9 +138,9 @@ class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
                  weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False,
                  served_model_name: str | None = None, limits: ServerLimits | None = None,
-                 step_trace: str | None = None):
+                 step_trace: str | None = None, batching: str = "static"):
         self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
-                             batch_invariant=batch_invariant,
+                             batch_invariant=batch_invariant, batching=batching,
                              step_trace=StepTrace(step_trace) if step_trace else None)
         self.loader = HFWeightLoader(model)
         self.model_path = model_path
@@ -702,7 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require `Authorization: Bearer KEY` (default: $MEGATRON_DAPO_API_KEY)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=64, help="most sequences running at once")
+    p.add_argument("--batching", choices=BATCHING, default="static",
+                   help="static: a batch runs until its last sequence ends, arrivals wait for the next one; "
+                        "continuous: arrivals are prefilled between decode steps and join the running batch "
+                        "(as SGLang schedules)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models reports (default: --model)")
@@ -742,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
                             weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
                             batch_invariant=args.enable_deterministic_inference,
-                            served_model_name=args.served_model_name, limits=limits, step_trace=args.step_trace)
+                            served_model_name=args.served_model_name, limits=limits, step_trace=args.step_trace,
+                            batching=args.batching)
     print(f"embedded server: {args.model} on {server.engine.device}, loaded in {time.time() - t0:.1f}s, "
           f"listening on http://{args.host}:{args.port}", flush=True)
     # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,
