@@ -357,6 +357,48 @@ def test_engine_continuous_batching_joins_arrivals_to_the_running_batch(tiny_qwe
     assert {rid: len(a["output_ids"]) for rid, a in answers.items()} == lengths
 
 
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_engine_fails_only_the_requests_of_a_failed_step(tiny_qwen3, batching):
+    """A prefill that raises fails the requests it was prefilling (they used to wait forever); the
+    batch they were to join goes on. A decode that raises fails its batch. The engine serves on."""
+    import threading
+
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+
+    model, _ = tiny_qwen3
+    eng = Engine(model, seed=0, batching=batching)
+    prefill, decode, running = eng._prefill, eng._decode, threading.Event()
+    failing = {"prefill": False, "decode": False}
+
+    def flaky(step, name):
+        def run(*a):
+            if failing[name]:
+                failing[name] = False
+                raise RuntimeError(f"injected {name} failure")
+            running.set()
+            return step(*a)
+        return run
+
+    eng._prefill, eng._decode = flaky(prefill, "prefill"), flaky(decode, "decode")
+    greedy = lambda rid, m: GenRequest(rid=rid, prompt=[1, 2], max_new_tokens=m, temperature=0.0,  # noqa: E731
+                                       ignore_eos=True)
+    try:
+        long = eng.submit(greedy("long", 40))
+        assert running.wait(60)
+        failing["prefill"] = True
+        joining = eng.submit(greedy("joining", 5))
+        with pytest.raises(RuntimeError, match="injected prefill failure"):
+            joining.result(60)
+        assert long.result(60)["output_ids"] == eng.submit(greedy("again", 40)).result(60)["output_ids"]
+        failing["decode"] = True
+        with pytest.raises(RuntimeError, match="injected decode failure"):
+            eng.submit(greedy("decoded", 5)).result(60)
+        assert len(eng.submit(greedy("after", 3)).result(60)["output_ids"]) == 3
+        assert eng.in_flight() == 0
+    finally:
+        eng.close()
+
+
 def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
     from megatron_dapo.rollout.embedded import schemas as S
     from megatron_dapo.rollout.embedded.engine import Engine, GenRequest

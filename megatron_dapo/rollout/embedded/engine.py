@@ -142,6 +142,7 @@ class Engine:
         self.stats = LoadStats()
         self.step_trace = step_trace  # None: no per-step lines (the default; the counters above are kept)
         self._held_answers: list | None = None  # during a step: answers to send once it is counted
+        self._in_step: list[GenRequest] = []  # the requests of the step running now
         self._active: dict[str, GenRequest] = {}  # rid -> request, until its answer is sent
         self._thread = threading.Thread(target=self._loop, name="embedded-engine", daemon=True)
         self._thread.start()
@@ -256,16 +257,24 @@ class Engine:
                     if self._paused:
                         continue
                     self._reap_aborted()
-                    running = len(self._batch.reqs) if self._batch is not None else 0
-                    reqs = self._admit(running) if running == 0 or self.batching == "continuous" else []
-                    if reqs:
-                        joined = self._timed(self._prefill, reqs, prefill=True)
-                        self._batch = self._merge(self._batch, joined)
-                    elif self._batch is not None:
-                        self._timed(self._decode, list(self._batch.reqs), prefill=False)
-            except Exception as e:  # never let one bad step kill the server: fail the batch, go on
+                    self._step()
+            except Exception as e:  # never let one bad step kill the server: fail its requests, go on
                 log.exception("generation step failed")
-                self._fail_batch(e)
+                self._fail_step(e)
+
+    def _step(self) -> None:
+        """Prefill the waiting requests there is room for (none beside a static batch), else decode."""
+        running = len(self._batch.reqs) if self._batch is not None else 0
+        reqs = self._admit(running) if running == 0 or self.batching == "continuous" else []
+        if reqs:
+            self._in_step = reqs  # a failed prefill fails these; the running batch goes on
+            joined = self._timed(self._prefill, reqs, prefill=True)
+            self._in_step = reqs + (self._batch.reqs if self._batch is not None else [])
+            self._batch = self._merge(self._batch, joined)
+        elif self._batch is not None:
+            self._in_step = list(self._batch.reqs)
+            self._timed(self._decode, self._in_step, prefill=False)
+        self._in_step = []
 
     def _admit(self, running: int) -> list[GenRequest]:
         """Take as many waiting requests as the batch has room for."""
@@ -504,10 +513,12 @@ class Engine:
                 r.num_retractions += 1
                 self._waiting.appendleft(r)
 
-    def _fail_batch(self, e: Exception) -> None:
+    def _fail_step(self, e: Exception) -> None:
+        """Fail the requests of the step that raised (the batch too, if it was in it)."""
         with self.step_lock:
-            reqs = self._batch.reqs if self._batch is not None else []
-            self._batch = None
+            reqs, self._in_step = self._in_step, []
+            if self._batch is not None and {id(r) for r in reqs} & {id(r) for r in self._batch.reqs}:
+                self._batch = None
             for r in reqs:
                 self._active.pop(r.rid, None)
                 if not r.future.done():
