@@ -214,7 +214,8 @@ def test_eval_cli_on_a_tp2_training_checkpoint(tmp_path, capsys):
     rc = main([str(TINY), "--checkpoint", str(tmp_path / "ckpts"), "--samples", str(samples),
                f"model.hf_path={model_a}", f"data.val_files=[{val}]", f"logging.run_dir={run_dir}",
                "reward.name=tests.eval_reward:first_char_class", "rollout.num_servers=1",
-               "trainer.val.n=4", "trainer.val.greedy=true", "trainer.val.max_new_tokens=4"])
+               "trainer.val.n=4", "trainer.val.greedy=true", "trainer.val.max_new_tokens=4",
+               "rollout.embedded_batching=continuous"])
     out = capsys.readouterr().out
     assert rc == 0, out
     result = json.loads((run_dir / "eval" / "step_000007.json").read_text())
@@ -225,6 +226,7 @@ def test_eval_cli_on_a_tp2_training_checkpoint(tmp_path, capsys):
     assert all(m[f"val/s2/acc/{k}"] == 0.0 for k in ("mean@4", "best@4", "maj@4", "greedy"))
     assert "maj@4" in out and "s1" in out
     assert not list((run_dir / "eval").glob(".work-*"))  # the converted weights are gone
+    assert "(continuous batching)" in (run_dir / "eval" / "logs" / "server_0.log").read_text()
 
     records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(records) == 9 * 5

@@ -617,6 +617,9 @@ def test_embedded_command_flags_parse_in_the_server():
     args = build_parser().parse_args(cmd[4:])
     assert (args.model, args.port, args.seed, args.enable_deterministic_inference) == ("/m", 1234, 3, True)
     assert not build_parser().parse_args(embedded_command("/m", 1, python="py")[4:]).enable_deterministic_inference
+    assert build_parser().parse_args(embedded_command("/m", 1, python="py")[4:]).batching == "static"
+    assert build_parser().parse_args(embedded_command("/m", 1, batching="continuous", python="py")[4:]).batching \
+        == "continuous"
 
 
 def test_launch_sglang_says_what_is_missing(tmp_path):

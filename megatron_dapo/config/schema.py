@@ -219,6 +219,9 @@ class RolloutConfig:
     # batch-invariant logprobs, so a resumed synchronous run reproduces the uninterrupted one exactly.
     # Costs generation throughput (the embedded server then runs one forward per sequence).
     deterministic_inference: bool = False
+    # How the embedded servers the driver launches schedule (`serve --batching`): static, a batch runs
+    # until its last sequence ends; continuous, as SGLang: arrivals join the running batch.
+    embedded_batching: Literal["static", "continuous"] = "static"
     # Partial rollout: a sample the server aborts (an update that aborts requests, a pause in abort
     # mode) continues from its tokens and logprobs, same seed, max_new_tokens reduced; each token keeps
     # the weight version that made it. False = the aborted group is generated again from scratch.

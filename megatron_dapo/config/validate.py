@@ -228,6 +228,9 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
             f"rollout.server_tp={r.server_tp} exceeds trainer.gpus_per_node={cfg.trainer.gpus_per_node}: "
             f"an SGLang engine runs on one node"
         )
+    if r.embedded_batching != "static" and (r.engine != "embedded" or r.servers):
+        errors.append(f"rollout.embedded_batching={r.embedded_batching} applies only to embedded servers the driver "
+                      f"launches (rollout.engine=embedded, no rollout.servers); SGLang always batches continuously")
     if r.engine == "embedded" and r.server_tp != 1:
         errors.append(f"rollout.server_tp={r.server_tp}: the embedded engine has no tensor parallelism; use 1")
     if cfg.trainer.launcher == "torchrun" and r.engine == "sglang" and not r.servers:

@@ -83,7 +83,7 @@ def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list
 
 def embedded_command(model_dir: str, port: int, host: str = LOOPBACK, api_key: str | None = None,
                      device: str = "auto", seed: int = 0, threads: int | None = 1,
-                     deterministic_inference: bool = False,
+                     deterministic_inference: bool = False, batching: str = "static",
                      extra_args: list[str] | None = None, python: str = sys.executable) -> list[str]:
     cmd = [python, "-m", "megatron_dapo.cli", "serve", "--model", str(model_dir), "--host", host,
            "--port", str(port), "--device", device, "--seed", str(seed)]
@@ -91,6 +91,8 @@ def embedded_command(model_dir: str, port: int, host: str = LOOPBACK, api_key: s
         cmd += ["--threads", str(threads)]
     if deterministic_inference:
         cmd.append("--enable-deterministic-inference")
+    if batching != "static":
+        cmd += ["--batching", batching]
     return cmd + list(extra_args or [])
 
 

@@ -87,7 +87,8 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         servers = launcher.launch_embedded_servers(str(model_dir), r.num_servers, log_dir, api_key=r.api_key,
-                                                   device=device, deterministic_inference=r.deterministic_inference)
+                                                   device=device, deterministic_inference=r.deterministic_inference,
+                                                   batching=r.embedded_batching)
         for s in servers:
             stack.callback(s.stop)
         return [s.url for s in servers]

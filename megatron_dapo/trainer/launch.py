@@ -53,7 +53,8 @@ class _ServerActor:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.proc = launcher.launch_embedded(cfg.model.hf_path, log_path, api_key=cfg.rollout.api_key,
                                                  seed=index, device=device,
-                                                 deterministic_inference=cfg.rollout.deterministic_inference)
+                                                 deterministic_inference=cfg.rollout.deterministic_inference,
+                                                 batching=cfg.rollout.embedded_batching)
         return self.proc.url
 
     def stop(self) -> None:
