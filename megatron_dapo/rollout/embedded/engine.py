@@ -341,8 +341,8 @@ class Engine:
         return self._sample_and_advance(batch, last, skip=done)
 
     def _merge(self, running: _Batch | None, joined: _Batch | None) -> _Batch | None:
-        """One batch of `running` and the just-prefilled `joined` (continuous batching). The padded
-        cache is left-aligned anew: both are cut to their longest sequence, the shorter left-padded."""
+        """One batch of `running` and the just-prefilled `joined` (continuous batching). Each padded cache
+        loses the columns no row attends to any more; the narrower one is then left-padded to the other."""
         if running is None or joined is None:
             return running or joined
         if isinstance(running.cache, list):  # batch-invariant mode: one cache per sequence

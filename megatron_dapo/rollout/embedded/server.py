@@ -748,8 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                             batch_invariant=args.enable_deterministic_inference,
                             served_model_name=args.served_model_name, limits=limits, step_trace=args.step_trace,
                             batching=args.batching)
-    print(f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), loaded in {time.time() - t0:.1f}s, "
-          f"listening on http://{args.host}:{args.port}", flush=True)
+    print(f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "
+          f"loaded in {time.time() - t0:.1f}s, listening on http://{args.host}:{args.port}", flush=True)
     # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,
     # say) instead of waiting for it; calls that wait on a peer run in daemon threads nobody joins.
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
