@@ -6,8 +6,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def _setup(tmp_path_factory, batching="static"):
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
@@ -22,12 +21,23 @@ def setup(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(model)
     train, _ = write_task(root / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
     ds = PromptDataset(train, tok, max_prompt_length=64)
-    servers = launch_embedded_servers(str(model), 2, root / "logs", timeout_s=240)
+    servers = launch_embedded_servers(str(model), 2, root / "logs", timeout_s=240, batching=batching)
     try:
         yield ds, [s.url for s in servers]
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    yield from _setup(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def continuous_setup(tmp_path_factory):
+    """Servers that batch as SGLang does: arrivals join the running batch."""
+    yield from _setup(tmp_path_factory, batching="continuous")
 
 
 def _set_server_version(urls, version):
@@ -348,8 +358,10 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
 
 
-def test_redundancy_retry_and_migration_together_lose_nothing(setup):
-    """Every rollout-coordination switch on, against the two real servers: sample- and prompt-level
+@pytest.mark.parametrize("servers", ["setup", "continuous_setup"])
+def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
+    """Every rollout-coordination switch on, against two real servers (batching statically, or
+    continuously as SGLang does): sample- and prompt-level
     redundancy, the proactive filter and migration (on the servers' own KV use from /v1/loads,
     thresholds low enough that it fires whenever one server is idle). Each batch has B groups of
     exactly n finished samples, within the staleness bound, each token's weight version between the
@@ -360,7 +372,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(setup):
     from megatron_dapo.coordinator.migration import MigrationConfig
     from megatron_dapo.trainer.groups import token_versions
 
-    ds, urls = setup
+    ds, urls = request.getfixturevalue(servers)
     _set_server_version(urls, 0)  # earlier tests leave the servers labelled with later versions
     # at least 4 steps, and on until a migration has happened (when a server idles is a matter of timing)
     B, n, staleness, min_steps, max_steps = 3, 4, 1, 4, 12
