@@ -357,6 +357,73 @@ def test_engine_continuous_batching_joins_arrivals_to_the_running_batch(tiny_qwe
     assert {rid: len(a["output_ids"]) for rid, a in answers.items()} == lengths
 
 
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_engine_kv_pool_bounds_admission_and_retracts_as_sglang(tiny_qwen3, batch_invariant):
+    """--max-total-tokens 40, continuous batching: b joins a while both fit; when the next decode step
+    would overflow the pool, b (fewer output tokens) is retracted, waits until a has left, and is
+    prefilled again; no decode step ever holds more than the pool. A request that cannot fit at all is
+    aborted; the last request left is aborted when even it outgrows the pool. Tokens and logprobs are
+    HF's throughout."""
+    import threading
+
+    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+
+    model, _ = tiny_qwen3
+    prompts = {"a": [1, 2, 3], "b": [7, 8, 9, 10, 11]}
+
+    def greedy(rid, prompt, m):
+        return GenRequest(rid=rid, prompt=prompt, max_new_tokens=m, temperature=0.0, ignore_eos=True,
+                          return_logprob=True)
+
+    eng = Engine(model, seed=0, batching="continuous", batch_invariant=batch_invariant, max_total_tokens=40)
+    held, timed, a_at_10 = [], eng._timed, threading.Event()
+
+    def counting(step, reqs, prefill):  # in the worker, which holds the step lock (reentrant)
+        if not prefill:
+            held.append(sum(len(r.prompt) + len(r.output) + 1 for r in reqs))  # KV after the step
+        out = timed(step, reqs, prefill)
+        if not a_at_10.is_set() and reqs[0].rid == "a" and len(reqs[0].output) >= 10:
+            eng.pause("in_place")
+            a_at_10.set()
+        return out
+
+    eng._timed = counting
+    try:
+        from megatron_dapo.rollout import payloads
+        from megatron_dapo.rollout.embedded import load_report
+
+        assert payloads.parse_loads({"loads": [load_report.load_row(eng)]}).kv_capacity == 40  # /v1/loads
+        eng.pause("in_place")
+        fut_a = eng.submit(greedy("a", prompts["a"], 30))
+        eng.resume()
+        assert a_at_10.wait(60)
+        fut_b = eng.submit(greedy("b", prompts["b"], 20))  # 13 + 5 tokens: fits beside a
+        eng.resume()
+        answers = {"a": fut_a.result(120), "b": fut_b.result(120)}
+        too_long = eng.submit(greedy("long", list(range(1, 41)), 4)).result(60)
+        outgrown = eng.submit(greedy("grow", list(range(1, 31)), 20)).result(60)
+    finally:
+        eng.close()
+
+    assert max(held) <= 40 and max(held) >= 38  # the pool was used up to its end, never over
+    assert answers["a"]["meta_info"]["num_retractions"] == 0
+    assert answers["b"]["meta_info"]["num_retractions"] == 1
+    for rid, a in answers.items():
+        out = a["output_ids"]
+        assert len(out) == {"a": 30, "b": 20}[rid]
+        hf = model.generate(torch.tensor([prompts[rid]]), max_new_tokens=len(out), do_sample=False,
+                            min_new_tokens=len(out))
+        assert out == hf[0, len(prompts[rid]):].tolist(), rid
+        got = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+        ref = _teacher_forced(model, prompts[rid], out, 0.0)
+        assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-4, rid
+    assert too_long["meta_info"]["finish_reason"]["type"] == "abort" and too_long["output_ids"] == []
+    assert "--max-total-tokens" in too_long["meta_info"]["finish_reason"]["message"]
+    assert outgrown["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "Out of memory" in outgrown["meta_info"]["finish_reason"]["message"]
+    assert len(outgrown["output_ids"]) == 10  # 30 + 10 tokens fill the pool
+
+
 @pytest.mark.parametrize("batching", ["continuous", "static"])
 def test_engine_fails_only_the_requests_of_a_failed_step(tiny_qwen3, batching):
     """A prefill that raises fails the requests it was prefilling (they used to wait forever); the
@@ -620,6 +687,15 @@ def test_embedded_command_flags_parse_in_the_server():
     assert build_parser().parse_args(embedded_command("/m", 1, python="py")[4:]).batching == "static"
     assert build_parser().parse_args(embedded_command("/m", 1, batching="continuous", python="py")[4:]).batching \
         == "continuous"
+    assert build_parser().parse_args(["--model", "/m", "--max-total-tokens", "40"]).max_total_tokens == 40
+
+
+def test_embedded_server_refuses_an_empty_kv_pool(capsys):
+    from megatron_dapo.rollout.embedded.server import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "/nonexistent", "--max-total-tokens", "0"])
+    assert e.value.code == 2 and "--max-total-tokens 0: must be >= 1" in capsys.readouterr().err
 
 
 def test_launch_sglang_says_what_is_missing(tmp_path):

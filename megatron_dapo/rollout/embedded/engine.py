@@ -100,7 +100,7 @@ class EngineLoad:
     waiting: int
     resident_tokens: int  # KV tokens of the running sequences (prompt + generated so far)
     waiting_tokens: int  # tokens the waiting requests will prefill
-    capacity: int  # most KV tokens the engine can hold: max_batch sequences of max_context tokens
+    capacity: int  # most KV tokens the engine holds: max_total_tokens, else max_batch x max_context
     paused: int  # running requests held by an in_place pause
     retracted: int  # waiting requests that were retracted (to be prefilled again)
 
@@ -113,7 +113,7 @@ class _Batch:
 class Engine:
     def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
                  weight_version: str = "default", max_context: int | None = None, batch_invariant: bool = False,
-                 step_trace: StepTrace | None = None, batching: str = "static"):
+                 step_trace: StepTrace | None = None, batching: str = "static", max_total_tokens: int | None = None):
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -125,6 +125,11 @@ class Engine:
         self.weight_version = str(weight_version)
         cfg = model.config
         self.max_context = max_context or getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        if max_total_tokens is not None and max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        # SGLang's --max-total-tokens: the KV pool. Admission and decode keep the running sequences within it.
+        self.capacity = max_total_tokens or self.max_batch * self.max_context
+        self._kv_pressure = False  # a decode retracted for room: admit nothing until a sequence leaves
         self.vocab_size = cfg.vocab_size
         eos = getattr(cfg, "eos_token_id", None)
         gen_cfg = getattr(model, "generation_config", None)
@@ -180,7 +185,7 @@ class Engine:
         seq_len = lambda r: len(r.prompt) + len(r.output)  # noqa: E731
         return EngineLoad(
             running=len(running), waiting=len(waiting), resident_tokens=sum(map(seq_len, running)),
-            waiting_tokens=sum(map(seq_len, waiting)), capacity=self.max_batch * self.max_context,
+            waiting_tokens=sum(map(seq_len, waiting)), capacity=self.capacity,
             paused=len(running) if paused else 0, retracted=sum(r.num_retractions > 0 for r in waiting))
 
     def is_paused(self) -> bool:
@@ -272,14 +277,61 @@ class Engine:
             self._in_step = reqs + (self._batch.reqs if self._batch is not None else [])
             self._batch = self._merge(self._batch, joined)
         elif self._batch is not None:
-            self._in_step = list(self._batch.reqs)
-            self._timed(self._decode, self._in_step, prefill=False)
+            self._make_room()
+            if self._batch is not None:
+                self._in_step = list(self._batch.reqs)
+                self._timed(self._decode, self._in_step, prefill=False)
         self._in_step = []
 
     def _admit(self, running: int) -> list[GenRequest]:
-        """Take as many waiting requests as the batch has room for."""
+        """Take waiting requests, first come first served, while the batch has room for them: at most
+        max_batch sequences whose KV, with one more token each, fits the pool. A request that could
+        never fit is aborted."""
+        if self._kv_pressure and running:
+            return []
+        resident = sum(map(_seq_len, self._batch.reqs)) if running else 0
+        taken: list[GenRequest] = []
         with self._qlock:
-            return [self._waiting.popleft() for _ in range(min(self.max_batch - running, len(self._waiting)))]
+            while self._waiting and running + len(taken) < self.max_batch:
+                r = self._waiting[0]
+                if _seq_len(r) + 1 > self.capacity:
+                    self._waiting.popleft()
+                    r.finish = {"type": "abort", "status_code": 400, "err_type": None, "message": (
+                        f"{_seq_len(r)} tokens do not fit the KV pool of {self.capacity} (--max-total-tokens)")}
+                    self._send(r)
+                    continue
+                if resident + _seq_len(r) + running + len(taken) + 1 > self.capacity:
+                    break
+                resident += _seq_len(self._waiting.popleft())
+                taken.append(r)
+        return taken
+
+    def _make_room(self) -> None:
+        """Before a decode step: retract running sequences until every one can add its token to the KV
+        pool, as SGLang's retract_decode orders them (fewest output tokens first, then longest prompt);
+        the last one is never retracted, it is aborted if even it does not fit."""
+        b = self._batch
+        resident = sum(map(_seq_len, b.reqs))
+        if resident + len(b.reqs) <= self.capacity:
+            return
+        keep = sorted(range(len(b.reqs)), key=lambda i: (len(b.reqs[i].output), -len(b.reqs[i].prompt)))
+        retracted = []
+        while len(keep) > 1 and resident + len(keep) > self.capacity:
+            i = keep.pop(0)
+            resident -= _seq_len(b.reqs[i])
+            retracted.append(b.reqs[i])
+        if resident + len(keep) > self.capacity:
+            r = b.reqs[keep[0]]
+            r.finish = {"type": "abort", "status_code": 500, "err_type": None, "message": (
+                "Out of memory even after retracting all other requests in the decode batch")}
+        self._batch = self._select(b, sorted(keep))
+        self._kv_pressure = True
+        with self._qlock:
+            for r in reversed(retracted):
+                r.num_retractions += 1
+                self._waiting.appendleft(r)
+        if self._batch is not None:
+            self._batch = self._retire_finished(self._batch)
 
     def _timed(self, step, reqs: list[GenRequest], prefill: bool):
         """Run one prefill or decode step over `reqs`, count it in `self.stats`; returns what `step` does."""
@@ -479,6 +531,13 @@ class Engine:
         for r in b.reqs:
             if r.finish is not None:
                 self._send(r)
+        if len(keep) < len(b.reqs):
+            self._kv_pressure = False  # KV was freed
+        return self._select(b, keep)
+
+    @staticmethod
+    def _select(b: _Batch, keep: list[int]) -> _Batch | None:
+        """`b` with only its rows `keep` (None: no rows)."""
         if not keep:
             return None
         if len(keep) < len(b.reqs):
@@ -565,6 +624,11 @@ class Engine:
             r.output, skip_special_tokens=r.skip_special_tokens,
             spaces_between_special_tokens=r.spaces_between_special_tokens)
         return {"text": text, "output_ids": list(r.output), "meta_info": meta}
+
+
+def _seq_len(r: GenRequest) -> int:
+    """KV tokens of `r` once prefilled: its prompt and what it generated so far."""
+    return len(r.prompt) + len(r.output)
 
 
 def _trim_padding(b: _Batch) -> torch.Tensor:

@@ -6,8 +6,9 @@ What the fields hold here (SGLang's meaning, this engine's counters):
 - num_used_tokens: KV tokens of the running sequences; num_total_tokens (= num_active_tokens): those
   plus the tokens the waiting requests will prefill; num_waiting_uncached_tokens: the latter (no
   prefix cache outlives a batch here);
-- max_total_num_tokens: the KV capacity, max_batch sequences of the model's full context (the engine
-  allocates KV per batch, not from a fixed pool); token_usage = num_used_tokens / max_total_num_tokens;
+- max_total_num_tokens: the KV capacity, `--max-total-tokens` (admission and decode keep the running
+  sequences within it, retracting as SGLang does), else max_batch sequences of the model's full context;
+  token_usage = num_used_tokens / max_total_num_tokens;
 - gen_throughput: generated tokens/s over the recent steps; decode_moments and total_prefill_*: the
   cumulative step counters of `load_stats.LoadStats`;
 - sections memory, disaggregation (mode "null"), queues; speculative and lora are absent, as in an

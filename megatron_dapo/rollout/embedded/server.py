@@ -138,15 +138,16 @@ class EmbeddedServer:
     def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
                  weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False,
                  served_model_name: str | None = None, limits: ServerLimits | None = None,
-                 step_trace: str | None = None, batching: str = "static"):
+                 step_trace: str | None = None, batching: str = "static", max_total_tokens: int | None = None):
         self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
-                             batch_invariant=batch_invariant, batching=batching,
+                             batch_invariant=batch_invariant, batching=batching, max_total_tokens=max_total_tokens,
                              step_trace=StepTrace(step_trace) if step_trace else None)
         self.loader = HFWeightLoader(model)
         self.model_path = model_path
         self.served_model_name = served_model_name or model_path  # SGLang's default
         self.startup_time = time.time()
         self.launch_settings = {"random_seed": seed, "max_running_requests": max_batch,
+                                "max_total_tokens": max_total_tokens,
                                 "enable_deterministic_inference": batch_invariant}
         self.api_key = api_key
         self.groups: dict[str, torch.distributed.ProcessGroup] = {}
@@ -707,6 +708,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static: a batch runs until its last sequence ends, arrivals wait for the next one; "
                         "continuous: arrivals are prefilled between decode steps and join the running batch "
                         "(as SGLang schedules)")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="the KV pool in tokens (SGLang's flag): requests wait while the running sequences fill it, "
+                        "and a decode step that would overflow it retracts sequences (default: --max-batch "
+                        "sequences of the full context)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models reports (default: --model)")
@@ -738,6 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         limits = ServerLimits(args.max_request_bytes, args.max_n, args.weight_group_timeout_s)
     except ValueError as e:
         parser.error(str(e))
+    if args.max_total_tokens is not None and args.max_total_tokens < 1:
+        parser.error(f"--max-total-tokens {args.max_total_tokens}: must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -747,7 +754,7 @@ def main(argv: list[str] | None = None) -> int:
                             weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
                             batch_invariant=args.enable_deterministic_inference,
                             served_model_name=args.served_model_name, limits=limits, step_trace=args.step_trace,
-                            batching=args.batching)
+                            batching=args.batching, max_total_tokens=args.max_total_tokens)
     print(f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "
           f"loaded in {time.time() - t0:.1f}s, listening on http://{args.host}:{args.port}", flush=True)
     # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,
