@@ -319,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", type=int, default=4)
     ap.add_argument("--server-batching", choices=("static", "continuous"), default="static",
                     help="the embedded servers' --batching: static (their default) or continuous (SGLang's)")
+    ap.add_argument("--server-kv-tokens", type=int, default=None,
+                    help="the embedded servers' --max-total-tokens (KV pool per server; default: unbounded)")
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all settings; the table shows medians")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--policies", nargs="+", default=list(POLICY_SETTINGS), choices=list(POLICY_SETTINGS))
@@ -370,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = [work / "traces" / f"server_{i}.jsonl" for i in range(args.servers)] if args.step_trace else []
     servers = [embedded_server(str(paths["model"]), work / "server_logs" / f"server_{i}.log", seed=i,
                                extra_args=["--batching", args.server_batching]
+                               + (["--max-total-tokens", str(args.server_kv_tokens)] if args.server_kv_tokens else [])
                                + (["--step-trace", str(traces[i])] if traces else []))
                for i in range(args.servers)]
     start_servers(servers, timeout_s=300)
@@ -401,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
         for s in servers:
             s.stop()
         destroy_distributed()
-    print(f"{args.servers} embedded servers ({args.server_batching} batching), B={args.batch} x n={args.n}, max_len {args.max_len}, "
+    pool = f", KV pool {args.server_kv_tokens}" if args.server_kv_tokens else ""
+    print(f"{args.servers} embedded servers ({args.server_batching} batching{pool}), B={args.batch} x n={args.n}, max_len {args.max_len}, "
           f"eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
           f"{args.warmup if args.warmup is not None else 'staleness + 1'} warm-up, "
           f"total {time.time() - t0:.0f}s")

@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                          "static_split: only its first request starts the batch; continuous: SGLang's, and the "
                          "embedded server's --batching continuous (default: as the run's servers batched)")
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
-    ap.add_argument("--kv-capacity", type=int, default=0, help="KV tokens per server (0: max-running full sequences)")
+    ap.add_argument("--kv-capacity", type=int, default=0,
+                    help="KV tokens per server (default: the run's --server-kv-tokens, else max-running full sequences)")
     ap.add_argument("--tolerance", type=float, default=0.25)
     ap.add_argument("--seeds", type=int, default=5,
                     help="simulations per setting (seeds of the length draws and sync durations); the mean is compared")
@@ -157,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     saved = data.get("settings", {}) if isinstance(data, dict) else {}
     traces = saved.get("traces")
     batching = args.batching or saved.get("server_batching", "static")  # runs before the flag batched statically
+    kv_capacity = args.kv_capacity or saved.get("server_kv_tokens") or 0
     if traces and not all(Path(t).is_file() for t in traces):
         traces = None  # the run's step traces are not on this machine: no decode-share column
     print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
@@ -172,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, failed = [], []
         for seed in range(args.seeds):
             try:
-                runs.append(simulate_result(result, cost, args.max_running, args.kv_capacity, batching, seed))
+                runs.append(simulate_result(result, cost, args.max_running, kv_capacity, batching, seed))
             except RuntimeError as e:  # e.g. the coordinator's stall guard: a sample aborted again and again
                 failed.append(f"seed {seed}: {e}")
         if not runs:

@@ -129,7 +129,6 @@ class Engine:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
         # SGLang's --max-total-tokens: the KV pool. Admission and decode keep the running sequences within it.
         self.capacity = max_total_tokens or self.max_batch * self.max_context
-        self._kv_pressure = False  # a decode retracted for room: admit nothing until a sequence leaves
         self.vocab_size = cfg.vocab_size
         eos = getattr(cfg, "eos_token_id", None)
         gen_cfg = getattr(model, "generation_config", None)
@@ -285,10 +284,8 @@ class Engine:
 
     def _admit(self, running: int) -> list[GenRequest]:
         """Take waiting requests, first come first served, while the batch has room for them: at most
-        max_batch sequences whose KV, with one more token each, fits the pool. A request that could
-        never fit is aborted."""
-        if self._kv_pressure and running:
-            return []
+        max_batch sequences whose KV, with one more token each, fits the pool (the test `_make_room`
+        retracts by). A request that could never fit is aborted."""
         resident = sum(map(_seq_len, self._batch.reqs)) if running else 0
         taken: list[GenRequest] = []
         with self._qlock:
@@ -325,9 +322,10 @@ class Engine:
             r.finish = {"type": "abort", "status_code": 500, "err_type": None, "message": (
                 "Out of memory even after retracting all other requests in the decode batch")}
         self._batch = self._select(b, sorted(keep))
-        self._kv_pressure = True
         with self._qlock:
-            for r in reversed(retracted):
+            # the last one retracted goes first: it cannot come back before a sequence has left, and
+            # admission takes no one past it, so nothing retracted is prefilled only to be retracted again
+            for r in retracted:
                 r.num_retractions += 1
                 self._waiting.appendleft(r)
         if self._batch is not None:
@@ -531,8 +529,6 @@ class Engine:
         for r in b.reqs:
             if r.finish is not None:
                 self._send(r)
-        if len(keep) < len(b.reqs):
-            self._kv_pressure = False  # KV was freed
         return self._select(b, keep)
 
     @staticmethod
