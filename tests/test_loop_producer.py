@@ -6,7 +6,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def _setup(tmp_path_factory, batching="static"):
+def _setup(tmp_path_factory, *server_args):
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
@@ -21,7 +21,7 @@ def _setup(tmp_path_factory, batching="static"):
     tok = AutoTokenizer.from_pretrained(model)
     train, _ = write_task(root / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
     ds = PromptDataset(train, tok, max_prompt_length=64)
-    servers = launch_embedded_servers(str(model), 2, root / "logs", timeout_s=240, batching=batching)
+    servers = launch_embedded_servers(str(model), 2, root / "logs", timeout_s=240, extra_args=list(server_args))
     try:
         yield ds, [s.url for s in servers]
     finally:
@@ -36,8 +36,9 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def continuous_setup(tmp_path_factory):
-    """Servers that batch as SGLang does: arrivals join the running batch."""
-    yield from _setup(tmp_path_factory, batching="continuous")
+    """Servers that schedule as SGLang does: arrivals join the running batch, within a KV pool small
+    enough that decode steps retract sequences."""
+    yield from _setup(tmp_path_factory, "--batching", "continuous", "--max-total-tokens", "256")
 
 
 def _set_server_version(urls, version):
@@ -379,7 +380,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
     p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
                   extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
                   migration=MigrationConfig(enabled=True, indicator="kv_cache", threshold=1.0, stop_threshold=1))
-    trained, counts, taken = [], Counter(), 0
+    trained, counts, taken, retractions = [], Counter(), 0, 0
     p.start()
     try:
         for step in range(max_steps):
@@ -388,6 +389,7 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
             info = p.take_batch(step, timeout_s=300)
             taken += 1
             counts.update(info.coordination)
+            retractions += info.metrics()["rollout/retractions"]
             assert len(info.groups) == B
             for g in info.groups:
                 assert [s.index for s in g.samples] == list(range(n)) and len(g.accs) == n
@@ -418,9 +420,10 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
     accounted = (len(trained) + len(waiting) + len(in_flight) + totals.get("dropped", 0)
                  + totals.get("aborted_surplus", 0) + totals.get("aborted_retry", 0))
     assert accounted == drawn, (accounted, drawn, totals, counts)
-    print("coordination counts:", dict(counts), "totals:", totals)
+    print("coordination counts:", dict(counts), "totals:", totals, "retractions:", retractions)
     assert counts["samples_aborted_surplus"] > 0  # n + 2 sent, n kept
     assert counts["migrations"] > 0 and counts["requests_migrated"] > 0
+    assert (retractions > 0) == (servers == "continuous_setup"), retractions  # only there is the pool small
 
 
 def test_router_aborts_one_group_or_every_request_of_a_server(setup):

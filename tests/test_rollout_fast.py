@@ -97,7 +97,10 @@ def test_parse_generate_answer_shapes():
         "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]}}
     (s,) = payloads.parse_generate(item, [1])
     assert (s.output_ids, s.logprobs, s.finish_reason, s.matched_stop) == ([5, 6], [-0.5, -1.5], "stop", 6)
-    assert s.versions == ["2", "3"]
+    assert s.versions == ["2", "3"] and s.num_retractions == 0  # not sent: none
+    retracted = json.loads(json.dumps(item))
+    retracted["meta_info"]["num_retractions"] = 2
+    assert payloads.parse_generate(retracted, [1])[0].num_retractions == 2
     two = payloads.parse_generate([item, item], [1])
     assert [x.index for x in two] == [0, 1]
     bad = json.loads(json.dumps(item))

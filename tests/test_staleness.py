@@ -2,6 +2,7 @@
 
 import asyncio
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -216,10 +217,12 @@ def _piece(out, version, reason, spans=(), prompt=(1, 2)):
 
 
 def test_merge_continuation_keeps_tokens_logprobs_and_versions():
-    a = _piece([1, 2, 3], "4", "abort")
+    a = replace(_piece([1, 2, 3], "4", "abort"), num_retractions=1)
     b = _piece([4, 5], "5", "abort", prompt=(1, 2, 1, 2, 3))
-    c = _piece([6], "6", "stop", spans=[("5", 0, 0), ("6", 0, 1)], prompt=(1, 2, 1, 2, 3, 4, 5))
+    c = replace(_piece([6], "6", "stop", spans=[("5", 0, 0), ("6", 0, 1)], prompt=(1, 2, 1, 2, 3, 4, 5)),
+                num_retractions=2)
     m = merge_continuation(merge_continuation(a, b), c)
+    assert m.num_retractions == 3  # every piece's
     assert m.prompt_ids == [1, 2] and m.output_ids == [1, 2, 3, 4, 5, 6] and m.index == 2
     assert m.logprobs == pytest.approx([-0.1 * t for t in range(1, 7)]) and m.text == "abcdef"
     assert m.finish_reason == "stop" and token_versions(m) == [4, 4, 4, 5, 5, 6]

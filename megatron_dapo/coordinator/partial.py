@@ -52,6 +52,7 @@ def merge_continuation(prefix: Sample, cont: Sample) -> Sample:
         text=prefix.text + cont.text,
         group_id=prefix.group_id,
         index=prefix.index,
+        num_retractions=prefix.num_retractions + cont.num_retractions,
     )
 
 

@@ -176,6 +176,7 @@ def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "")
         matched_stop=matched,
         abort_message=message if kind == "abort" else None,
         server=server,
+        num_retractions=int(meta.get("num_retractions") or 0),
     )
 
 

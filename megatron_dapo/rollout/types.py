@@ -73,6 +73,7 @@ class Sample:
     group_id: str | None = None
     index: int = 0  # position of this sample within its group
     server: str = ""  # base URL of the server that produced it
+    num_retractions: int = 0  # times a server retracted it (KV pool full) and prefilled it again
 
     @property
     def aborted(self) -> bool:

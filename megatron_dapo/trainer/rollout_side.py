@@ -143,9 +143,14 @@ class BatchInfo:
     tokens_regenerated: int = 0  # generated tokens thrown away (aborted groups restarted) since the last batch
     coordination: Counter = field(default_factory=Counter)  # aborts, retries, migrations since the last batch
 
+    @property
+    def retractions(self) -> int:
+        """Times the servers retracted this batch's samples (a full KV pool) before they finished."""
+        return sum(s.num_retractions for g in self.groups for s in g.samples)
+
     def metrics(self) -> dict[str, float]:
         return {"rollout/reserved_slots": self.reserved_slots, "rollout/occupied_slots": self.occupied_slots,
-                "rollout/partial_resumes": self.partial_resumes,
+                "rollout/partial_resumes": self.partial_resumes, "rollout/retractions": self.retractions,
                 "rollout/tokens_regenerated": self.tokens_regenerated,
                 **{f"rollout/{k}": float(v) for k, v in sorted(self.coordination.items())}}
 
