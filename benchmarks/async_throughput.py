@@ -405,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
         destroy_distributed()
     pool = f", KV pool {args.server_kv_tokens}" if args.server_kv_tokens else ""
-    print(f"{args.servers} embedded servers ({args.server_batching} batching{pool}), B={args.batch} x n={args.n}, max_len {args.max_len}, "
-          f"eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
+    print(f"{args.servers} embedded servers ({args.server_batching} batching{pool}), B={args.batch} x n={args.n}, "
+          f"max_len {args.max_len}, eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
           f"{args.warmup if args.warmup is not None else 'staleness + 1'} warm-up, "
           f"total {time.time() - t0:.0f}s")
     print(table(results, args.baseline))

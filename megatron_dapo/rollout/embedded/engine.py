@@ -181,10 +181,9 @@ class Engine:
         with self._qlock:
             waiting = list(self._waiting)
             paused = self._paused
-        seq_len = lambda r: len(r.prompt) + len(r.output)  # noqa: E731
         return EngineLoad(
-            running=len(running), waiting=len(waiting), resident_tokens=sum(map(seq_len, running)),
-            waiting_tokens=sum(map(seq_len, waiting)), capacity=self.capacity,
+            running=len(running), waiting=len(waiting), resident_tokens=sum(map(_seq_len, running)),
+            waiting_tokens=sum(map(_seq_len, waiting)), capacity=self.capacity,
             paused=len(running) if paused else 0, retracted=sum(r.num_retractions > 0 for r in waiting))
 
     def is_paused(self) -> bool:
@@ -268,25 +267,25 @@ class Engine:
 
     def _step(self) -> None:
         """Prefill the waiting requests there is room for (none beside a static batch), else decode."""
-        running = len(self._batch.reqs) if self._batch is not None else 0
-        reqs = self._admit(running) if running == 0 or self.batching == "continuous" else []
+        running = self._batch.reqs if self._batch is not None else []
+        resident = sum(map(_seq_len, running))  # KV tokens held now
+        reqs = self._admit(len(running), resident) if not running or self.batching == "continuous" else []
         if reqs:
             self._in_step = reqs  # a failed prefill fails these; the running batch goes on
             joined = self._timed(self._prefill, reqs, prefill=True)
             self._in_step = reqs + (self._batch.reqs if self._batch is not None else [])
             self._batch = self._merge(self._batch, joined)
         elif self._batch is not None:
-            self._make_room()
+            self._make_room(resident)
             if self._batch is not None:
                 self._in_step = list(self._batch.reqs)
                 self._timed(self._decode, self._in_step, prefill=False)
         self._in_step = []
 
-    def _admit(self, running: int) -> list[GenRequest]:
+    def _admit(self, running: int, resident: int) -> list[GenRequest]:
         """Take waiting requests, first come first served, while the batch has room for them: at most
         max_batch sequences whose KV, with one more token each, fits the pool (the test `_make_room`
         retracts by). A request that could never fit is aborted."""
-        resident = sum(map(_seq_len, self._batch.reqs)) if running else 0
         taken: list[GenRequest] = []
         with self._qlock:
             while self._waiting and running + len(taken) < self.max_batch:
@@ -303,12 +302,11 @@ class Engine:
                 taken.append(r)
         return taken
 
-    def _make_room(self) -> None:
+    def _make_room(self, resident: int) -> None:
         """Before a decode step: retract running sequences until every one can add its token to the KV
         pool, as SGLang's retract_decode orders them (fewest output tokens first, then longest prompt);
         the last one is never retracted, it is aborted if even it does not fit."""
         b = self._batch
-        resident = sum(map(_seq_len, b.reqs))
         if resident + len(b.reqs) <= self.capacity:
             return
         keep = sorted(range(len(b.reqs)), key=lambda i: (len(b.reqs[i].output), -len(b.reqs[i].prompt)))
@@ -322,12 +320,9 @@ class Engine:
             r.finish = {"type": "abort", "status_code": 500, "err_type": None, "message": (
                 "Out of memory even after retracting all other requests in the decode batch")}
         self._batch = self._select(b, sorted(keep))
-        with self._qlock:
-            # the last one retracted goes first: it cannot come back before a sequence has left, and
-            # admission takes no one past it, so nothing retracted is prefilled only to be retracted again
-            for r in retracted:
-                r.num_retractions += 1
-                self._waiting.appendleft(r)
+        # the last one retracted goes first: it cannot come back before a sequence has left, and admission
+        # takes no one past it, so nothing retracted is prefilled only to be retracted again
+        self._requeue(retracted[::-1])
         if self._batch is not None:
             self._batch = self._retire_finished(self._batch)
 
@@ -337,7 +332,7 @@ class Engine:
         # identical sequences are prefilled once, except in batch-invariant mode
         seqs = [tuple(r.prompt + r.output) for r in reqs] if prefill else []
         # resident KV before the step, as load_report counts it (only when traced: O(batch) per step)
-        kv = 0 if prefill or self.step_trace is None else sum(len(r.prompt) + len(r.output) for r in reqs)
+        kv = 0 if prefill or self.step_trace is None else sum(map(_seq_len, reqs))
         self._held_answers = []  # answered once the step is counted: a client then sees it in /v1/loads
         try:
             start = time.perf_counter()
@@ -563,6 +558,10 @@ class Engine:
         if self._batch is None:
             return
         reqs, self._batch = self._batch.reqs, None
+        self._requeue(reqs)
+
+    def _requeue(self, reqs: list[GenRequest]) -> None:
+        """Put retracted `reqs` back at the front of the queue, in this order, keeping their tokens."""
         with self._qlock:
             for r in reversed(reqs):
                 r.num_retractions += 1
