@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast smoke venv
+.PHONY: demo test test-fast lint smoke venv
 
 venv: $(STAMP)
 
@@ -27,3 +27,7 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The layering contract (pyproject.toml [tool.importlinter]); CI runs it before the tests.
+lint: $(STAMP)
+	$(VENV)/bin/lint-imports

@@ -95,9 +95,9 @@ def trace_usage(traces: list[str], since: float, until: float) -> dict:
 
 def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static",
                     seed: int = 0):
+    from megatron_dapo.config.cost_model import CostModel
     from megatron_dapo.config.load import config_from_dict, config_to_dict, load_config
-    from megatron_dapo.coordinator.cost_model import CostModel
-    from megatron_dapo.sim.lengths import EmpiricalLengths
+    from megatron_dapo.planner.lengths import EmpiricalLengths
     from megatron_dapo.sim.world import World, simulate
 
     m = measured(result)
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=5,
                     help="simulations per setting (seeds of the length draws and sync durations); the mean is compared")
     args = ap.parse_args(argv)
-    from megatron_dapo.coordinator.cost_model import CostModel
+    from megatron_dapo.config.cost_model import CostModel
 
     shared = CostModel.load(args.cost_model) if args.cost_model else None
     data = json.loads(args.bench.read_text())

@@ -1,6 +1,6 @@
 """Staleness by reservation vs. by discarding, in simulated time (no servers, no trainer).
 
-The producer of megatron_dapo.trainer.rollout_side before and after `StalenessController`, driven
+The producer of megatron_dapo.coordinator.producer before and after `StalenessController`, driven
 by a discrete-event clock: groups take long-tailed generation times (lognormal) on `capacity`
 concurrent group slots of the servers (a queue when all are busy; 0 = unlimited), optionally cut
 at `max_time` (max_response_length truncates a real response, so its tail is bounded), a fraction is

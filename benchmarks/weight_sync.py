@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from megatron_dapo.config.schema import SyncConfig  # noqa: E402
+from megatron_dapo.rollout import weight_group as wgroup  # noqa: E402
 from megatron_dapo.rollout.launcher import launch_embedded_servers  # noqa: E402
-from megatron_dapo.sync import group as wgroup  # noqa: E402
 from megatron_dapo.sync.bridge import WeightSyncBridge  # noqa: E402
 
 RAW_NAME = "__raw_broadcast_baseline__"

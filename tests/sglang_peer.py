@@ -280,12 +280,11 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
 
 def serve(port: int, api_key: str | None, running_requests: int) -> None:
     import_sglang()  # first: fastapi looks for orjson (installed beside SGLang) when it is imported
+    import tempfile
+
     import uvicorn
     from fastapi.responses import JSONResponse, Response
     from safetensors.torch import save
-
-    import tempfile
-
     from sglang.srt.managers.load_snapshot import ShmLoadSnapshotWriter
 
     load_dir = tempfile.TemporaryDirectory(prefix="sglang-peer-loads-")

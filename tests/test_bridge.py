@@ -9,7 +9,17 @@ import torch
 from safetensors import safe_open
 
 from megatron_dapo.bridge.hf_io import CheckpointError, HFCheckpointReader, ShardedSafetensorsWriter
-from megatron_dapo.bridge.mapping import GATE_UP, QKV, RULES, VOCAB, Unit, hf_from_shards, hf_names, hf_shape, shard_from_hf
+from megatron_dapo.bridge.mapping import (
+    GATE_UP,
+    QKV,
+    RULES,
+    VOCAB,
+    Unit,
+    hf_from_shards,
+    hf_names,
+    hf_shape,
+    shard_from_hf,
+)
 from megatron_dapo.models import QwenArch, padded_vocab_size
 from megatron_dapo.models.tiny import save_tiny_hf_model, tiny_hf_config
 from tests.dist_utils import run_torchrun

@@ -11,8 +11,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from megatron_dapo.config import ConfigError, DapoConfig, config_from_dict, config_to_dict, dump_yaml, load_config
-from megatron_dapo.config import derived
+from megatron_dapo.config import (
+    ConfigError,
+    DapoConfig,
+    config_from_dict,
+    config_to_dict,
+    derived,
+    dump_yaml,
+    load_config,
+)
 from megatron_dapo.config.shapes import BUILTIN_HF_CONFIGS, resolve_model_shape, shape_from_hf
 from megatron_dapo.config.validate import validate_config
 
@@ -50,7 +57,7 @@ def _cost_model_overrides(path: Path, tmp_path: Path) -> list[str]:
     passes in; stand in a real cost model file for them."""
     if not path.name.startswith("advanced_"):
         return []
-    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+    from megatron_dapo.config.cost_model import QWEN_7B_1GPU
 
     QWEN_7B_1GPU.save(tmp_path / "cost_model.json")
     return [f"rollout.routing.cost_model={tmp_path / 'cost_model.json'}"]

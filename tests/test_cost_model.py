@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
+from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 
 
 def test_step_time_and_throughput_follow_the_formula():

@@ -209,7 +209,7 @@ def test_truncation_modes(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match=r"d\.jsonl: row 1: prompt has \d+ tokens, more than max_prompt_length=40"):
         PromptDataset(path, tokenizer, limit, truncation="error")
     # data.prompt_key names the column; the config reaches the dataset through the loop's builder
-    from megatron_dapo.trainer.loop import prompt_dataset
+    from megatron_dapo.coordinator.build import prompt_dataset
 
     other = write_rows(tmp_path / "q.jsonl", [row("2+2=?", key="question"), row(long_q, key="question")])
     cfg = load_config(TINY, ["data.prompt_key=question", "data.truncation=right", f"data.max_prompt_length={limit}"])
@@ -223,11 +223,11 @@ def test_truncation_modes(tmp_path, tokenizer):
 
 # ---------------------------------------------------------------- step metrics
 def test_step_metrics_overlong_advantages_prompt_lengths():
+    from megatron_dapo.coordinator.batch import build_batch
+    from megatron_dapo.coordinator.groups import judge_group
+    from megatron_dapo.coordinator.metrics import batch_metrics, response_metrics
     from megatron_dapo.rewards import RewardResult
     from megatron_dapo.rollout.types import Sample
-    from megatron_dapo.trainer.batch import build_batch
-    from megatron_dapo.trainer.groups import judge_group
-    from megatron_dapo.trainer.metrics import batch_metrics, response_metrics
 
     max_len, buf = 10, 4  # penalty 0 up to 6 tokens, then -1/4 per token, -1 at 10
     groups = []
@@ -257,7 +257,7 @@ def test_router_caps_in_flight_requests_per_server():
     """rollout.concurrency reaches the router: a real HTTP server sees at most that many /generate at once."""
     from aiohttp import web
 
-    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.coordinator.router import Router
     from megatron_dapo.rollout.types import SamplingParams
 
     async def run(cap):

@@ -305,8 +305,8 @@ def _in_thread(fn, *args, **kw):
 
 def _form_group(server, name):
     """This process as the trainer (rank 0) of a real gloo weight-update group with the server."""
+    from megatron_dapo.rollout import weight_group as wgroup
     from megatron_dapo.runtime.net import LOOPBACK, free_port
-    from megatron_dapo.sync import group as wgroup
 
     port = free_port()
     t, out = _in_thread(_post, server, "/init_weights_update_group", {
@@ -322,7 +322,7 @@ def _announce_and_send(server, pg, group, names, dtypes, shapes, tensors, versio
     """Announce an update and broadcast `tensors` (what the sender really has) as a trainer does."""
     import datetime
 
-    from megatron_dapo.sync import group as wgroup
+    from megatron_dapo.rollout import weight_group as wgroup
 
     t, out = _in_thread(_post, server, "/update_weights_from_distributed", {
         "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group, "weight_version": version})
@@ -341,7 +341,7 @@ def _announce_and_send(server, pg, group, names, dtypes, shapes, tensors, versio
 def test_an_unreceivable_distributed_update_destroys_its_group_and_the_next_loads_fresh_bytes(server, hf_model):
     import copy
 
-    from megatron_dapo.sync import group as wgroup
+    from megatron_dapo.rollout import weight_group as wgroup
 
     name, group = "model.norm.weight", "hostile_update"
     weight = hf_model.state_dict()[name].detach().clone()
@@ -387,8 +387,8 @@ def test_a_group_that_forms_after_its_client_was_answered_is_destroyed(server):
 
     import torch.distributed as dist
 
+    from megatron_dapo.rollout import weight_group as wgroup
     from megatron_dapo.runtime.net import LOOPBACK, free_port
-    from megatron_dapo.sync import group as wgroup
 
     port, group = free_port(), "late_group"
     destroyed = "group 'late_group' formed after its request was answered; destroyed"
@@ -433,7 +433,7 @@ def test_zzz_sigterm_does_not_wait_on_a_hung_receive(server, hf_model):
     import signal
     import time
 
-    from megatron_dapo.sync import group as wgroup
+    from megatron_dapo.rollout import weight_group as wgroup
 
     name = "model.norm.weight"
     pg = _form_group(server, "never_sent")

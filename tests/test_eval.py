@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import ConfigError, DapoConfig, load_config
-from megatron_dapo.trainer.val_metrics import PromptOutcome, best_at_n, maj_at_n, mean_at_n, validation_metrics
+from megatron_dapo.coordinator.val_metrics import PromptOutcome, best_at_n, maj_at_n, mean_at_n, validation_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
@@ -73,7 +73,7 @@ def test_reward_runner_keeps_the_extracted_answer():
 
 
 def test_val_defaults_are_the_dapo_papers_and_settings_follow_the_config():
-    from megatron_dapo.trainer.evaluate import ValSettings, val_seed
+    from megatron_dapo.coordinator.evaluate import ValSettings, val_seed
 
     v = DapoConfig().trainer.val
     assert (v.n, v.temperature, v.top_p, v.max_new_tokens, v.greedy) == (32, 1.0, 0.7, None, False)
@@ -87,7 +87,7 @@ def test_val_defaults_are_the_dapo_papers_and_settings_follow_the_config():
     assert s.sampling.max_new_tokens == cfg.data.max_response_length  # max_new_tokens null
     assert ValSettings.from_config(load_config(TINY, ["rollout.sampling.seeded=false"])).seed is None
     # validation streams never coincide with a training draw's (draws are numbered from 0)
-    from megatron_dapo.trainer.rollout_side import sample_seed
+    from megatron_dapo.coordinator.producer import sample_seed
 
     assert val_seed(42, 0, 1) != sample_seed(42, 0, 1) and val_seed(42, 0, 1) == val_seed(42, 0, 1)
 

@@ -78,7 +78,7 @@ ADVANCED = [
 
 @pytest.fixture
 def cost_model_file(tmp_path):
-    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+    from megatron_dapo.config.cost_model import QWEN_7B_1GPU
 
     path = tmp_path / "cost_model.json"
     QWEN_7B_1GPU.save(path)
@@ -111,7 +111,7 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     assert (r.redundancy.extra_samples, r.redundancy.extra_prompts, r.loads.interval_ms) == (0, 32, 200)
 
     # The printed plan command runs: the layout and memory of the advanced config fit 80 GiB GPUs.
-    from megatron_dapo.config.plan import main as plan_main
+    from megatron_dapo.planner.plan import main as plan_main
 
     assert plan_main(plan[2:]) == 0
     assert "fits: yes" in capsys.readouterr().out

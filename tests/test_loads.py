@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
+from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 from megatron_dapo.coordinator.profile import ProfilePoint, fit_cost_model, format_table, relative_error
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.rollout import payloads

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from megatron_dapo.cli import main as cli_main
-from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.coordinator.load_poller import LoadPoller
 from megatron_dapo.coordinator.profile import ProfilePoint, relative_error
 from megatron_dapo.coordinator.servers import ServerRegistry

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from megatron_dapo.config.schema import OverlongBufferConfig
+from megatron_dapo.coordinator.batch import build_batch
+from megatron_dapo.coordinator.groups import JudgedGroup, judge_group, token_versions
 from megatron_dapo.rewards import RewardResult
 from megatron_dapo.rollout.types import Sample, WeightVersionSpan
-from megatron_dapo.trainer.batch import build_batch
-from megatron_dapo.trainer.groups import JudgedGroup, judge_group, token_versions
 
 
 def _sample(i, n_out, reason="stop", version="3", spans=()):

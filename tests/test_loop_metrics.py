@@ -2,7 +2,8 @@
 
 from collections import Counter
 
-from megatron_dapo.trainer.metrics import MetricsWriter, read_metrics, staleness_metrics
+from megatron_dapo.coordinator.metrics import staleness_metrics
+from megatron_dapo.trainer.metrics import MetricsWriter, read_metrics
 from megatron_dapo.trainer.plot import main as plot_main
 from megatron_dapo.trainer.plot import read_scalars
 

@@ -67,11 +67,11 @@ def _set_server_version(urls, version):
 def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None, max_new_tokens=6,
               router_kw=None, routers=None, **kw):
     from megatron_dapo.config.schema import OverlongBufferConfig
+    from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
+    from megatron_dapo.coordinator.router import Router
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rewards import RewardRunner
-    from megatron_dapo.rollout.router import Router
     from megatron_dapo.rollout.types import SamplingParams
-    from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
 
     settings = ProducerSettings(
         train_batch_size=B, n=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
@@ -130,7 +130,7 @@ def test_dynamic_sampling_staleness_and_state(setup):
 
 
 def test_uninformative_rewards_exhaust_generation_batches(setup):
-    from megatron_dapo.trainer.rollout_side import DynamicSamplingExhausted
+    from megatron_dapo.coordinator.producer import DynamicSamplingExhausted
 
     ds, urls = setup
     p = _producer(ds, urls, lambda response, ground_truth, **_: 1.0, staleness=0, B=2, max_gen=2)
@@ -204,10 +204,9 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
     duplicated, and the seeded batches equal those of the default router on undisturbed servers."""
     import threading
 
-    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU
+    from megatron_dapo.config.coordination import QueueConfig, RoutingConfig
+    from megatron_dapo.config.cost_model import QWEN_7B_1GPU
     from megatron_dapo.coordinator.load_poller import LoadPoller
-    from megatron_dapo.coordinator.queues import QueueConfig
-    from megatron_dapo.coordinator.routing import RoutingConfig
     from megatron_dapo.coordinator.servers import ServerRegistry
 
     ds, urls = setup
@@ -370,8 +369,8 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
     dynamic sampling or aborted (counted), never twice."""
     from collections import Counter
 
-    from megatron_dapo.coordinator.migration import MigrationConfig
-    from megatron_dapo.trainer.groups import token_versions
+    from megatron_dapo.config.coordination import MigrationConfig
+    from megatron_dapo.coordinator.groups import token_versions
 
     ds, urls = request.getfixturevalue(servers)
     _set_server_version(urls, 0)  # earlier tests leave the servers labelled with later versions
@@ -432,8 +431,8 @@ def test_router_aborts_one_group_or_every_request_of_a_server(setup):
     its groups. Requests ignore EOS, so none can finish on its own within the test."""
     import asyncio
 
+    from megatron_dapo.coordinator.router import Router
     from megatron_dapo.rollout.client import SGLangClient
-    from megatron_dapo.rollout.router import Router
     from megatron_dapo.rollout.types import SamplingParams
 
     ds, urls = setup

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatron_dapo.coordinator import continuation_ids, finish_partial
+from megatron_dapo.coordinator.groups import token_versions
 from megatron_dapo.rollout.client import SGLangClient
 from megatron_dapo.rollout.types import SamplingParams
-from megatron_dapo.trainer.groups import token_versions
 
 pytestmark = pytest.mark.slow
 PROMPT = [3, 14, 15, 92, 65]

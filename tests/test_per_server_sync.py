@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from megatron_dapo.coordinator.servers import ServerRegistry
-
 from tests.fake_clock import FakeClock
 from tests.http_stub import serve_app
 
@@ -56,7 +55,7 @@ def test_registry_routes_accounts_and_publishes():
 def test_router_sends_a_request_only_to_a_server_holding_its_version():
     from aiohttp import web
 
-    from megatron_dapo.rollout.router import Router
+    from megatron_dapo.coordinator.router import Router
     from megatron_dapo.rollout.types import SamplingParams
 
     async def serve(name, seen):

@@ -1,7 +1,7 @@
 """`megatron-dapo plan`: parameter counts, memory terms and layout against hand-computed figures.
 
 Every expected number below is written out as arithmetic from the HF config fields, independently
-of megatron_dapo.config.memory, so a change in the estimate's formulas shows up here.
+of megatron_dapo.planner.memory, so a change in the estimate's formulas shows up here.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from megatron_dapo.config import load_config
-from megatron_dapo.config.memory import active_params, rollout_memory, total_params, training_memory
-from megatron_dapo.config.plan import fit_errors, format_plan, main, make_plan
 from megatron_dapo.config.shapes import BUILTIN_HF_CONFIGS, shape_from_hf
+from megatron_dapo.planner.memory import active_params, total_params, training_memory
+from megatron_dapo.planner.plan import fit_errors, format_plan, main, make_plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "qwen3"
 GiB = 1024**3
@@ -247,7 +247,7 @@ def test_cli(capsys):
 
 def test_weight_store_of_per_server_sync_is_reported():
     """greedy / status_based keep two bf16 copies of the HF weights on trainer rank 0; all_at_once none."""
-    from megatron_dapo.config.memory import weight_store_bytes
+    from megatron_dapo.planner.memory import weight_store_bytes
 
     cfg = _cluster("qwen3_8b.yaml", 4, "rollout.sync.policy=greedy")
     plan = make_plan(cfg, gpu_mem_gib=80)
@@ -269,7 +269,7 @@ def test_step_estimate_matches_a_flop_count_of_the_hf_model():
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from megatron_dapo.config.speed import trainer_speed
+    from megatron_dapo.planner.speed import trainer_speed
 
     hf = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024)

@@ -94,8 +94,8 @@ def test_runner_counts_raising_and_slow_functions_without_crashing():
 def test_non_finite_rewards_are_scored_as_failures_and_counted():
     import numpy as np
 
+    from megatron_dapo.coordinator.groups import batch_advantages, judge_group
     from megatron_dapo.rollout.types import Sample
-    from megatron_dapo.trainer.groups import batch_advantages, judge_group
 
     values = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "npnan": np.float32("nan"),
               "dictnan": {"score": float("nan"), "acc": True}, "good": 1.0, "bad": -1.0}

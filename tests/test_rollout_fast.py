@@ -591,7 +591,7 @@ def test_flattened_updates_are_received_straight_into_rehomed_parameters(tmp_pat
     from megatron_dapo.models.tiny import save_tiny_hf_model
     from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes
     from megatron_dapo.rollout.embedded.weights import HFWeightLoader
-    from megatron_dapo.sync.buckets import Bucket, bucket_layout
+    from megatron_dapo.rollout.weight_buckets import Bucket, bucket_layout
 
     dirs = [save_tiny_hf_model("qwen3_moe", tmp_path / f"m{i}", seed=i) for i in range(3)]
     weights = [sorted(load_file(str(d / "model.safetensors")).items()) for d in dirs]
@@ -625,7 +625,7 @@ def test_flattened_updates_are_received_straight_into_rehomed_parameters(tmp_pat
 # ---- buckets ------------------------------------------------------------------------------------
 
 def test_buckets_bound_size_and_flat_layout_round_trips():
-    from megatron_dapo.sync.buckets import bucket_layout, iter_buckets
+    from megatron_dapo.rollout.weight_buckets import bucket_layout, iter_buckets
 
     g = torch.Generator().manual_seed(0)
     named = [(f"t{i}", torch.randn(s, generator=g).to(dt)) for i, (s, dt) in enumerate(

@@ -6,13 +6,13 @@ import math
 
 import pytest
 
-from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
+from megatron_dapo.config.coordination import MigrationConfig
+from megatron_dapo.coordinator.migration import MigrationPolicy
 from megatron_dapo.coordinator.retry import ProactiveRetry
+from megatron_dapo.coordinator.router import Router, server_rids
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED, StalenessController
 from megatron_dapo.coordinator.sync_policy import ServerStatus
-from megatron_dapo.rollout.router import Router, server_rids
 from megatron_dapo.rollout.types import Sample, SamplingParams
-
 from tests.fake_clock import FakeClock
 
 
@@ -275,8 +275,8 @@ def test_the_router_never_migrates_a_migrated_request_again():
 
 
 def test_the_router_tracks_requests_by_the_rids_the_server_knows():
+    from megatron_dapo.coordinator.router import server_rids
     from megatron_dapo.rollout import payloads
-    from megatron_dapo.rollout.router import server_rids
     from megatron_dapo.rollout.types import SamplingParams
 
     one, two = SamplingParams(n=1), SamplingParams(n=2)
@@ -293,9 +293,9 @@ def test_the_producer_applies_retry_while_the_trainer_waits():
     import asyncio
     from types import SimpleNamespace
 
+    from megatron_dapo.coordinator.producer import InFlight, ProducerSettings, RolloutProducer
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.types import SamplingParams
-    from megatron_dapo.trainer.rollout_side import InFlight, ProducerSettings, RolloutProducer
 
     settings = ProducerSettings(train_batch_size=3, n=2, sampling=SamplingParams(), max_response_length=8,
                                 staleness=1, retry_threshold=2)
@@ -336,10 +336,10 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
     need V_traj 2. Without a registry (all servers on the producer's version) every group is V_traj 2."""
     from types import SimpleNamespace
 
+    from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
     from megatron_dapo.coordinator.servers import ServerRegistry
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.types import SamplingParams
-    from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
 
     def producer(router):
         settings = ProducerSettings(train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8,
@@ -400,12 +400,12 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
     import asyncio
     from types import SimpleNamespace
 
-    from megatron_dapo.coordinator.migration import MigrationConfig
+    from megatron_dapo.config.coordination import MigrationConfig
+    from megatron_dapo.coordinator import producer as rollout_side
+    from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
     from megatron_dapo.coordinator.servers import ServerRegistry
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.types import SamplingParams, ServerLoad
-    from megatron_dapo.trainer import rollout_side
-    from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
 
     class Answers:
         async def get_loads(self):

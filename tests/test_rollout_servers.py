@@ -10,10 +10,10 @@ import httpx
 import pytest
 import torch
 
+from megatron_dapo.coordinator.router import Router
 from megatron_dapo.rollout import protocol
 from megatron_dapo.rollout.client import SGLangClient, SGLangHTTPError
 from megatron_dapo.rollout.launcher import embedded_server, launch_embedded_servers
-from megatron_dapo.rollout.router import Router
 from megatron_dapo.rollout.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -353,8 +353,8 @@ def test_a_new_update_group_replaces_one_whose_trainer_was_killed_mid_update(ser
     import threading
     from pathlib import Path
 
+    from megatron_dapo.rollout import weight_group as wgroup
     from megatron_dapo.runtime.net import LOOPBACK, free_port
-    from megatron_dapo.sync import group as wgroup
 
     url, group, name = servers[1].url, "resume_group", "model.norm.weight"
     weight = hf_model.state_dict()[name].detach().clone()  # the server's own values: nothing changes

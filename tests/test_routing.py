@@ -4,11 +4,13 @@ load_estimate) on constructed server states; the decision rules checked against 
 from __future__ import annotations
 
 import asyncio
+
 import pytest
 
-from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
+from megatron_dapo.config.coordination import QueueConfig
+from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 from megatron_dapo.coordinator.load_estimate import LoadBook
-from megatron_dapo.coordinator.queues import Placement, QueueConfig, QueuedRequest, RequestQueues
+from megatron_dapo.coordinator.queues import Placement, QueuedRequest, RequestQueues
 from megatron_dapo.coordinator.routing import (
     RouteRequest,
     RoutingConfig,
@@ -313,7 +315,7 @@ def test_config_rejects_bad_routing_and_queue_keys(overrides, expected):
 
 def test_config_routing_keys_reach_the_router(tmp_path):
     from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.loop import _build_producer
+    from megatron_dapo.coordinator.build import build_producer
 
     path = tmp_path / "cm.json"
     M.save(path)
@@ -322,7 +324,7 @@ def test_config_routing_keys_reach_the_router(tmp_path):
                              "rollout.routing.request_budget=256",
                              "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority",
                              "rollout.queue.order=long", "rollout.concurrency=7"])
-    producer = _build_producer(cfg, ["http://127.0.0.1:1"], dataset=[None], tokenizer=None)
+    producer = build_producer(cfg, ["http://127.0.0.1:1"], dataset=[None], tokenizer=None)
     router = producer.router_factory()
     asyncio.run(router.aclose())
     p = router.policy
@@ -434,8 +436,8 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
     (from another thread, as the poller's) places the waiting one."""
     from aiohttp import web
 
+    from megatron_dapo.coordinator.router import Router
     from megatron_dapo.coordinator.servers import ServerRegistry
-    from megatron_dapo.rollout.router import Router
     from megatron_dapo.rollout.types import SamplingParams, ServerLoad
 
     async def serve(name, seen, gate):

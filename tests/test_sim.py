@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.sim.engine import SimEngine
 from megatron_dapo.sim.vtime import run_virtual
 
@@ -268,7 +268,7 @@ def tiny_cfg(staleness, policy="all_at_once", pause_mode="in_place", **extra):
 
 
 def tiny_world(**kw):
-    from megatron_dapo.sim.lengths import dapo_like
+    from megatron_dapo.planner.lengths import dapo_like
     from megatron_dapo.sim.world import World
 
     args = dict(cost=COST, kv_capacity=200_000, max_running=64, train_s=lambda tokens: tokens / 5000.0, sync_s=0.5,
@@ -278,7 +278,7 @@ def tiny_world(**kw):
 
 def expected_units(cfg, world, group, sample):
     """The length model's total for this sample's seed (in ids of token_unit tokens)."""
-    from megatron_dapo.trainer.rollout_side import sample_seed
+    from megatron_dapo.coordinator.producer import sample_seed
 
     # its seed index: the position it was drawn at (with redundant samples, rid "...-s<i>-..." says which
     # of the N' it was; the kept n are renumbered)
@@ -364,7 +364,7 @@ def test_async_beats_sync_and_ends_match_step_times():
 
 
 def test_lognormal_fit_reproduces_mean_and_cut_fraction():
-    from megatron_dapo.sim.lengths import dapo_like, fit_lognormal
+    from megatron_dapo.planner.lengths import dapo_like, fit_lognormal
 
     truth = dapo_like(20480)
     xs = [truth.total(i % 500, i) for i in range(20000)]

@@ -6,12 +6,16 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_dapo.coordinator import (StalenessController, StalenessError, continuation_ids, finish_partial,
-                                       merge_continuation)
+from megatron_dapo.coordinator import (
+    StalenessController,
+    StalenessError,
+    continuation_ids,
+    finish_partial,
+    merge_continuation,
+)
+from megatron_dapo.coordinator.groups import token_versions
 from megatron_dapo.coordinator.staleness import EMPTY, OCCUPIED, RESERVED
 from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
-from megatron_dapo.trainer.groups import token_versions
-
 from tests.fake_clock import FakeClock
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_dapo.cli import main as cli_main
-from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.coordinator.profile import read_step_trace, trace_points
 
 

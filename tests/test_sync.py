@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.coordinator.router import Router
 from megatron_dapo.rollout.client import SGLangClient
 from megatron_dapo.rollout.launcher import embedded_server, start_servers
-from megatron_dapo.rollout.router import Router
 from megatron_dapo.rollout.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -102,8 +102,8 @@ def test_sync_makes_servers_match_the_trainer(servers, ckpts, tmp_path, mode):
         assert _max_diff(lps, res["trainer"]) < 1e-4
         assert version == res["stats"][-1]["version"]
     # the check is not vacuous: the servers' original weights give visibly different logprobs
-    from transformers import AutoModelForCausalLM
     import torch
+    from transformers import AutoModelForCausalLM
 
     orig = AutoModelForCausalLM.from_pretrained(ckpts["q3_a"], dtype=torch.float32)
     with torch.no_grad():

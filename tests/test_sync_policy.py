@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron_dapo.coordinator.sync_policy import ServerStatus, SyncPolicyConfig, make_sync_policy
-
+from megatron_dapo.config.coordination import SyncPolicyConfig
+from megatron_dapo.coordinator.sync_policy import ServerStatus, make_sync_policy
 from tests.fake_clock import FakeClock
 
 

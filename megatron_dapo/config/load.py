@@ -22,7 +22,6 @@ import yaml
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 
-
 # ---------------------------------------------------------------------------------------------- YAML
 
 # Bounds on a parsed document: anchors and aliases are fine, an alias bomb (a few lines expanding

@@ -16,11 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
-# sections whose dataclass is the coordinator's own (one definition: these also check their values)
-from megatron_dapo.coordinator.migration import MigrationConfig
-from megatron_dapo.coordinator.queues import QueueConfig
-from megatron_dapo.coordinator.routing import RoutingConfig
-from megatron_dapo.coordinator.sync_policy import SyncPolicyConfig
+# the coordination sections check their own values (their policies run on checked copies)
+from megatron_dapo.config.coordination import MigrationConfig, QueueConfig, RoutingConfig, SyncPolicyConfig
 
 Dtype = Literal["fp32", "bf16", "fp16"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

@@ -293,7 +293,7 @@ def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:
 
 
 def _check_routing(cfg: DapoConfig, errors: list[str]) -> None:
-    from megatron_dapo.coordinator.cost_model import CostModel
+    from megatron_dapo.config.cost_model import CostModel
 
     routing = cfg.rollout.routing
     if routing.method.startswith("throughput_optimal"):

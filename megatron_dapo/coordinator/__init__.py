@@ -5,12 +5,17 @@ rollout, per-server sync decisions, the registry of each server's weight version
 proactive filter (retry.py) and request migration (migration.py).
 
 The policies are plain classes and pure functions with an injectable clock and no I/O, so that the
-async producer (megatron_dapo.trainer.rollout_side) and a simulator can drive the same code.
+async producer (megatron_dapo.coordinator.producer) and a simulator can drive the same code.
 """
 
-from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
-from megatron_dapo.coordinator.partial import (continuation_ids, continuation_sampling, finish_partial,
-                                               merge_continuation)
+from megatron_dapo.config.coordination import MigrationConfig
+from megatron_dapo.coordinator.migration import MigrationPolicy
+from megatron_dapo.coordinator.partial import (
+                                               continuation_ids,
+                                               continuation_sampling,
+                                               finish_partial,
+                                               merge_continuation,
+)
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import StalenessController, StalenessError
 

@@ -1,7 +1,7 @@
 """The router's decisions without its I/O: waiting requests, a routing policy, load estimates and
 sticky groups, offered to the policy in queue order whenever a placement may have become possible.
 
-The async router (megatron_dapo.rollout.router) submits each request attempt under a key, calls
+The async router (megatron_dapo.coordinator.router) submits each request attempt under a key, calls
 `dispatch` with a view of the servers (version, health, requests in flight, last load report), sends
 the placed requests and reports each one's end with `finished`; a simulator does the same against
 simulated engines. Within one `dispatch` every placement is counted before the next decision, so a
@@ -14,8 +14,9 @@ from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from megatron_dapo.config.coordination import QueueConfig
 from megatron_dapo.coordinator.load_estimate import LoadBook
-from megatron_dapo.coordinator.queues import Placement, QueueConfig, QueuedRequest, RequestQueues
+from megatron_dapo.coordinator.queues import Placement, QueuedRequest, RequestQueues
 from megatron_dapo.coordinator.routing import RouteRequest, ServerView, Verdict
 
 

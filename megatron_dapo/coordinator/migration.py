@@ -26,8 +26,8 @@ model"; the real CPU benchmark, "the advanced set against plain async"):
   migrations in three steps) an emptied source at once pulled a third server's work, fed by the
   router's load book, which read a load report taken before the aborted requests ended as if taken
   after, so the source still looked full and every continuation went to the destination (fixed in
-  rollout/router.py `_release`: the continuations now spread over the servers by routing, as PSRL means).
-- The router never aborts a migrated request again before it has ended (rollout/router.py
+  coordinator/router.py `_release`: the continuations now spread over the servers by routing, as PSRL means).
+- The router never aborts a migrated request again before it has ended (coordinator/router.py
   `migrate_from`): on a server that batches statically it waits behind the running batch without a
   token, and partial rollout's stall guard would stop the run after a few aborts without progress.
   A server's `protected` count (those requests) is left out of what its migration would move: a server
@@ -39,44 +39,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
 
-from megatron_dapo.coordinator.sync_policy import INDICATORS, ServerStatus
-
-
-@dataclass
-class MigrationConfig:
-    """`rollout.migration`: when a server is starved, abort every request of the most loaded one; partial
-    rollout continues them on the least loaded servers. Checked every rollout.sync.check_interval_ms.
-    Needs partial_rollout and at least two servers."""
-
-    enabled: bool = False
-    # load measure compared as a ratio busy / starved: request_num (running + waiting), throughput
-    # (generated tokens/s) or kv_cache (fraction of KV in use; the last two read /v1/loads)
-    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
-    threshold: float = 5.0  # migrate when the ratio is above this
-    stop_indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"
-    stop_threshold: float = 10.0  # ... and the busy server's stop_indicator is at least this
-    # a server counts as starved only after it has been so at every check for this long (0: at once, PSRL);
-    # a just-synced or just-drained server is empty for a moment before the producer refills it
-    min_starved_ms: float = 0.0
-
-    def __post_init__(self):
-        for name in ("indicator", "stop_indicator"):
-            if getattr(self, name) not in INDICATORS:
-                raise ValueError(f"rollout.migration.{name} must be one of {', '.join(INDICATORS)}, "
-                                 f"got {getattr(self, name)!r}")
-        if not self.threshold >= 1:
-            raise ValueError(f"rollout.migration.threshold={self.threshold} must be >= 1 (a load ratio)")
-        if not self.stop_threshold >= 0:
-            raise ValueError(f"rollout.migration.stop_threshold={self.stop_threshold} must be >= 0")
-        if not self.min_starved_ms >= 0:  # also refuses NaN
-            raise ValueError(f"rollout.migration.min_starved_ms={self.min_starved_ms} must be >= 0")
-
-    @property
-    def needs_loads(self) -> bool:
-        """The servers' own load reports are needed (not only the router's request counts)."""
-        return self.indicator != "request_num" or self.stop_indicator != "request_num"
+from megatron_dapo.config.coordination import MigrationConfig
+from megatron_dapo.coordinator.sync_policy import ServerStatus
 
 
 @dataclass

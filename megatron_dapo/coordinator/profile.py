@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.config.cost_model import CostModel
 
 BREAKPOINT_GRID = 64  # evenly spaced candidate n* between the smallest and largest measured n
 REFINEMENTS = 3  # closer looks around the best candidate n*

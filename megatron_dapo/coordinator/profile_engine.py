@@ -154,7 +154,7 @@ def fit_trace(paths: list[str], since: float | None = None, until: float | None 
 
 
 def _main_trace(args) -> int:
-    from megatron_dapo.coordinator.cost_model import CostModel
+    from megatron_dapo.config.cost_model import CostModel
 
     try:
         fit = fit_trace(args.from_trace, args.since, args.until)

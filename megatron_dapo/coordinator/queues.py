@@ -26,10 +26,9 @@ import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Literal
+from typing import Any
 
-POLICIES = ("fifo", "priority")
-ORDERS = ("id", "short", "long")
+from megatron_dapo.config.coordination import QueueConfig
 
 
 class Placement(Enum):
@@ -37,24 +36,6 @@ class Placement(Enum):
     REFUSED = "refused"  # servers could take it but the policy says not now (admission control)
     UNROUTABLE = "unroutable"  # no server may take it at all (version, health)
     GONE = "gone"  # the request was cancelled while waiting: drop it
-
-
-@dataclass
-class QueueConfig:
-    """`rollout.queue`: the order requests wait in at the router."""
-
-    # fifo: arrival order; priority: resumed trajectories by version (oldest first), new requests last
-    policy: Literal["fifo", "priority"] = "fifo"
-    order: Literal["id", "short", "long"] = "id"  # priority: inside a queue by arrival / fewest / most tokens
-
-    def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"rollout.queue.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.order not in ORDERS:
-            raise ValueError(f"rollout.queue.order must be one of {', '.join(ORDERS)}, got {self.order!r}")
-        if self.policy == "fifo" and self.order != "id":
-            raise ValueError(f"rollout.queue.order={self.order!r} needs rollout.queue.policy=priority "
-                             f"(fifo serves requests in arrival order)")
 
 
 @dataclass

@@ -15,7 +15,7 @@ server holds a version >= the request's V_traj).
 - `throughput_optimal`: the cost model's marginal throughput. A request of m sequences of r tokens
   each (prompt + generated so far; m = 1 in PSRL, more when a whole group is one /generate) gains
       gain_i = T(n_i + m, K_i + m r) - T(n_i, K_i)
-  on server i (T = n / L(n, K), coordinator/cost_model.py; n_i running sequences, K_i resident KV
+  on server i (T = n / L(n, K), config/cost_model.py; n_i running sequences, K_i resident KV
   tokens). Eligible servers are below the concurrency cap (`rollout.concurrency` requests in
   flight), have an empty waiting queue and KV room (an idle server is always eligible). Servers
   are grouped by `server_order`; in the first group with an eligible server the best gain is taken
@@ -48,42 +48,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
 from itertools import groupby
-from typing import Literal, Optional
 
-from megatron_dapo.coordinator.cost_model import CostModel
-
-METHODS = ("least_outstanding", "request_num_balance", "throughput_optimal", "throughput_optimal_with_budget")
-SERVER_ORDERS = ("version", "reserve_capability")
-
-
-@dataclass
-class RoutingConfig:
-    """`rollout.routing`: which server takes each request; see README "Routing"."""
-
-    # least_outstanding: fewest requests in flight; request_num_balance: fewest sequences running +
-    # waiting, none above rollout.concurrency; throughput_optimal(_with_budget): largest marginal
-    # throughput by the cost model, admitted only if >= delta_throughput_threshold of an idle server's
-    method: Literal["least_outstanding", "request_num_balance", "throughput_optimal",
-                    "throughput_optimal_with_budget"] = "least_outstanding"
-    delta_throughput_threshold: float = 0.5  # throughput_optimal*: in [0, 1]
-    # throughput_optimal*: server groups tried in order: version (new requests newest version first,
-    # resumed ones oldest allowed first) or reserve_capability (the group's siblings' version first)
-    server_order: Literal["version", "reserve_capability"] = "version"
-    request_budget: int = 1024  # throughput_optimal_with_budget: generated tokens rounded up to this
-    cost_model: Optional[str] = None  # throughput_optimal*: JSON written by `megatron-dapo profile-engine`
-
-    def __post_init__(self):
-        if self.method not in METHODS:
-            raise ValueError(f"rollout.routing.method must be one of {', '.join(METHODS)}, got {self.method!r}")
-        if self.server_order not in SERVER_ORDERS:
-            raise ValueError(f"rollout.routing.server_order must be one of {', '.join(SERVER_ORDERS)}, "
-                             f"got {self.server_order!r}")
-        if not 0.0 <= self.delta_throughput_threshold <= 1.0:
-            # above 1 even an idle server would refuse: requests would wait forever
-            raise ValueError(f"rollout.routing.delta_throughput_threshold must be in [0, 1], "
-                             f"got {self.delta_throughput_threshold}")
-        if self.request_budget < 1:
-            raise ValueError(f"rollout.routing.request_budget must be >= 1, got {self.request_budget}")
+from megatron_dapo.config.coordination import RoutingConfig
+from megatron_dapo.config.cost_model import CostModel
 
 
 @dataclass

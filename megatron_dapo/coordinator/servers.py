@@ -24,7 +24,6 @@ from megatron_dapo.coordinator.routing import ServerView
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import ServerLoad
 
-
 LOAD_METRICS = ("running", "waiting", "kv_tokens", "kv_capacity", "throughput")
 
 

@@ -10,7 +10,7 @@ in a subprocess of trainer rank 0 under torchrun, in a named Ray actor under Ray
 interpreter (GIL) with training.
 
 For step t it builds the batch (advantages need whole groups), cuts it into data-parallel shards
-(megatron_dapo.trainer.shards) and hands them to trainer rank 0 with the step's rollout metrics;
+(megatron_dapo.coordinator.shards) and hands them to trainer rank 0 with the step's rollout metrics;
 each rank then receives only its own shard. The registry lives here, beside the router that reads
 it; the per-server syncer (trainer rank 0, which holds the weight store) changes it through the
 client's registry calls.
@@ -39,7 +39,7 @@ class StepData:
 
 def step_metrics(info, cfg, batch) -> dict[str, float]:
     """Rollout metrics of one step's batch, logged by trainer rank 0."""
-    from megatron_dapo.trainer.metrics import batch_metrics, response_metrics, staleness_metrics
+    from megatron_dapo.coordinator.metrics import batch_metrics, response_metrics, staleness_metrics
 
     m = response_metrics(info.groups)
     m.update(batch_metrics(batch))
@@ -67,8 +67,8 @@ def batch_info_state(info) -> dict:
 
 
 def batch_info_from_state(state: dict):
-    from megatron_dapo.trainer.groups import JudgedGroup
-    from megatron_dapo.trainer.rollout_side import BatchInfo
+    from megatron_dapo.coordinator.groups import JudgedGroup
+    from megatron_dapo.coordinator.producer import BatchInfo
 
     state = dict(state)
     state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
@@ -93,14 +93,14 @@ class CoordinatorService:
     def setup(self) -> dict:
         """Tokenizer, datasets, reward runner, router and producer. Raises DatasetError / ValueError /
         OSError naming what is wrong. Returns the dataset sizes (for the trainer's log)."""
-        from megatron_dapo.trainer.loop import _build_producer, load_tokenizer, prompt_dataset
+        from megatron_dapo.coordinator.build import build_producer, load_tokenizer, prompt_dataset
 
         cfg = self.cfg
         tokenizer = load_tokenizer(cfg)
         dataset = prompt_dataset(cfg, cfg.data.train_files, tokenizer)
         if cfg.data.val_files:
             self.val_data = prompt_dataset(cfg, cfg.data.val_files, tokenizer)
-        self.producer = _build_producer(cfg, self.urls, dataset, tokenizer, self.registry)
+        self.producer = build_producer(cfg, self.urls, dataset, tokenizer, self.registry)
         return {"train": len(dataset), "dropped": dataset.num_dropped_too_long, "truncated": dataset.num_truncated,
                 "val": 0 if self.val_data is None else len(self.val_data)}
 
@@ -110,7 +110,7 @@ class CoordinatorService:
         from pathlib import Path
 
         from megatron_dapo.data.dataset import DatasetError
-        from megatron_dapo.trainer.checkpoint import CheckpointError
+        from megatron_dapo.errors import CheckpointError
 
         state = dict(state)
         try:
@@ -152,8 +152,8 @@ class CoordinatorService:
     def take_step(self, step: int, dp_size: int) -> bytes:
         """Step `step`'s batch as `dp_size` shards with its metrics: a pickled StepData (plain pickle:
         tensors travel as bytes, whatever the transport)."""
-        from megatron_dapo.trainer.batch import build_batch
-        from megatron_dapo.trainer.shards import shard_batch
+        from megatron_dapo.coordinator.batch import build_batch
+        from megatron_dapo.coordinator.shards import shard_batch
 
         cfg = self.cfg
         info = self._take(step)
@@ -187,7 +187,7 @@ class CoordinatorService:
         """Validation metrics on the servers (None: no validation set)."""
         if self.val_data is None:
             return None
-        from megatron_dapo.trainer.evaluate import ValSettings, evaluate
+        from megatron_dapo.coordinator.evaluate import ValSettings, evaluate
 
         cfg = self.cfg
         return evaluate(self.urls, self.val_data, self.producer.rewards, ValSettings.from_config(cfg),

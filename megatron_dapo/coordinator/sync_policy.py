@@ -21,10 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
 
-POLICIES = ("all_at_once", "greedy", "status_based")
-INDICATORS = ("request_num", "throughput", "kv_cache")
+from megatron_dapo.config.coordination import SYNC_INDICATORS, SyncPolicyConfig
 
 
 @dataclass
@@ -46,31 +44,7 @@ class ServerStatus:
             return self.throughput
         if name == "kv_cache":
             return self.kv_cache
-        raise ValueError(f"unknown sync indicator {name!r} (one of {', '.join(INDICATORS)})")
-
-
-@dataclass
-class SyncPolicyConfig:
-    """When each server takes new weights: the policy part of `rollout.sync` (the schema's SyncConfig
-    adds how the bridge moves the weights)."""
-
-    # all_at_once = every server after each step, inline (the default); greedy = a server as soon as it
-    # lags; status_based = a lagging server when idle enough (indicator <= threshold). greedy / status_based
-    # serve each server from a host-memory weight store on trainer rank 0 (one update group per server)
-    # while training goes on.
-    policy: Literal["all_at_once", "greedy", "status_based"] = "all_at_once"
-    indicator: Literal["request_num", "throughput", "kv_cache"] = "request_num"  # status_based load measure
-    threshold: float = 0.0  # status_based: sync a lagging server when its indicator is <= this
-    check_interval_ms: float = 100.0  # greedy / status_based: how often the servers are examined
-    check_req_before_sync: bool = True  # status_based: not while the router holds requests it could serve
-
-    def __post_init__(self):
-        if self.policy not in POLICIES:
-            raise ValueError(f"rollout.sync.policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if self.indicator not in INDICATORS:
-            raise ValueError(f"rollout.sync.indicator must be one of {', '.join(INDICATORS)}, got {self.indicator!r}")
-        if not self.check_interval_ms > 0:  # also refuses NaN
-            raise ValueError(f"rollout.sync.check_interval_ms={self.check_interval_ms} must be > 0")
+        raise ValueError(f"unknown sync indicator {name!r} (one of {', '.join(SYNC_INDICATORS)})")
 
 
 def _lagging(servers: Sequence[ServerStatus], latest: int) -> list[ServerStatus]:

@@ -29,8 +29,7 @@ CHAT_TEMPLATE = (
 
 def build_char_tokenizer(out_dir: str | Path) -> Path:
     """Write the tokenizer files to `out_dir`; return it. Vocabulary: specials, CHARS, reserved."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
 

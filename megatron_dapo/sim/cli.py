@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_dapo.config.speed import DEFAULT_MFU, H100_BF16_TFLOPS
+from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS
 
 # The rollout-coordination switches `advanced` takes from an advanced YAML (sections of `rollout`, or
 # `section.field` for single fields); everything else (model, cluster, batch, staleness) stays the
@@ -100,11 +100,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_world(cfg, args):
-    from megatron_dapo.coordinator.cost_model import QWEN_7B_1GPU, CostModel
-    from megatron_dapo.config.speed import trainer_speed
+    from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
+    from megatron_dapo.planner.lengths import load_lengths, mean_length
+    from megatron_dapo.planner.speed import trainer_speed
     from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
     from megatron_dapo.sim.engine import KVAdmission
-    from megatron_dapo.sim.lengths import load_lengths, mean_length
     from megatron_dapo.sim.world import World
 
     max_len = cfg.data.max_response_length

@@ -1,11 +1,11 @@
 """The simulated cluster's numbers derived from a config, as `plan` estimates them: the engines' KV
-pool (megatron_dapo.config.memory.rollout_memory) and, when not given, the trainer's step time
-(megatron_dapo.config.speed)."""
+pool (megatron_dapo.planner.memory.rollout_memory) and, when not given, the trainer's step time
+(megatron_dapo.planner.speed)."""
 
 from __future__ import annotations
 
-from megatron_dapo.config.memory import GiB, rollout_memory
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.planner.memory import GiB, rollout_memory
 
 
 def model_shape(cfg) -> ModelShape:

@@ -1,7 +1,7 @@
 """A simulated rollout engine: continuous batching timed by the decode-step cost model.
 
 Every running request gets one token per decode step; a step with n running requests and K resident
-KV tokens takes L(n, K) (megatron_dapo.coordinator.cost_model). Between two events (a request admitted,
+KV tokens takes L(n, K) (megatron_dapo.config.cost_model). Between two events (a request admitted,
 finished, aborted or retracted, a pause) n is fixed and K grows by n per step, so the time of j steps
 is a closed form,
 
@@ -29,7 +29,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.rollout.types import ServerLoad
 
 

@@ -2,7 +2,7 @@
 
 Real: the rollout producer (dispatch, judge, dynamic sampling, partial rollout), its
 StalenessController, the Router and its ServerRegistry, the sync policies and the per-server sync
-loop's decisions, all built from the config by the training loop's own `_build_producer`.
+loop's decisions, all built from the config by the coordinator's own `build_producer`.
 Simulated: the engines (megatron_dapo.sim.engine), the HTTP client, prompts and rewards
 (megatron_dapo.sim.client), the trainer (a step takes `train_s(tokens)`; a weight sync `sync_s`).
 Everything runs on one virtual-time event loop (megatron_dapo.sim.vtime).
@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
-from megatron_dapo.coordinator.cost_model import CostModel
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.coordinator.load_poller import LoadPoller, poll_interval_s
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import make_sync_policy
@@ -26,7 +26,6 @@ from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
 from megatron_dapo.sim.engine import KVAdmission, SimEngine
 from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
 from megatron_dapo.sim.vtime import run_virtual
-
 
 ENGINES = {"continuous": SimEngine, "static": StaticBatchEngine, "static_split": SplitArrivalsEngine}
 
@@ -41,7 +40,7 @@ class World:
     train_s: Callable[[int], float]  # trained tokens -> seconds of one training step
     sync_s: float  # seconds of one weight sync (trainer busy for all_at_once; the server out for per-server)
     keep_prob: float  # dynamic sampling: probability a group has a reward spread
-    lengths: object  # megatron_dapo.sim.lengths model
+    lengths: object  # megatron_dapo.planner.lengths model
     prompt_len: int = 256
     token_unit: int = 1
     steps: int = 8
@@ -97,7 +96,7 @@ def simulate(cfg, world: World) -> SimResult:
 
 
 async def _run(cfg, world: World) -> SimResult:
-    from megatron_dapo.trainer.loop import _build_producer
+    from megatron_dapo.coordinator.build import build_producer
 
     cfg = copy.deepcopy(cfg)
     loop = asyncio.get_running_loop()
@@ -120,7 +119,7 @@ async def _run(cfg, world: World) -> SimResult:
 
     registry = ServerRegistry(urls, version=0, clock=loop.time)
     dataset = SimPrompts(world.prompts, world.prompt_len, world.token_unit)
-    producer = _build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
+    producer = build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
                                cost_model=world.router_cost or world.cost)  # throughput_optimal's model
     producer.rewards = SimReward(world.keep_prob, world.seed)
     changed = asyncio.Event()

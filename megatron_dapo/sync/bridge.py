@@ -51,11 +51,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.rollout import weight_group as wgroup
 from megatron_dapo.rollout.client import SGLangClient, SGLangError
 from megatron_dapo.rollout.protocol import FLATTENED_BUCKET
+from megatron_dapo.rollout.weight_buckets import Bucket, iter_buckets
 from megatron_dapo.runtime.net import LOOPBACK, free_port
-from megatron_dapo.sync import group as wgroup
-from megatron_dapo.sync.buckets import Bucket, iter_buckets
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ One `MegatronActor` per trainer rank, built after `init_distributed` / `init_mod
     actor.save_checkpoint(dir); actor.load_checkpoint(dir)   # model + optimizer + scheduler, torch_dist
     for name, tensor in actor.export_weights(): ... # HF names, full tensors on rank 0 (collective)
 
-`batch` is a `megatron_dapo.trainer.batch.RolloutBatch`; a train step takes this rank's
-`megatron_dapo.trainer.shards.DPShard` of it (or the whole batch, the same on every rank, and cuts it
+`batch` is a `megatron_dapo.coordinator.batch.RolloutBatch`; a train step takes this rank's
+`megatron_dapo.coordinator.shards.DPShard` of it (or the whole batch, the same on every rank, and cuts it
 the same way). A train step:
 
 1. rows are split over data-parallel ranks by group (no group straddles two ranks), balancing tokens,
@@ -36,8 +36,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.coordinator.shards import DPShard, shard_batch, split_groups_over_ranks
 from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
-from megatron_dapo.trainer.shards import DPShard, shard_batch, split_groups_over_ranks
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,11 @@ def dapo_loss_options(cfg) -> dict:
 class MegatronActor:
     def __init__(self, cfg, hf_dir: str | None = None):
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

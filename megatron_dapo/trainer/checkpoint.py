@@ -31,15 +31,12 @@ from pathlib import Path
 
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
+from megatron_dapo.errors import CheckpointError
 
 LATEST = "latest"
 TRAINER_STATE_KEYS = ("step", "version", "world_size")
 _NAME = re.compile(r"step_(\d{6,})")
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def step_name(step: int) -> str:

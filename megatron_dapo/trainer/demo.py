@@ -65,7 +65,7 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 29, num_test: int
 
 def held_out_table(points: list[tuple[int, dict]], val) -> str:
     """Held-out accuracy at each validation step, per data source (mean@n, best@n, maj@n, greedy)."""
-    from megatron_dapo.trainer.val_metrics import by_source, format_table
+    from megatron_dapo.coordinator.val_metrics import by_source, format_table
 
     per_step = [(step, by_source(metrics)) for step, metrics in points]
     sources = list(dict.fromkeys(s for _, m in per_step for s in m))
@@ -85,11 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
+    import torch
+
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer.launch import run_with_ray
     from megatron_dapo.trainer.plot import plot_run
-
-    import torch
 
     # One thread per process: the demo runs several processes on a small machine, and torch's
     # spinning intra-op threads slow a shared CPU down many times over.

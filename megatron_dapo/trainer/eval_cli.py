@@ -151,10 +151,10 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
 
     from transformers import AutoTokenizer
 
+    from megatron_dapo.coordinator.build import reward_runner
+    from megatron_dapo.coordinator.evaluate import ValSettings, evaluate
+    from megatron_dapo.coordinator.val_metrics import by_source, format_table
     from megatron_dapo.data.dataset import PromptDataset, write_rows
-    from megatron_dapo.trainer.evaluate import ValSettings, evaluate
-    from megatron_dapo.trainer.loop import reward_runner
-    from megatron_dapo.trainer.val_metrics import by_source, format_table
     eval_dir = Path(cfg.logging.run_dir) / "eval"
     output = Path(output) if output else eval_dir / f"{source.label}.json"
     work = eval_dir / f".work-{source.label}-{os.getpid()}"

@@ -25,11 +25,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config import dump_yaml
-from megatron_dapo.config.derived import checkpoint_dir, gen_batch_size, max_new_tokens
+from megatron_dapo.config.derived import checkpoint_dir
+from megatron_dapo.coordinator.batch import probe_batch
 from megatron_dapo.trainer import checkpoint as ckpt
-from megatron_dapo.trainer.batch import probe_batch
 from megatron_dapo.trainer.metrics import MetricsWriter, console_line
-from megatron_dapo.trainer.rollout_side import ProducerSettings, RolloutProducer
 
 log = logging.getLogger(__name__)
 
@@ -44,84 +43,6 @@ class RunResult:
     last_step: int
     metrics: list[dict]
     val: dict
-
-
-def sampling_params(cfg, n: int = 1):
-    from megatron_dapo.rollout.types import SamplingParams
-
-    s = cfg.rollout.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=max_new_tokens(cfg),
-                          stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None, n=n)
-
-
-def load_tokenizer(cfg):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.model.hf_path)
-
-
-def prompt_dataset(cfg, files, tokenizer):
-    from megatron_dapo.data.dataset import PromptDataset
-
-    d = cfg.data
-    return PromptDataset(files, tokenizer, d.max_prompt_length, truncation=d.truncation, prompt_key=d.prompt_key)
-
-
-def reward_runner(cfg):
-    """The run's reward runner (in `reward.num_workers` worker processes when > 0; `close()` ends them)."""
-    from megatron_dapo.rewards import RewardRunner, get_reward
-    from megatron_dapo.rewards.registry import RewardCall
-
-    # the dataset's extra_info is passed as keyword arguments: built-ins ignore what they do not know
-    call = RewardCall(get_reward(cfg.reward.name), tuple(dict(cfg.reward.kwargs).items()))
-    return RewardRunner(default=call, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
-
-
-def coordination_settings(r) -> dict:
-    """ProducerSettings fields of rollout.redundancy / rollout.retry / rollout.migration."""
-    return {
-        "extra_samples": r.redundancy.extra_samples,
-        "extra_prompts": r.redundancy.extra_prompts,
-        "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
-        "migration": r.migration,
-        "check_interval_s": r.sync.check_interval_ms / 1000.0,
-    }
-
-
-def _build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_factory=None, clock=time.monotonic,
-                    cost_model=None):
-    """The rollout producer and its router as `cfg` says; `client_factory` / `clock` / `cost_model`: the
-    simulator's engines, virtual time and engine cost model (megatron_dapo.sim), else HTTP clients, real
-    time and rollout.routing.cost_model's file."""
-    from megatron_dapo.data.dataset import PromptSampler
-    from megatron_dapo.rollout.router import Router
-
-    fg = cfg.algo.filter_groups
-    settings = ProducerSettings(
-        train_batch_size=cfg.algo.train_batch_size,
-        n=cfg.rollout.n_resp_per_prompt,
-        sampling=sampling_params(cfg),
-        max_response_length=cfg.data.max_response_length,
-        staleness=cfg.algo.staleness,
-        gen_batch_size=gen_batch_size(cfg),
-        max_num_gen_batches=fg.max_num_gen_batches if fg.enable else 0,
-        filter_metric=fg.metric if fg.enable else None,
-        overlong=cfg.algo.overlong_buffer,
-        seed=cfg.trainer.seed if cfg.rollout.sampling.seeded else None,
-        partial_rollout=cfg.rollout.partial_rollout,
-        **coordination_settings(cfg.rollout),
-    )
-    sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    r = cfg.rollout
-
-    def router():
-        extra = {} if client_factory is None else {"client_factory": client_factory}
-        return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
-                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry,
-                      routing=r.routing, queue=r.queue,
-                      cost_model=cost_model, **extra)
-
-    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)
 
 
 def _broadcast(obj, src: int = 0):
@@ -249,8 +170,8 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
 
 def _train(cfg, rank, coord, writer, found, server_urls, server_tp_sizes, resume, per_server, stop_after,
            on_step_end) -> RunResult | None:
+    from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
     from megatron_dapo.sync.bridge import WeightSyncBridge
-    from megatron_dapo.trainer.shards import data_parallel_ranks, scatter_shards
 
     registry = coord.registry if coord is not None else None
     actor = build_actor(cfg)

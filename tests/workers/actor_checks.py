@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config.schema import DapoConfig
+from megatron_dapo.coordinator.batch import RolloutBatch
 from megatron_dapo.models.tiny import save_tiny_hf_model
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 from megatron_dapo.trainer.actor import MegatronActor
-from megatron_dapo.trainer.batch import RolloutBatch
 
 LR, EPS, CLIP = 1e-3, 1e-4, 0.5
 
@@ -278,7 +278,7 @@ def check_warmup(hf_dir):
 
 def check_shards(hf_dir):
     """Shards, as the coordinator hands them out, give exactly the whole batch's step."""
-    from megatron_dapo.trainer.shards import data_parallel_ranks, scatter_shards, shard_batch
+    from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards, shard_batch
 
     init_model_parallel(seed=1)  # DP=2
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=2, train_batch_size=4)

@@ -174,8 +174,9 @@ def check_plain_save(hf_dir, workdir, ids):
 
 
 def check_actor_resume(hf_dir, workdir):
-    import megatron_dapo.models.provider as provider
     from actor_checks import exported, make_batch, make_config
+
+    import megatron_dapo.models.provider as provider
     from megatron_dapo.bridge import export_hf_weights, load_megatron_checkpoint
     from megatron_dapo.models import build_gpt_model
     from megatron_dapo.trainer.actor import MegatronActor

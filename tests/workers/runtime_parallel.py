@@ -14,9 +14,8 @@ import sys
 
 import torch
 import torch.distributed as dist
-
-from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 from runtime_common import (
+    SEQ,
     assert_close,
     batch,
     build_gpt,
@@ -24,11 +23,12 @@ from runtime_common import (
     gather_tp_last_dim,
     load_full,
     local_params,
-    SEQ,
     run,
     shard_of,
     tiny_config,
 )
+
+from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 
 # Adam's eps is large on purpose: with eps << |grad| the first Adam step is lr * sign(grad), blind to
 # the gradient's scale (clipping included) and hypersensitive to rounding in near-zero components.

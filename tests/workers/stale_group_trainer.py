@@ -17,8 +17,8 @@ import httpx
 def main():
     url, key, port, group, name, shape = sys.argv[1:]
     from megatron_dapo.rollout import payloads
+    from megatron_dapo.rollout import weight_group as wgroup
     from megatron_dapo.runtime.net import LOOPBACK
-    from megatron_dapo.sync import group as wgroup
 
     def post(path, body):
         return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600,

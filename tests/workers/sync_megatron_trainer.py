@@ -12,6 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+
 def megatron_logprobs(chunks, probe, vocab):
     from megatron.core import parallel_state as ps
 

@@ -42,17 +42,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import ValidationError
 
+from megatron_dapo.rollout import weight_group as wgroup
 from megatron_dapo.rollout.embedded import load_report
 from megatron_dapo.rollout.embedded import schemas as S
 from megatron_dapo.rollout.embedded.engine import BATCHING, Engine, GenRequest
-from megatron_dapo.rollout.embedded.load_stats import StepTrace
 from megatron_dapo.rollout.embedded.limits import BodySizeLimit, ServerLimits, sampling_range_problem
+from megatron_dapo.rollout.embedded.load_stats import StepTrace
 from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
 from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes, announcement_problem, receive
 from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
 from megatron_dapo.rollout.protocol import SGLANG_VERSION
 from megatron_dapo.runtime.net import LOOPBACK
-from megatron_dapo.sync import group as wgroup
 
 log = logging.getLogger("megatron_dapo.embedded")
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth

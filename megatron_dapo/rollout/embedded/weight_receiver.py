@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from megatron_dapo.sync import group as wgroup
-from megatron_dapo.sync.buckets import bucket_layout
+from megatron_dapo.rollout import weight_group as wgroup
+from megatron_dapo.rollout.weight_buckets import bucket_layout
 
 
 def torch_dtype(name: str) -> torch.dtype:

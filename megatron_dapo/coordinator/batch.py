@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.trainer.groups import JudgedGroup, batch_advantages
+from megatron_dapo.coordinator.groups import JudgedGroup, batch_advantages
 
 
 @dataclass

@@ -3,13 +3,13 @@
 Checks a config against a cluster shape before anything is launched: validates it with the
 cluster's node and GPU counts, prints the process layout (trainer ranks and their TP / CP / PP /
 DP / EP groups, which GPUs host which SGLang engines) and a per-GPU memory estimate
-(`megatron_dapo.config.memory`), and fails naming the term that does not fit.
+(`megatron_dapo.planner.memory`), and fails naming the term that does not fit.
 
 Placement: trainer ranks take the first GPUs of the job, node-major (rank r on node r // G,
 local GPU r % G); launched SGLang servers take the following GPUs in blocks of
 rollout.server_tp, and a server never spans nodes. Rank groups come from megatron-core's own
 `RankGenerator` with its default order "tp-cp-ep-dp-pp", so they are the groups the trainer builds.
-The step-time estimate (`megatron_dapo.config.speed`, at `--mfu` of `--gpu-tflops`) is the one the
+The step-time estimate (`megatron_dapo.planner.speed`, at `--mfu` of `--gpu-tflops`) is the one the
 simulator trains at.
 """
 
@@ -21,7 +21,9 @@ from dataclasses import dataclass, field
 
 from megatron_dapo.config import derived
 from megatron_dapo.config.errors import ConfigError
-from megatron_dapo.config.memory import (
+from megatron_dapo.config.schema import DapoConfig
+from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.planner.memory import (
     GiB,
     RolloutMemory,
     StageMemory,
@@ -31,9 +33,7 @@ from megatron_dapo.config.memory import (
     training_memory,
     weight_store_bytes,
 )
-from megatron_dapo.config.schema import DapoConfig
-from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
-from megatron_dapo.config.speed import DEFAULT_MFU, H100_BF16_TFLOPS, TrainerSpeed, trainer_speed
+from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, TrainerSpeed, trainer_speed
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 
@@ -132,7 +132,7 @@ def _count(n: int) -> str:
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One training step's tokens and time at the assumed mean lengths (megatron_dapo.config.speed)."""
+    """One training step's tokens and time at the assumed mean lengths (megatron_dapo.planner.speed)."""
 
     prompt_tokens: float  # mean per sample
     response_tokens: float
@@ -164,7 +164,7 @@ def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1,
               mfu: float = DEFAULT_MFU) -> Plan:
     """Layout, memory and step time of `cfg` (already validated) on GPUs of `gpu_mem_gib`; raises nothing
     on fit. Step time at mean `prompt_tokens` / `response_tokens` per sample (default response: the mean
-    of the simulator's DAPO-like length model, megatron_dapo.sim.lengths.dapo_like)."""
+    of the simulator's DAPO-like length model, megatron_dapo.planner.lengths.dapo_like)."""
     resolved = resolve_model_shape(cfg.model)
     if resolved.shape is None:
         raise ConfigError(
@@ -180,7 +180,7 @@ def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1,
         if n is not None and not n >= 0:
             raise ValueError(f"{name}={n} must be >= 0 (mean tokens per sample)")
     if response_tokens is None:
-        from megatron_dapo.sim.lengths import dapo_like, mean_length
+        from megatron_dapo.planner.lengths import dapo_like, mean_length
 
         response_tokens = mean_length(dapo_like(cfg.data.max_response_length))
     step = None
@@ -314,7 +314,7 @@ def _format_step(plan: Plan) -> str:
 def _optimizer_alternative(plan: Plan) -> int:
     import dataclasses
 
-    from megatron_dapo.config.memory import megatron_stage_memory
+    from megatron_dapo.planner.memory import megatron_stage_memory
 
     flipped = dataclasses.replace(
         plan.cfg,

@@ -68,14 +68,15 @@ import uuid
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
+from megatron_dapo.config.coordination import MigrationConfig
 from megatron_dapo.coordinator import StalenessController, continuation_ids, finish_partial
+from megatron_dapo.coordinator.groups import JudgedGroup, judge_group, sample_from_state, token_versions
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
-from megatron_dapo.coordinator.migration import MigrationConfig, MigrationPolicy
+from megatron_dapo.coordinator.migration import MigrationPolicy
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import OCCUPIED, RESERVED
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 from megatron_dapo.rollout.types import Sample, SamplingParams
-from megatron_dapo.trainer.groups import JudgedGroup, judge_group, sample_from_state, token_versions
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from megatron_dapo.config.coordination import QueueConfig, RoutingConfig
 from megatron_dapo.coordinator.dispatch import Dispatcher
-from megatron_dapo.coordinator.queues import QueueConfig
-from megatron_dapo.coordinator.routing import RouteRequest, RoutingConfig, ServerView, make_routing_policy
+from megatron_dapo.coordinator.routing import RouteRequest, ServerView, make_routing_policy
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 
-from megatron_dapo.rollout.router import Router
+from megatron_dapo.coordinator.producer import response_text, sample_seed
+from megatron_dapo.coordinator.router import Router
+from megatron_dapo.coordinator.val_metrics import PromptOutcome, validation_metrics
 from megatron_dapo.rollout.types import SamplingParams
-from megatron_dapo.trainer.rollout_side import response_text, sample_seed
-from megatron_dapo.trainer.val_metrics import PromptOutcome, validation_metrics
 
 
 @dataclass(frozen=True)

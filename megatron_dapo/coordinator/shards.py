@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_dapo.trainer.batch import RolloutBatch
+from megatron_dapo.coordinator.batch import RolloutBatch
 
 
 def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int) -> list[list[int]]:

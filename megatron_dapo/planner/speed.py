@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatron_dapo.config import derived
-from megatron_dapo.config.memory import active_params
 from megatron_dapo.config.shapes import ModelShape
+from megatron_dapo.planner.memory import active_params
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 / H200 SXM
 DEFAULT_MFU = 0.35

@@ -1,0 +1,2 @@
+"""`megatron-dapo simulate`: the coordinator's own code on virtual time against cost-model engines and a
+simulated trainer."""
