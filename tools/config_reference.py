@@ -1,10 +1,9 @@
 """Write docs/configuration-reference.md from the config dataclasses.
 
-Walks `megatron_dapo.config.schema.DapoConfig` (nested dataclass fields, Optional ones included) and
-writes one section per config section, one row per field: dotted key, type, default, and the source
-comments next to the field (the lines of `#` comments directly above it and a trailing one), with the
-class docstring as the section's intro. Comments are read from each class's own source, wherever it
-lives.
+Walks `megatron_dapo.config.schema.DapoConfig` (nested dataclass fields, Optional ones included): one
+section per config section (its class docstring as intro), one row per field: dotted key, type, default
+and the `#` comments next to the field (the lines directly above it and a trailing one), read from the
+source of the class that defines the field, wherever it lives.
 
     python tools/config_reference.py           # write the page
     python tools/config_reference.py --check   # exit 1 if the checked-in page is out of date
@@ -60,11 +59,9 @@ def _class_doc_and_comments(cls: type) -> tuple[str, dict[str, str]]:
 
 def _dataclass_in(tp) -> type | None:
     """The dataclass a field's type is, or is Optional / a Union of."""
-    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        return tp
-    for arg in typing.get_args(tp):
-        if dataclasses.is_dataclass(arg) and isinstance(arg, type):
-            return arg
+    for t in (tp, *typing.get_args(tp)):
+        if isinstance(t, type) and dataclasses.is_dataclass(t):
+            return t
     return None
 
 
