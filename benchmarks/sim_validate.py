@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{label}: every simulation failed: {failed}")
         for f in failed:
             print(f"  {label}: simulation failed, left out ({f})", file=sys.stderr)
-        m, r = runs[0][0], runs[0][1]
+        m = runs[0][0]
         sim_steps = [x.step_s for _, x in runs]
         sim_step = statistics.mean(sim_steps)
         ratio = sim_step / m["step_s"]

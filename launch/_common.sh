@@ -51,7 +51,7 @@ parse_advanced_args() {
   parse_staleness_args ${rest[@]+"${rest[@]}"}
   if [[ -z "${COST_MODEL:-}" ]]; then
     echo "$name: no cost model: pass --cost-model FILE or set COST_MODEL to the JSON written by" \
-      "'megatron-dapo profile-engine --server URL --out FILE' (see README, Advanced rollout coordination)" >&2
+      "'megatron-dapo profile-engine --server URL --out FILE' (see docs/rollout-coordination.md)" >&2
     exit 2
   fi
   if [[ ! -f "$COST_MODEL" ]]; then

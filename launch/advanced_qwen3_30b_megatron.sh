@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # DAPO on Qwen3-30B-A3B (MoE) with Megatron (TP=2 + SP, EP=8, DP=8), 4 SGLang engines (TP 4) and the
 # advanced rollout coordination (throughput_optimal routing, priority queues, status_based sync,
-# migration, proactive filtering) on 4 nodes x 8 GPUs. Needs tuning: see README "Advanced rollout coordination".
+# migration, proactive filtering) on 4 nodes x 8 GPUs. Needs tuning: see docs/rollout-coordination.md.
 #
 # Usage: launch/advanced_qwen3_30b_megatron.sh [STALENESS] --cost-model FILE [--dry-run] [key.sub=value ...]
 #   STALENESS     weight versions rollouts may run ahead of training (algo.staleness; default 3; retry needs >= 1)

@@ -84,7 +84,7 @@ def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 30
     except subprocess.TimeoutExpired:
         kill_tree(proc)  # the ranks too: each is in a session of its own
         out, _ = proc.communicate()
-        raise AssertionError(f"torchrun {name} timed out after {timeout}s\n{out[-8000:]}")
+        raise AssertionError(f"torchrun {name} timed out after {timeout}s\n{out[-8000:]}") from None
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {name} (nproc={nproc}) failed rc={proc.returncode}\n{out[-8000:]}")
     return out

@@ -12,8 +12,8 @@ def test_prepare_builds_a_consistent_model_tokenizer_and_task(tmp_path):
     tok = AutoTokenizer.from_pretrained(paths["model"])
     cfg = AutoConfig.from_pretrained(paths["model"])
     assert cfg.vocab_size == len(tok) == 256 and cfg.eos_token_id == tok.eos_token_id
-    train = [json.loads(l) for l in paths["train"].read_text().splitlines()]
-    test = [json.loads(l) for l in paths["test"].read_text().splitlines()]
+    train = [json.loads(line) for line in paths["train"].read_text().splitlines()]
+    test = [json.loads(line) for line in paths["test"].read_text().splitlines()]
     assert len(train) + len(test) == 2 * 36 and len(test) == 8
     gen = json.loads((paths["model"] / "generation_config.json").read_text())
     assert gen["eos_token_id"] == tok.eos_token_id  # servers stop at the end of the turn

@@ -38,7 +38,7 @@ def test_train_command_with_ray(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     assert "trained 1 steps" in out
     assert "rollout coordinator: Ray actor megatron_dapo_coordinator_" in out  # rank 0 started it as a named actor
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["groups/kept"] == 2 and rows[0]["sync/verify_max_abs_diff"] < 1e-4
     assert sorted(p.name for p in (run_dir / "logs").glob("server_*.log")) == ["server_0.log", "server_1.log"]
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000000"

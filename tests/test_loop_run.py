@@ -51,7 +51,7 @@ def env(tmp_path_factory):
                                       deterministic_inference=True)
     try:
         yield {"root": root, "model": model, "train": train, "urls": [s.url for s in servers],
-               "ground_truths": [json.loads(l)["reward_model"]["ground_truth"] for l in train.read_text().splitlines()]}
+               "ground_truths": [json.loads(line)["reward_model"]["ground_truth"] for line in train.read_text().splitlines()]}
     finally:
         for s in servers:
             s.stop()
@@ -70,7 +70,7 @@ def _args(env, run_dir, *overrides):
 
 
 def _rows(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):

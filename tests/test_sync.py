@@ -63,7 +63,7 @@ def _finish(proc, out, timeout=180):
     except subprocess.TimeoutExpired:
         proc.kill()
         log, _ = proc.communicate()
-        raise AssertionError(f"sync worker timed out\n{log[-4000:]}")
+        raise AssertionError(f"sync worker timed out\n{log[-4000:]}") from None
     assert proc.returncode == 0, log[-4000:]
     return json.loads(Path(out).read_text())
 

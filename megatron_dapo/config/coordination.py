@@ -97,7 +97,7 @@ class QueueConfig:
 
 @dataclass
 class RoutingConfig:
-    """`rollout.routing`: which server takes each request; see README "Routing"."""
+    """`rollout.routing`: which server takes each request; see docs/rollout-coordination.md."""
 
     # least_outstanding: fewest requests in flight; request_num_balance: fewest sequences running +
     # waiting, none above rollout.concurrency; throughput_optimal(_with_budget): largest marginal

@@ -9,6 +9,7 @@ trainer GPUs. On CPU, `trainer.gpus_per_node` counts trainer processes.
 
 from __future__ import annotations
 
+import math
 import os
 
 from megatron_dapo.config.schema import DapoConfig
@@ -78,9 +79,15 @@ def token_sum_norm(cfg: DapoConfig) -> float:
     return float(f if f is not None else cfg.data.max_response_length)
 
 
+def optimizer_steps_per_train_step(cfg: DapoConfig) -> int:
+    """Optimizer steps per training step: one per mini-batch, per PPO epoch."""
+    a = cfg.algo
+    return max(1, math.ceil(a.train_batch_size / a.ppo_mini_batch_size)) * a.ppo_epochs
+
+
 def lr_decay_steps(cfg: DapoConfig) -> int:
-    d = cfg.optimizer.lr_decay_steps
-    return d if d is not None else cfg.trainer.total_steps
+    """Optimizer steps of the lr decay: optimizer.lr_decay_steps, unset (or 0) = the whole run."""
+    return cfg.optimizer.lr_decay_steps or cfg.trainer.total_steps * optimizer_steps_per_train_step(cfg)
 
 
 def checkpoint_dir(cfg: DapoConfig) -> str:

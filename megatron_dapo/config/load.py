@@ -126,40 +126,11 @@ def _convert(value: Any, tp: Any, path: str, current: Any = None) -> Any:
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise _wrong_type(path, value, tp)
-        obj = current if isinstance(current, tp) else tp()
-        return _merge(obj, value, path)
+        return _convert_dataclass(value, tp, path, current)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _wrong_type(path, value, tp)
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(value, arg, path, current)
-            except ConfigError as e:
-                errors.append(e)
-        # An error about a nested element is more precise than "expected X | null"; keep it.
-        nested = [e for e in errors if not str(e).startswith(f"{path}: expected")]
-        if nested:
-            raise nested[0]
-        raise _wrong_type(path, value, tp)
+        return _convert_union(value, tp, path, current)
     if origin is Literal:
-        choices = typing.get_args(tp)
-        if value in choices and type(value) is type(choices[0]):
-            return value
-        hint = ""
-        if isinstance(value, str):
-            close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"{path}: expected one of {_type_name(tp)}, got {_got(value)}{hint}")
+        return _convert_literal(value, tp, path)
     if origin is list:
         if not isinstance(value, (list, tuple)):
             raise _wrong_type(path, value, tp)
@@ -170,41 +141,95 @@ def _convert(value: Any, tp: Any, path: str, current: Any = None) -> Any:
             raise _wrong_type(path, value, tp)
         key_tp, val_tp = typing.get_args(tp)
         return {_convert(k, key_tp, path): _convert(v, val_tp, f"{path}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _wrong_type(path, value, tp)
-    if tp is int:
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if not INT64_MIN <= value <= INT64_MAX:
-                raise ConfigError(f"{path}: {_got(value)} is out of range (a 64-bit integer)")
-            return value
-        raise _wrong_type(path, value, tp)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            try:
-                number = float(value)
-            except OverflowError:
-                number = math.inf
-            if not math.isfinite(number):
-                raise ConfigError(f"{path}: expected a finite float, got {_got(value)}")
-            return number
-        # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; accept it as the number it means.
-        if isinstance(value, str):
-            try:
-                number = float(value)
-            except ValueError:
-                raise _wrong_type(path, value, tp) from None
-            if math.isfinite(number):
-                return number
-        raise _wrong_type(path, value, tp)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _wrong_type(path, value, tp)
+    if tp in _SCALARS:
+        return _SCALARS[tp](value, tp, path)
     raise TypeError(f"{path}: unsupported annotation {tp!r} in the config schema")  # a schema bug
+
+
+def _convert_dataclass(value: Any, tp: Any, path: str, current: Any) -> Any:
+    if isinstance(value, tp):
+        return value
+    if not isinstance(value, dict):
+        raise _wrong_type(path, value, tp)
+    obj = current if isinstance(current, tp) else tp()
+    return _merge(obj, value, path)
+
+
+def _convert_union(value: Any, tp: Any, path: str, current: Any) -> Any:
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _wrong_type(path, value, tp)
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(value, arg, path, current)
+        except ConfigError as e:
+            errors.append(e)
+    # An error about a nested element is more precise than "expected X | null"; keep it.
+    nested = [e for e in errors if not str(e).startswith(f"{path}: expected")]
+    if nested:
+        raise nested[0]
+    raise _wrong_type(path, value, tp)
+
+
+def _convert_literal(value: Any, tp: Any, path: str) -> Any:
+    choices = typing.get_args(tp)
+    if value in choices and type(value) is type(choices[0]):
+        return value
+    hint = ""
+    if isinstance(value, str):
+        close = difflib.get_close_matches(value, [str(c) for c in choices], n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"{path}: expected one of {_type_name(tp)}, got {_got(value)}{hint}")
+
+
+def _convert_bool(value: Any, tp: Any, path: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise _wrong_type(path, value, tp)
+
+
+def _convert_int(value: Any, tp: Any, path: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ConfigError(f"{path}: {_got(value)} is out of range (a 64-bit integer)")
+        return value
+    raise _wrong_type(path, value, tp)
+
+
+def _convert_float(value: Any, tp: Any, path: str) -> float:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            number = math.inf
+        if not math.isfinite(number):
+            raise ConfigError(f"{path}: expected a finite float, got {_got(value)}")
+        return number
+    # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string; accept it as the number it means.
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            raise _wrong_type(path, value, tp) from None
+        if math.isfinite(number):
+            return number
+    raise _wrong_type(path, value, tp)
+
+
+def _convert_str(value: Any, tp: Any, path: str) -> str:
+    if isinstance(value, str):
+        return value
+    raise _wrong_type(path, value, tp)
+
+
+_SCALARS = {bool: _convert_bool, int: _convert_int, float: _convert_float, str: _convert_str}
 
 
 def _field_paths(cls: type, prefix: str = "") -> list[str]:

@@ -162,7 +162,7 @@ class SyncConfig(SyncPolicyConfig):
     bucket_mb: int = 512  # tensors are broadcast in buckets of about this many MiB
     pause_generation: bool = True  # pause servers during an update; False = let in-flight requests finish
     # SGLang pause mode: in_place (running requests keep their KV, no cache flush), retract (re-prefilled
-    # with the new weights, cache flushed) or abort; see README "Rollout and weight sync"
+    # with the new weights, cache flushed) or abort; see docs/rollout-and-weight-sync.md
     pause_mode: Literal["in_place", "retract", "abort"] = "in_place"
     flatten_bucket: bool = False  # broadcast one flat buffer per bucket instead of one per tensor
     verify: bool = False  # after a sync, compare server and trainer logprobs on a probe sequence
@@ -183,7 +183,7 @@ class RetryConfig:
 @dataclass
 class RedundancyConfig:
     """Redundant rollout: over-provision, keep the first to finish, abort the rest (cuts tail latency,
-    but biases towards short responses; see README "Rollout coordination")."""
+    but biases towards short responses; see docs/rollout-coordination.md)."""
 
     extra_samples: int = 0  # generate n + this samples per group, keep the first n to finish
     extra_prompts: int = 0  # up to train_batch_size + this groups in flight per staleness buffer

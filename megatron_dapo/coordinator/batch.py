@@ -7,38 +7,10 @@ group so that no group straddles two ranks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from megatron_dapo.coordinator.groups import JudgedGroup, batch_advantages
-
-
-@dataclass
-class RolloutBatch:
-    input_ids: list[list[int]]  # prompt + response tokens
-    prompt_lengths: list[int]
-    response_lengths: list[int]
-    advantages: torch.Tensor  # [N] fp32, group-normalised (GRPO / DAPO)
-    rollout_logprobs: list[list[float]]  # [N][response_length]: the servers' logprobs, temperature-scaled
-    response_loss_mask: list[int]  # [N] 1 = the response's tokens enter the loss; 0 = overlong-filtered
-    token_versions: list[list[int]]  # [N][response_length]: weight version behind each response token
-    group_index: torch.Tensor  # [N] int64, 0..num_groups-1
-    temperature: float  # sampling temperature: the trainer's logprobs use the same scaling
-    step: int  # the trainer step (= weight version) this batch is consumed at
-    prompt_indices: list[int]  # dataset index of each group's prompt (for logs and tests)
-
-    @property
-    def num_samples(self) -> int:
-        return len(self.input_ids)
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.prompt_indices)
-
-    def staleness(self) -> list[int]:
-        """Versions behind the trainer, per sample (its oldest token)."""
-        return [self.step - min(v) if v else 0 for v in self.token_versions]
+from megatron_dapo.types import RolloutBatch
 
 
 def build_batch(groups: list[JudgedGroup], step: int, temperature: float, norm_adv_by_std: bool = True,

@@ -11,11 +11,9 @@ shards is the same computation, bit for bit, as one trained on the whole batch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from megatron_dapo.coordinator.batch import RolloutBatch
+from megatron_dapo.types import DPShard, RolloutBatch
 
 
 def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int) -> list[list[int]]:
@@ -31,17 +29,6 @@ def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], grou
         out[k].extend(members[g])
         load[k] += sum(row_tokens[r] for r in members[g])
     return [sorted(rows) for rows in out]
-
-
-@dataclass
-class DPShard:
-    """The rows one data-parallel rank trains on in a step."""
-
-    batch: RolloutBatch  # this rank's rows, in the step batch's order (group_index / prompt_indices global)
-    dp_rank: int
-    dp_size: int
-    mini_batches: list[list[int]]  # rows of `batch` in each mini-batch; the same count on every rank
-    mini_batch_counts: list[tuple[int, int]]  # each whole mini-batch's (loss tokens, loss sequences), all ranks
 
 
 def loss_counts(batch: RolloutBatch, rows: list[int]) -> tuple[int, int]:

@@ -20,7 +20,7 @@ class RMSNorm(torch.nn.Module):
         device = "cpu" if getattr(config, "use_cpu_initialization", False) else None
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype, device=device))
         self.eps = eps
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)  # read by megatron-core's grad sync
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype

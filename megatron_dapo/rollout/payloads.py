@@ -155,12 +155,12 @@ def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "")
         meta = item["meta_info"]
         output_ids = [int(t) for t in item["output_ids"]]
     except (KeyError, TypeError) as e:
-        raise ValueError(f"/generate answer lacks {e} (keys: {sorted(item) if isinstance(item, dict) else item!r})")
+        raise ValueError(f"/generate answer lacks {e} (keys: {sorted(item) if isinstance(item, dict) else item!r})") from None
     kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
     triples = meta.get("output_token_logprobs") or []
     if triples and len(triples) != len(output_ids):
         raise ValueError(f"/generate answer: {len(triples)} output_token_logprobs for {len(output_ids)} output_ids")
-    for (lp, tok, *_), out_tok in zip(triples, output_ids):
+    for (_, tok, *_), out_tok in zip(triples, output_ids):
         if int(tok) != out_tok:
             raise ValueError(f"/generate answer: logprob token {tok} != output token {out_tok}")
     spans = [WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]

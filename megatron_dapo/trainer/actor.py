@@ -36,8 +36,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.coordinator.shards import DPShard, shard_batch, split_groups_over_ranks
+from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
+from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
 from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
+from megatron_dapo.types import DPShard
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,6 @@ class MegatronActor:
             finalize_model_grads,
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model
         from megatron_dapo.models.specs import te_available
@@ -112,14 +113,7 @@ class MegatronActor:
             ),
             self.model,
         )
-        steps_per_train_step = max(1, math.ceil(a.train_batch_size / a.ppo_mini_batch_size)) * a.ppo_epochs
-        decay = o.lr_decay_steps or cfg.trainer.total_steps * steps_per_train_step
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(decay, o.lr_warmup_steps + 1),
-            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=max(decay, 1), wd_incr_style="constant",
-        )
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()

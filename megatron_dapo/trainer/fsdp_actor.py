@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ def _checkpoint_names(model: torch.nn.Module) -> list[tuple[str, str, tuple]]:
 
 class FSDPActor(MegatronActor):
     def __init__(self, cfg, hf_dir: str | None = None):
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
@@ -126,14 +126,7 @@ class FSDPActor(MegatronActor):
              {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "wd_mult": 0.0}],
             lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
         )
-        steps_per_train_step = max(1, math.ceil(a.train_batch_size / a.ppo_mini_batch_size)) * a.ppo_epochs
-        decay = o.lr_decay_steps or cfg.trainer.total_steps * steps_per_train_step
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(decay, o.lr_warmup_steps + 1),
-            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=max(decay, 1), wd_incr_style="constant",
-        )
+        self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.tp_group = None
         self.dp_group = None  # the default group: every trainer rank is a data-parallel rank
         self.dp_size = dist.get_world_size()

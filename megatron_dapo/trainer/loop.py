@@ -16,7 +16,7 @@ the interrupted one would have.
 from __future__ import annotations
 
 import logging
-import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,9 +26,13 @@ import torch.distributed as dist
 
 from megatron_dapo.config import dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
-from megatron_dapo.coordinator.batch import probe_batch
+from megatron_dapo.coordinator.process import start_coordinator
+from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
+from megatron_dapo.data.dataset import DatasetError
+from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer.metrics import MetricsWriter, console_line
+from megatron_dapo.trainer.weight_sync import build_weight_sync
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,6 @@ def _save(cfg, actor, step: int, version: int, coord, next_step: int | None, ran
 def prepare_output_dirs(cfg) -> None:
     """Create logging.run_dir and the checkpoint directory; OSError naming the key unless both are
     writable directories (a file in the way, a read-only file system)."""
-    import tempfile
-
     for key, d in (("logging.run_dir", cfg.logging.run_dir), ("checkpoint.save_dir", checkpoint_dir(cfg))):
         try:
             Path(d).mkdir(parents=True, exist_ok=True)
@@ -98,7 +100,8 @@ def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
 
 
 def build_actor(cfg):
-    """This rank's actor, HF weights loaded: Megatron (trainer.actor) or FSDP2 (trainer.fsdp_actor)."""
+    """This rank's actor, HF weights loaded: Megatron (trainer.actor) or FSDP2 (trainer.fsdp_actor).
+    Imported here: each pulls in its framework (megatron-core, or FSDP2 and transformers)."""
     if cfg.trainer.backend == "fsdp2":
         from megatron_dapo.trainer.fsdp_actor import FSDPActor
 
@@ -117,50 +120,24 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
     rows this rank trained (its DP shard, a RolloutBatch); a collective point: the callback may run
     collectives such as `actor.export_weights()`.
     """
-    from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
-
     resume = cfg.checkpoint.resume if resume is None else resume
-    info = init_distributed()
-    rank = info.rank
+    rank = init_distributed().rank
     p = cfg.parallel
     init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
     torch.manual_seed(cfg.trainer.seed)
-    run_dir = Path(cfg.logging.run_dir)
-
-    # Output directories, data and the checkpoint to resume first, on rank 0, before anything
-    # collective: a bad one is reported on every rank at once instead of leaving the other ranks
-    # waiting in a collective (or failing at the first save, after a step of work). The coordinator
-    # (its own process) loads the data and builds the rollout side.
-    coord = writer = resumed = None
-    per_server = cfg.rollout.sync.policy != "all_at_once"
-    error = None
+    coord = writer = None
     try:
-        if rank == 0:
-            from megatron_dapo.coordinator.process import start_coordinator
-            from megatron_dapo.data.dataset import DatasetError
-
-            try:
-                prepare_output_dirs(cfg)
-                dump_yaml(cfg, run_dir / "config.yaml")
-                if resume:
-                    resumed = _read_resume_checkpoint(cfg, dist.get_world_size())
-                coord = start_coordinator(cfg, server_urls)
-                sizes = coord.setup()
-                log.info("rollout coordinator: %s; train prompts: %d (%d dropped, %d truncated as longer than %d "
-                         "tokens)", coord.where, sizes["train"], sizes["dropped"], sizes["truncated"],
-                         cfg.data.max_prompt_length)
-                if resumed is not None:
-                    found, state = resumed
-                    coord.restore(str(found), state, ckpt.read_trainer_state(found)["step"] + 1)
-            except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
-                error = f"{type(e).__name__}: {e}"
-        error, found = _broadcast((error, resumed and str(resumed[0])))
+        # Rank 0 checks the output directories, the data and the checkpoint to resume before anything
+        # collective: a bad one is reported on every rank at once instead of leaving the other ranks
+        # waiting in a collective (or failing at the first save, after a step of work).
+        coord, found, error = _start_rollout_side(cfg, server_urls, resume) if rank == 0 else (None, None, None)
+        error, found = _broadcast((error, found))
         if error is not None:
             raise RunSetupError(error)
         if rank == 0:
-            writer = MetricsWriter(run_dir, cfg.logging.tensorboard)
-        return _train(cfg, rank, coord, writer, found, server_urls, server_tp_sizes, resume, per_server,
-                      stop_after, on_step_end)
+            writer = MetricsWriter(Path(cfg.logging.run_dir), cfg.logging.tensorboard)
+        trainer = Trainer(cfg, rank, coord, writer, server_urls, server_tp_sizes, on_step_end)
+        return trainer.fit(trainer.restore(found, resume), stop_after)
     finally:
         if coord is not None:
             coord.close()
@@ -168,152 +145,142 @@ def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = 
             writer.close()
 
 
-def _train(cfg, rank, coord, writer, found, server_urls, server_tp_sizes, resume, per_server, stop_after,
-           on_step_end) -> RunResult | None:
-    from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
-    from megatron_dapo.sync.bridge import WeightSyncBridge
-
-    registry = coord.registry if coord is not None else None
-    actor = build_actor(cfg)
-    # Under torchrun this variable makes every TCP rendezvous a client of torchrun's agent store;
-    # the weight-update group's rendezvous (trainer rank 0 hosting, servers joining) would then
-    # have no host and hang. The default group is formed already, so it no longer needs it.
-    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    byte_budget = int(cfg.rollout.sync.bucket_mb * 1024 * 1024)
-    # A fixed probe sequence: after each sync the servers' logprobs of it must equal the trainer's.
-    probe = torch.randint(3, actor.arch.vocab_size, (24,), generator=torch.Generator().manual_seed(0)).tolist()
-    bridge = store = syncer = None
-    if per_server:
-        from megatron_dapo.sync.per_server import PerServerSync, WeightStore
-
-        store = WeightStore()
-        if rank == 0:
-            syncer = PerServerSync(server_urls, cfg.rollout.sync, registry, store, api_key=cfg.rollout.api_key,
-                                   server_tp_sizes=server_tp_sizes, probe=probe,
-                                   on_publish=lambda url, v: coord.set_version(v), on_error=coord.fail)
-            syncer.connect()
-    else:
-        bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
-                                  server_tp_sizes=server_tp_sizes)
-        bridge.connect()
-
-    def store_weights(version: int) -> dict:
-        """Per-server sync: the new weights go to the store; each server takes them when its policy says."""
-        t0 = time.perf_counter()
-        ref = actor.compute_logprobs(probe_batch(probe, version))[0].tolist() if cfg.rollout.sync.verify else None
-        store.put(version, actor.export_weights(byte_budget=byte_budget), ref)
-        out = {"time/sync_s": time.perf_counter() - t0}
-        if rank == 0:
-            out["sync/store_bytes"] = float(store.snapshot().nbytes)
-            syncer.notify()
-        return out
-
-    def sync(version: int) -> dict:
-        if per_server:
-            return store_weights(version)
-        t0 = time.perf_counter()
-        stats = bridge.sync(actor.export_weights(byte_budget=byte_budget), version=version)
-        out = stats.as_metrics() if stats is not None else {}
-        out["time/sync_s"] = time.perf_counter() - t0
-        if cfg.rollout.sync.verify:
-            ref = actor.compute_logprobs(probe_batch(probe, version))[0]
-            if rank == 0:
-                out["sync/verify_max_abs_diff"] = bridge.verify(probe, ref.tolist())
-                out["sync/probe_logprob_mean"] = float(ref.double().mean())
-        if rank == 0:
-            registry.publish_all(version, out["time/sync_s"])
-        return out
-
-
-    start_step = 0
-    if resume and found is None and rank == 0:
-        log.warning("resume requested but %s holds no checkpoint: starting from scratch", checkpoint_dir(cfg))
-    if found is not None:
-        found = Path(found)
-        actor.load_checkpoint(str(found / "model"))
-        ckpt.load_rng(found, rank)
-        start_step = ckpt.read_trainer_state(found)["step"] + 1
-        if rank == 0:
-            log.info("resumed from %s: next step %d", found, start_step)
-    # Servers may hold anything (a previous run's weights, a resumed run's older ones): start them
-    # from exactly the trainer's weights, at the version the first step is consumed at.
-    sync(start_step)
-    if syncer is not None:  # every server starts from the trainer's weights, then each follows its policy
-        syncer.sync_all()
-        syncer.start()
-
-    val = {}
-
-    def validate(step):
-        res = coord.validate() if rank == 0 else None
-        if res is not None:
-            writer.log(step, res)
-            val.setdefault("first", (step, res))
-            val["last"] = (step, res)
-            val.setdefault("all", []).append((step, res))
-            log.info("step %d validation: %s", step, res)
-
-    dp_rank_of = data_parallel_ranks(actor.dp_rank)
-    if rank == 0:
-        coord.start()
+def _start_rollout_side(cfg, server_urls, resume: bool):
+    """Rank 0: output directories, the checkpoint to resume, and the coordinator (its own process, which
+    loads the data and builds the rollout side). Returns (coordinator client, checkpoint found, error)."""
+    coord = found = None
     try:
-        total = cfg.trainer.total_steps
-        if cfg.trainer.val_every and start_step == 0:
-            validate(0)
-        bar = None
-        if rank == 0 and cfg.logging.progress_bar:
-            from tqdm import tqdm
+        prepare_output_dirs(cfg)
+        dump_yaml(cfg, Path(cfg.logging.run_dir) / "config.yaml")
+        resumed = _read_resume_checkpoint(cfg, dist.get_world_size()) if resume else None
+        coord = start_coordinator(cfg, server_urls)
+        sizes = coord.setup()
+        log.info("rollout coordinator: %s; train prompts: %d (%d dropped, %d truncated as longer than %d tokens)",
+                 coord.where, sizes["train"], sizes["dropped"], sizes["truncated"], cfg.data.max_prompt_length)
+        if resumed is not None:
+            found, state = resumed
+            coord.restore(str(found), state, ckpt.read_trainer_state(found)["step"] + 1)
+            found = str(found)
+    except (DatasetError, ValueError, OSError, ckpt.CheckpointError) as e:
+        return coord, None, f"{type(e).__name__}: {e}"
+    except BaseException:
+        if coord is not None:
+            coord.close()
+        raise
+    return coord, found, None
 
-            bar = tqdm(total=total, initial=start_step, desc="DAPO", unit="step", dynamic_ncols=True)
-        history, done = [], 0
-        for step in range(start_step, total):
-            t_step = time.perf_counter()
-            data = coord.take_step(step, actor.dp_size) if rank == 0 else None
-            shard = scatter_shards(data and data.shards, dp_rank_of)  # each rank: its own DP shard only
-            t_gen = time.perf_counter() - t_step
-            t0 = time.perf_counter()
-            train_metrics = actor.train_step(shard)
-            t_train = time.perf_counter() - t0
-            sync_metrics = sync(step + 1)
-            if rank == 0:
-                if not per_server:
-                    coord.set_version(step + 1)
-                m = dict(data.metrics)
-                m.update({k: float(v) for k, v in train_metrics.items()})
-                m.update(sync_metrics)
-                m.update(registry.metrics())
-                m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train,
-                          "time/step_s": time.perf_counter() - t_step,
-                          "throughput/tokens_per_s": data.tokens / max(1e-9, time.perf_counter() - t_step)})
-                extra = {**data.extra, "weight_version": step + 1}
-                if per_server:
-                    extra["server_syncs"] = registry.take_events()
-                writer.log(step, m, staleness=data.staleness, extra=extra)
-                if step % cfg.logging.log_every == 0 or step == total - 1:
-                    log.info("step %d: %s", step, console_line(m))
-                history.append({"step": step, **m})
+
+class Trainer:
+    """One trainer rank's side of the run: the actor, its weight sync and (rank 0) the coordinator
+    client and the metrics writer. `fit` is the loop; each step reads top to bottom in `train_step`."""
+
+    def __init__(self, cfg, rank: int, coord, writer, server_urls, server_tp_sizes=None, on_step_end=None):
+        self.cfg, self.rank, self.coord, self.writer, self.on_step_end = cfg, rank, coord, writer, on_step_end
+        self.actor = build_actor(cfg)
+        self.weight_sync = build_weight_sync(cfg, self.actor, rank, coord, server_urls, server_tp_sizes)
+        self.dp_rank_of = data_parallel_ranks(self.actor.dp_rank)
+        self.history: list[dict] = []
+        self.val: dict = {}
+
+    # ---- state -----------------------------------------------------------------------------------
+    def restore(self, found: str | None, resume: bool) -> int:
+        """Load the checkpoint found by rank 0 (model, optimizer, RNG); returns the first step to train."""
+        if resume and found is None and self.rank == 0:
+            log.warning("resume requested but %s holds no checkpoint: starting from scratch", checkpoint_dir(self.cfg))
+        if found is None:
+            return 0
+        found = Path(found)
+        self.actor.load_checkpoint(str(found / "model"))
+        ckpt.load_rng(found, self.rank)
+        start_step = ckpt.read_trainer_state(found)["step"] + 1
+        if self.rank == 0:
+            log.info("resumed from %s: next step %d", found, start_step)
+        return start_step
+
+    def save(self, step: int, next_step: int | None) -> Path | None:
+        return _save(self.cfg, self.actor, step, step + 1, self.coord, next_step, self.rank)
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def fit(self, start_step: int, stop_after: int | None = None) -> RunResult | None:
+        cfg, total = self.cfg, self.cfg.trainer.total_steps
+        self.weight_sync.start(start_step)  # the servers start from exactly the trainer's weights
+        if self.rank == 0:
+            self.coord.start()
+        if cfg.trainer.val_every and start_step == 0:
+            self.validate(0)
+        bar = self._progress_bar(start_step)
+        done = 0
+        try:
+            for step in range(start_step, total):
+                metrics = self.train_step(step)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(acc=f"{m['reward/accuracy']:.2f}", kept=int(m["groups/kept"]),
-                                    gen=int(m["groups/gen_batches"]), refresh=False)
-            if on_step_end is not None:
-                on_step_end(step, actor, shard.batch)
-            done += 1
-            last = step == total - 1
-            every = cfg.checkpoint.save_every
-            if (every and (step + 1) % every == 0) or last:
-                _save(cfg, actor, step, step + 1, coord, None if last else step + 1, rank)
-            if cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
-                validate(step + 1)
-            if stop_after is not None and done >= stop_after:
-                break
-        if bar is not None:
-            bar.close()
-    finally:  # the coordinator and the metrics writer are closed by train_rank
-        if syncer is not None:
-            syncer.close()
-        if bridge is not None:
-            bridge.close()
-    if rank == 0:
-        return RunResult(done, start_step + done - 1, history, val)
-    return None
+                    bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", kept=int(metrics["groups/kept"]),
+                                    gen=int(metrics["groups/gen_batches"]), refresh=False)
+                done += 1
+                last = step == total - 1
+                every = cfg.checkpoint.save_every
+                if (every and (step + 1) % every == 0) or last:
+                    self.save(step, None if last else step + 1)
+                if cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
+                    self.validate(step + 1)
+                if stop_after is not None and done >= stop_after:
+                    break
+        finally:  # the coordinator and the metrics writer are closed by train_rank
+            if bar is not None:
+                bar.close()
+            self.weight_sync.close()
+        return RunResult(done, start_step + done - 1, self.history, self.val) if self.rank == 0 else None
+
+    def train_step(self, step: int) -> dict | None:
+        """Step `step`: take its batch, train on this rank's shard, sync weights at version step + 1, log."""
+        t_step = time.perf_counter()
+        data = self.coord.take_step(step, self.actor.dp_size) if self.rank == 0 else None
+        shard = scatter_shards(data and data.shards, self.dp_rank_of)  # each rank: its own DP shard only
+        t_gen = time.perf_counter() - t_step
+        t0 = time.perf_counter()
+        train_metrics = self.actor.train_step(shard)
+        t_train = time.perf_counter() - t0
+        sync_metrics = self.sync_weights(step + 1)
+        metrics = None
+        if self.rank == 0:
+            metrics = self._log_step(step, data, train_metrics, sync_metrics, t_step, t_gen, t_train)
+        if self.on_step_end is not None:
+            self.on_step_end(step, self.actor, shard.batch)
+        return metrics
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        return self.weight_sync.after_step(version)
+
+    def validate(self, step: int) -> None:
+        res = self.coord.validate() if self.rank == 0 else None
+        if res is not None:
+            self.writer.log(step, res)
+            self.val.setdefault("first", (step, res))
+            self.val["last"] = (step, res)
+            self.val.setdefault("all", []).append((step, res))
+            log.info("step %d validation: %s", step, res)
+
+    # ---- rank 0's bookkeeping ----------------------------------------------------------------------
+    def _log_step(self, step, data, train_metrics, sync_metrics, t_step, t_gen, t_train) -> dict:
+        m = dict(data.metrics)
+        m.update({k: float(v) for k, v in train_metrics.items()})
+        m.update(sync_metrics)
+        m.update(self.coord.registry.metrics())
+        elapsed = time.perf_counter() - t_step
+        m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train, "time/step_s": elapsed,
+                  "throughput/tokens_per_s": data.tokens / max(1e-9, elapsed)})
+        extra = {**data.extra, "weight_version": step + 1, **self.weight_sync.step_extra()}
+        self.writer.log(step, m, staleness=data.staleness, extra=extra)
+        if step % self.cfg.logging.log_every == 0 or step == self.cfg.trainer.total_steps - 1:
+            log.info("step %d: %s", step, console_line(m))
+        self.history.append({"step": step, **m})
+        return m
+
+    def _progress_bar(self, start_step: int):
+        if self.rank != 0 or not self.cfg.logging.progress_bar:
+            return None
+        from tqdm import tqdm  # only rank 0 with a progress bar needs it
+
+        return tqdm(total=self.cfg.trainer.total_steps, initial=start_step, desc="DAPO", unit="step",
+                    dynamic_ncols=True)

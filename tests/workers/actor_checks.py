@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.config.schema import DapoConfig
-from megatron_dapo.coordinator.batch import RolloutBatch
 from megatron_dapo.models.tiny import save_tiny_hf_model
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.types import RolloutBatch
 
 LR, EPS, CLIP = 1e-3, 1e-4, 0.5
 

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from actor_checks import make_batch  # a sibling worker: tests/workers is sys.path[0] when run as a script
 
 from megatron_dapo.config.schema import DapoConfig
-from megatron_dapo.coordinator.batch import RolloutBatch
 from megatron_dapo.models.tiny import save_tiny_hf_model
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed
 from megatron_dapo.trainer.fsdp_actor import FSDPActor
+from megatron_dapo.types import RolloutBatch
 
 LR, EPS, CLIP, WD = 1e-3, 1e-4, 0.5, 0.1
 

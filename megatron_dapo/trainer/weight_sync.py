@@ -1,0 +1,143 @@
+"""How the trainer's new weights reach the rollout servers: one interface, two implementations.
+
+`WeightSync.start(v)` puts every server on the trainer's weights at version v (servers may hold
+anything before: another run's weights, a resumed run's older ones); `after_step(v)` hands over the
+weights of version v after an optimizer step and returns the step's sync metrics. Every trainer rank
+calls both (exporting weights is collective); only rank 0 talks to the servers and the coordinator.
+
+- `AllAtOnceSync` (`rollout.sync.policy: all_at_once`): the bridge broadcasts the weights to every
+  server inline, then the coordinator dispatches at version v.
+- `PerServerStoreSync` (`greedy`, `status_based`): the weights go to a host-memory store on rank 0; a
+  syncer thread moves each server to them when its policy says (megatron_dapo.sync.per_server), and
+  the coordinator learns each server's version as it is published.
+
+With `rollout.sync.verify`, a fixed probe sequence's logprobs are computed by the trainer after every
+sync; the servers' logprobs of it must equal them (all at once: checked here; per server: by the syncer).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from megatron_dapo.coordinator.batch import probe_batch
+from megatron_dapo.sync.bridge import WeightSyncBridge
+from megatron_dapo.sync.per_server import PerServerSync, WeightStore
+
+
+class WeightSync:
+    """The interface (and what both implementations share: the actor, the byte budget, the probe)."""
+
+    def __init__(self, cfg, actor, rank: int):
+        self.cfg, self.actor, self.rank = cfg, actor, rank
+        self.byte_budget = int(cfg.rollout.sync.bucket_mb * 1024 * 1024)
+        # a fixed probe sequence: after each sync the servers' logprobs of it must equal the trainer's
+        gen = torch.Generator().manual_seed(0)
+        self.probe = torch.randint(3, actor.arch.vocab_size, (24,), generator=gen).tolist()
+        # Under torchrun this variable makes every TCP rendezvous a client of torchrun's agent store;
+        # the weight-update group's rendezvous (trainer rank 0 hosting, servers joining) would then
+        # have no host and hang. The default group is formed already, so it no longer needs it.
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+    def start(self, version: int) -> None:
+        raise NotImplementedError
+
+    def after_step(self, version: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def step_extra(self) -> dict:
+        """What metrics.jsonl records of the servers' syncs this step (rank 0)."""
+        return {}
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def _probe_logprobs(self, version: int) -> torch.Tensor:
+        return self.actor.compute_logprobs(probe_batch(self.probe, version))[0]
+
+    def _export(self):
+        return self.actor.export_weights(byte_budget=self.byte_budget)
+
+
+class AllAtOnceSync(WeightSync):
+    def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
+        super().__init__(cfg, actor, rank)
+        self.coord = coord
+        self.bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
+                                       server_tp_sizes=server_tp_sizes)
+        self.bridge.connect()
+
+    def _sync(self, version: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        stats = self.bridge.sync(self._export(), version=version)
+        out = stats.as_metrics() if stats is not None else {}
+        out["time/sync_s"] = time.perf_counter() - t0
+        if self.cfg.rollout.sync.verify:
+            ref = self._probe_logprobs(version)
+            if self.rank == 0:
+                out["sync/verify_max_abs_diff"] = self.bridge.verify(self.probe, ref.tolist())
+                out["sync/probe_logprob_mean"] = float(ref.double().mean())
+        if self.rank == 0:
+            self.coord.registry.publish_all(version, out["time/sync_s"])
+        return out
+
+    def start(self, version: int) -> None:
+        self._sync(version)
+
+    def after_step(self, version: int) -> dict[str, float]:
+        out = self._sync(version)
+        if self.rank == 0:
+            self.coord.set_version(version)
+        return out
+
+    def close(self) -> None:
+        self.bridge.close()
+
+
+class PerServerStoreSync(WeightSync):
+    def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
+        super().__init__(cfg, actor, rank)
+        self.coord = coord
+        self.store = WeightStore()
+        self.syncer = None
+        if rank == 0:
+            self.syncer = PerServerSync(server_urls, cfg.rollout.sync, coord.registry, self.store,
+                                       api_key=cfg.rollout.api_key, server_tp_sizes=server_tp_sizes,
+                                       probe=self.probe, on_publish=lambda url, v: coord.set_version(v),
+                                       on_error=coord.fail)
+            self.syncer.connect()
+
+    def _store(self, version: int) -> dict[str, float]:
+        """The new weights go to the store; each server takes them when its policy says."""
+        t0 = time.perf_counter()
+        ref = self._probe_logprobs(version).tolist() if self.cfg.rollout.sync.verify else None
+        self.store.put(version, self._export(), ref)
+        out = {"time/sync_s": time.perf_counter() - t0}
+        if self.rank == 0:
+            out["sync/store_bytes"] = float(self.store.snapshot().nbytes)
+            self.syncer.notify()
+        return out
+
+    def start(self, version: int) -> None:
+        self._store(version)
+        if self.syncer is not None:  # every server starts from the trainer's weights, then follows its policy
+            self.syncer.sync_all()
+            self.syncer.start()
+
+    def after_step(self, version: int) -> dict[str, float]:
+        return self._store(version)
+
+    def step_extra(self) -> dict:
+        return {"server_syncs": self.coord.registry.take_events()}
+
+    def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close()
+
+
+def build_weight_sync(cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None) -> WeightSync:
+    """The implementation `rollout.sync.policy` names (its coordinator client on rank 0, None elsewhere)."""
+    cls = AllAtOnceSync if cfg.rollout.sync.policy == "all_at_once" else PerServerStoreSync
+    return cls(cfg, actor, rank, coord, server_urls, server_tp_sizes)

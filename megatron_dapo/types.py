@@ -1,0 +1,51 @@
+"""The data that crosses from the coordinator to the trainer, as plain dataclasses (a leaf module: it
+imports nothing of the package, so both sides and the simulator can use it).
+
+A `RolloutBatch` has one row per sample, the n samples of a group contiguous, groups in the order
+they were taken; a `DPShard` is the rows one data-parallel rank trains on in a step, with the global
+counts the loss normalises by. The coordinator builds them (megatron_dapo.coordinator.batch, .shards).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RolloutBatch:
+    input_ids: list[list[int]]  # prompt + response tokens
+    prompt_lengths: list[int]
+    response_lengths: list[int]
+    advantages: torch.Tensor  # [N] fp32, group-normalised (GRPO / DAPO)
+    rollout_logprobs: list[list[float]]  # [N][response_length]: the servers' logprobs, temperature-scaled
+    response_loss_mask: list[int]  # [N] 1 = the response's tokens enter the loss; 0 = overlong-filtered
+    token_versions: list[list[int]]  # [N][response_length]: weight version behind each response token
+    group_index: torch.Tensor  # [N] int64, 0..num_groups-1
+    temperature: float  # sampling temperature: the trainer's logprobs use the same scaling
+    step: int  # the trainer step (= weight version) this batch is consumed at
+    prompt_indices: list[int]  # dataset index of each group's prompt (for logs and tests)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.prompt_indices)
+
+    def staleness(self) -> list[int]:
+        """Versions behind the trainer, per sample (its oldest token)."""
+        return [self.step - min(v) if v else 0 for v in self.token_versions]
+
+
+@dataclass
+class DPShard:
+    """The rows one data-parallel rank trains on in a step."""
+
+    batch: RolloutBatch  # this rank's rows, in the step batch's order (group_index / prompt_indices global)
+    dp_rank: int
+    dp_size: int
+    mini_batches: list[list[int]]  # rows of `batch` in each mini-batch; the same count on every rank
+    mini_batch_counts: list[tuple[int, int]]  # each whole mini-batch's (loss tokens, loss sequences), all ranks
