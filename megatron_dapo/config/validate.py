@@ -143,7 +143,7 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(
             f"algo.staleness_buffer_groups={a.staleness_buffer_groups} must equal algo.train_batch_size="
             f"{a.train_batch_size} (or be null): a staleness buffer is one training step's batch, as in PSRL; "
-            f"more groups in flight than the batch is batch-level redundancy (rollout.redundancy.extra_prompts, issue 15)"
+            f"more groups in flight than the batch is batch-level redundancy (rollout.redundancy.extra_prompts)"
         )
     if a.kl_coef != 0:
         errors.append(

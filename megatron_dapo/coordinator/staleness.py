@@ -19,37 +19,7 @@ comes from a version >= V_traj. With staleness bound s the group may be trained 
 The bound therefore holds by construction and nothing completed is ever discarded for staleness:
 a slow group holds its buffer back (the trainer waits) instead of being thrown away.
 
-Against PSRL's `StalenessInventory` (psrl/workers/ps/staleness_controller.py, Somoku/psrl
-19c0474), read line by line: the rules are the same, and benchmarks/staleness_reservation.py
---psrl-src runs PSRL's own class in the same simulation: same throughput, and every group trained at
-the same step as here except a few when two reservations of one buffer tie (see slot order below):
-- how many groups may be in flight: the same, every empty slot of the buffers [V, V + s] (PSRL:
-  `can_reserve_data`, `get_empty_entries_total_num`); neither counts anything else against them.
-- which buffer a request reserves: the same, the highest one <= V + s with an empty slot, its last
-  empty slot (`reserve_data`: max candidate, `get_last_non_reserved`).
-- where a completed group goes: the same, first the earliest reservation before it (earliest buffer
-  from V_traj, or an earlier slot of its own buffer) whose bound allows the freed buffer moves into
-  the freed slot (`clear_reserved_entries(move_across_buffer=True)`), then the group takes the
-  earliest empty slot of the earliest buffer (`occupy_data_with_reserve`). (Moving a reservation
-  only when no empty slot comes before it, as this class once did, places every group the same way
-  while the producer fills every reservable slot at once, but leaves in-flight groups in early
-  buffers when it lags.)
-- a group dropped by dynamic sampling: the same, its reservation is cleared in place and a fresh
-  prompt dispatched (PSRL's agent-loop manager calls `clear_reserved_entries` without moving across
-  buffers, then `_retry_data`).
-- what this class leaves out: PSRL's slot order inside a buffer (it keeps occupied slots first and
-  reservations last by moving entries; here a slot's index carries no meaning beyond consume order,
-  so when several reservations of one buffer may move, the one moved can differ from PSRL's),
-  per-trajectory reservations joined into a group entry (`request_idx` lists; here a group is
-  reserved and dispatched whole), and buffers larger than the batch (`READY_WITH_CAPACITY`, used
-  only by redundant rollout: here `extra` slots per buffer, see below).
-The cost of the guarantee is the same in both: with a heavy-tailed length distribution a buffer
-waits for its slowest group of version b - s, and with every slot <= V + s taken nothing else may be
-dispatched. PSRL does not fix that in the controller but around it (issue 15): redundant rollout
-(B' > B prompts or N' > N samples, the surplus aborted; its docs: "cut tail latency") and the
-proactive filter `retry` on a STUCK buffer; migration helps only when a server, not a response, is slow.
-
-Both are supported here:
+Two switches trade aborted generation for not waiting on a buffer's slowest group (both off by default):
 - prompt-level redundancy (`extra` > 0, PSRL's `redundant_global_batch_size` B' = B + extra): a
   buffer has B + extra slots and is ready once B of them are occupied, so up to B + extra groups
   per buffer may be in flight and the B first to complete fill it. When a buffer fills, its

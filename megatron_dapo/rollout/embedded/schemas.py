@@ -23,7 +23,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# ---- SGLang fields accepted only at their neutral value (issue 11) ------------------------------
+# ---- SGLang fields accepted only at their neutral value ------------------------------
 # field -> the values that mean "feature off" in SGLang 0.5.23 (a batch may send a list of them)
 GENERATE_NEUTRAL: dict[str, tuple] = {
     **dict.fromkeys(
@@ -91,7 +91,7 @@ class SamplingParamsIn(_Strict):
     spaces_between_special_tokens: Optional[bool] = True
     no_stop_trim: Optional[bool] = False
 
-    # ---- SGLang's cheap sampling features (issue 11): implemented, SGLang's ranges (verify()) ----
+    # ---- SGLang's cheap sampling features: implemented, SGLang's ranges (verify()) ----
     min_p: Optional[float] = Field(0.0, ge=0.0, le=1.0)
     frequency_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: Optional[float] = Field(0.0, ge=-2.0, le=2.0)
@@ -148,7 +148,7 @@ class GenerateIn(_Strict):
     stream: Literal[False] = False
     log_metrics: bool = True
 
-    # ---- SGLang fields that label or route a request: accepted, no effect here (issue 11) ----
+    # ---- SGLang fields that label or route a request: accepted, no effect here ----
     # SGLang ignores a priority unless started with --enable-priority-scheduling
     priority: Optional[int] = None
     # DP rank to route to; this server is one rank, so only 0 (SGLang: "out of range [0, 1)")
