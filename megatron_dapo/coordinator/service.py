@@ -12,18 +12,36 @@ interpreter (GIL) with training.
 For step t it builds the batch (advantages need whole groups), cuts it into data-parallel shards
 (megatron_dapo.coordinator.shards) and hands them to trainer rank 0 with the step's rollout metrics;
 each rank then receives only its own shard. The registry lives here, beside the router that reads
-it; the per-server syncer (trainer rank 0, which holds the weight store) changes it through the
-client's registry calls.
+it; the per-server syncer (trainer rank 0, which holds the weight store) changes it remotely.
+
+The remote interface is declared once, here: `REMOTE_CALLS` names each object the coordinator
+serves ("coordinator": the service, "registry": its ServerRegistry) and the methods a client may
+call on it; process.py serves exactly these, under either transport. A call's arguments and result
+must pickle (plain pickle: tensors travel as bytes, whatever the transport).
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_dapo.coordinator.servers import ServerRegistry
+from megatron_dapo.data.dataset import DatasetError
+from megatron_dapo.errors import CheckpointError
+
+# The rest (the producer and its builders, batches, shards, evaluation) is imported where used: it pulls in
+# torch and transformers, which the coordinator process loads at `setup`, not at start (nor rank 0, which
+# imports this module for its call tables).
 
 log = logging.getLogger(__name__)
+
+# what a client may call on each object the coordinator serves
+COORDINATOR_CALLS = ("setup", "restore", "start", "stop", "take_step", "set_version", "fail", "checkpoint_state",
+                     "validate")
+REGISTRY_CALLS = ("begin_sync", "end_sync", "publish_all", "statuses", "metrics", "take_events")
+REMOTE_CALLS = {"coordinator": COORDINATOR_CALLS, "registry": REGISTRY_CALLS}
 
 
 @dataclass
@@ -81,8 +99,6 @@ class CoordinatorService:
     """Built cheaply (it may be constructed remotely); `setup` loads data and builds the producer."""
 
     def __init__(self, cfg, server_urls: list[str]):
-        from megatron_dapo.coordinator.servers import ServerRegistry
-
         self.cfg, self.urls = cfg, list(server_urls)
         # each server's weight version, routing state and sync / idle time (versions set by the first sync)
         self.registry = ServerRegistry(self.urls, version=-1)
@@ -107,11 +123,6 @@ class CoordinatorService:
     def restore(self, found: str, state: dict, next_step: int) -> None:
         """Load a checkpoint's rollout state; its saved batch is step `next_step`'s. A state that does
         not fit (missing keys, wrong types) is a CheckpointError naming the file."""
-        from pathlib import Path
-
-        from megatron_dapo.data.dataset import DatasetError
-        from megatron_dapo.errors import CheckpointError
-
         state = dict(state)
         try:
             saved = state.pop("next_batch")
@@ -141,17 +152,13 @@ class CoordinatorService:
             if close is not None:
                 close()
 
-    def ping(self) -> bool:
-        return True
-
     # ---- the trainer's side ----------------------------------------------------------------------
     def _take(self, step: int):
         info = self._pending.pop(step, None)
         return info if info is not None else self.producer.take_batch(step)
 
-    def take_step(self, step: int, dp_size: int) -> bytes:
-        """Step `step`'s batch as `dp_size` shards with its metrics: a pickled StepData (plain pickle:
-        tensors travel as bytes, whatever the transport)."""
+    def take_step(self, step: int, dp_size: int) -> StepData:
+        """Step `step`'s batch as `dp_size` shards with its metrics."""
         from megatron_dapo.coordinator.batch import build_batch
         from megatron_dapo.coordinator.shards import shard_batch
 
@@ -159,13 +166,12 @@ class CoordinatorService:
         info = self._take(step)
         batch = build_batch(info.groups, step, cfg.rollout.sampling.temperature, cfg.algo.norm_adv_by_std,
                             cfg.algo.overlong_filter)
-        data = StepData(
+        return StepData(
             shards=shard_batch(batch, dp_size, cfg.algo.ppo_mini_batch_size),
             metrics=step_metrics(info, cfg, batch), staleness=Counter(info.staleness),
             extra={"prompt_indices": batch.prompt_indices,
                    "sample_versions": [min(v) if v else step for v in batch.token_versions]},
             tokens=sum(len(x) for x in batch.input_ids))
-        return pickle.dumps(data)
 
     def set_version(self, version: int) -> None:
         self.producer.set_version(version)
@@ -193,22 +199,3 @@ class CoordinatorService:
         return evaluate(self.urls, self.val_data, self.producer.rewards, ValSettings.from_config(cfg),
                         api_key=cfg.rollout.api_key, tokenizer=self.producer.tokenizer,
                         timeout_s=cfg.rollout.request_timeout_s).metrics
-
-    # ---- the registry, for the trainer's weight sync -------------------------------------------
-    def begin_sync(self, url: str) -> None:
-        self.registry.begin_sync(url)
-
-    def end_sync(self, url: str, version: int | None) -> None:
-        self.registry.end_sync(url, version)
-
-    def publish_all(self, version: int, seconds: float = 0.0) -> None:
-        self.registry.publish_all(version, seconds)
-
-    def statuses(self) -> list:
-        return self.registry.statuses()
-
-    def registry_metrics(self) -> dict[str, float]:
-        return self.registry.metrics()
-
-    def take_events(self) -> list[dict]:
-        return self.registry.take_events()
