@@ -3,12 +3,15 @@ imports nothing of the package, so both sides and the simulator can use it).
 
 A `RolloutBatch` has one row per sample, the n samples of a group contiguous, groups in the order
 they were taken; a `DPShard` is the rows one data-parallel rank trains on in a step, with the global
-counts the loss normalises by. The coordinator builds them (megatron_dapo.coordinator.batch, .shards).
+counts the loss normalises by; a `StepData` is what trainer rank 0 receives for a step: the shards
+and the step's rollout metrics. The coordinator builds them (megatron_dapo.coordinator.batch,
+.shards, .service).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
@@ -49,3 +52,14 @@ class DPShard:
     dp_size: int
     mini_batches: list[list[int]]  # rows of `batch` in each mini-batch; the same count on every rank
     mini_batch_counts: list[tuple[int, int]]  # each whole mini-batch's (loss tokens, loss sequences), all ranks
+
+
+@dataclass
+class StepData:
+    """What trainer rank 0 receives for one step."""
+
+    shards: list[DPShard]  # one per DP rank
+    metrics: dict[str, float]  # the step's rollout metrics (responses, rewards, groups, staleness)
+    staleness: Counter = field(default_factory=Counter)  # staleness -> groups
+    extra: dict = field(default_factory=dict)  # prompt indices and sample versions, for metrics.jsonl
+    tokens: int = 0  # prompt + response tokens of the whole batch

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.errors import CheckpointError
+from megatron_dapo.types import StepData
 
 # The rest (the producer and its builders, batches, shards, evaluation) is imported where used: it pulls in
 # torch and transformers, which the coordinator process loads at `setup`, not at start (nor rank 0, which
@@ -42,17 +42,6 @@ COORDINATOR_CALLS = ("setup", "restore", "start", "stop", "take_step", "set_vers
                      "validate")
 REGISTRY_CALLS = ("begin_sync", "end_sync", "publish_all", "statuses", "metrics", "take_events")
 REMOTE_CALLS = {"coordinator": COORDINATOR_CALLS, "registry": REGISTRY_CALLS}
-
-
-@dataclass
-class StepData:
-    """What trainer rank 0 receives for one step."""
-
-    shards: list  # DPShard per DP rank
-    metrics: dict[str, float]  # the step's rollout metrics (responses, rewards, groups, staleness)
-    staleness: Counter = field(default_factory=Counter)  # staleness -> groups
-    extra: dict = field(default_factory=dict)  # prompt indices and sample versions, for metrics.jsonl
-    tokens: int = 0  # prompt + response tokens of the whole batch
 
 
 def step_metrics(info, cfg, batch) -> dict[str, float]:
