@@ -21,8 +21,11 @@ from pathlib import Path
 
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
+from megatron_dapo.models import build_gpt_model
 from megatron_dapo.models.arch import QwenArch
 from megatron_dapo.models.provider import ModelParallel, check_divisibility
+from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.runtime.net import LOOPBACK, free_port
 
 # Files of an HF model directory that are not weights: copied along with the config.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack")
@@ -70,7 +73,6 @@ def _tmp_sibling(out: Path) -> Path:
 def _run(job: _Job, out: Path) -> Path:
     import torch.multiprocessing as mp
 
-    from megatron_dapo.runtime.net import LOOPBACK, free_port
 
     if out.exists():
         raise ConversionError(f"output directory {out} already exists; remove it or choose another --out")
@@ -133,7 +135,6 @@ def _worker(local_rank: int, world: int, addr: str, port: int, job: _Job) -> Non
         MASTER_ADDR=addr, MASTER_PORT=str(port),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 
     init_distributed()
     par = job.parallel
@@ -155,7 +156,6 @@ def _hf_to_megatron_rank(job: _Job) -> None:
 
     from megatron_dapo.bridge.checkpoint import HF_CONFIG_DIR, save_megatron_checkpoint
     from megatron_dapo.bridge.load import load_hf_into_megatron
-    from megatron_dapo.models import build_gpt_model
 
     chunks = build_gpt_model(job.src, job.parallel)
     load_hf_into_megatron(chunks, job.src, progress=dist.get_rank() == 0)
@@ -172,7 +172,6 @@ def _megatron_to_hf_rank(job: _Job) -> None:
     from megatron_dapo.bridge.export import export_hf_weights
     from megatron_dapo.bridge.hf_io import ShardedSafetensorsWriter
     from megatron_dapo.bridge.mapping import hf_names
-    from megatron_dapo.models import build_gpt_model
 
     chunks = build_gpt_model(job.hf_config_dir, job.parallel)
     load_megatron_checkpoint(chunks, job.src)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
+import io
 import pickle
 from pathlib import Path
 
@@ -68,7 +69,6 @@ def _load_metadata(path: Path):
 def _check_byte_items(root: Path, metadata) -> None:
     """DCP stores non-tensor values as torch.save blobs inside the data files and loads them with
     `weights_only=False`; read each with `weights_only=True` first (megatron-core's hold plain data)."""
-    import io
 
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata

@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.load import dump_yaml, load_config
+from megatron_dapo.config.validate import validate_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,8 +25,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from megatron_dapo.config.load import dump_yaml, load_config
-    from megatron_dapo.config.validate import validate_config
 
     try:
         cfg = load_config(args.config, args.overrides, validate=False)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from megatron_dapo.config.errors import ConfigError
+
 # HF `architectures[0]` -> model family name used across the project.
 ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -180,7 +182,6 @@ _CHECKED_FIELDS = ("architectures", "num_hidden_layers", "hidden_size", "num_att
 
 def resolve_model_shape(model) -> ResolvedShape:
     """The shape of `model` (a ModelConfig): config.json, else inline hf_config, else built-in, else None."""
-    from megatron_dapo.config.errors import ConfigError
 
     try:
         on_disk = read_hf_config_file(model.hf_path)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megatron_dapo.config import derived
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
@@ -293,8 +294,6 @@ def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:
 
 
 def _check_routing(cfg: DapoConfig, errors: list[str]) -> None:
-    from megatron_dapo.config.cost_model import CostModel
-
     routing = cfg.rollout.routing
     if routing.method.startswith("throughput_optimal"):
         if not routing.cost_model:

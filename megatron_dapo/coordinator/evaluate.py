@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field, replace
 
+from megatron_dapo.config.derived import val_max_new_tokens
 from megatron_dapo.coordinator.producer import response_text, sample_seed
 from megatron_dapo.coordinator.router import Router
 from megatron_dapo.coordinator.val_metrics import PromptOutcome, validation_metrics
@@ -27,8 +28,6 @@ class ValSettings:
 
     @classmethod
     def from_config(cls, cfg) -> "ValSettings":
-        from megatron_dapo.config.derived import val_max_new_tokens
-
         v, s = cfg.trainer.val, cfg.rollout.sampling
         sampling = SamplingParams(temperature=v.temperature, top_p=v.top_p, max_new_tokens=val_max_new_tokens(cfg),
                                   stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None)

@@ -6,7 +6,7 @@ DAPO (task reward +-1, plus the soft overlong penalty, then group-normalised adv
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,7 +77,6 @@ class JudgedGroup:
 
     def to_state(self) -> dict:
         """Plain data (JSON-able) for checkpoints of the rollout buffer."""
-        from dataclasses import asdict
 
         d = asdict(self)
         d["samples"] = [asdict(s) for s in self.samples]

@@ -15,6 +15,7 @@ a_b = 0, o_b = c, o_thr = c + o_k*n*. Step times, throughputs and routing gains 
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -140,7 +141,6 @@ def read_step_trace(paths: Sequence[str], since: float | None = None, until: flo
     """The `kind` rows (decode or prefill) of trace files whose wall-clock end `t` lies in [since, until]. A
     torn last line (a server killed mid-write) is skipped; any other unreadable line is an error naming file
     and line."""
-    import json
 
     rows = []
     for path in paths:

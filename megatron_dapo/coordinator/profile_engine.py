@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.coordinator.profile import (
     ProfilePoint,
     fit_cost_model,
@@ -154,8 +155,6 @@ def fit_trace(paths: list[str], since: float | None = None, until: float | None 
 
 
 def _main_trace(args) -> int:
-    from megatron_dapo.config.cost_model import CostModel
-
     try:
         fit = fit_trace(args.from_trace, args.since, args.until)
     except (OSError, ValueError) as e:

@@ -14,6 +14,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 
 def _rng(*keys) -> random.Random:
@@ -90,14 +91,11 @@ def fit_lognormal(mean: float, truncated_frac: float, max_len: int, seed: int = 
 
 
 def _norm_ppf(p: float) -> float:
-    from statistics import NormalDist
-
     return NormalDist().inv_cdf(p)
 
 
 def _cut_mean(median: float, sigma: float, max_len: int) -> float:
     """E[min(L, max_len)] for L lognormal(ln median, sigma)."""
-    from statistics import NormalDist
 
     mu, nd = math.log(median), NormalDist()
     b = (math.log(max_len) - mu) / sigma

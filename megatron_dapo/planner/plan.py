@@ -16,18 +16,22 @@ simulator trains at.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from dataclasses import dataclass, field
 
 from megatron_dapo.config import derived
 from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.load import load_config
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.config.validate import validate_config
 from megatron_dapo.planner.memory import (
     GiB,
     RolloutMemory,
     StageMemory,
     active_params,
+    megatron_stage_memory,
     rollout_memory,
     total_params,
     training_memory,
@@ -312,10 +316,6 @@ def _format_step(plan: Plan) -> str:
 
 
 def _optimizer_alternative(plan: Plan) -> int:
-    import dataclasses
-
-    from megatron_dapo.planner.memory import megatron_stage_memory
-
     flipped = dataclasses.replace(
         plan.cfg,
         optimizer=dataclasses.replace(
@@ -350,8 +350,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
-    from megatron_dapo.config.load import load_config
-    from megatron_dapo.config.validate import validate_config
 
     overrides = [*args.overrides, f"trainer.nnodes={args.nodes}", f"trainer.gpus_per_node={args.gpus_per_node}"]
     try:

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from megatron_dapo.runtime.lifetime import exit_with_parent
+
 
 def _worker_main(conn, fns: bytes, parent_pid: int) -> None:
-    from megatron_dapo.runtime.lifetime import exit_with_parent
-
     exit_with_parent(parent_pid)
     default, by_source = pickle.loads(fns)
     while True:

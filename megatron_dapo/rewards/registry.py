@@ -19,6 +19,7 @@ one replaced, both scored as failures under the same time limit.
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 import threading
 import time
@@ -108,8 +109,6 @@ class RewardCall:
     kwargs: tuple[tuple[str, object], ...] = ()
 
     def __call__(self, response, ground_truth, **extra):
-        import inspect
-
         try:
             params = inspect.signature(self.fn).parameters.values()
         except (TypeError, ValueError):

@@ -15,6 +15,7 @@ the same name makes its logprobs batch-invariant.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -181,7 +182,6 @@ class ServerProcess:
 def launch_sglang(args: SGLangServerArgs, log_path: str | Path, timeout_s: float = 1200.0,
                   env: dict | None = None) -> ServerProcess:
     """Start an SGLang server; needs the `sglang` package (GPU machines: pip install megatron-dapo[gpu])."""
-    import importlib.util
 
     if importlib.util.find_spec("sglang") is None:
         raise ImportError("SGLang is not installed: `pip install sglang==0.5.23` (GPU only), "

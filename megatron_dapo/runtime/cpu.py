@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -112,8 +113,6 @@ class _NullEvent:
         self._t = None
 
     def record(self, stream=None):
-        import time
-
         self._t = time.perf_counter()
 
     def wait(self, stream=None):

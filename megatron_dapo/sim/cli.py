@@ -21,7 +21,12 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS
+from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
+from megatron_dapo.config.errors import ConfigError
+from megatron_dapo.config.load import load_config
+from megatron_dapo.planner.lengths import load_lengths, mean_length
+from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, trainer_speed
+from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
 
 # The rollout-coordination switches `advanced` takes from an advanced YAML (sections of `rollout`, or
 # `section.field` for single fields); everything else (model, cluster, batch, staleness) stays the
@@ -34,7 +39,6 @@ PLAIN = ["rollout.sync.policy=all_at_once"]
 
 def advanced_overrides(path: str | Path = ADVANCED_CONFIG) -> list[str]:
     """`key=value` overrides that set ADVANCED_KEYS of `rollout` to the advanced YAML's values."""
-    from megatron_dapo.config.load import load_config
 
     if not Path(path).is_file():
         raise ValueError(f"--advanced-config: {path} not found")
@@ -100,10 +104,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def build_world(cfg, args):
-    from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
-    from megatron_dapo.planner.lengths import load_lengths, mean_length
-    from megatron_dapo.planner.speed import trainer_speed
-    from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
     from megatron_dapo.sim.engine import KVAdmission
     from megatron_dapo.sim.world import World
 
@@ -142,7 +142,6 @@ def ceiling_world(world):
 
 
 def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
-    from megatron_dapo.config.load import load_config
     from megatron_dapo.sim.world import simulate
 
     out = out or sys.stdout  # at call time: a default bound at import would keep a replaced stdout
@@ -192,7 +191,6 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_intermixed_args(argv)
-    from megatron_dapo.config.errors import ConfigError
 
     try:
         rows = run_all(args.config, args.overrides, args)

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.config.schema import SyncConfig
 from megatron_dapo.rollout import weight_group as wgroup
 from megatron_dapo.rollout.client import SGLangClient, SGLangError
 from megatron_dapo.rollout.protocol import FLATTENED_BUCKET
@@ -145,8 +146,6 @@ class WeightSyncBridge:
         master_port: int | None = None,
         timeout_s: float = 600.0,
     ):
-        from megatron_dapo.config.schema import SyncConfig
-
         self.cfg = sync_cfg or SyncConfig()
         self.urls = [u.rstrip("/") for u in server_urls]
         self.tp_sizes = list(server_tp_sizes or [1] * len(self.urls))

@@ -18,6 +18,7 @@ snapshot's probe logprobs if `sync.verify`, publish its version, route to it aga
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import logging
 import threading
@@ -184,8 +185,6 @@ class PerServerSync:
         lagging = [s for s in statuses if s.version < latest and not s.syncing]
 
         async def loads():
-            import asyncio
-
             return await asyncio.gather(*(self._clients[s.url].get_loads() for s in lagging), return_exceptions=True)
 
         unknown = set()

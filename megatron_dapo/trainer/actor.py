@@ -36,7 +36,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.algo.loss import LOG_RATIO_BOUND
+from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
+from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
+from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_padded_vocab_logits
+from megatron_dapo.models.specs import te_available
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
 from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
 from megatron_dapo.types import DPShard
@@ -51,7 +56,6 @@ def dapo_loss_options(cfg) -> dict:
 
     token_sum_norm is a constant (algo.loss_scale_factor or data.max_response_length): left unset,
     seq-mean-token-sum-norm would divide by each micro-batch's padded width instead."""
-    from megatron_dapo.config.derived import token_sum_norm
 
     a = cfg.algo
     return dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
@@ -69,8 +73,6 @@ class MegatronActor:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model
-        from megatron_dapo.models.specs import te_available
 
         self.cfg = cfg
         p, m, o, a = cfg.parallel, cfg.model, cfg.optimizer, cfg.algo
@@ -159,9 +161,6 @@ class MegatronActor:
             return model(tokens, positions, mb.attention_mask().to(dev))
 
     def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float, with_entropy: bool):
-        from megatron_dapo.kernels.dispatch import vocab_parallel_logprobs
-        from megatron_dapo.models import mask_padded_vocab_logits
-
         logits = mask_padded_vocab_logits(logits, self.arch.vocab_size)
         out = vocab_parallel_logprobs(logits, mb.target_ids.to(logits.device), self.tp_group,
                                       temperature=temperature, with_entropy=with_entropy)
@@ -286,9 +285,6 @@ class MegatronActor:
                                  f"{resp} response tokens")
 
     def _mini_batch_step(self, batch, rows: list[int], old: dict[int, torch.Tensor], counts: tuple[int, int]):
-        from megatron_dapo.algo.loss import LOG_RATIO_BOUND
-        from megatron_dapo.kernels.dispatch import dapo_policy_loss
-
         a = self.cfg.algo
         loss_options = dapo_loss_options(self.cfg)
         packs = self._packs(batch, rows)

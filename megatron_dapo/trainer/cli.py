@@ -13,6 +13,9 @@ import logging
 import os
 import sys
 
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.trainer.launch import LaunchError, run_with_ray, run_with_torchrun
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo train", description="DAPO training from a YAML config")
@@ -23,8 +26,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.trainer.launch import LaunchError, run_with_ray, run_with_torchrun
     from megatron_dapo.trainer.loop import RunSetupError
 
     args = _parser().parse_args(argv)

@@ -21,6 +21,15 @@ import random
 import time
 from pathlib import Path
 
+from megatron_dapo.config import load_config
+from megatron_dapo.data.arithmetic import ArithmeticTask, answer_of, response_of, write_task
+from megatron_dapo.data.char_tokenizer import build_char_tokenizer, vocab_size
+from megatron_dapo.data.dataset import read_rows
+from megatron_dapo.models.tiny import save_tiny_hf_model
+from megatron_dapo.trainer.launch import run_with_ray
+from megatron_dapo.trainer.plot import plot_run
+from megatron_dapo.trainer.warm_start import sft_examples, supervised_warm_start
+
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
 
 
@@ -31,11 +40,6 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 29, num_test: int
     `rejected_fraction` of the warm-start answers use the style the DAPO rule rejects."""
     from transformers import AutoTokenizer
 
-    from megatron_dapo.data.arithmetic import ArithmeticTask, answer_of, response_of, write_task
-    from megatron_dapo.data.char_tokenizer import build_char_tokenizer, vocab_size
-    from megatron_dapo.data.dataset import read_rows
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.trainer.warm_start import sft_examples, supervised_warm_start
 
     model_dir = run_dir / "model"
     data_dir = run_dir / "data"
@@ -87,9 +91,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from megatron_dapo.config import load_config
-    from megatron_dapo.trainer.launch import run_with_ray
-    from megatron_dapo.trainer.plot import plot_run
 
     # One thread per process: the demo runs several processes on a small machine, and torch's
     # spinning intra-op threads slow a shared CPU down many times over.

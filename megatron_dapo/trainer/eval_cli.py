@@ -20,10 +20,15 @@ import os
 import shutil
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.data.dataset import DatasetError, PromptDataset, write_rows
+from megatron_dapo.runtime.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +84,6 @@ def hf_weights(source: CheckpointSource, cfg, work_dir: Path, layout: dict) -> P
 
 def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> list[str]:
     from megatron_dapo.rollout import launcher
-    from megatron_dapo.runtime.net import free_port
 
     r = cfg.rollout
     if r.engine == "embedded":
@@ -147,14 +151,12 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
     t0 = time.time()
     source = resolve_checkpoint(checkpoint)
 
-    from collections import Counter
 
     from transformers import AutoTokenizer
 
     from megatron_dapo.coordinator.build import reward_runner
     from megatron_dapo.coordinator.evaluate import ValSettings, evaluate
     from megatron_dapo.coordinator.val_metrics import by_source, format_table
-    from megatron_dapo.data.dataset import PromptDataset, write_rows
     eval_dir = Path(cfg.logging.run_dir) / "eval"
     output = Path(output) if output else eval_dir / f"{source.label}.json"
     work = eval_dir / f".work-{source.label}-{os.getpid()}"
@@ -203,8 +205,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.data.dataset import DatasetError
     from megatron_dapo.trainer.checkpoint import CheckpointError
 
     args = _parser().parse_intermixed_args(argv)  # overrides may come before or after --checkpoint

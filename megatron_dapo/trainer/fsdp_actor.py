@@ -36,6 +36,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.kernels.dispatch import vocab_parallel_logprobs
+from megatron_dapo.models import QwenArch
 from megatron_dapo.trainer.actor import MegatronActor
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
 
@@ -87,7 +89,6 @@ class FSDPActor(MegatronActor):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-        from megatron_dapo.models import QwenArch
 
         self.cfg = cfg
         m, o, a = cfg.model, cfg.optimizer, cfg.algo
@@ -146,8 +147,6 @@ class FSDPActor(MegatronActor):
         return out.logits
 
     def _logprobs(self, logits, mb, temperature: float, with_entropy: bool):
-        from megatron_dapo.kernels.dispatch import vocab_parallel_logprobs
-
         return vocab_parallel_logprobs(logits, mb.target_ids.to(logits.device), None,
                                        temperature=temperature, with_entropy=with_entropy)
 

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import sys
+import threading
 from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
 from megatron_dapo.config.derived import trainer_world_size
+from megatron_dapo.runtime.net import free_port
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +46,6 @@ class _ServerActor:
         import torch
 
         from megatron_dapo.rollout import launcher
-        from megatron_dapo.runtime.net import free_port
 
         cfg = config_from_dict(cfg_dict)
         log_path = Path(log_dir) / f"server_{index}.log"
@@ -66,7 +69,6 @@ class _TrainerActor:
     def node_address(self) -> tuple[str, int]:
         import ray
 
-        from megatron_dapo.runtime.net import free_port
 
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
@@ -82,9 +84,6 @@ class _TrainerActor:
 def exit_on_sigterm() -> None:
     """Turn SIGTERM into SystemExit in the driver, so that `finally` blocks stop the servers and
     the Ray actors it started (Python's default SIGTERM handling skips them)."""
-    import signal
-    import sys
-    import threading
 
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

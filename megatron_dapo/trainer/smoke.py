@@ -12,6 +12,14 @@ import argparse
 import math
 import os
 import sys
+import warnings
+
+from megatron_dapo.algo import vocab_parallel_logprobs
+from megatron_dapo.models import build_gpt_model
+from megatron_dapo.models.provider import mask_padded_vocab_logits
+from megatron_dapo.models.tiny import tiny_hf_config
+from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.runtime.net import free_port
 
 ALPHABET = 32  # tokens the task uses (of the model's 256)
 
@@ -31,13 +39,11 @@ def _worker(rank: int, world: int, port: int, args) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import warnings
 
     warnings.filterwarnings("ignore")
     import torch
 
     torch.set_num_threads(1)
-    from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 
     info = init_distributed()
     init_model_parallel(tp=world, seed=args.seed)
@@ -62,10 +68,6 @@ def _train(info, args) -> list[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from tqdm import tqdm
 
-    from megatron_dapo.algo import vocab_parallel_logprobs
-    from megatron_dapo.models import build_gpt_model
-    from megatron_dapo.models.provider import mask_padded_vocab_logits
-    from megatron_dapo.models.tiny import tiny_hf_config
 
     hf_config = tiny_hf_config("qwen3", num_hidden_layers=2, architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(args.seed)
@@ -131,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp
 
-    from megatron_dapo.runtime.net import free_port
 
     ctx = mp.spawn(_worker, args=(args.tp, free_port(), args), nprocs=args.tp, join=False)
     try:

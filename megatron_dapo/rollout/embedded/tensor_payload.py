@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import pickle
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 
 import torch
 
@@ -80,7 +81,6 @@ def forking_dumps(obj) -> bytes:
     file-descriptor strategy hands descriptors over multiprocessing's resource sharer, which only a
     process started by the sender (sharing its authkey) may connect to, not an unrelated server.
     """
-    from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as tmp
 
