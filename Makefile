@@ -28,6 +28,10 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
-# The layering contract (pyproject.toml [tool.importlinter]); CI runs it before the tests.
+# The layering contract (pyproject.toml [tool.importlinter]) and ruff's lint and format checks;
+# CI runs them before the tests.
+LINT_PATHS := megatron_dapo tests benchmarks tools
 lint: $(STAMP)
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)

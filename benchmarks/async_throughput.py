@@ -18,18 +18,18 @@ written to the JSON.
 
 Settings are named override sets crossed with staleness 0..3: by default `all_at_once`, `greedy` and
 `status_based` (`rollout.sync.policy`, everything else equal). `--setting NAME key=value ...` adds one
-more set (e.g. issue 15's routing / migration / retry switches); `--baseline` names the set the
+more set (e.g. the routing / migration / retry switches); `--baseline` names the set the
 ratios are taken against, at the same staleness.
 
 Printed per setting: trained tokens/s (prompt + response tokens of the trained batches / wall time),
 the rollout servers' idle fraction (ServerRegistry idle_s: no request in flight and not syncing, over
 wall time, averaged over servers), the share idle or syncing (ServerRegistry sync_s added: an
 all_at_once sync pauses servers that still hold requests, which the registry counts as busy), mean
-staleness of the trained groups, mean step time, and the ratios against the baseline. With `--repeats R` the whole list runs R times, round by round (so that
-every setting sees the machine's load swings), and the table shows medians. `--out results.json` keeps every setting's per-step numbers (step,
-train, sync and generation-wait times, response lengths per sample), so that a simulator can be
-fed the same setting (megatron-dapo simulate, issue 15).
-
+staleness of the trained groups, mean step time, and the ratios against the baseline. With `--repeats R`
+the whole list runs R times, round by round (so that every setting sees the machine's load swings), and
+the table shows medians. `--out results.json` keeps every setting's per-step numbers (step, train, sync
+and generation-wait times, response lengths per sample), so that a simulator can be fed the same setting
+(megatron-dapo simulate).
     python benchmarks/async_throughput.py [--measure 3 --warmup S+1 --repeats 1 --batch 4 --n 4 --max-len 512]
         [--staleness 0 1 2 3] [--policies all_at_once greedy status_based]
         [--setting advanced rollout.routing.method=throughput_optimal ...] [--out results.json]
@@ -119,15 +119,21 @@ class Result:
 
     def summary(self) -> dict:
         lengths = sorted(x for step in self.response_lengths[self._window()] for x in step)
-        return {"tokens_per_s": self.tokens_per_s(), "idle_fraction": self.idle_fraction(),
-                "idle_or_sync_fraction": self.unavailable_fraction(),
-                "staleness_mean": self.mean("staleness_mean"), "step_s": self.mean("step_s"),
-                "train_s": self.mean("train_s"), "sync_s": self.mean("sync_s"),
-                "gen_wait_s": self.mean("gen_wait_s"), "wall_s": self.wall_s(),
-                "response_length_mean": statistics.mean(lengths),
-                "response_length_p50": _quantile(lengths, 0.5),
-                "response_length_p90": _quantile(lengths, 0.9),
-                "response_length_max": lengths[-1]}
+        return {
+            "tokens_per_s": self.tokens_per_s(),
+            "idle_fraction": self.idle_fraction(),
+            "idle_or_sync_fraction": self.unavailable_fraction(),
+            "staleness_mean": self.mean("staleness_mean"),
+            "step_s": self.mean("step_s"),
+            "train_s": self.mean("train_s"),
+            "sync_s": self.mean("sync_s"),
+            "gen_wait_s": self.mean("gen_wait_s"),
+            "wall_s": self.wall_s(),
+            "response_length_mean": statistics.mean(lengths),
+            "response_length_p50": _quantile(lengths, 0.5),
+            "response_length_p90": _quantile(lengths, 0.9),
+            "response_length_max": lengths[-1],
+        }
 
 
 def _quantile(ordered: list[int], q: float) -> int:
@@ -170,11 +176,20 @@ def prepare(work: Path, max_len: int, eos_shift: float, seed: int = 0) -> dict:
     model_dir = work / "model"
     build_char_tokenizer(model_dir)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    save_tiny_hf_model("qwen3", model_dir, seed=seed, vocab_size=vocab_size(), eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, bos_token_id=None, max_position_embeddings=64 + max_len)
+    save_tiny_hf_model(
+        "qwen3",
+        model_dir,
+        seed=seed,
+        vocab_size=vocab_size(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        max_position_embeddings=64 + max_len,
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir)
-    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 12+7?"}], add_generation_prompt=True,
-                                     tokenize=True, return_dict=False)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 12+7?"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     _shift_eos(model, tok.eos_token_id, eos_shift, list(prompt))
     model.save_pretrained(model_dir)
     train, _ = write_task(work / "data", ArithmeticTask(max_operand=29, ops="+-", seed=seed), num_test=10)
@@ -183,16 +198,26 @@ def prepare(work: Path, max_len: int, eos_shift: float, seed: int = 0) -> dict:
 
 def base_overrides(paths: dict, urls: list[str], args) -> list[str]:
     return [
-        f"model.hf_path={paths['model']}", f"data.train_files=[{paths['train']}]", "data.val_files=[]",
-        f"data.max_response_length={args.max_len}", "data.max_prompt_length=64",
-        "parallel.tp=1", "trainer.gpus_per_node=1", "trainer.val_every=0", "checkpoint.save_every=0",
-        "logging.progress_bar=false", "logging.tensorboard=false",
-        f"algo.train_batch_size={args.batch}", f"algo.ppo_mini_batch_size={args.batch}",
+        f"model.hf_path={paths['model']}",
+        f"data.train_files=[{paths['train']}]",
+        "data.val_files=[]",
+        f"data.max_response_length={args.max_len}",
+        "data.max_prompt_length=64",
+        "parallel.tp=1",
+        "trainer.gpus_per_node=1",
+        "trainer.val_every=0",
+        "checkpoint.save_every=0",
+        "logging.progress_bar=false",
+        "logging.tensorboard=false",
+        f"algo.train_batch_size={args.batch}",
+        f"algo.ppo_mini_batch_size={args.batch}",
         f"rollout.n_resp_per_prompt={args.n}",
         # a random model answers nothing right: dynamic sampling would drop every group
         "algo.filter_groups.enable=false",
-        f"rollout.servers={json.dumps(urls)}", "rollout.sync.verify=false",
-        "optimizer.lr=1e-4", "optimizer.lr_warmup_steps=0",
+        f"rollout.servers={json.dumps(urls)}",
+        "rollout.sync.verify=false",
+        "optimizer.lr=1e-4",
+        "optimizer.lr_warmup_steps=0",
     ]
 
 
@@ -201,11 +226,19 @@ def run_setting(setting: Setting, base: list[str], steps: int, warmup: int, run_
     from megatron_dapo.config import config_to_dict, load_config
     from megatron_dapo.trainer.loop import train_rank
 
-    cfg = load_config(str(CONFIG), [*base, f"algo.staleness={setting.staleness}",
-                                    f"trainer.total_steps={steps + 1}",  # the last step would save a checkpoint
-                                    f"logging.run_dir={run_root / setting.label}", *setting.overrides])
-    res = Result(setting, warmup, config={k: v for k, v in config_to_dict(cfg).items()
-                                          if k in ("algo", "rollout", "data")})
+    cfg = load_config(
+        str(CONFIG),
+        [
+            *base,
+            f"algo.staleness={setting.staleness}",
+            f"trainer.total_steps={steps + 1}",  # the last step would save a checkpoint
+            f"logging.run_dir={run_root / setting.label}",
+            *setting.overrides,
+        ],
+    )
+    res = Result(
+        setting, warmup, config={k: v for k, v in config_to_dict(cfg).items() if k in ("algo", "rollout", "data")}
+    )
 
     def on_step_end(step, actor, batch):
         res.step_end.append(time.monotonic())
@@ -238,28 +271,35 @@ def median_summaries(results: list[Result]) -> dict[str, tuple[Setting, dict, li
     out = {}
     for label, rs in by_label.items():
         sums = [r.summary() for r in rs]
-        out[label] = (rs[0].setting, {k: statistics.median(m[k] for m in sums) for k in sums[0]},
-                      [m["tokens_per_s"] for m in sums])
+        out[label] = (
+            rs[0].setting,
+            {k: statistics.median(m[k] for m in sums) for k in sums[0]},
+            [m["tokens_per_s"] for m in sums],
+        )
     return out
 
 
 def table(results: list[Result], baseline: str) -> str:
     rows = median_summaries(results)
     base = {st.staleness: m for st, m, _ in rows.values() if st.name == baseline}
-    lines = ["| setting | s | tokens/s | (each repeat) | x base | server idle % | x base | idle or syncing % "
-             "| mean staleness | step s | train s | gen wait s | resp len p50 / p90 / max |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | s | tokens/s | (each repeat) | x base | server idle % | x base | idle or syncing % "
+        "| mean staleness | step s | train s | gen wait s | resp len p50 / p90 / max |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for st, m, each in rows.values():
         b = base.get(st.staleness)
         ratio = f"{m['tokens_per_s'] / b['tokens_per_s']:.2f}" if b else "-"
         idle_ratio = f"{m['idle_fraction'] / b['idle_fraction']:.2f}" if b and b["idle_fraction"] > 0 else "-"
-        lines.append(f"| {st.name} | {st.staleness} | {m['tokens_per_s']:.0f} | {' / '.join(f'{x:.0f}' for x in each)} "
-                     f"| {ratio} "
-                     f"| {100 * m['idle_fraction']:.1f} | {idle_ratio} | {100 * m['idle_or_sync_fraction']:.1f} "
-                     f"| {m['staleness_mean']:.2f} "
-                     f"| {m['step_s']:.2f} | {m['train_s']:.2f} | {m['gen_wait_s']:.2f} "
-                     f"| {m['response_length_p50']:.0f} / {m['response_length_p90']:.0f} "
-                     f"/ {m['response_length_max']:.0f} |")
+        lines.append(
+            f"| {st.name} | {st.staleness} | {m['tokens_per_s']:.0f} | {' / '.join(f'{x:.0f}' for x in each)} "
+            f"| {ratio} "
+            f"| {100 * m['idle_fraction']:.1f} | {idle_ratio} | {100 * m['idle_or_sync_fraction']:.1f} "
+            f"| {m['staleness_mean']:.2f} "
+            f"| {m['step_s']:.2f} | {m['train_s']:.2f} | {m['gen_wait_s']:.2f} "
+            f"| {m['response_length_p50']:.0f} / {m['response_length_p90']:.0f} "
+            f"/ {m['response_length_max']:.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -286,13 +326,22 @@ def advanced_setting(config: Path, cost_model: Path | None, extra: list[str]) ->
 
 
 def write_json(path: Path, args, results: list[Result]) -> None:
-    doc = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-           "layout": "per-step lists cover every step (the summary leaves out the first `warmup`); "
-                     "response_lengths[step] lists the trained samples group by group (n consecutive "
-                     "samples per group, groups in draw order); times in seconds, step_end monotonic",
-           "medians": {label: m for label, (_, m, _) in median_summaries(results).items()},
-           "results": [{"setting": asdict(r.setting), "label": r.setting.label, "summary": r.summary(),
-                        **{k: v for k, v in asdict(r).items() if k != "setting"}} for r in results]}
+    doc = {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "layout": "per-step lists cover every step (the summary leaves out the first `warmup`); "
+        "response_lengths[step] lists the trained samples group by group (n consecutive "
+        "samples per group, groups in draw order); times in seconds, step_end monotonic",
+        "medians": {label: m for label, (_, m, _) in median_summaries(results).items()},
+        "results": [
+            {
+                "setting": asdict(r.setting),
+                "label": r.setting.label,
+                "summary": r.summary(),
+                **{k: v for k, v in asdict(r).items() if k != "setting"},
+            }
+            for r in results
+        ],
+    }
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str))
     tmp.replace(path)
@@ -302,42 +351,78 @@ def read_json(path: Path) -> tuple[dict, list[Result]]:
     """A saved run (`--out`): its settings and every result."""
     doc = json.loads(path.read_text())
     fields = {f for f in Result.__dataclass_fields__}
-    results = [Result(**{**{k: v for k, v in r.items() if k in fields}, "setting": Setting(**r["setting"])})
-               for r in doc["results"]]
+    results = [
+        Result(**{**{k: v for k, v in r.items() if k in fields}, "setting": Setting(**r["setting"])})
+        for r in doc["results"]
+    ]
     return doc["settings"], results
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measure", type=int, default=3, help="measured steps per setting, after the warm-up")
-    ap.add_argument("--warmup", type=int, default=None,
-                    help="steps left out of the numbers (>= 1; default: the setting's staleness + 1)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps left out of the numbers (>= 1; default: the setting's staleness + 1)",
+    )
     ap.add_argument("--batch", type=int, default=4, help="prompts (groups) per step")
     ap.add_argument("--n", type=int, default=4, help="samples per prompt")
     ap.add_argument("--max-len", type=int, default=512, help="max response tokens (data.max_response_length)")
     ap.add_argument("--eos-shift", type=float, default=1.7, help="end-of-turn logit shift: sets the median length")
     ap.add_argument("--servers", type=int, default=4)
-    ap.add_argument("--server-batching", choices=("static", "continuous"), default="static",
-                    help="the embedded servers' --batching: static (their default) or continuous (SGLang's)")
-    ap.add_argument("--server-kv-tokens", type=int, default=None,
-                    help="the embedded servers' --max-total-tokens (KV pool per server; default: unbounded)")
+    ap.add_argument(
+        "--server-batching",
+        choices=("static", "continuous"),
+        default="static",
+        help="the embedded servers' --batching: static (their default) or continuous (SGLang's)",
+    )
+    ap.add_argument(
+        "--server-kv-tokens",
+        type=int,
+        default=None,
+        help="the embedded servers' --max-total-tokens (KV pool per server; default: unbounded)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all settings; the table shows medians")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 3])
     ap.add_argument("--policies", nargs="+", default=list(POLICY_SETTINGS), choices=list(POLICY_SETTINGS))
-    ap.add_argument("--setting", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
-                    help="one more named override set, run at every staleness")
-    ap.add_argument("--advanced-config", type=Path, default=None,
-                    help="add the set `advanced`: this advanced YAML's rollout-coordination switches "
-                         "(e.g. configs/qwen3/advanced_qwen3_8b.yaml)")
-    ap.add_argument("--advanced-cost-model", type=Path, default=None,
-                    help="rollout.routing.cost_model of `advanced` (throughput_optimal routing needs one): "
-                         "a profile-engine JSON of these engines, e.g. a trace fit of an earlier run")
-    ap.add_argument("--advanced-overrides", nargs="+", default=[], metavar="KEY=VALUE",
-                    help="applied to `advanced` after the YAML's switches (e.g. rollout.redundancy.extra_prompts=0)")
+    ap.add_argument(
+        "--setting",
+        nargs="+",
+        action="append",
+        default=[],
+        metavar=("NAME", "KEY=VALUE"),
+        help="one more named override set, run at every staleness",
+    )
+    ap.add_argument(
+        "--advanced-config",
+        type=Path,
+        default=None,
+        help="add the set `advanced`: this advanced YAML's rollout-coordination switches "
+        "(e.g. configs/qwen3/advanced_qwen3_8b.yaml)",
+    )
+    ap.add_argument(
+        "--advanced-cost-model",
+        type=Path,
+        default=None,
+        help="rollout.routing.cost_model of `advanced` (throughput_optimal routing needs one): "
+        "a profile-engine JSON of these engines, e.g. a trace fit of an earlier run",
+    )
+    ap.add_argument(
+        "--advanced-overrides",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="applied to `advanced` after the YAML's switches (e.g. rollout.redundancy.extra_prompts=0)",
+    )
     ap.add_argument("--baseline", default="all_at_once", help="the set ratios are taken against")
-    ap.add_argument("--step-trace", action="store_true",
-                    help="servers trace their decode steps (serve --step-trace, under the work dir); each "
-                         "setting's JSON gets `cost_fit`, the cost model fitted on its measured window")
+    ap.add_argument(
+        "--step-trace",
+        action="store_true",
+        help="servers trace their decode steps (serve --step-trace, under the work dir); each "
+        "setting's JSON gets `cost_fit`, the cost model fitted on its measured window",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write every setting's numbers as JSON")
     ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
     ap.add_argument("--report", type=Path, default=None, help="print the table of a saved --out file; run nothing")
@@ -350,8 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--measure {args.measure}, --repeats {args.repeats} and --warmup {args.warmup} must be >= 1")
     extra = list(args.setting)
     if args.advanced_config is not None:
-        extra.insert(0, advanced_setting(args.advanced_config, args.advanced_cost_model,
-                                                  args.advanced_overrides))
+        extra.insert(0, advanced_setting(args.advanced_config, args.advanced_cost_model, args.advanced_overrides))
     settings = build_settings(args.staleness, args.policies, extra)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -365,16 +449,23 @@ def main(argv: list[str] | None = None) -> int:
 
     exit_on_sigterm()  # a killed benchmark still stops its servers (they run in sessions of their own)
     torch.set_num_threads(1)  # many processes on few cores: no spinning intra-op threads
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": LOOPBACK,
-                       "MASTER_PORT": str(free_port())})
+    os.environ.update(
+        {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": LOOPBACK, "MASTER_PORT": str(free_port())}
+    )
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="async_throughput_"))
     paths = prepare(work, args.max_len, args.eos_shift)
     traces = [work / "traces" / f"server_{i}.jsonl" for i in range(args.servers)] if args.step_trace else []
-    servers = [embedded_server(str(paths["model"]), work / "server_logs" / f"server_{i}.log", seed=i,
-                               extra_args=["--batching", args.server_batching]
-                               + (["--max-total-tokens", str(args.server_kv_tokens)] if args.server_kv_tokens else [])
-                               + (["--step-trace", str(traces[i])] if traces else []))
-               for i in range(args.servers)]
+    servers = [
+        embedded_server(
+            str(paths["model"]),
+            work / "server_logs" / f"server_{i}.log",
+            seed=i,
+            extra_args=["--batching", args.server_batching]
+            + (["--max-total-tokens", str(args.server_kv_tokens)] if args.server_kv_tokens else [])
+            + (["--step-trace", str(traces[i])] if traces else []),
+        )
+        for i in range(args.servers)
+    ]
     start_servers(servers, timeout_s=300)
     args.traces = [str(t) for t in traces]  # recorded with the settings in --out
     results = []
@@ -395,9 +486,12 @@ def main(argv: list[str] | None = None) -> int:
                     res.cost_fit = fit_window(res, traces)
                 results.append(res)
                 m = res.summary()
-                print(f"[{repeat}] {setting.label}: {m['tokens_per_s']:.0f} tokens/s, "
-                      f"idle {100 * m['idle_fraction']:.1f}%, step {m['step_s']:.2f}s ({time.time() - t:.0f}s wall)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{repeat}] {setting.label}: {m['tokens_per_s']:.0f} tokens/s, "
+                    f"idle {100 * m['idle_fraction']:.1f}%, step {m['step_s']:.2f}s ({time.time() - t:.0f}s wall)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 if args.out:
                     write_json(args.out, args, results)
     finally:
@@ -405,10 +499,12 @@ def main(argv: list[str] | None = None) -> int:
             s.stop()
         destroy_distributed()
     pool = f", KV pool {args.server_kv_tokens}" if args.server_kv_tokens else ""
-    print(f"{args.servers} embedded servers ({args.server_batching} batching{pool}), B={args.batch} x n={args.n}, "
-          f"max_len {args.max_len}, eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
-          f"{args.warmup if args.warmup is not None else 'staleness + 1'} warm-up, "
-          f"total {time.time() - t0:.0f}s")
+    print(
+        f"{args.servers} embedded servers ({args.server_batching} batching{pool}), B={args.batch} x n={args.n}, "
+        f"max_len {args.max_len}, eos_shift {args.eos_shift}, {args.measure} measured steps per setting after "
+        f"{args.warmup if args.warmup is not None else 'staleness + 1'} warm-up, "
+        f"total {time.time() - t0:.0f}s"
+    )
     print(table(results, args.baseline))
     return 0
 

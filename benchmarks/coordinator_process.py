@@ -113,11 +113,18 @@ def long_tailed_batch(groups: int, n: int, prompt: int, max_response: int, seed:
     ids = [torch.randint(0, 150_000, (prompt + r,), generator=g).tolist() for r in lengths]
     rows = len(ids)
     return RolloutBatch(
-        input_ids=ids, prompt_lengths=[prompt] * rows, response_lengths=lengths,
-        advantages=torch.randn(rows, generator=g), rollout_logprobs=[[-0.5] * r for r in lengths],
-        response_loss_mask=[1] * rows, token_versions=[[0] * r for r in lengths],
-        group_index=torch.arange(groups).repeat_interleave(n), temperature=1.0, step=0,
-        prompt_indices=list(range(groups)))
+        input_ids=ids,
+        prompt_lengths=[prompt] * rows,
+        response_lengths=lengths,
+        advantages=torch.randn(rows, generator=g),
+        rollout_logprobs=[[-0.5] * r for r in lengths],
+        response_loss_mask=[1] * rows,
+        token_versions=[[0] * r for r in lengths],
+        group_index=torch.arange(groups).repeat_interleave(n),
+        temperature=1.0,
+        step=0,
+        prompt_indices=list(range(groups)),
+    )
 
 
 def shard_bytes(batch: RolloutBatch, dp_sizes: list[int], mini: int) -> list[dict]:
@@ -126,8 +133,15 @@ def shard_bytes(batch: RolloutBatch, dp_sizes: list[int], mini: int) -> list[dic
     for dp in dp_sizes:
         shards = shard_batch(batch, dp, mini)
         sizes = [len(pickle.dumps(s)) for s in shards]
-        out.append({"dp": dp, "whole_mb": whole / 2**20, "shard_mb": max(sizes) / 2**20,
-                    "mean_mb": statistics.mean(sizes) / 2**20, "ratio": whole / max(sizes)})
+        out.append(
+            {
+                "dp": dp,
+                "whole_mb": whole / 2**20,
+                "shard_mb": max(sizes) / 2**20,
+                "mean_mb": statistics.mean(sizes) / 2**20,
+                "ratio": whole / max(sizes),
+            }
+        )
     return out
 
 
@@ -147,19 +161,25 @@ def main():
     print(f"\nrewards: {args.items} items of a GIL-holding reward ({args.work} loop steps each)")
     print("| scoring | s per batch (median) | heartbeat lag p99 / max (ms) |")
     print("|---|---|---|")
-    for name, s_key, lag in (("threads of one process (num_workers=0)", "threads_s", r["threads_lag"]),
-                             (f"{args.workers} worker processes", "pool_s", r["pool_lag"])):
+    for name, s_key, lag in (
+        ("threads of one process (num_workers=0)", "threads_s", r["threads_lag"]),
+        (f"{args.workers} worker processes", "pool_s", r["pool_lag"]),
+    ):
         print(f"| {name} | {r[s_key]:.2f} | {lag.p99_ms():.1f} / {lag.max_ms():.1f} |")
     print(f"ratio threads / pool: {r['ratio']:.2f}x")
     batch = long_tailed_batch(args.groups, args.n, args.prompt, args.max_response)
     tokens = sum(len(x) for x in batch.input_ids)
-    print(f"\nbytes per trainer rank: {args.groups} groups x {args.n} samples, {tokens} tokens "
-          f"(responses {min(batch.response_lengths)}-{max(batch.response_lengths)})")
+    print(
+        f"\nbytes per trainer rank: {args.groups} groups x {args.n} samples, {tokens} tokens "
+        f"(responses {min(batch.response_lengths)}-{max(batch.response_lengths)})"
+    )
     print("| DP | whole batch (MiB) | largest shard (MiB) | mean shard (MiB) | whole / largest |")
     print("|---|---|---|---|---|")
     for row in shard_bytes(batch, [1, 2, 4, 8], mini=max(1, args.groups // 4)):
-        print(f"| {row['dp']} | {row['whole_mb']:.2f} | {row['shard_mb']:.2f} | {row['mean_mb']:.2f} | "
-              f"{row['ratio']:.2f}x |")
+        print(
+            f"| {row['dp']} | {row['whole_mb']:.2f} | {row['shard_mb']:.2f} | {row['mean_mb']:.2f} | "
+            f"{row['ratio']:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

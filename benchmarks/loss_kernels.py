@@ -112,9 +112,18 @@ def run_cpu_worker(name: str, tokens: int, vocab: int, dtype: str, repeats: int)
         lp = step(fn, logits, target, grad_out)
         if i:
             times.append(time.perf_counter() - t0)
-    return dict(variant=name, tokens=tokens, vocab=vocab, dtype=dtype, device="cpu",
-                time_ms=statistics.median(times) * 1e3, peak_mib=peak_rss_mib(), extra_mib=peak_rss_mib() - before,
-                checksum=float(lp.detach().double().sum()), grad_checksum=float(logits.grad.double().abs().sum()))
+    return dict(
+        variant=name,
+        tokens=tokens,
+        vocab=vocab,
+        dtype=dtype,
+        device="cpu",
+        time_ms=statistics.median(times) * 1e3,
+        peak_mib=peak_rss_mib(),
+        extra_mib=peak_rss_mib() - before,
+        checksum=float(lp.detach().double().sum()),
+        grad_checksum=float(logits.grad.double().abs().sum()),
+    )
 
 
 def run_cuda(name: str, tokens: int, vocab: int, dtype: str, repeats: int) -> dict:
@@ -136,16 +145,36 @@ def run_cuda(name: str, tokens: int, vocab: int, dtype: str, repeats: int) -> di
         times.append(start.elapsed_time(end))
     t_ms = statistics.median(times)
     moved = 3 * logits.numel() * logits.element_size()  # read fwd, read bwd, write grad
-    return dict(variant=name, tokens=tokens, vocab=vocab, dtype=dtype, device="cuda", time_ms=t_ms,
-                peak_mib=torch.cuda.max_memory_allocated() / 2**20,
-                extra_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
-                gbps=moved / (t_ms * 1e-3) / 1e9, checksum=float(lp.double().sum()),
-                grad_checksum=float(logits.grad.double().abs().sum()))
+    return dict(
+        variant=name,
+        tokens=tokens,
+        vocab=vocab,
+        dtype=dtype,
+        device="cuda",
+        time_ms=t_ms,
+        peak_mib=torch.cuda.max_memory_allocated() / 2**20,
+        extra_mib=(torch.cuda.max_memory_allocated() - base) / 2**20,
+        gbps=moved / (t_ms * 1e-3) / 1e9,
+        checksum=float(lp.double().sum()),
+        grad_checksum=float(logits.grad.double().abs().sum()),
+    )
 
 
 def run_cpu(name, tokens, vocab, dtype, repeats, timeout) -> dict:
-    cmd = [sys.executable, __file__, "--worker", name, "--tokens", str(tokens), "--vocab", str(vocab),
-           "--dtype", dtype, "--repeats", str(repeats)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        name,
+        "--tokens",
+        str(tokens),
+        "--vocab",
+        str(vocab),
+        "--dtype",
+        dtype,
+        "--repeats",
+        str(repeats),
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -154,8 +183,9 @@ def run_cpu(name, tokens, vocab, dtype, repeats, timeout) -> dict:
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         err = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return dict(variant=name, tokens=tokens, vocab=vocab, dtype=dtype, device="cpu",
-                    error=f"rc={proc.returncode}: {err}")
+        return dict(
+            variant=name, tokens=tokens, vocab=vocab, dtype=dtype, device="cpu", error=f"rc={proc.returncode}: {err}"
+        )
     return json.loads(lines[-1])
 
 
@@ -166,14 +196,19 @@ def table(rows: list[dict]) -> str:
         if "error" in r:
             out.append(f"| {r['tokens']} | {r['vocab']} | {r['variant']} | {r['error']} |" + " |" * 6)
             continue
-        naive = next((n for n in rows if n["variant"] == "naive" and n["tokens"] == r["tokens"] and "error" not in n),
-                     None)
+        naive = next(
+            (n for n in rows if n["variant"] == "naive" and n["tokens"] == r["tokens"] and "error" not in n), None
+        )
         speed = f"{naive['time_ms'] / r['time_ms']:.2f}" if naive else "-"
         mem = f"{r['extra_mib'] / naive['extra_mib']:.2f}" if naive and naive["extra_mib"] > 0 else "-"
-        check = "ok" if naive is None or abs(r["checksum"] - naive["checksum"]) <= 1e-3 * abs(naive["checksum"]) else "DIFF"
+        check = (
+            "ok" if naive is None or abs(r["checksum"] - naive["checksum"]) <= 1e-3 * abs(naive["checksum"]) else "DIFF"
+        )
         gbps = f"{r['gbps']:.0f}" if "gbps" in r else "-"
-        out.append(f"| {r['tokens']} | {r['vocab']} | {r['variant']} | {r['time_ms']:.1f} | {speed} | "
-                   f"{r['peak_mib']:.0f} | {r['extra_mib']:.0f} | {mem} | {gbps} | {check} |")
+        out.append(
+            f"| {r['tokens']} | {r['vocab']} | {r['variant']} | {r['time_ms']:.1f} | {speed} | "
+            f"{r['peak_mib']:.0f} | {r['extra_mib']:.0f} | {mem} | {gbps} | {check} |"
+        )
     return "\n".join(out)
 
 
@@ -206,8 +241,10 @@ def main(argv=None) -> int:
                 rows.append(run_cpu(name, t, args.vocab, args.dtype, repeats, args.timeout))
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores), subprocess per variant"
     print(f"# loss_kernels: logprobs fwd+bwd, {args.dtype} logits, {where}, median of {repeats} run(s)")
-    print("# peak = max RSS (CPU) / max_memory_allocated (CUDA); extra = peak above the inputs; "
-          "x naive = naive time / time and extra / naive extra")
+    print(
+        "# peak = max RSS (CPU) / max_memory_allocated (CUDA); extra = peak above the inputs; "
+        "x naive = naive time / time and extra / naive extra"
+    )
     print(table(rows))
     if args.json:
         tmp = args.json.with_suffix(args.json.suffix + ".tmp")

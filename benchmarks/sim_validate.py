@@ -42,21 +42,29 @@ def measured(result: dict) -> dict:
     samples = sum(len(step) for step in result["response_lengths"])
     prompt_len = (sum(result["tokens"]) - sum(lengths)) / samples
     inline = result["config"]["rollout"]["sync"]["policy"] == "all_at_once"
-    return {"step_s": wall / steps, "tokens_per_s": sum(result["tokens"][w:]) / wall, "steps": steps,
-            "lengths": lengths, "prompt_len": prompt_len, "train_s": statistics.mean(result["train_s"][w:]),
-            # all_at_once: the trainer's inline sync; per-server policies: one server's sync (time/sync_s is
-            # then only the weight-store put, a few ms, while each server is out for its own load)
-            "sync_s": statistics.mean(result["sync_s"][w:]) if inline else per_server_sync_s(result),
-            # a step's wall time beyond waiting, training and the inline sync (batch assembly, metrics, log)
-            "other_s": wall / steps - statistics.mean(g + t + y for g, t, y in zip(
-                result["gen_wait_s"][w:], result["train_s"][w:], result["sync_s"][w:]))}
+    return {
+        "step_s": wall / steps,
+        "tokens_per_s": sum(result["tokens"][w:]) / wall,
+        "steps": steps,
+        "lengths": lengths,
+        "prompt_len": prompt_len,
+        "train_s": statistics.mean(result["train_s"][w:]),
+        # all_at_once: the trainer's inline sync; per-server policies: one server's sync (time/sync_s is
+        # then only the weight-store put, a few ms, while each server is out for its own load)
+        "sync_s": statistics.mean(result["sync_s"][w:]) if inline else per_server_sync_s(result),
+        # a step's wall time beyond waiting, training and the inline sync (batch assembly, metrics, log)
+        "other_s": wall / steps
+        - statistics.mean(
+            g + t + y for g, t, y in zip(result["gen_wait_s"][w:], result["train_s"][w:], result["sync_s"][w:])
+        ),
+    }
 
 
 def server_sync_durations(result: dict) -> dict[int, list[float]]:
     """Per server: seconds of each of its syncs that ended in the measured steps (async_throughput's
     server_syncs)."""
     out: dict[int, list[float]] = {}
-    for step in result.get("server_syncs", [])[result["warmup"]:]:
+    for step in result.get("server_syncs", [])[result["warmup"] :]:
         for e in step:
             out.setdefault(e["server"], []).append(e["end"] - e["start"])
     return out
@@ -87,14 +95,21 @@ def trace_usage(traces: list[str], since: float, until: float) -> dict:
                     rows.append(row)
         dec = [r for r in rows if r["kind"] == "decode"]
         dec_s = sum(r["s"] for r in dec)
-        per.append({"decode": dec_s / (until - since), "prefill": sum(r["s"] for r in rows if r["kind"] == "prefill")
-                    / (until - since), "batch": sum(r["n"] * r["s"] for r in dec) / dec_s if dec_s else 0.0})
-    return {"per_server": per, "decode": statistics.mean(p["decode"] for p in per),
-            "prefill": statistics.mean(p["prefill"] for p in per)}
+        per.append(
+            {
+                "decode": dec_s / (until - since),
+                "prefill": sum(r["s"] for r in rows if r["kind"] == "prefill") / (until - since),
+                "batch": sum(r["n"] * r["s"] for r in dec) / dec_s if dec_s else 0.0,
+            }
+        )
+    return {
+        "per_server": per,
+        "decode": statistics.mean(p["decode"] for p in per),
+        "prefill": statistics.mean(p["prefill"] for p in per),
+    }
 
 
-def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static",
-                    seed: int = 0):
+def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static", seed: int = 0):
     from megatron_dapo.config.cost_model import CostModel
     from megatron_dapo.config.load import config_from_dict, config_to_dict, load_config
     from megatron_dapo.planner.lengths import EmpiricalLengths
@@ -113,15 +128,25 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batc
     cfg.rollout.servers = []  # the simulated engines stand in for them
     cfg.rollout.num_servers = len(result["config"]["rollout"]["servers"]) or cfg.rollout.num_servers
     max_len = cfg.data.max_response_length
-    world = World(cost=cost, kv_capacity=kv_capacity or max_running * (max_len + cfg.data.max_prompt_length),
-                  max_running=max_running, train_s=lambda tokens: m["train_s"], sync_s=m["sync_s"], keep_prob=1.0,
-                  lengths=EmpiricalLengths(m["lengths"], max_len, source="the real run", seed=seed),
-                  prompt_len=round(m["prompt_len"]), token_unit=1, steps=m["steps"], warmup_steps=result["warmup"],
-                  batching=batching, server_sync_s=_sampler(server_sync_durations(result), seed), seed=seed,
-                  # the real router's model (throughput_optimal): the file the run loaded, not the engines' fit
-                  router_cost=CostModel.load(cfg.rollout.routing.cost_model) if cfg.rollout.routing.cost_model
-                  else None,
-                  admission=None)  # the embedded server admits up to --max-batch, with no KV budget
+    world = World(
+        cost=cost,
+        kv_capacity=kv_capacity or max_running * (max_len + cfg.data.max_prompt_length),
+        max_running=max_running,
+        train_s=lambda tokens: m["train_s"],
+        sync_s=m["sync_s"],
+        keep_prob=1.0,
+        lengths=EmpiricalLengths(m["lengths"], max_len, source="the real run", seed=seed),
+        prompt_len=round(m["prompt_len"]),
+        token_unit=1,
+        steps=m["steps"],
+        warmup_steps=result["warmup"],
+        batching=batching,
+        server_sync_s=_sampler(server_sync_durations(result), seed),
+        seed=seed,
+        # the real router's model (throughput_optimal): the file the run loaded, not the engines' fit
+        router_cost=CostModel.load(cfg.rollout.routing.cost_model) if cfg.rollout.routing.cost_model else None,
+        admission=None,
+    )  # the embedded server admits up to --max-batch, with no KV budget
     return m, simulate(cfg, world)
 
 
@@ -137,18 +162,34 @@ def _sampler(per_server: dict[int, list[float]], seed: int = 0):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", type=Path, required=True, help="benchmarks/async_throughput.py --out JSON")
-    ap.add_argument("--cost-model", type=Path, default=None,
-                    help="profile-engine JSON for every setting (default: each setting's own `cost_fit`)")
-    ap.add_argument("--batching", choices=("static", "static_split", "continuous"), default=None,
-                    help="static: the embedded server's default, a burst reaching an idle server joins one batch; "
-                         "static_split: only its first request starts the batch; continuous: SGLang's, and the "
-                         "embedded server's --batching continuous (default: as the run's servers batched)")
+    ap.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="profile-engine JSON for every setting (default: each setting's own `cost_fit`)",
+    )
+    ap.add_argument(
+        "--batching",
+        choices=("static", "static_split", "continuous"),
+        default=None,
+        help="static: the embedded server's default, a burst reaching an idle server joins one batch; "
+        "static_split: only its first request starts the batch; continuous: SGLang's, and the "
+        "embedded server's --batching continuous (default: as the run's servers batched)",
+    )
     ap.add_argument("--max-running", type=int, default=64, help="the servers' --max-batch (64)")
-    ap.add_argument("--kv-capacity", type=int, default=0,
-                    help="KV tokens per server (default: the run's --server-kv-tokens, else max-running full sequences)")
+    ap.add_argument(
+        "--kv-capacity",
+        type=int,
+        default=0,
+        help="KV tokens per server (default: the run's --server-kv-tokens, else max-running full sequences)",
+    )
     ap.add_argument("--tolerance", type=float, default=0.25)
-    ap.add_argument("--seeds", type=int, default=5,
-                    help="simulations per setting (seeds of the length draws and sync durations); the mean is compared")
+    ap.add_argument(
+        "--seeds",
+        type=int,
+        default=5,
+        help="simulations per setting (seeds of the length draws and sync durations); the mean is compared",
+    )
     args = ap.parse_args(argv)
     from megatron_dapo.config.cost_model import CostModel
 
@@ -161,15 +202,19 @@ def main(argv: list[str] | None = None) -> int:
     kv_capacity = args.kv_capacity or saved.get("server_kv_tokens") or 0
     if traces and not all(Path(t).is_file() for t in traces):
         traces = None  # the run's step traces are not on this machine: no decode-share column
-    print("setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
-          "total decode time | train s | sync s | other s | real decode / prefill share, sim busy [real per server]")
+    print(
+        "setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
+        "total decode time | train s | sync s | other s | real decode / prefill share, sim busy [real per server]"
+    )
     ok = True
     for result in results:
         label = f"{result['setting']['name']}@s{result['setting']['staleness']}"
         fit = result.get("cost_fit")
         if shared is None and not fit:
-            raise SystemExit(f"{args.bench}: {label} has no cost_fit (run async_throughput.py with --step-trace) "
-                             "and no --cost-model was given")
+            raise SystemExit(
+                f"{args.bench}: {label} has no cost_fit (run async_throughput.py with --step-trace) "
+                "and no --cost-model was given"
+            )
         cost = shared or CostModel.from_dict(fit, source=f"{label} cost_fit")
         runs, failed = [], []
         for seed in range(args.seeds):
@@ -197,9 +242,12 @@ def main(argv: list[str] | None = None) -> int:
             busy = f"{use['decode']:.2f} / {use['prefill']:.3f} / {sim_busy:.2f} [{each}]"
         spread = f" ({min(sim_steps):.2f}-{max(sim_steps):.2f})" if len(runs) > 1 else ""
         sim_tps = statistics.mean(x.tokens_per_s for _, x in runs)
-        print(f"{label} | {m['step_s']:.2f} | {sim_step:.2f}{spread} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
-              f"{sim_tps:.0f} | {'yes' if within else 'NO'} | {fit_err} | {m['train_s']:.2f} | "
-              f"{m['sync_s']:.3f} | {m['other_s']:.2f} | {busy}", flush=True)
+        print(
+            f"{label} | {m['step_s']:.2f} | {sim_step:.2f}{spread} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
+            f"{sim_tps:.0f} | {'yes' if within else 'NO'} | {fit_err} | {m['train_s']:.2f} | "
+            f"{m['sync_s']:.3f} | {m['other_s']:.2f} | {busy}",
+            flush=True,
+        )
     return 0 if ok else 1
 
 

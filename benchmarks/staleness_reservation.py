@@ -93,8 +93,14 @@ def _load_psrl(src: str):
     logger.get_ps_logger = lambda: logging.getLogger("psrl")
     gen = types.ModuleType("psrl.workers.gen.utils")
     gen.RolloutInstanceId = tuple
-    for name, mod in {"psrl": None, "psrl.utils": None, "psrl.workers": None, "psrl.workers.gen": None,
-                      "psrl.utils.logger": logger, "psrl.workers.gen.utils": gen}.items():
+    for name, mod in {
+        "psrl": None,
+        "psrl.utils": None,
+        "psrl.workers": None,
+        "psrl.workers.gen": None,
+        "psrl.utils.logger": logger,
+        "psrl.workers.gen.utils": gen,
+    }.items():
         sys.modules.setdefault(name, mod or types.ModuleType(name))
     path = f"{src}/psrl/workers/ps/staleness_controller.py"
     spec = importlib.util.spec_from_file_location("psrl_staleness_controller", path)
@@ -116,15 +122,30 @@ class Result:
     trained_at: dict  # group (draw) -> the step that trained it
 
 
-def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float, p_drop: float, sigma: float,
-             seed: int, capacity: int = 0, max_time: float = 0.0, psrl_src: str = "", extra_prompts: int = 0,
-             retry: int = 0) -> Result:
+def simulate(
+    policy: str,
+    staleness: int,
+    batch: int,
+    steps: int,
+    train_s: float,
+    p_drop: float,
+    sigma: float,
+    seed: int,
+    capacity: int = 0,
+    max_time: float = 0.0,
+    psrl_src: str = "",
+    extra_prompts: int = 0,
+    retry: int = 0,
+) -> Result:
     rng = random.Random(seed)
     now, version, draw = 0.0, 0, 0
     events: list = []  # (time, kind, payload)
     remedy = policy == "remedy"
-    slots = (PsrlSlots(psrl_src, batch, staleness) if policy == "psrl"
-             else StalenessController(batch, staleness, clock=lambda: now, extra=extra_prompts if remedy else 0))
+    slots = (
+        PsrlSlots(psrl_src, batch, staleness)
+        if policy == "psrl"
+        else StalenessController(batch, staleness, clock=lambda: now, extra=extra_prompts if remedy else 0)
+    )
     retry_policy = ProactiveRetry(retry, clock=lambda: now) if remedy and retry else None
     started: dict[int, float] = {}  # remedy: draw -> when its generation started
     aborted: set[int] = set()  # remedy: groups given up (their completion events are ignored)
@@ -157,6 +178,7 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
                 wasted += now - started[k]
             else:
                 queue.remove(next(q for q in queue if q[0] == k))
+
     def dispatch():
         nonlocal draw, in_flight
         if reserving:
@@ -233,7 +255,9 @@ def simulate(policy: str, staleness: int, batch: int, steps: int, train_s: float
                 fifo.append((d, v, duration))
         try_take()
         dispatch()
-    return Result(now + train_s, trained, discarded, gen_time, wasted, stale_sum, busy, trained_at)  # ends after the last step
+    return Result(
+        now + train_s, trained, discarded, gen_time, wasted, stale_sum, busy, trained_at
+    )  # ends after the last step
 
 
 def main():
@@ -244,33 +268,59 @@ def main():
     ap.add_argument("--p-drop", type=float, default=0.3, help="share of groups dropped by dynamic sampling")
     ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma of generation times (the tail)")
     ap.add_argument("--capacity", type=int, default=0, help="concurrent groups the servers run (0 = unlimited)")
-    ap.add_argument("--max-time", type=float, default=0.0,
-                    help="cap on a group's generation time, in median times (max_response_length; 0 = none)")
+    ap.add_argument(
+        "--max-time",
+        type=float,
+        default=0.0,
+        help="cap on a group's generation time, in median times (max_response_length; 0 = none)",
+    )
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--psrl-src", default="", help="a PSRL checkout: adds PSRL's own controller as policy `psrl`")
     ap.add_argument("--extra-prompts", type=int, default=0, help="policy `remedy`: redundant reservations per buffer")
     ap.add_argument("--retry", type=int, default=0, help="policy `remedy`: proactive filter threshold (0 = off)")
     args = ap.parse_args()
-    print(f"B={args.batch} steps={args.steps} train={args.train_s} p_drop={args.p_drop} sigma={args.sigma} "
-          f"capacity={args.capacity} max_time={args.max_time} seeds={args.seeds} "
-          f"extra_prompts={args.extra_prompts} retry={args.retry}")
+    print(
+        f"B={args.batch} steps={args.steps} train={args.train_s} p_drop={args.p_drop} sigma={args.sigma} "
+        f"capacity={args.capacity} max_time={args.max_time} seeds={args.seeds} "
+        f"extra_prompts={args.extra_prompts} retry={args.retry}"
+    )
     remedy = ("remedy",) if args.extra_prompts or args.retry else ()
     print("| s | policy | groups/s | x discard | discarded | wasted gen % | mean staleness | trainer busy % |")
     print("|---|---|---|---|---|---|---|---|")
     for s in (0, 1, 2, 3):
         rows, trained_at = {}, {}
         for policy in ("discard", "reserve") + remedy + (("psrl",) if args.psrl_src else ()):
-            rs = [simulate(policy, s, args.batch, args.steps, args.train_s, args.p_drop, args.sigma, seed,
-                           args.capacity, args.max_time, args.psrl_src, args.extra_prompts, args.retry)
-                  for seed in range(args.seeds)]
+            rs = [
+                simulate(
+                    policy,
+                    s,
+                    args.batch,
+                    args.steps,
+                    args.train_s,
+                    args.p_drop,
+                    args.sigma,
+                    seed,
+                    args.capacity,
+                    args.max_time,
+                    args.psrl_src,
+                    args.extra_prompts,
+                    args.retry,
+                )
+                for seed in range(args.seeds)
+            ]
             trained_at[policy] = [r.trained_at for r in rs]
-            rows[policy] = (sum(r.trained / r.time for r in rs) / len(rs), sum(r.discarded for r in rs) / len(rs),
-                            100 * sum(r.wasted_time / r.gen_time for r in rs) / len(rs),
-                            sum(r.staleness_sum / r.trained for r in rs) / len(rs),
-                            100 * sum(r.trainer_busy / r.time for r in rs) / len(rs))
+            rows[policy] = (
+                sum(r.trained / r.time for r in rs) / len(rs),
+                sum(r.discarded for r in rs) / len(rs),
+                100 * sum(r.wasted_time / r.gen_time for r in rs) / len(rs),
+                sum(r.staleness_sum / r.trained for r in rs) / len(rs),
+                100 * sum(r.trainer_busy / r.time for r in rs) / len(rs),
+            )
         for policy, (gps, disc, waste, stale, busy) in rows.items():
-            print(f"| {s} | {policy} | {gps:.2f} | {gps / rows['discard'][0]:.2f} | {disc:.1f} | {waste:.1f} "
-                  f"| {stale:.2f} | {busy:.1f} |")
+            print(
+                f"| {s} | {policy} | {gps:.2f} | {gps / rows['discard'][0]:.2f} | {disc:.1f} | {waste:.1f} "
+                f"| {stale:.2f} | {busy:.1f} |"
+            )
         if "psrl" in trained_at:
             pairs = [(a, b) for a, b in zip(trained_at["psrl"], trained_at["reserve"], strict=True)]
             same = sum(sum(a.get(d) == step for d, step in b.items()) for a, b in pairs)

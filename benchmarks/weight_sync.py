@@ -47,9 +47,16 @@ def build_models(args, out_dir: Path):
 
     from megatron_dapo.models.tiny import tiny_hf_config
 
-    cfg = tiny_hf_config("qwen3", hidden_size=args.hidden, intermediate_size=3 * args.hidden,
-                         num_hidden_layers=args.layers, vocab_size=args.vocab, num_attention_heads=8,
-                         num_key_value_heads=2, head_dim=args.hidden // 8)
+    cfg = tiny_hf_config(
+        "qwen3",
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_hidden_layers=args.layers,
+        vocab_size=args.vocab,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=args.hidden // 8,
+    )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
     torch.manual_seed(1)
@@ -61,11 +68,25 @@ def raw_broadcast_seconds(bridge: WeightSyncBridge, flat: torch.Tensor) -> float
     nbytes = flat.numel()
 
     async def announce():
-        return await asyncio.gather(*(
-            c._request("POST", "/update_weights_from_distributed", {
-                "names": [RAW_NAME], "dtypes": ["uint8"], "shapes": [[nbytes]], "group_name": bridge.group_name,
-                "flush_cache": False, "abort_all_requests": False, "load_format": "flattened_bucket"})
-            for c in bridge.clients), return_exceptions=True)
+        return await asyncio.gather(
+            *(
+                c._request(
+                    "POST",
+                    "/update_weights_from_distributed",
+                    {
+                        "names": [RAW_NAME],
+                        "dtypes": ["uint8"],
+                        "shapes": [[nbytes]],
+                        "group_name": bridge.group_name,
+                        "flush_cache": False,
+                        "abort_all_requests": False,
+                        "load_format": "flattened_bucket",
+                    },
+                )
+                for c in bridge.clients
+            ),
+            return_exceptions=True,
+        )
 
     bridge._each("begin_weight_update")  # untimed: the baseline is the broadcast alone
     t0 = time.perf_counter()
@@ -97,8 +118,11 @@ def main(argv=None) -> int:
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         # the raw baseline sends the weights' own bytes, already flat (its flattening is not timed)
         flat = torch.cat([t.reshape(-1).view(torch.uint8) for _, t in named])
-        print(f"model: {sum(t.numel() for _, t in named) / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB fp32; "
-              f"{args.servers} embedded servers, gloo, bucket {args.bucket_mb} MiB", flush=True)
+        print(
+            f"model: {sum(t.numel() for _, t in named) / 1e6:.1f}M params, {nbytes / 2**20:.0f} MiB fp32; "
+            f"{args.servers} embedded servers, gloo, bucket {args.bucket_mb} MiB",
+            flush=True,
+        )
         servers = launch_embedded_servers(str(tmp / "model"), args.servers, tmp / "logs", timeout_s=600)
         rows = []
         try:
@@ -122,27 +146,43 @@ def main(argv=None) -> int:
                 finally:
                     bridge.close()
                 bridge_s, raw_s = statistics.median(times), statistics.median(raw)
-                results[mode] = dict(bridge_s=bridge_s, raw_s=raw_s, bridge_gbps=nbytes / bridge_s / 1e9,
-                                     raw_gbps=nbytes / raw_s / 1e9, ratio=raw_s / bridge_s,
-                                     best_ratio=min(raw) / min(times), max_logprob_diff=diff,
-                                     bridge_all_s=times, raw_all_s=raw)
+                results[mode] = dict(
+                    bridge_s=bridge_s,
+                    raw_s=raw_s,
+                    bridge_gbps=nbytes / bridge_s / 1e9,
+                    raw_gbps=nbytes / raw_s / 1e9,
+                    ratio=raw_s / bridge_s,
+                    best_ratio=min(raw) / min(times),
+                    max_logprob_diff=diff,
+                    bridge_all_s=times,
+                    raw_all_s=raw,
+                )
                 rows.append((mode, results[mode]))
         finally:
             for s in servers:
                 s.stop()
 
     print(f"\nload average {os.getloadavg()[0]:.2f} (1 min) at the end")
-    print("| mode | bytes | bridge s | bridge GB/s | raw broadcast s | raw GB/s | ratio | best-of ratio "
-          "| max logprob diff |")
+    print(
+        "| mode | bytes | bridge s | bridge GB/s | raw broadcast s | raw GB/s | ratio | best-of ratio "
+        "| max logprob diff |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, r in rows:
-        print(f"| {mode} | {nbytes / 2**20:.0f} MiB | {r['bridge_s']:.3f} | {r['bridge_gbps']:.3f} | {r['raw_s']:.3f} | "
-              f"{r['raw_gbps']:.3f} | {r['ratio']:.2f} | {r['best_ratio']:.2f} | {r['max_logprob_diff']:.1e} |")
-    print(f"(median of {args.repeats} interleaved repeats; ratio = bridge GB/s / raw GB/s; best-of ratio = "
-          "fastest raw / fastest bridge; bytes counted once, each of the servers receives them)")
+        print(
+            f"| {mode} | {nbytes / 2**20:.0f} MiB | {r['bridge_s']:.3f} | {r['bridge_gbps']:.3f} | {r['raw_s']:.3f} | "
+            f"{r['raw_gbps']:.3f} | {r['ratio']:.2f} | {r['best_ratio']:.2f} | {r['max_logprob_diff']:.1e} |"
+        )
+    print(
+        f"(median of {args.repeats} interleaved repeats; ratio = bridge GB/s / raw GB/s; best-of ratio = "
+        "fastest raw / fastest bridge; bytes counted once, each of the servers receives them)"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"bytes": nbytes, "servers": args.servers,
-                                               "bucket_mb": args.bucket_mb, "results": results}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {"bytes": nbytes, "servers": args.servers, "bucket_mb": args.bucket_mb, "results": results}, indent=1
+            )
+        )
     return 0
 
 

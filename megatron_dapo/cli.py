@@ -22,8 +22,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plot": ("megatron_dapo.trainer.plot:main", "write PNG curves of a run's TensorBoard scalars"),
     "simulate": ("megatron_dapo.sim.cli:main", "predict cluster throughput: the real coordinator, simulated engines"),
     "serve": ("megatron_dapo.rollout.embedded.server:main", "the embedded SGLang-compatible server"),
-    "profile-engine": ("megatron_dapo.coordinator.profile_engine:main",
-                       "measure a rollout server and fit its decode-step cost model"),
+    "profile-engine": (
+        "megatron_dapo.coordinator.profile_engine:main",
+        "measure a rollout server and fit its decode-step cost model",
+    ),
 }
 
 

@@ -44,9 +44,12 @@ def sglang_peer(tmp_path_factory):
     root = Path(__file__).resolve().parent.parent
     port = free_port()
     env = {"PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
-    server = ServerProcess([sys.executable, "-m", "tests.sglang_peer", "serve", "--port", str(port),
-                            "--running-requests", "1"], port, log_path=tmp_path_factory.mktemp("peer") / "peer.log",
-                           env={**env, "SGLANG_PEER_API_KEY": SGLANG_PEER_KEY}).start(wait=False)
+    server = ServerProcess(
+        [sys.executable, "-m", "tests.sglang_peer", "serve", "--port", str(port), "--running-requests", "1"],
+        port,
+        log_path=tmp_path_factory.mktemp("peer") / "peer.log",
+        env={**env, "SGLANG_PEER_API_KEY": SGLANG_PEER_KEY},
+    ).start(wait=False)
     no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + 300
     try:

@@ -52,27 +52,32 @@ def kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
         raise AssertionError(f"processes still alive after SIGKILL: {[p.pid for p in alive]}")
 
 
-def start_torchrun(script: str | Path, nproc: int, *args: str, env: dict | None = None, stdout=subprocess.PIPE
-                   ) -> subprocess.Popen:
+def start_torchrun(
+    script: str | Path, nproc: int, *args: str, env: dict | None = None, stdout=subprocess.PIPE
+) -> subprocess.Popen:
     """Start `script` on `nproc` ranks, the launcher in a new session; returns at once (stop it with
     `kill_tree`)."""
     script = Path(script)
     if not script.is_absolute():
         script = WORKERS / script
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
         f"--nproc-per-node={nproc}",
         "--nnodes=1",
         f"--master-addr={LOOPBACK}",
         f"--master-port={free_port()}",
-        str(script), *map(str, args),
+        str(script),
+        *map(str, args),
     ]
     full_env = dict(os.environ)
     full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), full_env.get("PYTHONPATH", "")])
     full_env.update(env or {})
-    return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=full_env,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=stdout, stderr=subprocess.STDOUT, text=True, env=full_env, start_new_session=True
+    )
 
 
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:

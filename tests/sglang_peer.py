@@ -35,15 +35,53 @@ from pathlib import Path
 SGLANG = "sglang==0.5.23"
 # What the HTTP layer, the request classes and the weight-update code import, beyond this project's
 # own dependencies (pinned as SGLang 0.5.23 pins them where it does).
-PACKAGES = (SGLANG, "openai==2.8.0", "xgrammar==0.2.7", "apache-tvm-ffi", "msgspec", "pyzmq", "orjson",
-            "pybase64", "dill", "distro", "jiter", "python-multipart", "sniffio", "sentencepiece", "einops",
-            "setproctitle", "gguf")
+PACKAGES = (
+    SGLANG,
+    "openai==2.8.0",
+    "xgrammar==0.2.7",
+    "apache-tvm-ffi",
+    "msgspec",
+    "pyzmq",
+    "orjson",
+    "pybase64",
+    "dill",
+    "distro",
+    "jiter",
+    "python-multipart",
+    "sniffio",
+    "sentencepiece",
+    "einops",
+    "setproctitle",
+    "gguf",
+)
 CACHE = Path(os.environ.get("MEGATRON_DAPO_SGLANG_CACHE", Path.home() / ".cache" / "megatron-dapo" / "sglang-0.5.23"))
 # GPU-only kernels and libraries, plus torchvision (its wheels need a newer torch), soundfile and
 # IPython (audio and notebook helpers): none of them is on the paths this peer runs.
-STUBBED = ("sgl_kernel", "flashinfer", "triton_kernels", "vllm", "deep_gemm", "deep_ep", "sgl_deepep", "cuda",
-           "cutlass", "quack", "flash_attn", "mooncake", "torchao", "compressed_tensors", "pynvml", "nvidia",
-           "decord", "outlines", "llguidance", "partial_json_parser", "torchvision", "soundfile", "IPython")
+STUBBED = (
+    "sgl_kernel",
+    "flashinfer",
+    "triton_kernels",
+    "vllm",
+    "deep_gemm",
+    "deep_ep",
+    "sgl_deepep",
+    "cuda",
+    "cutlass",
+    "quack",
+    "flash_attn",
+    "mooncake",
+    "torchao",
+    "compressed_tensors",
+    "pynvml",
+    "nvidia",
+    "decord",
+    "outlines",
+    "llguidance",
+    "partial_json_parser",
+    "torchvision",
+    "soundfile",
+    "IPython",
+)
 
 
 def ensure_installed(cache: Path = CACHE) -> Path:
@@ -55,8 +93,10 @@ def ensure_installed(cache: Path = CACHE) -> Path:
     cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp), *PACKAGES]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise RuntimeError(f"could not install {SGLANG} into {tmp} (pip install --no-deps from PyPI failed); "
-                           f"the SGLang peer tests need it: {proc.stderr.strip()[-2000:]}")
+        raise RuntimeError(
+            f"could not install {SGLANG} into {tmp} (pip install --no-deps from PyPI failed); "
+            f"the SGLang peer tests need it: {proc.stderr.strip()[-2000:]}"
+        )
     (tmp / ".complete").write_text(" ".join(PACKAGES) + "\n")
     if cache.exists():  # a concurrent install won; use it
         return cache
@@ -147,11 +187,13 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.utils.aio_rwlock import RWLock
 
-    get_context().set_server_args(ServerArgs(model_path="megatron-dapo/sglang-peer", device="cpu",
-                                             api_key=api_key, skip_tokenizer_init=True))
+    get_context().set_server_args(
+        ServerArgs(model_path="megatron-dapo/sglang-peer", device="cpu", api_key=api_key, skip_tokenizer_init=True)
+    )
     # one TP rank; its "group" is what SGLang's barriers use (distributed init would build it)
-    get_parallel().override_permanently(tp_rank=0, tp_size=1,
-                                        tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1))
+    get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, tp_group=types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1)
+    )
 
     class RecordingModel(torch.nn.Module):
         """The model SGLang loads into: keeps a copy of every tensor it is given, in order."""
@@ -166,12 +208,23 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
     model = RecordingModel()
     runner = types.SimpleNamespace(model=model)
     runner.weight_updater = WeightUpdater(
-        tp_rank=0, device="cpu", gpu_id=0, model_config=None, custom_weight_loaders={},
-        get_model=lambda: model, update_model_fields=lambda **kw: None, recapture_cuda_graph=lambda: None,
-        get_model_runner=lambda: runner)
+        tp_rank=0,
+        device="cpu",
+        gpu_id=0,
+        model_config=None,
+        custom_weight_loaders={},
+        get_model=lambda: model,
+        update_model_fields=lambda **kw: None,
+        recapture_cuda_graph=lambda: None,
+        get_model_runner=lambda: runner,
+    )
     worker = types.SimpleNamespace(model_runner=runner, _model_runner=runner)
-    for name in ("init_weights_update_group", "destroy_weights_update_group", "deserialize_own_rank",
-                 "weight_update_runners"):
+    for name in (
+        "init_weights_update_group",
+        "destroy_weights_update_group",
+        "deserialize_own_rank",
+        "weight_update_runners",
+    ):
         setattr(worker, name, types.MethodType(getattr(TpModelWorker, name), worker))
 
     class PeerScheduler:
@@ -223,8 +276,13 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
 
     sched = PeerScheduler()
     manager = SchedulerWeightUpdaterManager(
-        tp_worker=worker, draft_worker=None, memory_saver_adapter=None, flush_cache=sched.flush_cache,
-        is_fully_idle=sched.is_fully_idle, scheduler=sched)
+        tp_worker=worker,
+        draft_worker=None,
+        memory_saver_adapter=None,
+        flush_cache=sched.flush_cache,
+        is_fully_idle=sched.is_fully_idle,
+        scheduler=sched,
+    )
     sched.manager, sched.model = manager, model
 
     class PeerTokenizerManager(tm_mod.TokenizerManager):
@@ -237,22 +295,29 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
             self.model_update_lock = RWLock()
             self.mm_processor = None
             self.model_path = self.served_model_name = "megatron-dapo/sglang-peer"
-            self.model_config = types.SimpleNamespace(hf_config=None, is_generation=True, context_len=4096,
-                                                      is_image_understandable_model=False,
-                                                      is_audio_understandable_model=False)
+            self.model_config = types.SimpleNamespace(
+                hf_config=None,
+                is_generation=True,
+                context_len=4096,
+                is_image_understandable_model=False,
+                is_audio_understandable_model=False,
+            )
             self.is_generation = True
             # /v1/loads reads what the peer's `/peer/load` wrote, through SGLang's shared-memory snapshot file
             self.elastic_worker_count = 1
             self.load_snapshot_reader = ShmLoadSnapshotReader(load_path, 1)
-            flush = SchedulerFlushWrapper(flush_cache=sched.flush_cache, is_fully_idle=sched.is_fully_idle,
-                                          send_output=lambda out, req: None)
+            flush = SchedulerFlushWrapper(
+                flush_cache=sched.flush_cache, is_fully_idle=sched.is_fully_idle, send_output=lambda out, req: None
+            )
             self.flush_cache_communicator = self._to_scheduler(flush.handle)
-            for name, method in (("init_weights_update_group", "init_weights_update_group"),
-                                 ("destroy_weights_update_group", "destroy_weights_update_group"),
-                                 ("begin_weight_update", "begin_weight_update"),
-                                 ("end_weight_update", "end_weight_update"),
-                                 ("update_weights_from_distributed", "update_weights_from_distributed"),
-                                 ("update_weights_from_tensor", "update_weights_from_tensor")):
+            for name, method in (
+                ("init_weights_update_group", "init_weights_update_group"),
+                ("destroy_weights_update_group", "destroy_weights_update_group"),
+                ("begin_weight_update", "begin_weight_update"),
+                ("end_weight_update", "end_weight_update"),
+                ("update_weights_from_distributed", "update_weights_from_distributed"),
+                ("update_weights_from_tensor", "update_weights_from_tensor"),
+            ):
                 setattr(self, f"{name}_communicator", self._to_scheduler(getattr(manager, method)))
 
         @staticmethod
@@ -262,14 +327,17 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
                 if isinstance(out, tuple):  # init/destroy answer (success, message) from the tp worker
                     return [types.SimpleNamespace(success=out[0], message=out[1])]
                 return [out]
+
             return call
 
         def auto_create_handle_loop(self):
             pass
 
         async def _async_dispatch_to_scheduler(self, obj):  # what pause/continue send the scheduler
-            {"PauseGenerationReqInput": sched.pause_generation,
-             "ContinueGenerationReqInput": sched.continue_generation}[type(obj).__name__](obj)
+            {
+                "PauseGenerationReqInput": sched.pause_generation,
+                "ContinueGenerationReqInput": sched.continue_generation,
+            }[type(obj).__name__](obj)
 
         def abort_request(self, rid: str = "", abort_all: bool = False):
             if abort_all:
@@ -295,16 +363,21 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
 
     @app.get("/peer/state")
     async def peer_state():
-        return {"weight_version": sched.weight_version, "flushes": sched.flushes,
-                "names": [n for n, _ in sched.model.received],
-                "running": len(sched.running_batch.reqs), "waiting": len(sched.waiting_queue),
-                "session_open": sched.manager._session is not None}
+        return {
+            "weight_version": sched.weight_version,
+            "flushes": sched.flushes,
+            "names": [n for n, _ in sched.model.received],
+            "running": len(sched.running_batch.reqs),
+            "waiting": len(sched.waiting_queue),
+            "session_open": sched.manager._session is not None,
+        }
 
     @app.get("/peer/received")
     async def peer_received():
         # names may repeat across syncs: the last value of each, as the model would hold it
-        return Response(save({n: t.contiguous() for n, t in sched.model.received}),
-                        media_type="application/octet-stream")
+        return Response(
+            save({n: t.contiguous() for n, t in sched.model.received}), media_type="application/octet-stream"
+        )
 
     async def peer_parse(request):  # a plain Starlette route: the request itself, no FastAPI parsing
         return JSONResponse(json.loads(json.dumps(parse_payloads(await request.json()), default=repr)))
@@ -334,10 +407,12 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
         return {}
 
     async def main():
-        http_server.set_global_state(http_server._GlobalState(tokenizer_manager=make_tm(), template_manager=None,
-                                                              scheduler_info={}))
+        http_server.set_global_state(
+            http_server._GlobalState(tokenizer_manager=make_tm(), template_manager=None, scheduler_info={})
+        )
         if api_key:
             from sglang.srt.utils.auth import add_api_key_middleware
+
             add_api_key_middleware(app, api_key=api_key, admin_api_key=None)
         # lifespan off: SGLang's starts the OpenAI handlers and the warmup request, which need a tokenizer
         config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
@@ -352,8 +427,13 @@ def load_snapshot_from_row(row: dict):
     raises) and its typed msgpack decoder, the one its readers use, checks every value's type."""
     from sglang.srt.managers import load_snapshot as ls
 
-    sections = {"memory": ls.MemoryMetrics, "speculative": ls.SpeculativeMetrics, "lora": ls.LoRAMetrics,
-                "disaggregation": ls.DisaggregationMetrics, "queues": ls.QueueMetrics}
+    sections = {
+        "memory": ls.MemoryMetrics,
+        "speculative": ls.SpeculativeMetrics,
+        "lora": ls.LoRAMetrics,
+        "disaggregation": ls.DisaggregationMetrics,
+        "queues": ls.QueueMetrics,
+    }
     fields = {k: sections[k](**v) if k in sections and v is not None else v for k, v in row.items()}
     return ls.snapshot_decoder.decode(ls.snapshot_encoder.encode(ls.LoadSnapshot(**fields)))
 
@@ -375,14 +455,33 @@ def parse_payloads(bodies: list[dict]) -> list[dict]:
                 p = SamplingParams(**(sp or {}))
                 p.normalize(None)
                 p.verify(vocab_size=1 << 20)
-                parsed.append({k: getattr(p, k) for k in ("n", "temperature", "top_p", "top_k", "max_new_tokens",
-                                                          "sampling_seed", "stop_token_ids")})
+                parsed.append(
+                    {
+                        k: getattr(p, k)
+                        for k in (
+                            "n",
+                            "temperature",
+                            "top_p",
+                            "top_k",
+                            "max_new_tokens",
+                            "sampling_seed",
+                            "stop_token_ids",
+                        )
+                    }
+                )
             rid = req.rid
-            out.append({"ok": True, "batch_size": getattr(req, "batch_size", 1), "is_single": req.is_single,
-                        "rid": rid, "return_logprob": req.return_logprob,
-                        "logprob_start_len": req.logprob_start_len, "input_ids": req.input_ids,
-                        "sampling": [{k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()}
-                                     for d in parsed]})
+            out.append(
+                {
+                    "ok": True,
+                    "batch_size": getattr(req, "batch_size", 1),
+                    "is_single": req.is_single,
+                    "rid": rid,
+                    "return_logprob": req.return_logprob,
+                    "logprob_start_len": req.logprob_start_len,
+                    "input_ids": req.input_ids,
+                    "sampling": [{k: (sorted(v) if isinstance(v, set) else v) for k, v in d.items()} for d in parsed],
+                }
+            )
         except Exception as e:  # what SGLang's parsing said
             out.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
     return out
@@ -393,10 +492,17 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
     s.add_argument("--port", type=int, required=True)
-    s.add_argument("--api-key", default=os.environ.get("SGLANG_PEER_API_KEY"),
-                   help="(default: $SGLANG_PEER_API_KEY, kept off the command line)")
-    s.add_argument("--running-requests", type=int, default=0,
-                   help="placeholder requests in the running batch (as generation in flight would leave)")
+    s.add_argument(
+        "--api-key",
+        default=os.environ.get("SGLANG_PEER_API_KEY"),
+        help="(default: $SGLANG_PEER_API_KEY, kept off the command line)",
+    )
+    s.add_argument(
+        "--running-requests",
+        type=int,
+        default=0,
+        help="placeholder requests in the running batch (as generation in flight would leave)",
+    )
     sub.add_parser("install")
     args = p.parse_args(argv)
     if args.cmd == "install":

@@ -44,8 +44,13 @@ def be(request):
 
 
 def close(actual, expected, atol, rtol=0.0, what=""):
-    torch.testing.assert_close(actual.detach().double().cpu(), expected.detach().double().cpu(),
-                               atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        actual.detach().double().cpu(),
+        expected.detach().double().cpu(),
+        atol=atol,
+        rtol=rtol,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
 # ---------------------------------------------------------------- group advantages and filter
@@ -79,8 +84,12 @@ def test_dynamic_sampling_filter_vs_reference(be, threshold):
     res = dispatch.dynamic_sampling_filter(rewards.to(dev), ids.to(dev), threshold, backend=backend)
     keep, n_groups, n_kept, n_correct, n_wrong = ref_filter(rewards, ids, threshold)
     assert res.keep.cpu().tolist() == keep
-    assert (res.num_groups, res.num_kept, res.num_all_correct, res.num_all_wrong) == (n_groups, n_kept, n_correct,
-                                                                                        n_wrong)
+    assert (res.num_groups, res.num_kept, res.num_all_correct, res.num_all_wrong) == (
+        n_groups,
+        n_kept,
+        n_correct,
+        n_wrong,
+    )
     assert res.num_all_correct >= 1 and res.num_all_wrong >= 1
 
 
@@ -130,9 +139,21 @@ CASES = [
 
 def _call_loss(backend, dev, lp, old, adv, mask, w, case):
     return dispatch.dapo_policy_loss(
-        lp, old.to(dev), adv.to(dev), mask.to(dev), 0.2, 0.28, case.get("c"), case["mode"], case.get("n_tok"),
-        w.to(dev) if case.get("w") else None, global_num_seqs=case.get("n_seq"), dp_world_size=case.get("dp", 1),
-        rollout_is_cap=case.get("cap", 2.0), token_sum_norm=case.get("norm"), backend=backend,
+        lp,
+        old.to(dev),
+        adv.to(dev),
+        mask.to(dev),
+        0.2,
+        0.28,
+        case.get("c"),
+        case["mode"],
+        case.get("n_tok"),
+        w.to(dev) if case.get("w") else None,
+        global_num_seqs=case.get("n_seq"),
+        dp_world_size=case.get("dp", 1),
+        rollout_is_cap=case.get("cap", 2.0),
+        token_sum_norm=case.get("norm"),
+        backend=backend,
     )
 
 
@@ -143,9 +164,18 @@ def test_dapo_policy_loss_vs_float64(be, case):
     x = lp.clone().to(dev).requires_grad_()
     loss, metrics = _call_loss(backend, dev, x, old, adv, mask, w, case)
     loss.backward()
-    kw = dict(low=0.2, high=0.28, c=case.get("c"), mode=case["mode"], n_tok=case.get("n_tok"),
-              n_seq=case.get("n_seq"), dp=case.get("dp", 1), w=w if case.get("w") else None,
-              cap=case.get("cap", 2.0), norm=case.get("norm"))
+    kw = dict(
+        low=0.2,
+        high=0.28,
+        c=case.get("c"),
+        mode=case["mode"],
+        n_tok=case.get("n_tok"),
+        n_seq=case.get("n_seq"),
+        dp=case.get("dp", 1),
+        w=w if case.get("w") else None,
+        cap=case.get("cap", 2.0),
+        norm=case.get("norm"),
+    )
     expected = ref_policy_loss(lp, old, adv, mask, **kw)
     close(loss, torch.tensor(expected), 1e-5, 1e-5, what="loss")
     close(x.grad, ref_policy_loss_grad(lp, old, adv, mask, **kw), 1e-5, 1e-4, what="grad")
@@ -159,8 +189,18 @@ def test_loss_metrics_vs_float64(be):
     lp, old, adv, mask, _ = _loss_batch(3)
     adv = adv[:, None] * torch.linspace(-1, 1, lp.shape[1])  # token-level advantages of both signs
     n_tok, dp = 211, 2
-    _, m = dispatch.dapo_policy_loss(lp.to(dev), old.to(dev), adv.to(dev), mask.to(dev), 0.2, 0.28, 1.5,
-                                     global_num_tokens=n_tok, dp_world_size=dp, backend=backend)
+    _, m = dispatch.dapo_policy_loss(
+        lp.to(dev),
+        old.to(dev),
+        adv.to(dev),
+        mask.to(dev),
+        0.2,
+        0.28,
+        1.5,
+        global_num_tokens=n_tok,
+        dp_world_size=dp,
+        backend=backend,
+    )
     up = low = dual = 0
     rs, k3, rmax = 0.0, 0.0, 0.0
     for i in range(lp.shape[0]):
@@ -175,9 +215,14 @@ def test_loss_metrics_vs_float64(be):
             rs, k3, rmax = rs + r, k3 + (r - 1 - lr), max(rmax, r)
     scale = dp / n_tok
     assert up > 0 and low > 0 and dual > 0, "the batch must exercise every clip"
-    for key, val in (("clipfrac_upper", up * scale), ("clipfrac_lower", low * scale),
-                     ("clipfrac_dual", dual * scale), ("ratio_mean", rs * scale), ("approx_kl", k3 * scale),
-                     ("ratio_max", rmax)):
+    for key, val in (
+        ("clipfrac_upper", up * scale),
+        ("clipfrac_lower", low * scale),
+        ("clipfrac_dual", dual * scale),
+        ("ratio_mean", rs * scale),
+        ("approx_kl", k3 * scale),
+        ("ratio_max", rmax),
+    ):
         close(m[key], torch.tensor(val), 1e-6, 1e-5, what=key)
 
 
@@ -186,19 +231,29 @@ def test_loss_micro_batches_sum_to_one_batch(be):
     backend, dev = be
     lp, old, adv, mask, _ = _loss_batch(4, b=9, s=7)
     splits = [[0, 1], [2, 3, 4], [5], [6, 7, 8]]  # rank 0: mb 0,1; rank 1: mb 2,3
-    for mode, kw_global in (("token-mean", dict(global_num_tokens=mask.sum().item())),
-                            ("seq-mean-token-mean", dict(global_num_seqs=(mask.sum(-1) > 0).sum().item()))):
+    for mode, kw_global in (
+        ("token-mean", dict(global_num_tokens=mask.sum().item())),
+        ("seq-mean-token-mean", dict(global_num_seqs=(mask.sum(-1) > 0).sum().item())),
+    ):
         full_x = lp.clone().to(dev).requires_grad_()
-        full, _ = dispatch.dapo_policy_loss(full_x, old.to(dev), adv.to(dev), mask.to(dev), loss_agg_mode=mode,
-                                            backend=backend)
+        full, _ = dispatch.dapo_policy_loss(
+            full_x, old.to(dev), adv.to(dev), mask.to(dev), loss_agg_mode=mode, backend=backend
+        )
         full.backward()
         x = lp.clone().to(dev).requires_grad_()
         total = 0.0
         for rank_mbs in (splits[:2], splits[2:]):
             for rows in rank_mbs:
-                loss, _ = dispatch.dapo_policy_loss(x[rows], old[rows].to(dev), adv[rows].to(dev),
-                                                    mask[rows].to(dev), loss_agg_mode=mode, dp_world_size=2,
-                                                    backend=backend, **kw_global)
+                loss, _ = dispatch.dapo_policy_loss(
+                    x[rows],
+                    old[rows].to(dev),
+                    adv[rows].to(dev),
+                    mask[rows].to(dev),
+                    loss_agg_mode=mode,
+                    dp_world_size=2,
+                    backend=backend,
+                    **kw_global,
+                )
                 (loss / 2).backward()  # DDP's average over the 2 ranks
                 total = total + loss.detach() / 2
         close(total, full, 1e-6, 1e-6, what=f"{mode} loss")
@@ -224,16 +279,22 @@ def test_loss_extreme_log_ratios(be, sign, dual):
     for b, d in ((backend, dev), ("torch", torch.device("cpu"))):
         for mode in ("token-mean", "seq-mean-token-sum-norm"):
             x = lp.clone().to(d).requires_grad_()
-            loss, metrics = dispatch.dapo_policy_loss(x, old.to(d), adv.to(d), mask.to(d), 0.2, 0.28, dual, mode,
-                                                      token_sum_norm=16, backend=b)
+            loss, metrics = dispatch.dapo_policy_loss(
+                x, old.to(d), adv.to(d), mask.to(d), 0.2, 0.28, dual, mode, token_sum_norm=16, backend=b
+            )
             loss.backward()
             assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), f"{b} {mode}: non-finite loss or grad"
             assert all(torch.isfinite(v) for v in metrics.values()), f"{b} {mode}: non-finite metric"
             assert (x.grad[:, :2] == 0).all(), "tokens beyond the clamp carry no gradient"
             expected = ref_policy_loss(lp, old, adv, mask, mode=mode, norm=16, **kw)
             close(loss, torch.tensor(expected), 1e-5, 1e-6, what=f"{b} {mode} loss")
-            close(x.grad, ref_policy_loss_grad(lp, old, adv, mask, mode=mode, norm=16, **kw), 1e-6, 1e-4,
-                  what=f"{b} {mode} grad")
+            close(
+                x.grad,
+                ref_policy_loss_grad(lp, old, adv, mask, mode=mode, norm=16, **kw),
+                1e-6,
+                1e-4,
+                what=f"{b} {mode} grad",
+            )
             close(metrics["ratio_max"], torch.tensor(math.exp(20.0)), 0.0, 1e-6, what="ratio_max")
             outs.append((loss.detach().cpu(), x.grad.cpu()))
     for (loss_a, grad_a), (loss_b, grad_b) in zip(outs[:2], outs[2:]):
@@ -331,9 +392,11 @@ def test_tiling_does_not_change_results(be):
     xx = x.clone().to(dev).requires_grad_()
     if backend == "torch":
         from megatron_dapo.algo.logprobs import vocab_parallel_logprobs as fn
+
         tiling = dict(chunk_elements=2 * 203)  # two rows per chunk
     else:
         from megatron_dapo.kernels.logprobs_triton import vocab_parallel_logprobs as fn
+
         tiling = dict(block_v=32)
     lp, ent = fn(xx.to(dev), target.to(dev), None, 0.8, True, **tiling)
     (lp.sum() + 0.3 * ent.sum()).backward()
@@ -346,12 +409,24 @@ def test_tiling_does_not_change_results(be):
 
     lp2, old, adv, mask, w = _loss_batch(11, b=4, s=37)
     if backend == "torch":
-        loss, _ = dispatch.dapo_policy_loss(lp2, old, adv, mask, 0.2, 0.28, 3.0, "seq-mean-token-mean",
-                                            rollout_is_weights=w, backend="torch")
+        loss, _ = dispatch.dapo_policy_loss(
+            lp2, old, adv, mask, 0.2, 0.28, 3.0, "seq-mean-token-mean", rollout_is_weights=w, backend="torch"
+        )
     else:
         from megatron_dapo.kernels.loss_triton import dapo_policy_loss as loss_fn
-        loss, _ = loss_fn(lp2.to(dev), old.to(dev), adv.to(dev), mask.to(dev), 0.2, 0.28, 3.0,
-                          "seq-mean-token-mean", rollout_is_weights=w.to(dev), block_s=8)
+
+        loss, _ = loss_fn(
+            lp2.to(dev),
+            old.to(dev),
+            adv.to(dev),
+            mask.to(dev),
+            0.2,
+            0.28,
+            3.0,
+            "seq-mean-token-mean",
+            rollout_is_weights=w.to(dev),
+            block_s=8,
+        )
     expected = ref_policy_loss(lp2, old, adv, mask, c=3.0, mode="seq-mean-token-mean", w=w)
     close(loss, torch.tensor(expected), 1e-5, 1e-5, what="loss")
 

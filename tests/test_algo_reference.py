@@ -30,8 +30,9 @@ def test_logprobs_gradcheck_float64(temperature):
         return lp, ent
 
     assert torch.autograd.gradcheck(both, (x,), eps=1e-6, atol=1e-8)
-    assert torch.autograd.gradcheck(lambda inp: vocab_parallel_logprobs(inp, target, None, temperature), (x,),
-                                    eps=1e-6, atol=1e-8)
+    assert torch.autograd.gradcheck(
+        lambda inp: vocab_parallel_logprobs(inp, target, None, temperature), (x,), eps=1e-6, atol=1e-8
+    )
     # only the entropy used: the logprob output receives no gradient at all
     assert torch.autograd.gradcheck(lambda inp: both(inp)[1], (x,), eps=1e-6, atol=1e-8)
 

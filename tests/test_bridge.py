@@ -40,9 +40,22 @@ def _reader(tensors: dict[str, torch.Tensor]):
 @pytest.fixture(scope="module")
 def arch():
     # 8 query heads in 4 groups of 2, head_dim 3: small enough to build the reference by hand
-    return QwenArch(family="qwen2", vocab_size=250, hidden_size=5, intermediate_size=8, num_layers=1,
-                    num_attention_heads=8, num_kv_heads=4, head_dim=3, rope_theta=1e4, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False, qkv_bias=True, qk_norm=False, max_position_embeddings=16)
+    return QwenArch(
+        family="qwen2",
+        vocab_size=250,
+        hidden_size=5,
+        intermediate_size=8,
+        num_layers=1,
+        num_attention_heads=8,
+        num_kv_heads=4,
+        head_dim=3,
+        rope_theta=1e4,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        qkv_bias=True,
+        qk_norm=False,
+        max_position_embeddings=16,
+    )
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -59,8 +72,8 @@ def test_qkv_shards_follow_megatron_group_interleave(arch, tp):
     for r, shard in enumerate(shards):
         rows = []
         for g in range(r * per, (r + 1) * per):
-            rows += [q[(2 * g + j) * 3:(2 * g + j + 1) * 3] for j in range(2)]
-            rows += [k[g * 3:(g + 1) * 3], v[g * 3:(g + 1) * 3]]
+            rows += [q[(2 * g + j) * 3 : (2 * g + j + 1) * 3] for j in range(2)]
+            rows += [k[g * 3 : (g + 1) * 3], v[g * 3 : (g + 1) * 3]]
         assert torch.equal(shard, torch.cat(rows))
     back = hf_from_shards(unit, arch, shards)
     assert all(torch.equal(a, b) for a, b in zip(back, (q, k, v)))
@@ -78,7 +91,7 @@ def test_gate_up_and_vocab_shards(arch, tp):
     shards = [shard_from_hf(unit, arch, _reader({g: gate, u: up}), r, tp, ()) for r in range(tp)]
     n = 8 // tp
     for r, s in enumerate(shards):
-        assert torch.equal(s, torch.cat([gate[r * n:(r + 1) * n], up[r * n:(r + 1) * n]]))
+        assert torch.equal(s, torch.cat([gate[r * n : (r + 1) * n], up[r * n : (r + 1) * n]]))
     assert all(torch.equal(a, b) for a, b in zip(hf_from_shards(unit, arch, shards), (gate, up)))
 
     emb = torch.randn(250, 5)
@@ -172,13 +185,19 @@ def test_transformer_engine_parameter_names_resolve():
 
     arch = QwenArch.from_hf(tiny_hf_config("qwen3_moe"))
     # chunk-local layer 1 is global layer 3 (e.g. the second stage of PP2); EP rank 1 of 2 owns experts 2, 3
-    model = SimpleNamespace(decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=3), SimpleNamespace(layer_number=4)]))
+    model = SimpleNamespace(
+        decoder=SimpleNamespace(layers=[SimpleNamespace(layer_number=3), SimpleNamespace(layer_number=4)])
+    )
     cases = {
         "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight": ("model.layers.3.input_layernorm.weight",),
         "decoder.layers.1.mlp.linear_fc1.layer_norm_weight": ("model.layers.3.post_attention_layernorm.weight",),
         "decoder.layers.1.mlp.experts.linear_fc1.weight1": (
-            "model.layers.3.mlp.experts.3.gate_proj.weight", "model.layers.3.mlp.experts.3.up_proj.weight"),
-        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight": ("model.layers.2.mlp.experts.2.down_proj.weight",),
+            "model.layers.3.mlp.experts.3.gate_proj.weight",
+            "model.layers.3.mlp.experts.3.up_proj.weight",
+        ),
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight": (
+            "model.layers.2.mlp.experts.2.down_proj.weight",
+        ),
     }
     for name, hf in cases.items():
         assert resolve(name, model, arch, ep_rank=1, num_local_experts=2).hf_names == hf, name

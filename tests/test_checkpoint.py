@@ -109,12 +109,15 @@ def test_manifest_lists_every_file_and_names_the_corrupt_one(tmp_path):
         ck.find_resume_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"../elsewhere\n", "does not hold a checkpoint name"),
-    (b"/tmp/step_000001\n", "does not hold a checkpoint name"),
-    (b"\xff\xfe garbage", "does not hold a checkpoint name"),
-    (b"step_000009\n", "names step_000009, which is not a complete checkpoint"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"../elsewhere\n", "does not hold a checkpoint name"),
+        (b"/tmp/step_000001\n", "does not hold a checkpoint name"),
+        (b"\xff\xfe garbage", "does not hold a checkpoint name"),
+        (b"step_000009\n", "names step_000009, which is not a complete checkpoint"),
+    ],
+)
 def test_resume_refuses_a_bad_pointer_naming_the_newest_checkpoint(tmp_path, content, match):
     _save(tmp_path, 1)
     _save(tmp_path, 2)
@@ -142,13 +145,19 @@ def test_resume_without_pointer_refuses_but_an_empty_dir_starts_fresh(tmp_path):
         ck.latest_checkpoint(tmp_path)
 
 
-@pytest.mark.parametrize("content, match", [
-    ('{"step": 1, "vers', "trainer.json is not valid JSON"),
-    ('{"step": 1, "version": 2}', "trainer.json: key 'world_size' missing"),
-    ('{"step": "1", "version": 2, "world_size": 1}', "trainer.json: key 'step' missing or not a non-negative integer"),
-    ("[" * 100_000, "trainer.json is not valid JSON"),
-    (b"\xff\x00", "trainer.json is not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ('{"step": 1, "vers', "trainer.json is not valid JSON"),
+        ('{"step": 1, "version": 2}', "trainer.json: key 'world_size' missing"),
+        (
+            '{"step": "1", "version": 2, "world_size": 1}',
+            "trainer.json: key 'step' missing or not a non-negative integer",
+        ),
+        ("[" * 100_000, "trainer.json is not valid JSON"),
+        (b"\xff\x00", "trainer.json is not valid JSON"),
+    ],
+)
 def test_broken_trainer_state_is_a_named_error(tmp_path, content, match):
     path = tmp_path / "trainer.json"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -165,7 +174,8 @@ def test_rng_state_is_json_and_never_unpickled(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: expected RNG states"):
         ck.load_rng(tmp_path, rank=0)
     (tmp_path / "rng" / "rank_00000.json").write_text(
-        '{"python": [3, [1, 2], null], "numpy": ["MT19937", [1], 0, 0, 0.0], "torch": [1, 2]}')
+        '{"python": [3, [1, 2], null], "numpy": ["MT19937", [1], 0, 0, 0.0], "torch": [1, 2]}'
+    )
     with pytest.raises(ck.CheckpointError, match=r"rank_00000.json: not a valid RNG state"):
         ck.load_rng(tmp_path, rank=0)
 

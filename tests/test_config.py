@@ -151,8 +151,10 @@ def test_unknown_key_in_yaml_file(tmp_path):
         ("rollout.servers=http://a:1", "rollout.servers: expected list[str], got str"),
         ("rollout.sampling.stop_token_ids=[1, x]", "rollout.sampling.stop_token_ids[1]: expected int, got str 'x'"),
         ("parallel.vpp=two", "parallel.vpp: expected int | null, got str 'two'"),
-        ("rollout.engine=sglng", "rollout.engine: expected one of 'sglang' | 'embedded', got str 'sglng' "
-                                 "(did you mean 'sglang'?)"),
+        (
+            "rollout.engine=sglng",
+            "rollout.engine: expected one of 'sglang' | 'embedded', got str 'sglng' (did you mean 'sglang'?)",
+        ),
         ("algo.filter_groups=3", "algo.filter_groups: expected mapping, got int 3"),
         ("algo.staleness.x=1", "'algo.staleness' is a value, not a section"),
         ("algo.staleness", "is not of the form key.sub=value"),
@@ -195,14 +197,20 @@ def test_tp3_with_4_heads_names_parallel_tp():
         # 4 KV heads... the tiny model has 2: tp=4 divides the 4 query heads but not the 2 query groups.
         (["parallel.tp=4", "trainer.gpus_per_node=4"], "parallel.tp=4 does not divide num_key_value_heads=2"),
         (["parallel.pp=3", "trainer.gpus_per_node=6"], "parallel.pp=3 does not divide num_hidden_layers=4"),
-        (["parallel.pp=2", "parallel.vpp=4", "trainer.gpus_per_node=4"],
-         "parallel.pp * parallel.vpp=8 does not divide num_hidden_layers=4"),
+        (
+            ["parallel.pp=2", "parallel.vpp=4", "trainer.gpus_per_node=4"],
+            "parallel.pp * parallel.vpp=8 does not divide num_hidden_layers=4",
+        ),
         (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
-        (["trainer.gpus_per_node=3"], "parallel.tp * parallel.pp * parallel.cp = 2*1*1 = 2 does not divide "
-                                      "the trainer world size 3"),
+        (
+            ["trainer.gpus_per_node=3"],
+            "parallel.tp * parallel.pp * parallel.cp = 2*1*1 = 2 does not divide the trainer world size 3",
+        ),
         (["parallel.dp=2"], "parallel.tp * parallel.pp * parallel.cp * parallel.dp = 2*2 = 4 != trainer world size 2"),
-        (["trainer.world_size=4", "trainer.gpus_per_node=4", "parallel.dp=1"],
-         "!= trainer world size 4 (trainer.world_size)"),
+        (
+            ["trainer.world_size=4", "trainer.gpus_per_node=4", "parallel.dp=1"],
+            "!= trainer world size 4 (trainer.world_size)",
+        ),
         (["trainer.world_size=4"], "trainer.world_size=4 plus 0 SGLang GPUs"),
         (["parallel.ep=2"], "parallel.ep=2 but the model is dense"),
         (["algo.clip_ratio_low=1.2"], "algo.clip_ratio_low=1.2 must be in [0, 1)"),
@@ -219,17 +227,23 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["reward.num_workers=-1"], "reward.num_workers=-1 must be >= 0"),
         (["rollout.sampling.max_new_tokens=64"], "rollout.sampling.max_new_tokens=64 must be in [1, data.max_respon"),
         (["rollout.server_tp=2"], "rollout.server_tp=2: the embedded engine has no tensor parallelism"),
-        (["rollout.embedded_batching=continuous", "rollout.servers=[http://127.0.0.1:3000]"],
-         "rollout.embedded_batching=continuous applies only to embedded servers the driver launches"),
-        (["rollout.embedded_batching=continuous", "rollout.engine=sglang", "trainer.world_size=2"],
-         "rollout.embedded_batching=continuous applies only to embedded servers the driver launches"),
+        (
+            ["rollout.embedded_batching=continuous", "rollout.servers=[http://127.0.0.1:3000]"],
+            "rollout.embedded_batching=continuous applies only to embedded servers the driver launches",
+        ),
+        (
+            ["rollout.embedded_batching=continuous", "rollout.engine=sglang", "trainer.world_size=2"],
+            "rollout.embedded_batching=continuous applies only to embedded servers the driver launches",
+        ),
         (["rollout.embedded_batching=dynamic"], "rollout.embedded_batching"),
         (["rollout.servers=[localhost:3000]"], "rollout.servers[0]='localhost:3000' must be an http://"),
         (["optimizer.min_lr=1.0"], "optimizer.min_lr=1.0 must be in [0, optimizer.lr=0.0001]"),
         (["trainer.backend=fsdp2"], "trainer.backend=fsdp2 shards over data parallel only; set parallel.tp=2 to 1"),
         (["model.hf_path="], "model.hf_path is required"),
-        (["trainer.launcher=torchrun", "rollout.engine=sglang", "trainer.world_size=2"],
-         "trainer.launcher=torchrun starts no SGLang servers: list them in rollout.servers"),
+        (
+            ["trainer.launcher=torchrun", "rollout.engine=sglang", "trainer.world_size=2"],
+            "trainer.launcher=torchrun starts no SGLang servers: list them in rollout.servers",
+        ),
     ],
 )
 def test_cross_field_rules_name_the_keys(overrides, expected):
@@ -249,7 +263,10 @@ def test_staleness_buffer_groups_is_the_step_batch():
     [
         (["parallel.ep=3", "trainer.gpus_per_node=3"], "parallel.ep=3 does not divide num_experts=4"),
         (["parallel.ep=4"], "parallel.ep * parallel.etp = 4*1 must divide tp * cp * dp = 2"),
-        (["parallel.tp=2", "parallel.ep=1"], "parallel.sequence_parallel must be true for an MoE model with parallel.tp=2"),
+        (
+            ["parallel.tp=2", "parallel.ep=1"],
+            "parallel.sequence_parallel must be true for an MoE model with parallel.tp=2",
+        ),
     ],
 )
 def test_moe_rules(overrides, expected):
@@ -347,7 +364,10 @@ def test_cli_show_and_errors():
     env_python = sys.executable
     ok = subprocess.run(
         [env_python, "-m", "megatron_dapo.cli", "config", "show", str(TINY), "algo.clip_ratio_high=0.3"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert ok.returncode == 0, ok.stderr
     shown = yaml.safe_load(ok.stdout)
@@ -413,12 +433,15 @@ def test_non_finite_and_huge_values_in_a_file_name_the_file_and_key(tmp_path):
     assert f"{path}: trainer.seed: int {2**70} is out of range" in _one_line(err)
 
 
-@pytest.mark.parametrize("override, expected", [
-    (f"trainer.seed={2**70}", f"trainer.seed: int {2**70} is out of range (a 64-bit integer)"),
-    ("parallel.tp=1.0e+30", "parallel.tp: int 1000000000000000019884624838656 is out of range"),
-    (f"trainer.seed={2**40}", f"trainer.seed={2**40} must be in [0, 2**32)"),
-    ("data.seed=-1", "data.seed=-1 must be in [0, 2**32)"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        (f"trainer.seed={2**70}", f"trainer.seed: int {2**70} is out of range (a 64-bit integer)"),
+        ("parallel.tp=1.0e+30", "parallel.tp: int 1000000000000000019884624838656 is out of range"),
+        (f"trainer.seed={2**40}", f"trainer.seed={2**40} must be in [0, 2**32)"),
+        ("data.seed=-1", "data.seed=-1 must be in [0, 2**32)"),
+    ],
+)
 def test_out_of_range_ints_name_the_key(override, expected):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
@@ -457,9 +480,15 @@ def test_alias_bomb_and_recursive_alias_are_refused_anchors_allowed(tmp_path):
     with pytest.raises(ConfigError, match="nested deeper than 64 levels"):  # a recursive alias
         load_config(path)
     with pytest.raises(ConfigError, match="override 'reward.kwargs.x': more than 100000 values"):
-        load_config(TINY, ["reward.kwargs.x=" + "{a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a], "
-                           "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c], "
-                           "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]}"])
+        load_config(
+            TINY,
+            [
+                "reward.kwargs.x="
+                + "{a: &a [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a], "
+                "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b], d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c], "
+                "e: [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]}"
+            ],
+        )
     path.write_text(TINY.read_text() + "\nreward:\n  kwargs: {a: &x [1, 2], b: *x}\n")
     assert load_config(path).reward.kwargs == {"a": [1, 2], "b": [1, 2]}
 
@@ -467,17 +496,25 @@ def test_alias_bomb_and_recursive_alias_are_refused_anchors_allowed(tmp_path):
 def test_alias_bomb_does_not_hang_config_show(tmp_path):
     path = tmp_path / "bomb.yaml"
     path.write_text(TINY.read_text() + "\n" + _bomb())
-    r = subprocess.run([sys.executable, "-m", "megatron_dapo.cli", "config", "show", str(path)],
-                       capture_output=True, text=True, timeout=60, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, "-m", "megatron_dapo.cli", "config", "show", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
     assert r.returncode == 2 and r.stdout == "" and r.stderr.count("\n") == 1 and "alias" in r.stderr
 
 
-@pytest.mark.parametrize("content, expected", [
-    (b"reward:\n  kwargs: " + b"[" * 100 + b"]" * 100 + b"\n", "nested deeper than 64 levels"),
-    (b"reward:\n  kwargs: " + b"[" * 50_000 + b"]" * 50_000 + b"\n", "invalid YAML: nested deeper than the parser"),
-    (b"trainer:\n  seed: 1\n# caf\xe9\n", "c.yaml:3: not UTF-8 text (byte 24: invalid continuation byte)"),
-    (b"trainer: !!python/object/apply:os.system [echo hi]\n", "invalid YAML: could not determine a constructor"),
-])
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (b"reward:\n  kwargs: " + b"[" * 100 + b"]" * 100 + b"\n", "nested deeper than 64 levels"),
+        (b"reward:\n  kwargs: " + b"[" * 50_000 + b"]" * 50_000 + b"\n", "invalid YAML: nested deeper than the parser"),
+        (b"trainer:\n  seed: 1\n# caf\xe9\n", "c.yaml:3: not UTF-8 text (byte 24: invalid continuation byte)"),
+        (b"trainer: !!python/object/apply:os.system [echo hi]\n", "invalid YAML: could not determine a constructor"),
+    ],
+)
 def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path, content, expected):
     path = tmp_path / "c.yaml"
     path.write_bytes(content)
@@ -496,10 +533,14 @@ def test_hostile_files_are_one_line_errors_naming_the_file(tmp_path, content, ex
         (["rollout.migration.threshold=0.5"], "rollout.migration.threshold=0.5 must be >= 1"),
         (["rollout.migration.stop_threshold=-1"], "rollout.migration.stop_threshold=-1.0 must be >= 0"),
         (["rollout.migration.min_starved_ms=-1"], "rollout.migration.min_starved_ms=-1.0 must be >= 0"),
-        (["rollout.migration.enabled=true", "rollout.partial_rollout=false"],
-         "rollout.migration.enabled needs rollout.partial_rollout"),
-        (["rollout.migration.enabled=true", "rollout.num_servers=1"],
-         "rollout.migration.enabled needs at least 2 rollout servers, got 1"),
+        (
+            ["rollout.migration.enabled=true", "rollout.partial_rollout=false"],
+            "rollout.migration.enabled needs rollout.partial_rollout",
+        ),
+        (
+            ["rollout.migration.enabled=true", "rollout.num_servers=1"],
+            "rollout.migration.enabled needs at least 2 rollout servers, got 1",
+        ),
         (["rollout.migration.indicator=tokens"], "rollout.migration.indicator"),
     ],
 )
@@ -510,9 +551,17 @@ def test_rollout_coordination_switches_are_checked(overrides, expected):
 
 
 def test_rollout_coordination_switches_load():
-    cfg = load_config(TINY, ["rollout.migration.enabled=true", "rollout.migration.indicator=throughput",
-                             "rollout.retry.enabled=true", "rollout.retry.threshold=2",
-                             "rollout.redundancy.extra_samples=2", "rollout.redundancy.extra_prompts=1"])
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.migration.enabled=true",
+            "rollout.migration.indicator=throughput",
+            "rollout.retry.enabled=true",
+            "rollout.retry.threshold=2",
+            "rollout.redundancy.extra_samples=2",
+            "rollout.redundancy.extra_prompts=1",
+        ],
+    )
     r = cfg.rollout
     assert (r.migration.enabled, r.migration.indicator, r.retry.threshold) == (True, "throughput", 2)
     assert (r.redundancy.extra_samples, r.redundancy.extra_prompts) == (2, 1)

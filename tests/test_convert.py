@@ -23,7 +23,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
@@ -42,7 +44,9 @@ def moe_hf(tmp_path_factory) -> Path:
 def moe_ckpt(tmp_path_factory, moe_hf) -> Path:
     """The MoE model converted at TP2 by the CLI (2 ranks)."""
     ckpt = tmp_path_factory.mktemp("ckpt") / "tp2"
-    r = _cli("-m", "megatron_dapo.cli", "convert", "hf-to-megatron", "--hf", str(moe_hf), "--out", str(ckpt), "--tp", "2")
+    r = _cli(
+        "-m", "megatron_dapo.cli", "convert", "hf-to-megatron", "--hf", str(moe_hf), "--out", str(ckpt), "--tp", "2"
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     assert _no_partial(ckpt.parent) == []
     return ckpt
@@ -62,8 +66,15 @@ def test_convert_tp2_load_elsewhere_and_back_to_hf(tmp_path, moe_hf, moe_ckpt):
     assert len(errs) == 3 and max(errs) < 1e-5, out[-3000:]
 
     # back to HF through the tools/ wrapper, read at one rank, in small shards (exercises the index)
-    r = _cli("tools/checkpoint_convert/megatron_to_hf.py", "--ckpt", str(ckpt), "--out", str(back),
-             "--max-shard-size-gb", str(200_000 / 1024**3))
+    r = _cli(
+        "tools/checkpoint_convert/megatron_to_hf.py",
+        "--ckpt",
+        str(ckpt),
+        "--out",
+        str(back),
+        "--max-shard-size-gb",
+        str(200_000 / 1024**3),
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     index = json.loads((back / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
@@ -93,8 +104,18 @@ def test_failed_conversion_leaves_no_output(tmp_path, moe_ckpt):
     shutil.copytree(moe_ckpt, ckpt, ignore=shutil.ignore_patterns("hf_config", "manifest.json"))
     dense = save_tiny_hf_model("qwen3", tmp_path / "dense")
     out = tmp_path / "never"
-    r = _cli("-m", "megatron_dapo.cli", "convert", "megatron-to-hf", "--ckpt", str(ckpt), "--hf-config", str(dense),
-             "--out", str(out))
+    r = _cli(
+        "-m",
+        "megatron_dapo.cli",
+        "convert",
+        "megatron-to-hf",
+        "--ckpt",
+        str(ckpt),
+        "--hf-config",
+        str(dense),
+        "--out",
+        str(out),
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     assert "megatron-dapo convert: error:" in r.stderr and "it is a checkpoint of another model" in r.stderr
     assert "has no manifest.json: its files cannot be checked for corruption" in r.stderr
@@ -104,7 +125,9 @@ def test_failed_conversion_leaves_no_output(tmp_path, moe_ckpt):
 @pytest.mark.slow
 def test_mismatched_hf_config_is_refused_before_any_rank(tmp_path, capsys, moe_ckpt):
     dense = save_tiny_hf_model("qwen3", tmp_path / "dense")
-    err = _convert_error(capsys, "megatron-to-hf", "--ckpt", str(moe_ckpt), "--hf-config", str(dense), "--out", str(tmp_path / "o"))
+    err = _convert_error(
+        capsys, "megatron-to-hf", "--ckpt", str(moe_ckpt), "--hf-config", str(dense), "--out", str(tmp_path / "o")
+    )
     assert "describes another model" in err and "family: 'qwen3_moe' vs 'qwen3'" in err
     assert not (tmp_path / "o").exists()
 
@@ -139,12 +162,28 @@ def _rewrite(hf: Path, edit) -> None:
 def test_missing_extra_and_misshaped_tensors(tmp_path, capsys, dense_hf):
     out = str(tmp_path / "o")
     _rewrite(dense_hf, lambda sd: sd.pop("model.layers.2.mlp.up_proj.weight"))
-    assert "missing tensor 'model.layers.2.mlp.up_proj.weight'" in _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out)
-    _rewrite(dense_hf, lambda sd: sd.update({"model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64),
-                                             "model.layers.9.mlp.up_proj.weight": torch.zeros(1)}))
-    assert "unexpected tensor 'model.layers.9.mlp.up_proj.weight'" in _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out)
-    _rewrite(dense_hf, lambda sd: (sd.pop("model.layers.9.mlp.up_proj.weight"),
-                                   sd.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(48, 64)})))
+    assert "missing tensor 'model.layers.2.mlp.up_proj.weight'" in _convert_error(
+        capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out
+    )
+    _rewrite(
+        dense_hf,
+        lambda sd: sd.update(
+            {
+                "model.layers.2.mlp.up_proj.weight": torch.zeros(128, 64),
+                "model.layers.9.mlp.up_proj.weight": torch.zeros(1),
+            }
+        ),
+    )
+    assert "unexpected tensor 'model.layers.9.mlp.up_proj.weight'" in _convert_error(
+        capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out
+    )
+    _rewrite(
+        dense_hf,
+        lambda sd: (
+            sd.pop("model.layers.9.mlp.up_proj.weight"),
+            sd.update({"model.layers.1.self_attn.k_proj.weight": torch.zeros(48, 64)}),
+        ),
+    )
     err = _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out)
     assert "tensor 'model.layers.1.self_attn.k_proj.weight': expected shape (32, 64), got (48, 64)" in err
     assert not Path(out).exists() and _no_partial(tmp_path) == []
@@ -152,9 +191,15 @@ def test_missing_extra_and_misshaped_tensors(tmp_path, capsys, dense_hf):
 
 def test_parallel_sizes_that_do_not_divide(tmp_path, capsys, dense_hf):
     out = str(tmp_path / "o")
-    assert "tp=3 does not divide num_attention_heads=4" in _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out, "--tp", "3")
-    assert "pp*vpp=3 does not divide num_hidden_layers=4" in _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out, "--pp", "3")
-    assert "ep=2 needs a MoE model" in _convert_error(capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out, "--ep", "2")
+    assert "tp=3 does not divide num_attention_heads=4" in _convert_error(
+        capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out, "--tp", "3"
+    )
+    assert "pp*vpp=3 does not divide num_hidden_layers=4" in _convert_error(
+        capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out, "--pp", "3"
+    )
+    assert "ep=2 needs a MoE model" in _convert_error(
+        capsys, "hf-to-megatron", "--hf", str(dense_hf), "--out", out, "--ep", "2"
+    )
 
 
 def test_existing_output_is_not_overwritten(tmp_path, capsys, dense_hf):
@@ -199,7 +244,9 @@ def test_unwritable_output_paths_are_named(tmp_path, capsys, dense_hf):
 @pytest.mark.parametrize("size", ["-1", "0", "nan", "inf", "abc"])
 def test_bad_shard_size_is_refused(tmp_path, capsys, size):
     with pytest.raises(SystemExit) as e:
-        convert_main(["megatron-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-size-gb", size])
+        convert_main(
+            ["megatron-to-hf", "--ckpt", str(tmp_path), "--out", str(tmp_path / "o"), "--max-shard-size-gb", size]
+        )
     assert e.value.code == 2
     assert f"--max-shard-size-gb: expected a positive size in GB, got '{size}'" in capsys.readouterr().err
 

@@ -60,8 +60,13 @@ def test_registry_calls_from_many_threads_reach_the_coordinator_process():
 
 def test_coordinator_exits_when_its_trainer_is_killed():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    parent = subprocess.Popen([sys.executable, str(ROOT / "tests" / "workers" / "coordinator_parent.py"), *URLS],
-                              stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    parent = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "workers" / "coordinator_parent.py"), *URLS],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
     child = None
     try:
         line = parent.stdout.readline()

@@ -73,15 +73,22 @@ def test_the_host_answers_declared_calls_only():
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=1, object_store_memory=100 << 20,
-             log_to_driver=False, configure_logging=False,
-             runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}})
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=1,
+        object_store_memory=100 << 20,
+        log_to_driver=False,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}},
+    )
     yield
     ray.shutdown()
 
 
-@pytest.fixture(params=["fake", pytest.param("manager", marks=pytest.mark.slow),
-                        pytest.param("ray", marks=pytest.mark.slow)])
+@pytest.fixture(
+    params=["fake", pytest.param("manager", marks=pytest.mark.slow), pytest.param("ray", marks=pytest.mark.slow)]
+)
 def coord(request):
     if request.param == "fake":  # the host in this process, called directly
         host, stopped = CoordinatorHost(echo_objects, None, []), []
@@ -105,17 +112,27 @@ def test_every_declared_call_reaches_its_object(coord):
 
 
 def test_an_undeclared_name_is_an_attribute_error_naming_it(coord):
-    for proxy, name in ((coord, "registry_metrics"), (coord, "begin_sync"), (coord.registry, "setup"),
-                        (coord, "_service")):
+    for proxy, name in (
+        (coord, "registry_metrics"),
+        (coord, "begin_sync"),
+        (coord.registry, "setup"),
+        (coord, "_service"),
+    ):
         with pytest.raises(AttributeError, match=name) as e:
             getattr(proxy, name)
         assert e.value.name == name
     assert not hasattr(coord.registry, "producer")
 
 
-@pytest.mark.parametrize("error", [CheckpointError("/ckpt/step_000001/rollout.json does not fit this run"),
-                                   DatasetError("sampler state is for a dataset of 9 prompts"),
-                                   ValueError("no such server"), RuntimeError("http://a is already syncing")])
+@pytest.mark.parametrize(
+    "error",
+    [
+        CheckpointError("/ckpt/step_000001/rollout.json does not fit this run"),
+        DatasetError("sampler state is for a dataset of 9 prompts"),
+        ValueError("no such server"),
+        RuntimeError("http://a is already syncing"),
+    ],
+)
 def test_a_remote_exception_arrives_with_its_type_and_message(coord, error):
     with pytest.raises(type(error)) as e:
         coord.restore(error, {}, 1)  # the echo raises the exception it is given, in the coordinator
@@ -135,8 +152,9 @@ def test_exceptions_that_cannot_cross_arrive_as_runtime_errors(coord):
 def test_close_stops_once():
     host, ended = CoordinatorHost(echo_objects, None, []), []
     calls = []
-    client = CoordinatorClient(lambda *request: calls.append(request) or host.call(*request),
-                               lambda: ended.append(True), "here")
+    client = CoordinatorClient(
+        lambda *request: calls.append(request) or host.call(*request), lambda: ended.append(True), "here"
+    )
     client.close()
     client.close()
     assert [c[:2] for c in calls] == [("coordinator", "stop")] and ended == [True]

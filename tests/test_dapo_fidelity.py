@@ -78,11 +78,14 @@ def test_every_config_field_is_read_somewhere():
         if path in REFUSED_UNLESS_DEFAULT or single_choice:
             continue
         leaf = path.rpartition(".")[2]
-        if not any(leaf in reads and (section in mentions or section_cls in mentions)
-                   for reads, mentions in modules.values()):
+        if not any(
+            leaf in reads and (section in mentions or section_cls in mentions) for reads, mentions in modules.values()
+        ):
             unread.append(path)
-    assert not unread, (f"config fields nothing in megatron_dapo/ reads (accepted and ignored): {unread}; "
-                        f"use them, refuse non-default values in validate.py, or remove them")
+    assert not unread, (
+        f"config fields nothing in megatron_dapo/ reads (accepted and ignored): {unread}; "
+        f"use them, refuse non-default values in validate.py, or remove them"
+    )
 
 
 @pytest.mark.parametrize("path,value", sorted(REFUSED_UNLESS_DEFAULT.items()))
@@ -112,8 +115,10 @@ def test_clip_ratio_shorthand_sets_both_and_conflicts_fail():
     again = config_from_dict(__import__("yaml").safe_load(dump_yaml(load_config(TINY, ["algo.clip_ratio=0.25"]))))
     validate_config(again)
     assert (again.algo.clip_ratio_low, again.algo.clip_ratio_high) == (0.25, 0.25)
-    for overrides in (["algo.clip_ratio=0.25", "algo.clip_ratio_high=0.28"],
-                      ["algo.clip_ratio_low=0.1", "algo.clip_ratio=0.25"]):
+    for overrides in (
+        ["algo.clip_ratio=0.25", "algo.clip_ratio_high=0.28"],
+        ["algo.clip_ratio_low=0.1", "algo.clip_ratio=0.25"],
+    ):
         with pytest.raises(ConfigError, match=r"algo.clip_ratio=0.25 conflicts with algo.clip_ratio_low"):
             load_config(TINY, overrides)
     with pytest.raises(ConfigError, match=r"algo.clip_ratio_low=1.5 must be in \[0, 1\)"):
@@ -121,8 +126,9 @@ def test_clip_ratio_shorthand_sets_both_and_conflicts_fail():
 
 
 def test_loss_scale_factor_only_with_sum_norm_and_positive():
-    with pytest.raises(ConfigError, match="algo.loss_scale_factor=64.0 only applies to algo.loss_agg_mode="
-                                          "seq-mean-token-sum-norm"):
+    with pytest.raises(
+        ConfigError, match="algo.loss_scale_factor=64.0 only applies to algo.loss_agg_mode=seq-mean-token-sum-norm"
+    ):
         load_config(TINY, ["algo.loss_scale_factor=64"])
     with pytest.raises(ConfigError, match="algo.loss_scale_factor=0.0 must be > 0"):
         load_config(TINY, ["algo.loss_agg_mode=seq-mean-token-sum-norm", "algo.loss_scale_factor=0"])
@@ -158,19 +164,40 @@ def test_sum_norm_loss_does_not_depend_on_padding_width(factor):
     for width in (40, 64):
         x = _padded(lp, width, 0.0).requires_grad_()
         mask = _padded([torch.ones(n) for n in lengths], width, 0.0)
-        loss, _ = dapo_policy_loss(x, _padded(old, width, 0.0), adv, mask, backend="torch", **{
-            k: v for k, v in options.items() if k != "rollout_is_cap"})
+        loss, _ = dapo_policy_loss(
+            x,
+            _padded(old, width, 0.0),
+            adv,
+            mask,
+            backend="torch",
+            **{k: v for k, v in options.items() if k != "rollout_is_cap"},
+        )
         loss.backward()
         results.append((loss.detach(), x.grad[:, :40]))
-        expected = ref_policy_loss(x.detach(), _padded(old, width, 0.0), adv, mask, c=options["clip_ratio_c"],
-                                   mode="seq-mean-token-sum-norm", norm=options["token_sum_norm"])
+        expected = ref_policy_loss(
+            x.detach(),
+            _padded(old, width, 0.0),
+            adv,
+            mask,
+            c=options["clip_ratio_c"],
+            mode="seq-mean-token-sum-norm",
+            norm=options["token_sum_norm"],
+        )
         torch.testing.assert_close(loss.double(), torch.tensor(expected, dtype=torch.float64), atol=1e-7, rtol=1e-6)
     torch.testing.assert_close(results[0][0], results[1][0], atol=0.0, rtol=1e-6)
     torch.testing.assert_close(results[0][1], results[1][1], atol=0.0, rtol=1e-6)
     # what the actor did before: the padded width as divisor, 40 vs 64 -> 1.6x apart
-    unnormed = [dapo_policy_loss(_padded(lp, w, 0.0), _padded(old, w, 0.0), adv,
-                                 _padded([torch.ones(n) for n in lengths], w, 0.0),
-                                 loss_agg_mode="seq-mean-token-sum-norm", backend="torch")[0] for w in (40, 64)]
+    unnormed = [
+        dapo_policy_loss(
+            _padded(lp, w, 0.0),
+            _padded(old, w, 0.0),
+            adv,
+            _padded([torch.ones(n) for n in lengths], w, 0.0),
+            loss_agg_mode="seq-mean-token-sum-norm",
+            backend="torch",
+        )[0]
+        for w in (40, 64)
+    ]
     assert abs(float(unnormed[0] / unnormed[1]) - 1.6) < 1e-5
 
 
@@ -232,8 +259,17 @@ def test_step_metrics_overlong_advantages_prompt_lengths():
     max_len, buf = 10, 4  # penalty 0 up to 6 tokens, then -1/4 per token, -1 at 10
     groups = []
     for prompt_len, lengths, accs in ((3, [4, 8, 10], [1, 0, 0]), (5, [7, 2], [0, 1])):
-        samples = [Sample(rid=f"r{n}", prompt_ids=list(range(prompt_len)), output_ids=[7] * n, logprobs=[-0.5] * n,
-                          finish_reason="length" if n == max_len else "stop", weight_version="0") for n in lengths]
+        samples = [
+            Sample(
+                rid=f"r{n}",
+                prompt_ids=list(range(prompt_len)),
+                output_ids=[7] * n,
+                logprobs=[-0.5] * n,
+                finish_reason="length" if n == max_len else "stop",
+                weight_version="0",
+            )
+            for n in lengths
+        ]
         rewards = [RewardResult(score=1.0 if a else -1.0, acc=bool(a)) for a in accs]
         groups.append(judge_group(len(groups), samples, rewards, max_len, OverlongBufferConfig(True, buf, 1.0)))
     m = response_metrics(groups)
@@ -269,12 +305,22 @@ def test_router_caps_in_flight_requests_per_server():
             state["peak"] = max(state["peak"], state["now"])
             await asyncio.sleep(0.05)
             state["now"] -= 1
-            return web.json_response({"text": "", "output_ids": [5], "meta_info": {
-                "id": body.get("rid") or "r", "finish_reason": {"type": "length", "length": 1},
-                "weight_version": "0", "output_token_logprobs": [[-0.5, 5, None]]}})
+            return web.json_response(
+                {
+                    "text": "",
+                    "output_ids": [5],
+                    "meta_info": {
+                        "id": body.get("rid") or "r",
+                        "finish_reason": {"type": "length", "length": 1},
+                        "weight_version": "0",
+                        "output_token_logprobs": [[-0.5, 5, None]],
+                    },
+                }
+            )
 
         app = web.Application()
         app.router.add_post("/generate", generate)
+
         async def health(request):
             return web.Response(text="ok")
 

@@ -17,14 +17,21 @@ def tokenizer(tmp_path_factory):
 
 
 def _row(q="1+1=?", gt="2", **kw):
-    return {"data_source": "math_dapo", "prompt": [{"role": "user", "content": q}], "reward_model": {"ground_truth": gt}, **kw}
+    return {
+        "data_source": "math_dapo",
+        "prompt": [{"role": "user", "content": q}],
+        "reward_model": {"ground_truth": gt},
+        **kw,
+    }
 
 
 def test_char_tokenizer_round_trip_and_chat_template(tokenizer):
     text = "Answer: -12\nok"
     assert tokenizer.decode(tokenizer.encode(text)) == text
     assert len(tokenizer.encode(text)) == len(text)  # one token per character
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": "2+2=?"}], add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2=?"}], add_generation_prompt=True, tokenize=False
+    )
     assert ids == "<|im_start|>user\n2+2=?<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<|im_end|>"
     from megatron_dapo.models.tiny import tiny_hf_config
@@ -64,7 +71,9 @@ def test_bad_rows_name_file_row_and_field(tmp_path, tokenizer):
 
 
 def test_undecodable_files_are_named_errors(tmp_path):
-    (tmp_path / "latin1.jsonl").write_bytes(json.dumps(_row()).encode() + b"\n" + '{"x": "café"}'.encode("latin-1") + b"\n")
+    (tmp_path / "latin1.jsonl").write_bytes(
+        json.dumps(_row()).encode() + b"\n" + '{"x": "café"}'.encode("latin-1") + b"\n"
+    )
     with pytest.raises(DatasetError, match=r"latin1\.jsonl: row 1 \(line 2\) is not UTF-8 text \(byte 10 of the line"):
         read_rows(tmp_path / "latin1.jsonl")
     (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "]" * 100_000 + "\n")

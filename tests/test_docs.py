@@ -22,8 +22,11 @@ def _all_keys(cls, prefix=""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        subs = [tp for tp in (hints[f.name], *typing.get_args(hints[f.name]))
-                if isinstance(tp, type) and dataclasses.is_dataclass(tp)]
+        subs = [
+            tp
+            for tp in (hints[f.name], *typing.get_args(hints[f.name]))
+            if isinstance(tp, type) and dataclasses.is_dataclass(tp)
+        ]
         yield key, bool(subs)
         for sub in subs:
             yield from _all_keys(sub, key + ".")
@@ -33,7 +36,8 @@ def test_configuration_reference_is_current():
     gen = _generator()
     checked_in = gen.OUTPUT.read_text() if gen.OUTPUT.exists() else ""
     assert checked_in == gen.render(), (
-        "docs/configuration-reference.md is out of date: run `python tools/config_reference.py`")
+        "docs/configuration-reference.md is out of date: run `python tools/config_reference.py`"
+    )
 
 
 def test_configuration_reference_lists_every_field():

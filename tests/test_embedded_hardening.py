@@ -16,8 +16,18 @@ import torch
 
 from megatron_dapo.rollout.embedded.tensor_payload import ALLOWED_GLOBALS
 
-DATA_MODULES = {"builtins", "collections", "copyreg", "torch", "torch._utils", "torch._tensor", "torch.storage",
-                "torch.serialization", "torch.nn.parameter", "torch.multiprocessing.reductions"}
+DATA_MODULES = {
+    "builtins",
+    "collections",
+    "copyreg",
+    "torch",
+    "torch._utils",
+    "torch._tensor",
+    "torch.storage",
+    "torch.serialization",
+    "torch.nn.parameter",
+    "torch.multiprocessing.reductions",
+}
 
 
 HUGE = 1 << 28  # a size a payload may ask for; anything that fills it shows in the traced peak
@@ -25,8 +35,12 @@ HUGE = 1 << 28  # a size a payload may ask for; anything that fills it shows in 
 
 def _resources() -> dict:
     me = psutil.Process()
-    return {"fds": me.num_fds(), "threads": me.num_threads(), "children": len(me.children(recursive=True)),
-            "shm": len(os.listdir("/dev/shm"))}
+    return {
+        "fds": me.num_fds(),
+        "threads": me.num_threads(),
+        "children": len(me.children(recursive=True)),
+        "shm": len(os.listdir("/dev/shm")),
+    }
 
 
 def _call_with_hostile_args(obj) -> None:
@@ -133,9 +147,19 @@ def server(model_dir, tmp_path_factory):
     """One server with small limits; `server.baseline` is its greedy output for PROBE before any hostile input."""
     from megatron_dapo.rollout.launcher import embedded_server
 
-    srv = embedded_server(str(model_dir), tmp_path_factory.mktemp("logs") / "server.log", api_key=KEY,
-                          extra_args=["--max-request-bytes", str(LIMIT_BYTES), "--max-n", str(MAX_N),
-                                      "--weight-group-timeout-s", str(GROUP_TIMEOUT_S)])
+    srv = embedded_server(
+        str(model_dir),
+        tmp_path_factory.mktemp("logs") / "server.log",
+        api_key=KEY,
+        extra_args=[
+            "--max-request-bytes",
+            str(LIMIT_BYTES),
+            "--max-n",
+            str(MAX_N),
+            "--weight-group-timeout-s",
+            str(GROUP_TIMEOUT_S),
+        ],
+    )
     srv.start(timeout_s=120)
     try:
         srv.baseline = _post(srv, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()["output_ids"]
@@ -149,15 +173,26 @@ def server(model_dir, tmp_path_factory):
 def _http(srv, **kw):
     import httpx
 
-    return httpx.AsyncClient(base_url=srv.url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False,
-                             timeout=kw.pop("timeout", 60), **kw)
+    return httpx.AsyncClient(
+        base_url=srv.url,
+        headers={"Authorization": f"Bearer {KEY}"},
+        trust_env=False,
+        timeout=kw.pop("timeout", 60),
+        **kw,
+    )
 
 
 def _post(srv, path, body=None, **kw):
     import httpx
 
-    return httpx.post(srv.url + path, json=body if body is not None else {}, trust_env=False, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}", **kw.pop("headers", {})}, **kw)
+    return httpx.post(
+        srv.url + path,
+        json=body if body is not None else {},
+        trust_env=False,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}", **kw.pop("headers", {})},
+        **kw,
+    )
 
 
 def _message(resp) -> str:
@@ -175,8 +210,9 @@ def test_descriptor_pickles_are_refused_and_the_server_fd_count_stays_flat(serve
     proc = psutil.Process(server.proc.pid)
     before = proc.num_fds()
     for _ in range(5):
-        resp = _post(server, "/update_weights_from_tensor",
-                     {"serialized_named_tensors": [base64.b64encode(raw).decode()]})
+        resp = _post(
+            server, "/update_weights_from_tensor", {"serialized_named_tensors": [base64.b64encode(raw).decode()]}
+        )
         assert resp.status_code == 400 and "multiprocessing.resource_sharer.DupFd is not allowed" in _message(resp)
     deadline = time.monotonic() + 10
     while proc.num_fds() > before and time.monotonic() < deadline:  # our closed connections go away
@@ -190,17 +226,28 @@ def test_oversized_bodies_and_too_many_sequences_are_refused(server):
     resp = _post(server, "/generate", big)
     assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)
     import httpx
+
     assert httpx.post(server.url + "/generate", json=big, trust_env=False, timeout=60).status_code == 401  # no key
 
     def chunks():  # no Content-Length: the limit counts what arrives
         for _ in range(LIMIT_BYTES // 65536 + 2):
             yield b" " * 65536
 
-    resp = httpx.post(server.url + "/generate", content=chunks(), trust_env=False, timeout=60,
-                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    resp = httpx.post(
+        server.url + "/generate",
+        content=chunks(),
+        trust_env=False,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert resp.status_code == 400 and "--max-request-bytes" in _message(resp)
-    nested = httpx.post(server.url + "/generate", content=b"[" * (LIMIT_BYTES // 2), trust_env=False, timeout=60,
-                        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    nested = httpx.post(
+        server.url + "/generate",
+        content=b"[" * (LIMIT_BYTES // 2),
+        trust_env=False,
+        timeout=60,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     assert nested.status_code == 400  # deeper than the JSON parser goes: a parse error, not a crash
     resp = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": {**GREEDY, "n": MAX_N + 1}})
     assert resp.status_code == 400 and "sampling_params.n" in _message(resp) and "--max-n" in _message(resp)
@@ -210,11 +257,20 @@ def test_oversized_bodies_and_too_many_sequences_are_refused(server):
     assert ok.status_code == 200 and [a["output_ids"] for a in ok.json()] == [server.baseline] * MAX_N
 
 
-HOSTILE_SAMPLING = [({"top_k": 2**63}, "top_k"), ({"top_k": 2**31}, "top_k"), ({"top_k": 0}, "top_k"),
-                    ({"temperature": -1.0}, "temperature"), ({"temperature": float("inf")}, "temperature"),
-                    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"max_new_tokens": 2**40}, "max_new_tokens"),
-                    ({"max_new_tokens": -1}, "max_new_tokens"), ({"sampling_seed": 2**64}, "sampling_seed"),
-                    ({"stop_token_ids": [2**63]}, "stop_token_ids"), ({"n": 0}, "n")]
+HOSTILE_SAMPLING = [
+    ({"top_k": 2**63}, "top_k"),
+    ({"top_k": 2**31}, "top_k"),
+    ({"top_k": 0}, "top_k"),
+    ({"temperature": -1.0}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"max_new_tokens": 2**40}, "max_new_tokens"),
+    ({"max_new_tokens": -1}, "max_new_tokens"),
+    ({"sampling_seed": 2**64}, "sampling_seed"),
+    ({"stop_token_ids": [2**63]}, "stop_token_ids"),
+    ({"n": 0}, "n"),
+]
 
 
 @pytest.mark.slow
@@ -224,14 +280,19 @@ def test_hostile_sampling_values_fail_only_their_own_request(server, hf_model):
 
     async def go():
         async with _http(server) as c:
+
             def send(sp):  # json.dumps writes inf as `Infinity`, which the server's JSON parser reads
-                return c.post("/generate", content=json.dumps({"input_ids": PROBE, "sampling_params": sp}),
-                              headers={"Content-Type": "application/json"})
+                return c.post(
+                    "/generate",
+                    content=json.dumps({"input_ids": PROBE, "sampling_params": sp}),
+                    headers={"Content-Type": "application/json"},
+                )
+
             honest = [send(GREEDY) for _ in range(3)]
             return await asyncio.gather(*honest, *(send({**GREEDY, **bad}) for bad, _ in HOSTILE_SAMPLING))
 
     answers = asyncio.run(go())
-    hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
+    hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE) :].tolist()
     for resp in answers[:3]:
         assert resp.status_code == 200 and resp.json()["output_ids"] == hf == server.baseline
     for resp, (bad, field) in zip(answers[3:], HOSTILE_SAMPLING):
@@ -266,15 +327,32 @@ def test_admin_routes_answer_while_group_formations_hang(server):
 
     async def go():
         async with _http(server) as c:
-            forming = [asyncio.ensure_future(c.post("/init_weights_update_group", json={
-                "master_address": LOOPBACK, "master_port": nobody, "rank_offset": 1, "world_size": 2,
-                "group_name": f"unreachable_{i}", "backend": "gloo"})) for i in range(8)]
+            forming = [
+                asyncio.ensure_future(
+                    c.post(
+                        "/init_weights_update_group",
+                        json={
+                            "master_address": LOOPBACK,
+                            "master_port": nobody,
+                            "rank_offset": 1,
+                            "world_size": 2,
+                            "group_name": f"unreachable_{i}",
+                            "backend": "gloo",
+                        },
+                    )
+                )
+                for i in range(8)
+            ]
             await asyncio.sleep(0.3)
-            admin = [await c.get("/health"), await c.post("/abort_request", json={"abort_all": True}),
-                     await c.post("/pause_generation", json={"mode": "abort"}),
-                     await c.post("/update_weight_version", json={"new_version": "during"}),
-                     await c.post("/continue_generation", json={}), await c.get("/get_model_info"),
-                     await c.post("/update_weight_version", json={"new_version": "default"})]
+            admin = [
+                await c.get("/health"),
+                await c.post("/abort_request", json={"abort_all": True}),
+                await c.post("/pause_generation", json={"mode": "abort"}),
+                await c.post("/update_weight_version", json={"new_version": "during"}),
+                await c.post("/continue_generation", json={}),
+                await c.get("/get_model_info"),
+                await c.post("/update_weight_version", json={"new_version": "default"}),
+            ]
             pending = sum(not f.done() for f in forming)
             return admin, pending, await asyncio.gather(*forming)
 
@@ -309,9 +387,19 @@ def _form_group(server, name):
     from megatron_dapo.runtime.net import LOOPBACK, free_port
 
     port = free_port()
-    t, out = _in_thread(_post, server, "/init_weights_update_group", {
-        "master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": name,
-        "backend": "gloo"})
+    t, out = _in_thread(
+        _post,
+        server,
+        "/init_weights_update_group",
+        {
+            "master_address": LOOPBACK,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": name,
+            "backend": "gloo",
+        },
+    )
     pg = wgroup.init_weight_update_group(LOOPBACK, port, 0, 2, name, "gloo", timeout_s=30)
     t.join(60)
     assert out["resp"].status_code == 200, out["resp"].text
@@ -324,8 +412,12 @@ def _announce_and_send(server, pg, group, names, dtypes, shapes, tensors, versio
 
     from megatron_dapo.rollout import weight_group as wgroup
 
-    t, out = _in_thread(_post, server, "/update_weights_from_distributed", {
-        "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group, "weight_version": version})
+    t, out = _in_thread(
+        _post,
+        server,
+        "/update_weights_from_distributed",
+        {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group, "weight_version": version},
+    )
     sent = []
     for x in tensors:
         try:
@@ -347,16 +439,22 @@ def test_an_unreceivable_distributed_update_destroys_its_group_and_the_next_load
     weight = hf_model.state_dict()[name].detach().clone()
     shape = list(weight.shape)
     stale = torch.full_like(weight, 1000.0)  # what a refused update's sender puts on the wire
-    hostile = [(["float99"], [shape], "float99"), (["float32"], [[-1] + shape], "negative size"),
-               (["float32"], [[2**40]], "more than this server receives")]
+    hostile = [
+        (["float99"], [shape], "float99"),
+        (["float32"], [[-1] + shape], "negative size"),
+        (["float32"], [[2**40]], "more than this server receives"),
+    ]
     for dtypes, shapes, why in hostile:
         pg = _form_group(server, group)
         try:
             resp, _ = _announce_and_send(server, pg, group, [name], dtypes, shapes, [stale])
             assert resp.status_code == 400 and why in _message(resp), resp.text
             assert f"group {group!r} was destroyed" in _message(resp)
-            again = _post(server, "/update_weights_from_distributed", {
-                "names": [name], "dtypes": ["float32"], "shapes": [shape], "group_name": group})
+            again = _post(
+                server,
+                "/update_weights_from_distributed",
+                {"names": [name], "dtypes": ["float32"], "shapes": [shape], "group_name": group},
+            )
             assert again.status_code == 400 and "no group" in _message(again)
         finally:
             wgroup.destroy_weight_update_group(pg)
@@ -366,11 +464,19 @@ def test_an_unreceivable_distributed_update_destroys_its_group_and_the_next_load
     doubled.model.norm.weight.data.mul_(2.0)
     pg = _form_group(server, group)
     try:
-        resp, sent = _announce_and_send(server, pg, group, [name], ["float32"], [shape],
-                                        [doubled.model.norm.weight.detach().clone()], version="doubled")
+        resp, sent = _announce_and_send(
+            server,
+            pg,
+            group,
+            [name],
+            ["float32"],
+            [shape],
+            [doubled.model.norm.weight.detach().clone()],
+            version="doubled",
+        )
         assert resp.status_code == 200 and sent == [True], resp.text
         got = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()
-        want = doubled.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
+        want = doubled.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE) :].tolist()
         assert got["output_ids"] == want and got["meta_info"]["weight_version"] == "doubled"
         resp, _ = _announce_and_send(server, pg, group, [name], ["float32"], [shape], [weight], version="default")
         assert resp.status_code == 200, resp.text
@@ -397,18 +503,36 @@ def test_a_group_that_forms_after_its_client_was_answered_is_destroyed(server):
         return server.log_path.read_text(errors="replace").count(destroyed)
 
     before = times_destroyed()
-    store = dist.TCPStore(LOOPBACK, port, 2, is_master=True, multi_tenant=True,  # reachable, nobody joins yet
-                          wait_for_workers=False)
-    resp = _post(server, "/init_weights_update_group", {
-        "master_address": LOOPBACK, "master_port": port, "rank_offset": 1, "world_size": 2, "group_name": group,
-        "backend": "gloo"})
+    store = dist.TCPStore(
+        LOOPBACK,
+        port,
+        2,
+        is_master=True,
+        multi_tenant=True,  # reachable, nobody joins yet
+        wait_for_workers=False,
+    )
+    resp = _post(
+        server,
+        "/init_weights_update_group",
+        {
+            "master_address": LOOPBACK,
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": group,
+            "backend": "gloo",
+        },
+    )
     assert resp.status_code == 400 and "did not form" in _message(resp), resp.text
     pg = wgroup.init_weight_update_group(LOOPBACK, port, 0, 2, group, "gloo", timeout_s=30)  # the late join
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            again = _post(server, "/update_weights_from_distributed", {
-                "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[1]], "group_name": group})
+            again = _post(
+                server,
+                "/update_weights_from_distributed",
+                {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[1]], "group_name": group},
+            )
             assert again.status_code == 400 and "no group" in _message(again), again.text
             if times_destroyed() > before:
                 break
@@ -422,7 +546,7 @@ def test_a_group_that_forms_after_its_client_was_answered_is_destroyed(server):
 @pytest.mark.slow
 def test_zz_greedy_output_is_unchanged_after_the_hostile_set(server, hf_model):
     got = _post(server, "/generate", {"input_ids": PROBE, "sampling_params": GREEDY}).json()
-    hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE):].tolist()
+    hf = hf_model.generate(torch.tensor([PROBE]), max_new_tokens=12, do_sample=False)[0, len(PROBE) :].tolist()
     assert got["output_ids"] == server.baseline == hf
     assert got["meta_info"]["weight_version"] == "default"
 
@@ -438,9 +562,17 @@ def test_zzz_sigterm_does_not_wait_on_a_hung_receive(server, hf_model):
     name = "model.norm.weight"
     pg = _form_group(server, "never_sent")
     try:
-        _in_thread(_post, server, "/update_weights_from_distributed", {
-            "names": [name], "dtypes": ["float32"], "shapes": [list(hf_model.state_dict()[name].shape)],
-            "group_name": "never_sent"})
+        _in_thread(
+            _post,
+            server,
+            "/update_weights_from_distributed",
+            {
+                "names": [name],
+                "dtypes": ["float32"],
+                "shapes": [list(hf_model.state_dict()[name].shape)],
+                "group_name": "never_sent",
+            },
+        )
         time.sleep(1.0)  # the server is receiving now
         server.stop(grace_s=30)  # SIGTERM, then SIGKILL after 30 s
     finally:

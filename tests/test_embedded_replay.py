@@ -29,8 +29,9 @@ def server(tmp_path_factory):
 
     d = save_tiny_hf_model("qwen3", tmp_path_factory.mktemp("qwen3"))
     build_char_tokenizer(d)
-    srv = embedded_server(str(d), tmp_path_factory.mktemp("logs") / "server.log", api_key=KEY,
-                          extra_args=["--served-model-name", NAME])
+    srv = embedded_server(
+        str(d), tmp_path_factory.mktemp("logs") / "server.log", api_key=KEY, extra_args=["--served-model-name", NAME]
+    )
     start_servers([srv], timeout_s=120)
     yield srv
     srv.stop()
@@ -66,13 +67,38 @@ def test_runtime_endpoint_shapes(http):
     assert isinstance(server_info["internal_states"], list)
     _ok(http.post("/generate", json={"text": "Q: 1+1?", "sampling_params": {"max_new_tokens": 0}}))  # cache_prefix
 
-    sp = {"skip_special_tokens": True, "spaces_between_special_tokens": True, "max_new_tokens": 6, "min_new_tokens": 2,
-          "n": 1, "stop": [], "stop_token_ids": [], "stop_regex": [], "temperature": 0.7, "top_p": 0.9, "top_k": 20,
-          "min_p": 0.05, "frequency_penalty": 0.3, "presence_penalty": 0.1, "ignore_eos": False, "regex": None,
-          "json_schema": None}
-    obj = _ok(http.post("/generate", json={"text": "Q: 1+1?", "sampling_params": sp, "return_logprob": True,
-                                            "logprob_start_len": 0, "top_logprobs_num": 2,
-                                            "return_text_in_logprobs": True})).json()
+    sp = {
+        "skip_special_tokens": True,
+        "spaces_between_special_tokens": True,
+        "max_new_tokens": 6,
+        "min_new_tokens": 2,
+        "n": 1,
+        "stop": [],
+        "stop_token_ids": [],
+        "stop_regex": [],
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "frequency_penalty": 0.3,
+        "presence_penalty": 0.1,
+        "ignore_eos": False,
+        "regex": None,
+        "json_schema": None,
+    }
+    obj = _ok(
+        http.post(
+            "/generate",
+            json={
+                "text": "Q: 1+1?",
+                "sampling_params": sp,
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "top_logprobs_num": 2,
+                "return_text_in_logprobs": True,
+            },
+        )
+    ).json()
     comp, meta = obj["text"], obj["meta_info"]
     assert isinstance(comp, str) and len(obj["output_ids"]) >= 2
     _check_meta(obj)
@@ -81,30 +107,61 @@ def test_runtime_endpoint_shapes(http):
     # select(): a batch of texts, input logprobs with their token texts, then the unconditional pass
     prefix, choices = "Q: 1+1? A:", [" 2", " 3", " 11"]
     prompt_len = _ok(http.post("/generate", json={"text": prefix, "sampling_params": {"max_new_tokens": 0}})).json()[
-        "meta_info"]["prompt_tokens"]
-    out = _ok(http.post("/generate", json={
-        "text": [prefix + c for c in choices], "sampling_params": {"max_new_tokens": 0, "temperature": 0},
-        "return_logprob": True, "return_text_in_logprobs": True, "logprob_start_len": max(prompt_len - 2, 0)})).json()
+        "meta_info"
+    ]["prompt_tokens"]
+    out = _ok(
+        http.post(
+            "/generate",
+            json={
+                "text": [prefix + c for c in choices],
+                "sampling_params": {"max_new_tokens": 0, "temperature": 0},
+                "return_logprob": True,
+                "return_text_in_logprobs": True,
+                "logprob_start_len": max(prompt_len - 2, 0),
+            },
+        )
+    ).json()
     assert len(out) == len(choices)
     input_lps = [r["meta_info"]["input_token_logprobs"] for r in out]
     for lps, c in zip(input_lps, choices):
         assert isinstance(lps[0][-1], str) and "".join(t[2] for t in lps).endswith(c)
         assert all(isinstance(t[0], float) for t in lps)  # summed by compute_normalized_prompt_logprobs
-    uncond = _ok(http.post("/generate", json={"input_ids": [[t[1] for t in lps] for lps in input_lps],
-                                               "sampling_params": {"max_new_tokens": 0},
-                                               "return_logprob": True})).json()
+    uncond = _ok(
+        http.post(
+            "/generate",
+            json={
+                "input_ids": [[t[1] for t in lps] for lps in input_lps],
+                "sampling_params": {"max_new_tokens": 0},
+                "return_logprob": True,
+            },
+        )
+    ).json()
     # SGLang 0.5.23 computes no input logprobs when logprob_start_len is unset (scheduler.py), nor does this server
     assert [r["meta_info"]["input_token_logprobs"] for r in uncond] == [[]] * len(choices)
     assert [r["meta_info"]["prompt_tokens"] for r in uncond] == [len(x) for x in input_lps]
 
 
 def test_sglang_http_server_engine_adapter_shapes(http):
-    payload = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
-               "return_logprob": False, "top_logprobs_num": 0, "priority": 1}  # None values are left out
+    payload = {
+        "text": "hello",
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
+        "return_logprob": False,
+        "top_logprobs_num": 0,
+        "priority": 1,
+    }  # None values are left out
     answer = _ok(http.post("/generate", json=payload)).json()
     _check_meta(answer)
-    ids = _ok(http.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 3},
-                                            "return_logprob": True, "logprob_start_len": 1})).json()
+    ids = _ok(
+        http.post(
+            "/generate",
+            json={
+                "input_ids": [5, 6, 7],
+                "sampling_params": {"max_new_tokens": 3},
+                "return_logprob": True,
+                "logprob_start_len": 1,
+            },
+        )
+    ).json()
     assert [t[1] for t in ids["meta_info"]["output_token_logprobs"]] == ids["output_ids"]
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):
         r = _ok(http.post(path, json={}))
@@ -112,10 +169,20 @@ def test_sglang_http_server_engine_adapter_shapes(http):
 
 
 def test_verl_http_server_adapter_shapes(server, http):
-    sp = {"n": 1, "max_new_tokens": 5, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.05,
-          "temperature": 1.0, "top_p": 1.0, "top_k": -1, "ignore_eos": False}
-    answer = _ok(http.post("/generate", json={"input_ids": [10, 20, 30], "sampling_params": sp,
-                                               "return_logprob": True})).json()
+    sp = {
+        "n": 1,
+        "max_new_tokens": 5,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "repetition_penalty": 1.05,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "ignore_eos": False,
+    }
+    answer = _ok(
+        http.post("/generate", json={"input_ids": [10, 20, 30], "sampling_params": sp, "return_logprob": True})
+    ).json()
     _check_meta(answer)
     assert [t[1] for t in answer["meta_info"]["output_token_logprobs"]] == answer["output_ids"]
     assert _ok(http.get("/flush_cache")).text.startswith("Cache flushed.")
@@ -125,8 +192,10 @@ def test_verl_http_server_adapter_shapes(server, http):
 
     async def async_adapter():  # AsyncHttpServerAdapter: aiohttp, resp.json(content_type=None)
         async with aiohttp.ClientSession(headers=AUTH) as s:
-            async with s.post(server.url + "/generate", json={"input_ids": [10, 20, 30], "sampling_params": sp,
-                                                              "return_logprob": True}) as resp:
+            async with s.post(
+                server.url + "/generate",
+                json={"input_ids": [10, 20, 30], "sampling_params": sp, "return_logprob": True},
+            ) as resp:
                 resp.raise_for_status()
                 gen = await resp.json(content_type=None)
             async with s.post(server.url + "/release_memory_occupation", json={"tags": None}) as resp:
@@ -140,12 +209,24 @@ def test_verl_http_server_adapter_shapes(server, http):
 
 
 def test_slime_rollout_and_abort_until_idle_shapes(http):
-    sp = {"temperature": 1.0, "top_p": 0.95, "top_k": -1, "max_new_tokens": 6, "stop": None, "stop_token_ids": None,
-          "skip_special_tokens": False, "no_stop_trim": True, "spaces_between_special_tokens": False,
-          "custom_params": {"return_top_p_token_ids": True}, "sampling_seed": 7}
+    sp = {
+        "temperature": 1.0,
+        "top_p": 0.95,
+        "top_k": -1,
+        "max_new_tokens": 6,
+        "stop": None,
+        "stop_token_ids": None,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+        "custom_params": {"return_top_p_token_ids": True},
+        "sampling_seed": 7,
+    }
     payload = {"sampling_params": sp, "return_logprob": True, "input_ids": [40, 41, 42]}
-    outputs = [_ok(http.post("/generate", json=p)).json()
-               for p in (payload, {**payload, "data_parallel_rank": 0}, {**payload, "return_routed_experts": False})]
+    outputs = [
+        _ok(http.post("/generate", json=p)).json()
+        for p in (payload, {**payload, "data_parallel_rank": 0}, {**payload, "return_routed_experts": False})
+    ]
     for output in outputs:
         meta = output["meta_info"]
         tokens = [item[1] for item in meta["output_token_logprobs"]]

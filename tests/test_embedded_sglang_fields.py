@@ -36,8 +36,15 @@ def test_neutral_only_fields_accept_neutral_values_and_refuse_others_by_name(mod
 
 
 def test_sglang_ranges_and_routing_fields():
-    for bad in ({"min_p": 1.5}, {"repetition_penalty": 0.0}, {"frequency_penalty": 2.5}, {"presence_penalty": -3},
-                {"min_new_tokens": -1}, {"min_new_tokens": 5, "max_new_tokens": 4}, {"stop_regex": "("}):
+    for bad in (
+        {"min_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"frequency_penalty": 2.5},
+        {"presence_penalty": -3},
+        {"min_new_tokens": -1},
+        {"min_new_tokens": 5, "max_new_tokens": 4},
+        {"stop_regex": "("},
+    ):
         with pytest.raises(ValidationError, match=next(iter(bad))):
             S.SamplingParamsIn.model_validate(bad)
     S.SamplingParamsIn.model_validate({"custom_params": {"return_top_p_token_ids": True}, "stream_interval": 4})
@@ -53,14 +60,19 @@ def test_weight_version_spans_as_sglang_computes_them():
     assert weight_version_spans([], "3", 0) == [{"version": "3", "start": 0, "end": 0}]
     assert weight_version_spans([], "3", 4) == [{"version": "3", "start": 0, "end": 4}]
     assert weight_version_spans([("1", 2), ("2", 5)], "3", 7) == [
-        {"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 5},
-        {"version": "3", "start": 5, "end": 7}]
+        {"version": "1", "start": 0, "end": 2},
+        {"version": "2", "start": 2, "end": 5},
+        {"version": "3", "start": 5, "end": 7},
+    ]
     # an update that changed nothing between two others, and one at the very end, leave no empty span
     assert weight_version_spans([("1", 2), ("2", 2), ("2", 6)], "3", 6) == [
-        {"version": "1", "start": 0, "end": 2}, {"version": "2", "start": 2, "end": 6}]
+        {"version": "1", "start": 0, "end": 2},
+        {"version": "2", "start": 2, "end": 6},
+    ]
 
 
 # ---- numerics against HF logits ------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
@@ -110,10 +122,19 @@ def test_penalties_min_new_tokens_and_top_logprobs_match_hf_float64(tiny):
     (plain,) = _run(model, prompt=prompt, max_new_tokens=n, temperature=0.0, ignore_eos=True)
     first = plain["output_ids"][0]
     cfg = dict(frequency_penalty=0.6, presence_penalty=0.4, repetition_penalty=1.7, min_new_tokens=4)
-    (a,) = _run(model, prompt=prompt, max_new_tokens=n, temperature=0.0, stop_token_ids=frozenset({first}),
-                return_logprob=True, logprob_start_len=0, top_logprobs_num=3, **cfg)
+    (a,) = _run(
+        model,
+        prompt=prompt,
+        max_new_tokens=n,
+        temperature=0.0,
+        stop_token_ids=frozenset({first}),
+        return_logprob=True,
+        logprob_start_len=0,
+        top_logprobs_num=3,
+        **cfg,
+    )
     out, meta = a["output_ids"], a["meta_info"]
-    assert out != plain["output_ids"][:len(out)], "penalties must change a greedy continuation"
+    assert out != plain["output_ids"][: len(out)], "penalties must change a greedy continuation"
     assert first not in out[:4] and len(out) >= 4
     eos = model.config.eos_token_id
     stop_ids = {first} | ({eos} if isinstance(eos, int) else set(eos or ()))
@@ -140,20 +161,31 @@ def test_min_p_keeps_only_tokens_above_its_threshold(tiny):
     prompt, temp, min_p = [3, 1, 4, 1, 5], 0.8, 0.25
 
     def reqs(mp):
-        return [dict(prompt=prompt, max_new_tokens=6, temperature=temp, ignore_eos=True, min_p=mp, sampling_seed=s,
-                     return_logprob=True) for s in range(12)]
+        return [
+            dict(
+                prompt=prompt,
+                max_new_tokens=6,
+                temperature=temp,
+                ignore_eos=True,
+                min_p=mp,
+                sampling_seed=s,
+                return_logprob=True,
+            )
+            for s in range(12)
+        ]
 
     def violations(answers, check_logprobs):
         bad = 0
         for a in answers:
             out = a["output_ids"]
-            logits = _next_logits64(model, prompt + out)[len(prompt) - 1:-1]
+            logits = _next_logits64(model, prompt + out)[len(prompt) - 1 : -1]
             probs = torch.softmax(logits / temp, -1)
             for i, tok in enumerate(out):
                 bad += bool(probs[i, tok] < min_p * probs[i].max())
                 if check_logprobs:  # reported logprobs are before filtering, as SGLang's
                     assert a["meta_info"]["output_token_logprobs"][i][0] == pytest.approx(
-                        float(probs[i, tok].log()), abs=2e-4)
+                        float(probs[i, tok].log()), abs=2e-4
+                    )
         return bad
 
     assert violations(_run(model, reqs=reqs(min_p)), True) == 0
@@ -163,9 +195,19 @@ def test_min_p_keeps_only_tokens_above_its_threshold(tiny):
 def test_stop_regex_and_logprob_texts(tiny):
     model, tok = tiny
     prompt = tok.encode("ab")
-    (a,) = _run(model, tok, prompt=prompt, max_new_tokens=40, temperature=0.0, ignore_eos=True,
-                stop_regex=(r"reserved_\d+\|>",), return_logprob=True, return_text_in_logprobs=True,
-                top_logprobs_num=1, skip_special_tokens=False)
+    (a,) = _run(
+        model,
+        tok,
+        prompt=prompt,
+        max_new_tokens=40,
+        temperature=0.0,
+        ignore_eos=True,
+        stop_regex=(r"reserved_\d+\|>",),
+        return_logprob=True,
+        return_text_in_logprobs=True,
+        top_logprobs_num=1,
+        skip_special_tokens=False,
+    )
     out = a["output_ids"]
     assert a["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"reserved_\d+\|>"}
     assert "reserved_" in tok.decode(out) and "reserved_" not in tok.decode(out[:-1])

@@ -63,8 +63,13 @@ def test_reward_runner_keeps_the_extracted_answer():
     from megatron_dapo.rewards import RewardRunner
 
     runner = RewardRunner("dapo_math")
-    ok, bad, none = runner.score_many([("so\nAnswer: 1,000", "1000", "math_dapo", {}),
-                                       ("Answer: 12", "13", "math_dapo", {}), ("no idea", "3", "math_dapo", {})])
+    ok, bad, none = runner.score_many(
+        [
+            ("so\nAnswer: 1,000", "1000", "math_dapo", {}),
+            ("Answer: 12", "13", "math_dapo", {}),
+            ("no idea", "3", "math_dapo", {}),
+        ]
+    )
     assert (ok.acc, ok.pred) == (True, "1000") and (bad.acc, bad.pred) == (False, "12")
     assert (none.acc, none.pred) == (False, "[INVALID]")
 
@@ -92,13 +97,16 @@ def test_val_defaults_are_the_dapo_papers_and_settings_follow_the_config():
     assert val_seed(42, 0, 1) != sample_seed(42, 0, 1) and val_seed(42, 0, 1) == val_seed(42, 0, 1)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.val.n=-1", "trainer.val.n=-1 must be >= 0"),
-    ("trainer.val.temperature=0", "trainer.val.temperature=0.0 must be > 0"),
-    ("trainer.val.top_p=1.5", "trainer.val.top_p=1.5 must be in (0, 1]"),
-    ("trainer.val.max_new_tokens=0", "trainer.val.max_new_tokens=0 must be >= 1"),
-    ("trainer.val.nn=3", "trainer.val.nn"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.val.n=-1", "trainer.val.n=-1 must be >= 0"),
+        ("trainer.val.temperature=0", "trainer.val.temperature=0.0 must be > 0"),
+        ("trainer.val.top_p=1.5", "trainer.val.top_p=1.5 must be in (0, 1]"),
+        ("trainer.val.max_new_tokens=0", "trainer.val.max_new_tokens=0 must be >= 1"),
+        ("trainer.val.nn=3", "trainer.val.nn"),
+    ],
+)
 def test_bad_val_settings_fail_with_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_config(TINY, [override])
@@ -125,7 +133,11 @@ def test_resolve_checkpoint_kinds(tmp_path):
         ckpt.commit_save(save_dir, step)
     latest = resolve_checkpoint(save_dir)
     assert (latest.kind, latest.step, latest.path, latest.label) == (
-        "training", 10, save_dir / "step_000010" / "model", "step_000010")
+        "training",
+        10,
+        save_dir / "step_000010" / "model",
+        "step_000010",
+    )
     assert resolve_checkpoint(save_dir / "step_000005").step == 5
     mcore = tmp_path / "mcore"
     mcore.mkdir()
@@ -166,8 +178,15 @@ def _tiny_model(path: Path, seed: int) -> Path:
 
     build_char_tokenizer(path)
     tok = AutoTokenizer.from_pretrained(path)
-    save_tiny_hf_model("qwen3", path, seed=seed, vocab_size=vocab_size(), eos_token_id=tok.eos_token_id,
-                       pad_token_id=tok.pad_token_id, bos_token_id=None)
+    save_tiny_hf_model(
+        "qwen3",
+        path,
+        seed=seed,
+        vocab_size=vocab_size(),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+    )
     return path
 
 
@@ -184,7 +203,7 @@ def _hf_greedy(model_dir: Path, prompts: list[list[dict]], max_new_tokens: int) 
         ids = torch.tensor([encode_chat(tok, messages)])
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        out.append(tok.decode(gen[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+        out.append(tok.decode(gen[0, ids.shape[1] :].tolist(), skip_special_tokens=True))
     return out
 
 
@@ -203,19 +222,40 @@ def test_eval_cli_on_a_tp2_training_checkpoint(tmp_path, capsys):
 
     prompts = [[{"role": "user", "content": f"{i}+{3 * i}=?"}] for i in range(6)]
     greedy_b = _hf_greedy(model_b, prompts, max_new_tokens=4)
-    rows = [{"prompt": p, "reward_model": {"ground_truth": first_char_class(g, "")["pred"]}, "data_source": "s1"}
-            for p, g in zip(prompts, greedy_b)]
-    rows += [{"prompt": [{"role": "user", "content": f"{i}-{i}=?"}], "reward_model": {"ground_truth": "never"},
-              "data_source": "s2"} for i in range(3)]
+    rows = [
+        {"prompt": p, "reward_model": {"ground_truth": first_char_class(g, "")["pred"]}, "data_source": "s1"}
+        for p, g in zip(prompts, greedy_b)
+    ]
+    rows += [
+        {
+            "prompt": [{"role": "user", "content": f"{i}-{i}=?"}],
+            "reward_model": {"ground_truth": "never"},
+            "data_source": "s2",
+        }
+        for i in range(3)
+    ]
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
     run_dir, samples = tmp_path / "run", tmp_path / "samples.jsonl"
-    rc = main([str(TINY), "--checkpoint", str(tmp_path / "ckpts"), "--samples", str(samples),
-               f"model.hf_path={model_a}", f"data.val_files=[{val}]", f"logging.run_dir={run_dir}",
-               "reward.name=tests.eval_reward:first_char_class", "rollout.num_servers=1",
-               "trainer.val.n=4", "trainer.val.greedy=true", "trainer.val.max_new_tokens=4",
-               "rollout.embedded_batching=continuous"])
+    rc = main(
+        [
+            str(TINY),
+            "--checkpoint",
+            str(tmp_path / "ckpts"),
+            "--samples",
+            str(samples),
+            f"model.hf_path={model_a}",
+            f"data.val_files=[{val}]",
+            f"logging.run_dir={run_dir}",
+            "reward.name=tests.eval_reward:first_char_class",
+            "rollout.num_servers=1",
+            "trainer.val.n=4",
+            "trainer.val.greedy=true",
+            "trainer.val.max_new_tokens=4",
+            "rollout.embedded_batching=continuous",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0, out
     result = json.loads((run_dir / "eval" / "step_000007.json").read_text())
@@ -258,8 +298,10 @@ def test_demo_prints_each_validation_step_per_data_source():
     from megatron_dapo.trainer.demo import held_out_table
 
     val = load_config(TINY).trainer.val
-    points = [(0, {"val/math_dapo/acc/mean@4": 0.1, "val/math_dapo/acc/maj@4": 0.05, "val/math_dapo/acc/greedy": 0.0}),
-              (10, {"val/math_dapo/acc/mean@4": 0.25, "val/math_dapo/acc/maj@4": 0.5, "val/math_dapo/acc/greedy": 0.3})]
+    points = [
+        (0, {"val/math_dapo/acc/mean@4": 0.1, "val/math_dapo/acc/maj@4": 0.05, "val/math_dapo/acc/greedy": 0.0}),
+        (10, {"val/math_dapo/acc/mean@4": 0.25, "val/math_dapo/acc/maj@4": 0.5, "val/math_dapo/acc/greedy": 0.3}),
+    ]
     lines = held_out_table(points, val).splitlines()
     assert lines[0] == "held-out accuracy: 4 samples per problem at temperature 1.0, top_p 0.7"
     assert lines[1].split() == ["[math_dapo]", "step", "mean@4", "maj@4", "greedy"]

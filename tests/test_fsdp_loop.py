@@ -34,8 +34,14 @@ def env(tmp_path_factory):
     model = root / "model"
     build_char_tokenizer(model)
     tok = AutoTokenizer.from_pretrained(model)
-    save_tiny_hf_model("qwen2", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                       bos_token_id=None, tie_word_embeddings=True)
+    save_tiny_hf_model(
+        "qwen2",
+        model,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     train, _ = write_task(root / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
     servers = launch_embedded_servers(str(model), 1, root / "server_logs", timeout_s=240)
     try:
@@ -48,14 +54,31 @@ def env(tmp_path_factory):
 def _run(env, name, *overrides, stop_after="-"):
     run_dir = env["root"] / name
     args = [
-        f"model.hf_path={env['model']}", "model.hf_config=null", "trainer.backend=fsdp2", "parallel.tp=1",
-        f"data.train_files=[{env['train']}]", "data.val_files=[]", "data.max_response_length=8",
-        "algo.overlong_buffer.len=2", "algo.train_batch_size=4", "algo.ppo_mini_batch_size=2",
-        "rollout.n_resp_per_prompt=4", "rollout.num_servers=1", "reward.name=tests.workers.loop_rewards:parity_reward",
-        "optimizer.lr=1e-3", "optimizer.lr_warmup_steps=0",
-        "trainer.total_steps=2", "algo.staleness=1", "checkpoint.save_every=1", "checkpoint.keep_last=0",
-        "trainer.val_every=0", "logging.progress_bar=false", f"logging.run_dir={run_dir}",
-        f"rollout.servers={json.dumps(env['urls'])}", "rollout.sync.verify=true", *overrides,
+        f"model.hf_path={env['model']}",
+        "model.hf_config=null",
+        "trainer.backend=fsdp2",
+        "parallel.tp=1",
+        f"data.train_files=[{env['train']}]",
+        "data.val_files=[]",
+        "data.max_response_length=8",
+        "algo.overlong_buffer.len=2",
+        "algo.train_batch_size=4",
+        "algo.ppo_mini_batch_size=2",
+        "rollout.n_resp_per_prompt=4",
+        "rollout.num_servers=1",
+        "reward.name=tests.workers.loop_rewards:parity_reward",
+        "optimizer.lr=1e-3",
+        "optimizer.lr_warmup_steps=0",
+        "trainer.total_steps=2",
+        "algo.staleness=1",
+        "checkpoint.save_every=1",
+        "checkpoint.keep_last=0",
+        "trainer.val_every=0",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+        f"rollout.servers={json.dumps(env['urls'])}",
+        "rollout.sync.verify=true",
+        *overrides,
     ]
     run_torchrun("loop_run.py", 2, str(CONFIG), str(run_dir / "out"), stop_after, *args, timeout=240)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

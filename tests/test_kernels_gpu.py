@@ -17,8 +17,10 @@ def test_fused_logprobs_qwen3_vocab_on_cuda(dtype, tol):
     logits = (torch.randn(t, v, generator=g, device="cuda") * 3).to(dtype)
     target = torch.randint(0, v, (t,), generator=g, device="cuda")
     results = []
-    for fn in (lambda x: dispatch.vocab_parallel_logprobs(x, target, None, 0.9, True, backend="triton"),
-               lambda x: torch_logprobs(x, target, None, 0.9, True)):
+    for fn in (
+        lambda x: dispatch.vocab_parallel_logprobs(x, target, None, 0.9, True, backend="triton"),
+        lambda x: torch_logprobs(x, target, None, 0.9, True),
+    ):
         x = logits.clone().requires_grad_()
         lp, ent = fn(x)
         (lp.sum() + 0.1 * ent.sum()).backward()

@@ -19,17 +19,28 @@ from megatron_dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
-SCRIPTS = ["qwen3_8b_megatron.sh", "qwen3_30b_megatron.sh", "qwen2.5_3b_fsdp.sh", "slurm_ray.sbatch",
-           "torchrun_external_sglang.sh", "advanced_qwen2.5_7b_fsdp.sh", "advanced_qwen3_8b_megatron.sh",
-           "advanced_qwen3_30b_megatron.sh"]
+SCRIPTS = [
+    "qwen3_8b_megatron.sh",
+    "qwen3_30b_megatron.sh",
+    "qwen2.5_3b_fsdp.sh",
+    "slurm_ray.sbatch",
+    "torchrun_external_sglang.sh",
+    "advanced_qwen2.5_7b_fsdp.sh",
+    "advanced_qwen3_8b_megatron.sh",
+    "advanced_qwen3_30b_megatron.sh",
+]
 
 
 def _dry_run(script: str, *args: str, **env: str) -> list[list[str]]:
-    full_env = {k: v for k, v in os.environ.items() if k not in ("MODEL_PATH", "RAY_ADDRESS", "SGLANG_SERVERS",
-                                                                 "SLURM_JOB_NODELIST", "NNODES", "COST_MODEL")}
+    full_env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("MODEL_PATH", "RAY_ADDRESS", "SGLANG_SERVERS", "SLURM_JOB_NODELIST", "NNODES", "COST_MODEL")
+    }
     full_env.update(env)
-    proc = subprocess.run(["bash", str(LAUNCH / script), *args], capture_output=True, text=True, timeout=30,
-                          env=full_env, cwd=ROOT)
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / script), *args], capture_output=True, text=True, timeout=30, env=full_env, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [line[2:] for line in proc.stdout.splitlines() if line.startswith("+ ")]
     assert lines, proc.stdout
@@ -39,7 +50,7 @@ def _dry_run(script: str, *args: str, **env: str) -> list[list[str]]:
 def _train_config(cmd: list[str]):
     """load_config of the --config and overrides of a printed train command."""
     i = cmd.index("train")
-    rest = cmd[i + 1:]
+    rest = cmd[i + 1 :]
     assert rest[0] == "--config"
     return load_config(rest[1], rest[2:])
 
@@ -66,7 +77,12 @@ def test_model_launchers(script, config, nodes, backend):
     # First argument = staleness; extra overrides and environment pass through.
     _, train = _dry_run(script, "0", "--dry-run", "trainer.total_steps=7", MODEL_PATH="/models/x", NNODES="8")
     cfg = _train_config(train)
-    assert (cfg.algo.staleness, cfg.trainer.total_steps, cfg.model.hf_path, cfg.trainer.nnodes) == (0, 7, "/models/x", 8)
+    assert (cfg.algo.staleness, cfg.trainer.total_steps, cfg.model.hf_path, cfg.trainer.nnodes) == (
+        0,
+        7,
+        "/models/x",
+        8,
+    )
 
 
 ADVANCED = [
@@ -100,13 +116,25 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     r = cfg.rollout
     assert (cfg.algo.staleness, cfg.trainer.backend, cfg.trainer.nnodes) == (staleness, backend, nodes)
     assert (r.routing.method, r.routing.delta_throughput_threshold, r.routing.server_order) == (
-        "throughput_optimal", 0.0, "reserve_capability")
+        "throughput_optimal",
+        0.0,
+        "reserve_capability",
+    )
     assert r.routing.cost_model == str(cost_model_file)
     assert (r.queue.policy, r.concurrency, r.partial_rollout) == ("priority", 512, True)
     assert (r.sync.policy, r.sync.indicator, r.sync.threshold, r.sync.check_req_before_sync) == (
-        "status_based", "kv_cache", 0.9, False)
-    assert (r.migration.enabled, r.migration.indicator, r.migration.threshold, r.migration.stop_indicator,
-            r.migration.stop_threshold) == (True, "throughput", 5.0, "request_num", 10)
+        "status_based",
+        "kv_cache",
+        0.9,
+        False,
+    )
+    assert (
+        r.migration.enabled,
+        r.migration.indicator,
+        r.migration.threshold,
+        r.migration.stop_indicator,
+        r.migration.stop_threshold,
+    ) == (True, "throughput", 5.0, "request_num", 10)
     assert (r.retry.enabled, r.retry.threshold) == (True, 4)
     assert (r.redundancy.extra_samples, r.redundancy.extra_prompts, r.loads.interval_ms) == (0, 32, 200)
 
@@ -124,28 +152,43 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     assert cfg.rollout.routing.cost_model == str(cost_model_file)
 
 
-@pytest.mark.parametrize("args, env, message", [
-    ((), {}, "no cost model: pass --cost-model FILE or set COST_MODEL"),
-    (("--cost-model", "/nonexistent/cm.json"), {}, "cost model file '/nonexistent/cm.json' does not exist"),
-    ((), {"COST_MODEL": "/nonexistent/cm.json"}, "cost model file '/nonexistent/cm.json' does not exist"),
-    (("--cost-model",), {}, "--cost-model needs a FILE"),
-])
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        ((), {}, "no cost model: pass --cost-model FILE or set COST_MODEL"),
+        (("--cost-model", "/nonexistent/cm.json"), {}, "cost model file '/nonexistent/cm.json' does not exist"),
+        ((), {"COST_MODEL": "/nonexistent/cm.json"}, "cost model file '/nonexistent/cm.json' does not exist"),
+        (("--cost-model",), {}, "--cost-model needs a FILE"),
+    ],
+)
 def test_advanced_launcher_needs_a_cost_model(args, env, message):
     full_env = {k: v for k, v in os.environ.items() if k != "COST_MODEL"}
-    proc = subprocess.run(["bash", str(LAUNCH / "advanced_qwen3_8b_megatron.sh"), "--dry-run", *args],
-                          capture_output=True, text=True, timeout=30, env={**full_env, **env})
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "advanced_qwen3_8b_megatron.sh"), "--dry-run", *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**full_env, **env},
+    )
     assert proc.returncode == 2 and message in proc.stderr and "+ " not in proc.stdout
 
 
 def test_model_launcher_rejects_bad_staleness():
-    proc = subprocess.run(["bash", str(LAUNCH / "qwen3_8b_megatron.sh"), "three", "--dry-run"], capture_output=True,
-                          text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(LAUNCH / "qwen3_8b_megatron.sh"), "three", "--dry-run"], capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 2 and "STALENESS must be a non-negative integer, got 'three'" in proc.stderr
 
 
 def test_slurm_ray_dry_run():
-    cmds = _dry_run("slurm_ray.sbatch", "--dry-run", "configs/qwen3/qwen3_30b_a3b.yaml", "algo.staleness=1",
-                    NODELIST="gpu01 gpu02 gpu03 gpu04", HEAD_IP="10.0.0.1")
+    cmds = _dry_run(
+        "slurm_ray.sbatch",
+        "--dry-run",
+        "configs/qwen3/qwen3_30b_a3b.yaml",
+        "algo.staleness=1",
+        NODELIST="gpu01 gpu02 gpu03 gpu04",
+        HEAD_IP="10.0.0.1",
+    )
     head, *workers, train = cmds
     assert head[:6] == ["srun", "--overlap", "--nodes=1", "--ntasks=1", "-w", "gpu01"]
     assert head[6:10] == ["ray", "start", "--head", "--node-ip-address=10.0.0.1"]
@@ -158,17 +201,31 @@ def test_slurm_ray_dry_run():
 
 def test_torchrun_external_sglang_dry_run():
     validate, torchrun = _dry_run(
-        "torchrun_external_sglang.sh", "--dry-run", "configs/qwen3/qwen3_8b.yaml",
-        NNODES="2", NODE_RANK="1", NPROC_PER_NODE="8", MASTER_ADDR="10.0.0.1",
+        "torchrun_external_sglang.sh",
+        "--dry-run",
+        "configs/qwen3/qwen3_8b.yaml",
+        NNODES="2",
+        NODE_RANK="1",
+        NPROC_PER_NODE="8",
+        MASTER_ADDR="10.0.0.1",
         SGLANG_SERVERS="http://10.0.0.9:30000,http://10.0.0.10:30000",
     )
     assert validate[:3] == ["megatron-dapo", "config", "validate"]
-    assert torchrun[:7] == ["torchrun", "--nnodes=2", "--node-rank=1", "--nproc-per-node=8",
-                            "--master-addr=10.0.0.1", "--master-port=29500", "-m"]
+    assert torchrun[:7] == [
+        "torchrun",
+        "--nnodes=2",
+        "--node-rank=1",
+        "--nproc-per-node=8",
+        "--master-addr=10.0.0.1",
+        "--master-port=29500",
+        "-m",
+    ]
     assert torchrun[7] == "megatron_dapo.cli"
     cfg = _train_config(torchrun)
-    assert cfg.trainer.launcher == "torchrun" and cfg.rollout.servers == ["http://10.0.0.9:30000",
-                                                                           "http://10.0.0.10:30000"]
+    assert cfg.trainer.launcher == "torchrun" and cfg.rollout.servers == [
+        "http://10.0.0.9:30000",
+        "http://10.0.0.10:30000",
+    ]
     assert cfg.trainer.world_size == 16
     assert validate[3:] == torchrun[10:]
 
@@ -183,6 +240,7 @@ def test_torchrun_without_servers_fails_validation():
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
 def test_shellcheck_clean():
-    proc = subprocess.run(["shellcheck", "-x", *SCRIPTS, "_common.sh"], cwd=LAUNCH, capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        ["shellcheck", "-x", *SCRIPTS, "_common.sh"], cwd=LAUNCH, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 0, proc.stdout

@@ -60,8 +60,10 @@ def engine():
 def _requests(prompts, max_new_tokens):
     from megatron_dapo.rollout.embedded.engine import GenRequest
 
-    return [GenRequest(rid=f"r{i}-{time.monotonic_ns()}", prompt=p, max_new_tokens=max_new_tokens, ignore_eos=True)
-            for i, p in enumerate(prompts)]
+    return [
+        GenRequest(rid=f"r{i}-{time.monotonic_ns()}", prompt=p, max_new_tokens=max_new_tokens, ignore_eos=True)
+        for i, p in enumerate(prompts)
+    ]
 
 
 def test_engine_reports_the_requests_and_kv_tokens_it_holds(engine):
@@ -122,13 +124,24 @@ def test_load_row_sections_are_selected_as_sglang_selects_them(engine):
 
 
 def test_prometheus_text_has_one_gauge_per_numeric_field():
-    row = {"timestamp": 1.5, "dp_rank": 0, "num_running_reqs": 2, "decode_moments": None,
-           "disaggregation": {"mode": "null", "kv_transfer_latency_ms": 0.5}, "queues": {"waiting": 3}}
+    row = {
+        "timestamp": 1.5,
+        "dp_rank": 0,
+        "num_running_reqs": 2,
+        "decode_moments": None,
+        "disaggregation": {"mode": "null", "kv_transfer_latency_ms": 0.5},
+        "queues": {"waiting": 3},
+    }
     assert load_report.prometheus_text([row]).splitlines() == [
-        "# TYPE sglang_timestamp gauge", 'sglang_timestamp{dp_rank="0"} 1.5',
-        "# TYPE sglang_num_running_reqs gauge", 'sglang_num_running_reqs{dp_rank="0"} 2',
-        "# TYPE sglang_disagg_kv_transfer_latency_ms gauge", 'sglang_disagg_kv_transfer_latency_ms{dp_rank="0"} 0.5',
-        "# TYPE sglang_queues_waiting gauge", 'sglang_queues_waiting{dp_rank="0"} 3']
+        "# TYPE sglang_timestamp gauge",
+        'sglang_timestamp{dp_rank="0"} 1.5',
+        "# TYPE sglang_num_running_reqs gauge",
+        'sglang_num_running_reqs{dp_rank="0"} 2',
+        "# TYPE sglang_disagg_kv_transfer_latency_ms gauge",
+        'sglang_disagg_kv_transfer_latency_ms{dp_rank="0"} 0.5',
+        "# TYPE sglang_queues_waiting gauge",
+        'sglang_queues_waiting{dp_rank="0"} 3',
+    ]
 
 
 def test_parse_loads_reads_the_fields_policies_need_and_names_a_bad_one(engine):
@@ -137,9 +150,11 @@ def test_parse_loads_reads_the_fields_policies_need_and_names_a_bad_one(engine):
     load = payloads.parse_loads({"loads": [row]})
     assert (load.running, load.waiting, load.kv_tokens, load.throughput) == (3, 1, 120, 42.5)
     assert load.kv_capacity == engine.max_batch * engine.max_context
-    for bad, field in (({**row, "num_used_tokens": "many"}, "num_used_tokens"),
-                       ({k: v for k, v in row.items() if k != "max_total_num_tokens"}, "max_total_num_tokens"),
-                       ({**row, "decode_moments": [1.0]}, "decode_moments")):
+    for bad, field in (
+        ({**row, "num_used_tokens": "many"}, "num_used_tokens"),
+        ({k: v for k, v in row.items() if k != "max_total_num_tokens"}, "max_total_num_tokens"),
+        ({**row, "decode_moments": [1.0]}, "decode_moments"),
+    ):
         with pytest.raises(ValueError, match=field):
             payloads.parse_loads({"loads": [bad]}, server="http://s")
     with pytest.raises(ValueError, match="no load row"):
@@ -152,8 +167,18 @@ def test_registry_keeps_each_servers_last_load_for_the_policies():
     reg = ServerRegistry(["http://a", "http://b/"], clock=clock)
     woken = threading.Event()
     reg.add_listener(woken.set)
-    reg.update_load("http://a", ServerLoad(running=4, waiting=2, kv_tokens=300, kv_capacity=1200, throughput=80.0,
-                                           token_usage=0.25, max_running_requests=16))
+    reg.update_load(
+        "http://a",
+        ServerLoad(
+            running=4,
+            waiting=2,
+            kv_tokens=300,
+            kv_capacity=1200,
+            throughput=80.0,
+            token_usage=0.25,
+            max_running_requests=16,
+        ),
+    )
     assert woken.is_set()
     a, b = reg.records_snapshot()
     assert (a.running, a.waiting, a.kv_tokens, a.kv_capacity, a.throughput, a.load_time) == (4, 2, 300, 1200, 80.0, 5.0)
@@ -182,8 +207,11 @@ def test_poll_interval_follows_the_config():
 # ---- the fit -----------------------------------------------------------------------------------------------
 def _grid(model: CostModel, ns=(1, 2, 4, 8, 16, 32, 64, 128, 256), prompts=(256, 1024, 4096), noise=0.0, seed=0):
     rng = random.Random(seed)
-    return [ProfilePoint(n, n * (p + 32), model.step_time(n, n * (p + 32)) * (1 + rng.gauss(0, noise)), 63)
-            for n in ns for p in prompts]
+    return [
+        ProfilePoint(n, n * (p + 32), model.step_time(n, n * (p + 32)) * (1 + rng.gauss(0, noise)), 63)
+        for n in ns
+        for p in prompts
+    ]
 
 
 def _identifiable(m: CostModel) -> tuple[float, ...]:
@@ -191,11 +219,14 @@ def _identifiable(m: CostModel) -> tuple[float, ...]:
     return m.a_b + m.o_b, m.a_b + m.o_thr, m.a_k, m.o_k
 
 
-@pytest.mark.parametrize("truth", [
-    QWEN_7B_1GPU,
-    CostModel(a_b=0.0, a_k=2e-7, o_thr=0.004, o_b=0.004, o_k=0.0005),  # no flat part
-    CostModel(a_b=0.001, a_k=0.0, o_thr=0.01, o_b=0.001, o_k=1e-4),  # flat up to n = 90
-])
+@pytest.mark.parametrize(
+    "truth",
+    [
+        QWEN_7B_1GPU,
+        CostModel(a_b=0.0, a_k=2e-7, o_thr=0.004, o_b=0.004, o_k=0.0005),  # no flat part
+        CostModel(a_b=0.001, a_k=0.0, o_thr=0.01, o_b=0.001, o_k=1e-4),  # flat up to n = 90
+    ],
+)
 def test_fit_recovers_known_coefficients(truth):
     fitted, err = fit_cost_model(_grid(truth))
     assert err < 1e-5

@@ -31,8 +31,13 @@ def server(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("loads")
     model = save_tiny_hf_model("qwen3", tmp / "model")
-    srv = launch_embedded(str(model), tmp / "server.log", api_key=KEY, timeout_s=120,
-                          extra_args=["--max-batch", str(MAX_BATCH), "--step-trace", str(tmp / "trace.jsonl")])
+    srv = launch_embedded(
+        str(model),
+        tmp / "server.log",
+        api_key=KEY,
+        timeout_s=120,
+        extra_args=["--max-batch", str(MAX_BATCH), "--step-trace", str(tmp / "trace.jsonl")],
+    )
     srv.context = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     srv.trace = tmp / "trace.jsonl"
     yield srv
@@ -43,6 +48,7 @@ def _generate_in_background(server, prompts, new_tokens) -> threading.Thread:
     def run():
         with httpx.Client(trust_env=False, timeout=120, headers={"Authorization": f"Bearer {KEY}"}) as http:
             http.post(server.url + "/generate", json=payloads.fixed_length_body(prompts, new_tokens)).raise_for_status()
+
     thread = threading.Thread(target=run)
     thread.start()
     return thread
@@ -78,8 +84,23 @@ def test_poller_keeps_each_servers_load_in_the_registry(server):
 
 def test_profile_engine_measures_the_server_and_writes_a_cost_model(server, tmp_path, capsys):
     out = tmp_path / "cost.json"
-    rc = cli_main(["profile-engine", "--server", server.url, "--api-key", KEY, "--out", str(out),
-                   "--batch-sizes", "1,3", "--prompt-lens", "8,40", "--new-tokens", "6"])
+    rc = cli_main(
+        [
+            "profile-engine",
+            "--server",
+            server.url,
+            "--api-key",
+            KEY,
+            "--out",
+            str(out),
+            "--batch-sizes",
+            "1,3",
+            "--prompt-lens",
+            "8,40",
+            "--new-tokens",
+            "6",
+        ]
+    )
     printed = capsys.readouterr().out
     assert rc == 0, printed
     assert "fit relative error (rms):" in printed and "measured ms" in printed
@@ -97,8 +118,23 @@ def test_profile_engine_refuses_a_busy_server(server, tmp_path, capsys):
     generating = _generate_in_background(server, [[5] * 8], new_tokens=400)
     try:
         _wait_for(lambda: _running(server) > 0, "the generation to start")
-        rc = cli_main(["profile-engine", "--server", server.url, "--api-key", KEY, "--out", str(tmp_path / "c.json"),
-                       "--batch-sizes", "1,2", "--prompt-lens", "4,8", "--new-tokens", "2"])
+        rc = cli_main(
+            [
+                "profile-engine",
+                "--server",
+                server.url,
+                "--api-key",
+                KEY,
+                "--out",
+                str(tmp_path / "c.json"),
+                "--batch-sizes",
+                "1,2",
+                "--prompt-lens",
+                "4,8",
+                "--new-tokens",
+                "2",
+            ]
+        )
         assert rc == 1 and "busy" in capsys.readouterr().err
         assert not (tmp_path / "c.json").exists()
     finally:

@@ -13,9 +13,16 @@ from megatron_dapo.rollout.types import Sample, WeightVersionSpan
 
 
 def _sample(i, n_out, reason="stop", version="3", spans=()):
-    return Sample(rid=f"r{i}", prompt_ids=[1, 2, 3], output_ids=list(range(10, 10 + n_out)),
-                  logprobs=[-0.5] * n_out, finish_reason=reason, weight_version=version,
-                  weight_versions=[WeightVersionSpan(*s) for s in spans], index=i)
+    return Sample(
+        rid=f"r{i}",
+        prompt_ids=[1, 2, 3],
+        output_ids=list(range(10, 10 + n_out)),
+        logprobs=[-0.5] * n_out,
+        finish_reason=reason,
+        weight_version=version,
+        weight_versions=[WeightVersionSpan(*s) for s in spans],
+        index=i,
+    )
 
 
 def test_token_versions_follow_spans():
@@ -27,8 +34,12 @@ def test_token_versions_follow_spans():
 
 def test_judge_group_overlong_and_filter():
     samples = [_sample(0, 4), _sample(1, 7, "length"), _sample(2, 6), _sample(3, 2, spans=[("1", 0, 1), ("3", 1, 2)])]
-    rewards = [RewardResult(1.0, True), RewardResult(-1.0, False), RewardResult(1.0, True),
-               RewardResult(-1.0, False, failed=True, error="x")]
+    rewards = [
+        RewardResult(1.0, True),
+        RewardResult(-1.0, False),
+        RewardResult(1.0, True),
+        RewardResult(-1.0, False, failed=True, error="x"),
+    ]
     g = judge_group(7, samples, rewards, max_response_length=6, overlong_cfg=OverlongBufferConfig(True, 4, 1.0))
     # DAPO soft punishment: 0 up to 6 - 4 = 2 tokens, linear to -1 at 6 tokens, -1 beyond
     assert g.overlong == pytest.approx([-0.5, -1.0, -1.0, 0.0])
@@ -42,19 +53,27 @@ def test_judge_group_overlong_and_filter():
 
 
 def test_build_batch_advantages_masks_and_layout():
-    ga = judge_group(0, [_sample(0, 3), _sample(1, 5, "length")], [RewardResult(1.0, True), RewardResult(-1.0, False)], 8)
-    gb = judge_group(5, [_sample(0, 2), _sample(1, 2), _sample(2, 4)],
-                     [RewardResult(1.0, True), RewardResult(-1.0, False), RewardResult(-1.0, False)], 8)
+    ga = judge_group(
+        0, [_sample(0, 3), _sample(1, 5, "length")], [RewardResult(1.0, True), RewardResult(-1.0, False)], 8
+    )
+    gb = judge_group(
+        5,
+        [_sample(0, 2), _sample(1, 2), _sample(2, 4)],
+        [RewardResult(1.0, True), RewardResult(-1.0, False), RewardResult(-1.0, False)],
+        8,
+    )
     b = build_batch([ga, gb], step=4, temperature=0.7, overlong_filter=True)
     assert b.num_samples == 5 and b.num_groups == 2 and b.prompt_indices == [0, 5]
     assert b.group_index.tolist() == [0, 0, 1, 1, 1]
     assert b.input_ids[1] == [1, 2, 3] + list(range(10, 15)) and b.response_lengths == [3, 5, 2, 2, 4]
     assert b.response_loss_mask == [1, 0, 1, 1, 1]  # the truncated one leaves the loss ...
+
     # ... but stays in its group's baseline: GRPO advantages over the seq rewards, float64 reference
     def ref(r):
         m = sum(r) / len(r)
         sd = math.sqrt(sum((x - m) ** 2 for x in r) / (len(r) - 1))
         return [(x - m) / (sd + 1e-6) for x in r]
+
     want = ref([1.0, -1.0]) + ref([1.0, -1.0, -1.0])
     assert torch.allclose(b.advantages.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
     assert b.staleness() == [1, 1, 1, 1, 1]

@@ -12,8 +12,16 @@ def test_metrics_jsonl_tensorboard_and_plot(tmp_path):
     w = MetricsWriter(tmp_path)
     for step in range(3):
         hist = Counter({0: 3 - step, 1: step})
-        w.log(step, {"reward/accuracy": 0.1 * step, "actor/grad_norm": 1.0 + step, "bad": float("nan"),
-                     **staleness_metrics(hist, 1)}, staleness=hist)
+        w.log(
+            step,
+            {
+                "reward/accuracy": 0.1 * step,
+                "actor/grad_norm": 1.0 + step,
+                "bad": float("nan"),
+                **staleness_metrics(hist, 1),
+            },
+            staleness=hist,
+        )
     w.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -42,9 +42,18 @@ def _logprobs(model, ids, temperature):
 
 
 def _check_run(env, name, policy, pause_mode, *overrides):
-    run_dir, rows = _run(env, name, f"trainer.total_steps={STEPS}", "algo.staleness=1", "checkpoint.save_every=0",
-                         "checkpoint.keep_last=0", f"rollout.sync.policy={policy}",
-                         f"rollout.sync.pause_mode={pause_mode}", "rollout.sync.check_interval_ms=20", *overrides)
+    run_dir, rows = _run(
+        env,
+        name,
+        f"trainer.total_steps={STEPS}",
+        "algo.staleness=1",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "rollout.sync.check_interval_ms=20",
+        *overrides,
+    )
     out = run_dir / "out"
     assert [r["step"] for r in rows] == list(range(STEPS))
     for r in rows:
@@ -70,8 +79,9 @@ def _check_run(env, name, policy, pause_mode, *overrides):
         ref[v] = {tuple(ids): _logprobs(model, ids, b["temperature"]) for b in batches for ids in b["input_ids"]}
     checked = distinguished = 0
     for step, b in enumerate(batches):
-        for ids, p, n, lps, vers in zip(b["input_ids"], b["prompt_lengths"], b["response_lengths"],
-                                        b["rollout_logprobs"], b["token_versions"]):
+        for ids, p, n, lps, vers in zip(
+            b["input_ids"], b["prompt_lengths"], b["response_lengths"], b["rollout_logprobs"], b["token_versions"]
+        ):
             assert len(vers) == n and all(step - 1 <= v <= step for v in vers), (step, vers)
             assert vers == sorted(vers), (step, vers)  # a continuation never goes back to older weights
             for j, v in enumerate(vers):

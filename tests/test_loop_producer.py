@@ -64,8 +64,20 @@ def _set_server_version(urls, version):
     asyncio.run(go())
 
 
-def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_seed=None, max_new_tokens=6,
-              router_kw=None, routers=None, **kw):
+def _producer(
+    ds,
+    urls,
+    reward,
+    staleness=1,
+    B=3,
+    max_gen=10,
+    seed=0,
+    sampling_seed=None,
+    max_new_tokens=6,
+    router_kw=None,
+    routers=None,
+    **kw,
+):
     from megatron_dapo.config.schema import OverlongBufferConfig
     from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
     from megatron_dapo.coordinator.router import Router
@@ -74,19 +86,28 @@ def _producer(ds, urls, reward, staleness=1, B=3, max_gen=10, seed=0, sampling_s
     from megatron_dapo.rollout.types import SamplingParams
 
     settings = ProducerSettings(
-        train_batch_size=B, n=4, sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
+        train_batch_size=B,
+        n=4,
+        sampling=SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens),
         max_response_length=max_new_tokens,
-        staleness=staleness, gen_batch_size=B, max_num_gen_batches=max_gen, filter_metric="acc",
-        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5), seed=sampling_seed, **kw,
+        staleness=staleness,
+        gen_batch_size=B,
+        max_num_gen_batches=max_gen,
+        filter_metric="acc",
+        overlong=OverlongBufferConfig(enable=True, len=2, penalty_factor=0.5),
+        seed=sampling_seed,
+        **kw,
     )
+
     def router():
         r = Router(urls, **(router_kw or {}))
         if routers is not None:
             routers.append(r)
         return r
 
-    return RolloutProducer(router, ds, PromptSampler(len(ds), seed=seed),
-                           RewardRunner(default=reward, timeout_s=5), settings)
+    return RolloutProducer(
+        router, ds, PromptSampler(len(ds), seed=seed), RewardRunner(default=reward, timeout_s=5), settings
+    )
 
 
 def test_dynamic_sampling_staleness_and_state(setup):
@@ -136,7 +157,9 @@ def test_uninformative_rewards_exhaust_generation_batches(setup):
     p = _producer(ds, urls, lambda response, ground_truth, **_: 1.0, staleness=0, B=2, max_gen=2)
     p.start()
     try:
-        with pytest.raises(DynamicSamplingExhausted, match=r"4 groups judged in 2 generation batches.*only 0 kept.*4 all-correct"):
+        with pytest.raises(
+            DynamicSamplingExhausted, match=r"4 groups judged in 2 generation batches.*only 0 kept.*4 all-correct"
+        ):
             p.take_batch(0, timeout_s=120)
     finally:
         p.stop()
@@ -213,14 +236,26 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
     QWEN_7B_1GPU.save(tmp_path / "cost.json")
     _set_server_version(urls, 0)  # the servers' labels follow the registry's versions (earlier tests moved them)
     registry = ServerRegistry(urls, version=0)
-    advanced = dict(routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability",
-                                          cost_model=str(tmp_path / "cost.json")),
-                    queue=QueueConfig("priority", "short"), max_in_flight_per_server=1, registry=registry)
+    advanced = dict(
+        routing=RoutingConfig("throughput_optimal", 0.5, "reserve_capability", cost_model=str(tmp_path / "cost.json")),
+        queue=QueueConfig("priority", "short"),
+        max_in_flight_per_server=1,
+        registry=registry,
+    )
 
     def run(router_kw, pauses, steps=2):
         routers = []
-        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32, max_resubmits=50,
-                      router_kw=router_kw, routers=routers)
+        p = _producer(
+            ds,
+            urls,
+            _mixed_reward,
+            staleness=0,
+            sampling_seed=3,
+            max_new_tokens=32,
+            max_resubmits=50,
+            router_kw=router_kw,
+            routers=routers,
+        )
         stop = threading.Event()
         t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
         batches, resumes, refusals = [], 0, 0
@@ -232,8 +267,9 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
                 refusals += info.coordination["routing_refusals"]
                 for g in info.groups:
                     assert [s.index for s in g.samples] == [0, 1, 2, 3] and not any(s.aborted for s in g.samples)
-                batches.append([(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples])
-                                for g in info.groups])
+                batches.append(
+                    [(g.draw, g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups]
+                )
                 resumes += info.partial_resumes
                 if "registry" in router_kw:  # the same weights, relabelled: V_traj moves on
                     _set_server_version(urls, step + 1)
@@ -269,8 +305,16 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     ds, urls = setup
 
     def run(pauses, partial):
-        p = _producer(ds, urls, _mixed_reward, staleness=0, sampling_seed=3, max_new_tokens=32,
-                      partial_rollout=partial, max_resubmits=50)
+        p = _producer(
+            ds,
+            urls,
+            _mixed_reward,
+            staleness=0,
+            sampling_seed=3,
+            max_new_tokens=32,
+            partial_rollout=partial,
+            max_resubmits=50,
+        )
         stop = threading.Event()
         t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
         out, resumes, regenerated = [], 0, 0
@@ -303,8 +347,12 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
                 await asyncio.gather(*(c.aclose() for c in clients))
 
         def partial_samples(state):
-            return [s for f in state["in_flight"] for s in f["samples"] or ()
-                    if s["finish_reason"] == "abort" and len(s["output_ids"]) < 32]
+            return [
+                s
+                for f in state["in_flight"]
+                for s in f["samples"] or ()
+                if s["finish_reason"] == "abort" and len(s["output_ids"]) < 32
+            ]
 
         def pause_until_partial_work(p):
             """Pause in abort mode until a pause catches a sample part-way (on a quiet machine the first
@@ -376,9 +424,20 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
     _set_server_version(urls, 0)  # earlier tests leave the servers labelled with later versions
     # at least 4 steps, and on until a migration has happened (when a server idles is a matter of timing)
     B, n, staleness, min_steps, max_steps = 3, 4, 1, 4, 12
-    p = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, sampling_seed=11, max_new_tokens=24,
-                  extra_samples=2, extra_prompts=2, retry_threshold=2, check_interval_s=0.05,
-                  migration=MigrationConfig(enabled=True, indicator="kv_cache", threshold=1.0, stop_threshold=1))
+    p = _producer(
+        ds,
+        urls,
+        _mixed_reward,
+        staleness=staleness,
+        B=B,
+        sampling_seed=11,
+        max_new_tokens=24,
+        extra_samples=2,
+        extra_prompts=2,
+        retry_threshold=2,
+        check_interval_s=0.05,
+        migration=MigrationConfig(enabled=True, indicator="kv_cache", threshold=1.0, stop_threshold=1),
+    )
     trained, counts, taken, retractions = [], Counter(), 0, 0
     p.start()
     try:
@@ -416,8 +475,14 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
     assert all(f.samples is None or len(f.samples) == n + 2 for f in q.flight.values())
     assert len(trained) == len(set(trained)) == taken * B and taken >= min_steps
     assert not set(trained) & set(waiting)
-    accounted = (len(trained) + len(waiting) + len(in_flight) + totals.get("dropped", 0)
-                 + totals.get("aborted_surplus", 0) + totals.get("aborted_retry", 0))
+    accounted = (
+        len(trained)
+        + len(waiting)
+        + len(in_flight)
+        + totals.get("dropped", 0)
+        + totals.get("aborted_surplus", 0)
+        + totals.get("aborted_retry", 0)
+    )
     assert accounted == drawn, (accounted, drawn, totals, counts)
     print("coordination counts:", dict(counts), "totals:", totals, "retractions:", retractions)
     assert counts["samples_aborted_surplus"] > 0  # n + 2 sent, n kept

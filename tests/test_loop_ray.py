@@ -27,11 +27,26 @@ def test_train_command_with_ray(tmp_path):
     save_tiny_hf_model("qwen3", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
     train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml"),
-           f"model.hf_path={model}", f"data.train_files=[{train}]", "data.val_files=[]", "trainer.total_steps=1",
-           "trainer.val_every=0", "data.max_response_length=8", "algo.overlong_buffer.len=2", "algo.train_batch_size=2",
-           "algo.ppo_mini_batch_size=2", "reward.name=tests.workers.loop_rewards:parity_reward",
-           "logging.progress_bar=false", f"logging.run_dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_dapo.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml"),
+        f"model.hf_path={model}",
+        f"data.train_files=[{train}]",
+        "data.val_files=[]",
+        "trainer.total_steps=1",
+        "trainer.val_every=0",
+        "data.max_response_length=8",
+        "algo.overlong_buffer.len=2",
+        "algo.train_batch_size=2",
+        "algo.ppo_mini_batch_size=2",
+        "reward.name=tests.workers.loop_rewards:parity_reward",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     out = proc.stdout + proc.stderr

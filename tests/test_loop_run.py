@@ -2,8 +2,9 @@
 servers over loopback. Three short runs share the servers:
 
   A  staleness 1, 2 steps of 2 PPO epochs, a checkpoint every step, rewards in 2 worker processes: loss
-     finite, server weights equal the trainer's and change after every sync, metrics / TensorBoard / checkpoints written, staleness <= 1 from the logged
-     versions, uninformative (all-correct) groups never reach the loss, raising rewards counted;
+     finite, server weights equal the trainer's and change after every sync, metrics / TensorBoard /
+     checkpoints written, staleness <= 1 from the logged versions, uninformative (all-correct) groups
+     never reach the loss, raising rewards counted;
   B  resumed from A's checkpoint of step 0: step 1 consumes the same prompts and ends at the same
      parameters as A's uninterrupted step 1 (fp32, 1e-6);
   U  staleness 0, 4 steps: every consumed sample comes from the trainer's current weights (on-policy);
@@ -47,11 +48,17 @@ def env(tmp_path_factory):
     (root / "data" / "empty.jsonl").write_text("")
     # batch-invariant servers: a request's logprobs (which enter the loss through the importance weights)
     # must not depend on what else the servers were generating, or two runs differ in the last bits
-    servers = launch_embedded_servers(str(model), 2, root / "server_logs", timeout_s=240,
-                                      deterministic_inference=True)
+    servers = launch_embedded_servers(str(model), 2, root / "server_logs", timeout_s=240, deterministic_inference=True)
     try:
-        yield {"root": root, "model": model, "train": train, "urls": [s.url for s in servers],
-               "ground_truths": [json.loads(line)["reward_model"]["ground_truth"] for line in train.read_text().splitlines()]}
+        yield {
+            "root": root,
+            "model": model,
+            "train": train,
+            "urls": [s.url for s in servers],
+            "ground_truths": [
+                json.loads(line)["reward_model"]["ground_truth"] for line in train.read_text().splitlines()
+            ],
+        }
     finally:
         for s in servers:
             s.stop()
@@ -60,12 +67,23 @@ def env(tmp_path_factory):
 def _args(env, run_dir, *overrides):
     urls = json.dumps(env["urls"])
     return [
-        f"model.hf_path={env['model']}", f"data.train_files=[{env['train']}]", "data.val_files=[]",
-        "data.max_response_length=8", "algo.overlong_buffer.len=2", "algo.train_batch_size=4",
-        "algo.ppo_mini_batch_size=2", "rollout.n_resp_per_prompt=4", "reward.name=tests.workers.loop_rewards:parity_reward",
-        "optimizer.lr=1e-3", "optimizer.lr_warmup_steps=0",
-        "trainer.val_every=0", "logging.progress_bar=false", f"logging.run_dir={run_dir}", f"rollout.servers={urls}",
-        "rollout.sync.verify=true", *overrides,
+        f"model.hf_path={env['model']}",
+        f"data.train_files=[{env['train']}]",
+        "data.val_files=[]",
+        "data.max_response_length=8",
+        "algo.overlong_buffer.len=2",
+        "algo.train_batch_size=4",
+        "algo.ppo_mini_batch_size=2",
+        "rollout.n_resp_per_prompt=4",
+        "reward.name=tests.workers.loop_rewards:parity_reward",
+        "optimizer.lr=1e-3",
+        "optimizer.lr_warmup_steps=0",
+        "trainer.val_every=0",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+        f"rollout.servers={urls}",
+        "rollout.sync.verify=true",
+        *overrides,
     ]
 
 
@@ -84,8 +102,14 @@ def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
     return run_dir, _rows(run_dir)
 
 
-RUN_A = ("trainer.total_steps=2", "algo.staleness=1", "algo.ppo_epochs=2", "checkpoint.save_every=1",
-         "checkpoint.keep_last=0", "reward.num_workers=2")
+RUN_A = (
+    "trainer.total_steps=2",
+    "algo.staleness=1",
+    "algo.ppo_epochs=2",
+    "checkpoint.save_every=1",
+    "checkpoint.keep_last=0",
+    "reward.num_workers=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +171,9 @@ def test_resume_continues_with_same_data_and_parameters(env, run_a):
     save_b = env["root"] / "b_ckpt"
     shutil.copytree(run_dir_a / "checkpoints" / "step_000000", save_b / "step_000000")
     (save_b / "latest").write_text("step_000000\n")
-    run_dir_b, rows_b = _run(env, "b", *RUN_A, f"checkpoint.save_dir={save_b}", "checkpoint.resume=true",
-                             stop_after="1")
+    run_dir_b, rows_b = _run(
+        env, "b", *RUN_A, f"checkpoint.save_dir={save_b}", "checkpoint.resume=true", stop_after="1"
+    )
     assert [r["step"] for r in rows_b] == [1]
     assert rows_b[0]["prompt_indices"] == rows_a[1]["prompt_indices"]
     assert rows_b[0]["sample_versions"] == rows_a[1]["sample_versions"]
@@ -192,8 +217,20 @@ def test_corrupt_checkpoint_is_refused_by_resume_and_convert(env, run_a, tmp_pat
     with pytest.raises(ckpt.CheckpointError, match=f"{shard}: SHA-256 differs from the manifest"):
         ckpt.find_resume_checkpoint(save)
     out = tmp_path / "hf"
-    assert convert_main(["megatron-to-hf", "--ckpt", str(save / "step_000000" / "model"),
-                         "--hf-config", str(env["model"]), "--out", str(out)]) == 1
+    assert (
+        convert_main(
+            [
+                "megatron-to-hf",
+                "--ckpt",
+                str(save / "step_000000" / "model"),
+                "--hf-config",
+                str(env["model"]),
+                "--out",
+                str(out),
+            ]
+        )
+        == 1
+    )
     assert f"{shard}: SHA-256 differs from the manifest" in capsys.readouterr().err and not out.exists()
     (save / "step_000000" / "rollout.json").write_text('{"next_batch": null}')  # the manifest catches any edit
     shard.write_bytes(bytes(b ^ 0xFF if 4096 <= i < 8192 else b for i, b in enumerate(data)))
@@ -236,8 +273,16 @@ def test_resume_without_latest_refuses_and_overwrites_nothing(env, run_a):
     save = env["root"] / "n_ckpt"
     shutil.copytree(run_a[0] / "checkpoints", save, ignore=shutil.ignore_patterns("latest"))
     before = {p: p.read_bytes() for p in save.rglob("*") if p.is_file()}
-    out = _run(env, "n", "trainer.total_steps=2", "checkpoint.save_every=1", f"checkpoint.save_dir={save}",
-               "checkpoint.resume=true", expect_fail=True, timeout=120)
+    out = _run(
+        env,
+        "n",
+        "trainer.total_steps=2",
+        "checkpoint.save_every=1",
+        f"checkpoint.save_dir={save}",
+        "checkpoint.resume=true",
+        expect_fail=True,
+        timeout=120,
+    )
     assert "RUN SETUP ERROR" in out and "holds checkpoints but no latest pointer; refusing to start over" in out
     assert f"echo step_000001 > {save / 'latest'}" in out
     assert {p: p.read_bytes() for p in save.rglob("*") if p.is_file()} == before
@@ -269,8 +314,9 @@ def _kill_after_checkpoint(env, run_dir, step, timeout=240):
     synced = run_dir / "out" / f"weights_step{step + 1}.pt"  # written after step + 1's weight sync
     run_dir.mkdir(parents=True)
     with open(run_dir / "torchrun.log", "w") as log:
-        proc = start_torchrun("loop_run.py", 2, str(CONFIG), str(run_dir / "out"), "-",
-                              *_args(env, run_dir, *SYNC_RUN), stdout=log)
+        proc = start_torchrun(
+            "loop_run.py", 2, str(CONFIG), str(run_dir / "out"), "-", *_args(env, run_dir, *SYNC_RUN), stdout=log
+        )
         deadline = time.time() + timeout
         try:
             while not (latest.exists() and latest.read_text().strip() == want and synced.exists()):
@@ -304,8 +350,7 @@ def test_killed_run_resumes_with_the_same_data_and_parameters(env, run_u):
     assert (found / "rollout.json").exists() and (found / "model").is_dir()
     assert sorted(p.name for p in (found / "rng").iterdir()) == ["rank_00000.json", "rank_00001.json"]
     assert all((d / "trainer.json").exists() for d in ckpts.glob("step_*") if not d.name.endswith(".tmp"))
-    assert sorted(d.name for d in ckpts.glob("step_*") if not d.name.endswith(".tmp")) == [
-        "step_000000", "step_000001"]
+    assert sorted(d.name for d in ckpts.glob("step_*") if not d.name.endswith(".tmp")) == ["step_000000", "step_000001"]
 
     run_dir_r, rows_r = _run(env, "r", *SYNC_RUN, f"checkpoint.save_dir={ckpts}", "checkpoint.resume=true")
     assert [r["step"] for r in rows_r] == [2, 3]
@@ -326,6 +371,12 @@ def test_killed_run_resumes_with_the_same_data_and_parameters(env, run_u):
 
 
 def test_empty_dataset_fails_fast_naming_the_file(env):
-    out = _run(env, "d", f"data.train_files=[{env['root'] / 'data' / 'empty.jsonl'}]", "trainer.total_steps=1",
-               expect_fail=True, timeout=120)
+    out = _run(
+        env,
+        "d",
+        f"data.train_files=[{env['root'] / 'data' / 'empty.jsonl'}]",
+        "trainer.total_steps=1",
+        expect_fail=True,
+        timeout=120,
+    )
     assert "RUN SETUP ERROR" in out and "empty.jsonl is empty" in out

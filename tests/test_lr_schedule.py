@@ -21,8 +21,9 @@ def _lrs(cfg, steps):
 
 
 def test_decay_steps_count_optimizer_steps_of_the_whole_run():
-    cfg = load_config(CFG, ["algo.train_batch_size=8", "algo.ppo_mini_batch_size=2", "algo.ppo_epochs=3",
-                            "trainer.total_steps=5"])
+    cfg = load_config(
+        CFG, ["algo.train_batch_size=8", "algo.ppo_mini_batch_size=2", "algo.ppo_epochs=3", "trainer.total_steps=5"]
+    )
     assert derived.optimizer_steps_per_train_step(cfg) == 12
     assert derived.lr_decay_steps(cfg) == 60
     cfg.optimizer.lr_decay_steps = 7
@@ -30,8 +31,16 @@ def test_decay_steps_count_optimizer_steps_of_the_whole_run():
 
 
 def test_warmup_then_cosine_decay_match_the_formula():
-    cfg = load_config(CFG, ["optimizer.lr=1e-3", "optimizer.min_lr=1e-4", "optimizer.lr_warmup_steps=4",
-                            "optimizer.lr_decay_style=cosine", "optimizer.lr_decay_steps=20"])
+    cfg = load_config(
+        CFG,
+        [
+            "optimizer.lr=1e-3",
+            "optimizer.min_lr=1e-4",
+            "optimizer.lr_warmup_steps=4",
+            "optimizer.lr_decay_style=cosine",
+            "optimizer.lr_decay_steps=20",
+        ],
+    )
     lrs = _lrs(cfg, 24)
     for t, lr in enumerate(lrs):
         if t <= 4:

@@ -19,12 +19,25 @@ from megatron_dapo.models import (
 from megatron_dapo.models.tiny import tiny_hf_config
 
 HUB_QWEN3_MOE = {  # the spelling of Qwen3-30B-A3B's config.json on the hub (transformers 4)
-    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
-    "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
-    "mlp_only_layers": [], "router_aux_loss_coef": 0.001, "max_position_embeddings": 40960,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+    "max_position_embeddings": 40960,
 }
 
 
@@ -96,7 +109,9 @@ def test_mask_padded_vocab_logits_keeps_logprobs():
     full[:, vocab:] = 0.0  # what a zero-padded output layer produces
     ref = torch.log_softmax(full[:, :vocab], dim=-1)
     width = full.shape[-1] // tp
-    shards = [mask_padded_vocab_logits(full[:, r * width:(r + 1) * width], vocab, vocab_start=r * width) for r in range(tp)]
+    shards = [
+        mask_padded_vocab_logits(full[:, r * width : (r + 1) * width], vocab, vocab_start=r * width) for r in range(tp)
+    ]
     masked = torch.log_softmax(torch.cat(shards, dim=-1), dim=-1)
     assert torch.allclose(masked[:, :vocab], ref, atol=0, rtol=1e-12)
     assert torch.isinf(masked[:, vocab:]).all()

@@ -35,7 +35,9 @@ def test_all_moe_checkpoints_interchange_with_plain_megatron_core(tmp_path, caps
     ckpt, work, back = tmp_path / "converted", tmp_path / "work", tmp_path / "hf_back"
     work.mkdir()
     # Saved at EP=2: the two ranks' experts join into one stacked tensor per name.
-    assert convert_main(["hf-to-megatron", "--hf", str(hf), "--out", str(ckpt), "--ep", "2"]) == 0, capsys.readouterr().err
+    assert convert_main(["hf-to-megatron", "--hf", str(hf), "--out", str(ckpt), "--ep", "2"]) == 0, (
+        capsys.readouterr().err
+    )
 
     out = run_torchrun("moe_layout.py", 1, str(hf), str(ckpt), str(work), timeout=300)
     errs = dict(re.findall(r"RESULT (converted|old_per_layer) rel=(\S+)", out))
@@ -45,8 +47,9 @@ def test_all_moe_checkpoints_interchange_with_plain_megatron_core(tmp_path, caps
 
     # A checkpoint Megatron-LM style (iter_0000010 + tracker, no hf_config/ copy) -> HF.
     plain_ckpt = work / "plain_ckpt"
-    assert convert_main(["megatron-to-hf", "--ckpt", str(plain_ckpt), "--hf-config", str(hf), "--out", str(back)]) == 0, \
-        capsys.readouterr().err
+    assert (
+        convert_main(["megatron-to-hf", "--ckpt", str(plain_ckpt), "--hf-config", str(hf), "--out", str(back)]) == 0
+    ), capsys.readouterr().err
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(back, output_loading_info=True, attn_implementation="eager")

@@ -56,6 +56,7 @@ async def _interrupted(url, sampling, between_pauses):
                 k += 1
 
     async with SGLangClient(url) as c:
+
         async def generate(so_far, sp):
             (s,) = await c.generate(continuation_ids(so_far), sp)
             return s
@@ -110,8 +111,9 @@ def test_weights_changing_mid_request_give_exact_token_versions(server, models):
     async def update(admin, k):  # during the first two pauses: versions 1 and 2
         if k < 2:
             async with admin.weight_update_session():
-                await admin.update_weights_from_tensor([serialize_named_tensors(new_weights[k + 1])],
-                                                       weight_version=str(k + 1))
+                await admin.update_weights_from_tensor(
+                    [serialize_named_tensors(new_weights[k + 1])], weight_version=str(k + 1)
+                )
 
     async def go():
         out = await _interrupted(server.url, sampling, update)

@@ -62,9 +62,18 @@ def test_router_sends_a_request_only_to_a_server_holding_its_version():
         async def generate(request):
             body = await request.json()
             seen.append(name)
-            return web.json_response({"text": "", "output_ids": [5], "meta_info": {
-                "id": body.get("rid") or "r", "finish_reason": {"type": "length", "length": 1},
-                "weight_version": "0", "output_token_logprobs": [[-0.5, 5, None]]}})
+            return web.json_response(
+                {
+                    "text": "",
+                    "output_ids": [5],
+                    "meta_info": {
+                        "id": body.get("rid") or "r",
+                        "finish_reason": {"type": "length", "length": 1},
+                        "weight_version": "0",
+                        "output_token_logprobs": [[-0.5, 5, None]],
+                    },
+                }
+            )
 
         async def health(request):
             return web.Response(text="ok")
@@ -106,8 +115,9 @@ def test_router_sends_a_request_only_to_a_server_holding_its_version():
                 # already reached version 2 (a trajectory never goes back to older weights)
                 async def continuations(**kw):
                     seen.clear()
-                    await asyncio.gather(*(router.generate([1, 2, 7], sp, min_version=0, generated=1, **kw)
-                                           for _ in range(6)))
+                    await asyncio.gather(
+                        *(router.generate([1, 2, 7], sp, min_version=0, generated=1, **kw) for _ in range(6))
+                    )
                     return sorted(set(seen))
 
                 assert await continuations() == ["a", "b"]
@@ -171,8 +181,15 @@ def test_status_based_load_check_skips_a_hung_server_and_syncs_the_others(monkey
     from megatron_dapo.sync import per_server
     from megatron_dapo.sync.per_server import PerServerSync, WeightStore
 
-    row = {"num_running_reqs": 3, "num_waiting_reqs": 0, "num_used_tokens": 120, "max_total_num_tokens": 1000,
-           "gen_throughput": 42.5, "token_usage": 0.12, "max_running_requests": 64}
+    row = {
+        "num_running_reqs": 3,
+        "num_waiting_reqs": 0,
+        "num_used_tokens": 120,
+        "max_total_num_tokens": 1000,
+        "gen_throughput": 42.5,
+        "token_usage": 0.12,
+        "max_running_requests": 64,
+    }
     hung = threading.Event()
 
     async def answering(request):
@@ -199,8 +216,12 @@ def test_status_based_load_check_skips_a_hung_server_and_syncs_the_others(monkey
     thread.start()
     asyncio.run_coroutine_threadsafe(start(), loop).result(10)
     monkeypatch.setattr(per_server, "LOAD_TIMEOUT_S", 0.5)
-    syncer = PerServerSync(urls, SyncConfig(policy="status_based", indicator="kv_cache", threshold=0.5),
-                           ServerRegistry(urls, version=0), WeightStore())
+    syncer = PerServerSync(
+        urls,
+        SyncConfig(policy="status_based", indicator="kv_cache", threshold=0.5),
+        ServerRegistry(urls, version=0),
+        WeightStore(),
+    )
     syncer._open_load_clients()
     try:
         t0 = time.monotonic()

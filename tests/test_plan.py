@@ -62,7 +62,9 @@ def test_total_params_of_qwen2_5_7b():
     assert sum(p.numel() for p in model.parameters()) == expected
 
 
-@pytest.mark.parametrize("family, overrides", [("qwen3", {}), ("qwen3_moe", {}), ("qwen2", {"tie_word_embeddings": True})])
+@pytest.mark.parametrize(
+    "family, overrides", [("qwen3", {}), ("qwen3_moe", {}), ("qwen2", {"tie_word_embeddings": True})]
+)
 def test_total_params_equal_the_hf_model(family, overrides):
     """Independent reference: the parameter count of the real transformers model."""
     import json
@@ -186,8 +188,9 @@ def test_not_fitting_names_the_largest_term():
     assert "largest term: activations" in fit_errors(no_recompute)[0]
 
     rollout = make_plan(
-        _cluster("qwen3_30b_a3b.yaml", 4, "rollout.server_tp=1", "rollout.num_servers=16",
-                 "rollout.mem_fraction_static=0.6"),
+        _cluster(
+            "qwen3_30b_a3b.yaml", 4, "rollout.server_tp=1", "rollout.num_servers=16", "rollout.mem_fraction_static=0.6"
+        ),
         gpu_mem_gib=80,
     )
     (err,) = fit_errors(rollout)
@@ -206,8 +209,12 @@ def test_layout_groups_and_engine_placement_30b():
     assert g["ep"] == [list(range(0, 8)), list(range(8, 16))]
     assert g["edp"][0] == [0, 8]
     assert plan.layout.trainer_gpus[15] == (1, 7)
-    assert plan.layout.servers == [[(2, 0), (2, 1), (2, 2), (2, 3)], [(2, 4), (2, 5), (2, 6), (2, 7)],
-                                   [(3, 0), (3, 1), (3, 2), (3, 3)], [(3, 4), (3, 5), (3, 6), (3, 7)]]
+    assert plan.layout.servers == [
+        [(2, 0), (2, 1), (2, 2), (2, 3)],
+        [(2, 4), (2, 5), (2, 6), (2, 7)],
+        [(3, 0), (3, 1), (3, 2), (3, 3)],
+        [(3, 4), (3, 5), (3, 6), (3, 7)],
+    ]
     text = format_plan(plan)
     assert "server 3: node 3 GPU 4-7" in text and "ep   size   8: [0-7] [8-15]" in text
 
@@ -215,13 +222,16 @@ def test_layout_groups_and_engine_placement_30b():
 def test_engine_spanning_nodes_is_an_error():
     from megatron_dapo.config.errors import ConfigError
 
-    cfg = _cluster("qwen3_8b.yaml", 2, "parallel.tp=2", "trainer.world_size=6", "rollout.num_servers=1",
-                   "rollout.server_tp=4")
+    cfg = _cluster(
+        "qwen3_8b.yaml", 2, "parallel.tp=2", "trainer.world_size=6", "rollout.num_servers=1", "rollout.server_tp=4"
+    )
     with pytest.raises(ConfigError, match="rollout server 0 .rollout.server_tp=4. would span nodes 0 and 1"):
         make_plan(cfg)
     with pytest.raises(ConfigError, match="trainer.world_size=16 plus 4 SGLang GPUs"):
-        load_config(CONFIGS / "qwen3_8b.yaml", ["trainer.nnodes=2", "trainer.world_size=16", "rollout.num_servers=1",
-                                                "rollout.server_tp=4"])
+        load_config(
+            CONFIGS / "qwen3_8b.yaml",
+            ["trainer.nnodes=2", "trainer.world_size=16", "rollout.num_servers=1", "rollout.server_tp=4"],
+        )
 
 
 def test_engine_larger_than_a_node_is_a_config_error():
@@ -271,8 +281,17 @@ def test_step_estimate_matches_a_flop_count_of_the_hf_model():
 
     from megatron_dapo.planner.speed import trainer_speed
 
-    hf = dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, tie_word_embeddings=True, max_position_embeddings=1024)
+    hf = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=1024,
+    )
     model = Qwen3ForCausalLM(Qwen3Config(**hf, attn_implementation="eager")).eval()
     L = 384
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
@@ -283,8 +302,9 @@ def test_step_estimate_matches_a_flop_count_of_the_hf_model():
     counted_causal = counter.get_total_flops() - attention / 2
 
     cfg = load_config(CONFIGS / "tiny_qwen3_cpu.yaml", ["model.recompute_granularity=none"])
-    speed = trainer_speed(cfg, shape_from_hf({**hf, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}),
-                          mean_seq_tokens=L)
+    speed = trainer_speed(
+        cfg, shape_from_hf({**hf, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}), mean_seq_tokens=L
+    )
     forward_per_token = speed.flops_per_token / 4  # old logprobs, forward, backward (2): 4 forwards' worth
     assert forward_per_token * L == pytest.approx(counted_causal, rel=0.01)
 
@@ -294,8 +314,23 @@ def test_plan_prints_the_step_time_the_simulator_trains_at(capsys):
 
     from megatron_dapo.sim.cli import build_world
 
-    assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8",
-                 "rollout.n_resp_per_prompt=16", "--response-len", "6000", "--mfu", "0.4"]) == 0
+    assert (
+        main(
+            [
+                str(CONFIGS / "qwen3_8b.yaml"),
+                "--nodes",
+                "4",
+                "--gpus-per-node",
+                "8",
+                "rollout.n_resp_per_prompt=16",
+                "--response-len",
+                "6000",
+                "--mfu",
+                "0.4",
+            ]
+        )
+        == 0
+    )
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trainer step (estimate)"))
     cfg = _cluster("qwen3_8b.yaml", 4, "rollout.n_resp_per_prompt=16")
     plan = make_plan(cfg, response_tokens=6000, mfu=0.4)
@@ -304,22 +339,39 @@ def test_plan_prints_the_step_time_the_simulator_trains_at(capsys):
     assert f"-> {plan.step.speed.step_s(tokens):.0f} s on 16 GPUs at 40% of 989 TFLOP/s" in line
 
     # the simulator's trainer, on sequences of the same mean length, takes the same time per token
-    args = argparse.Namespace(lengths="dapo", seed=0, cost_model=None, step_time=None, prompt_len=256,
-                              gpu_tflops=989.0, mfu=0.4, token_unit=0, gpu_mem_gib=80.0, max_running=1024,
-                              sync_s=5.0, keep_prob=0.5, steps=1, warmup_steps=0, engine_admission="sglang")
+    args = argparse.Namespace(
+        lengths="dapo",
+        seed=0,
+        cost_model=None,
+        step_time=None,
+        prompt_len=256,
+        gpu_tflops=989.0,
+        mfu=0.4,
+        token_unit=0,
+        gpu_mem_gib=80.0,
+        max_running=1024,
+        sync_s=5.0,
+        keep_prob=0.5,
+        steps=1,
+        warmup_steps=0,
+        engine_admission="sglang",
+    )
     _, sim_speed = build_world(cfg, args)
     default = make_plan(cfg, mfu=0.4)  # the default response length: the simulator's DAPO-like mean
     assert sim_speed == default.step.speed
     assert sim_speed.step_s(1e6) == pytest.approx(default.step.speed.step_s(1e6))
 
 
-@pytest.mark.parametrize("flag,value,message", [
-    ("--mfu", "0", "--mfu=0.0 must be in (0, 1]"),
-    ("--mfu", "1.5", "--mfu=1.5 must be in (0, 1]"),
-    ("--gpu-tflops", "-1", "--gpu-tflops=-1.0 must be > 0"),
-    ("--response-len", "-100", "--response-len=-100.0 must be >= 0"),
-    ("--prompt-len", "nan", "--prompt-len=nan must be >= 0"),
-])
+@pytest.mark.parametrize(
+    "flag,value,message",
+    [
+        ("--mfu", "0", "--mfu=0.0 must be in (0, 1]"),
+        ("--mfu", "1.5", "--mfu=1.5 must be in (0, 1]"),
+        ("--gpu-tflops", "-1", "--gpu-tflops=-1.0 must be > 0"),
+        ("--response-len", "-100", "--response-len=-100.0 must be >= 0"),
+        ("--prompt-len", "nan", "--prompt-len=nan must be >= 0"),
+    ],
+)
 def test_plan_refuses_step_time_options_that_make_no_sense(capsys, flag, value, message):
     assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8", flag, value]) == 2
     assert f"plan error: {message}" in capsys.readouterr().err

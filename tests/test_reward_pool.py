@@ -16,7 +16,9 @@ pytestmark = pytest.mark.slow  # worker processes
 
 
 def _items(n):
-    return [(f"resp {i} {'x' * (i % 5)}", str(i % 3), "src", {"bonus": i, "unknown_extra": "ignored"}) for i in range(n)]
+    return [
+        (f"resp {i} {'x' * (i % 5)}", str(i % 3), "src", {"bonus": i, "unknown_extra": "ignored"}) for i in range(n)
+    ]
 
 
 def test_pool_scores_what_the_process_scores():

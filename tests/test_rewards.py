@@ -81,8 +81,12 @@ def test_runner_counts_raising_and_slow_functions_without_crashing():
     runner = RewardRunner(default=compute_score, by_data_source={"custom": flaky}, timeout_s=0.5, failure_score=-1.0)
     t0 = time.monotonic()
     out = runner.score_many(
-        [("ok", "ok", "custom", {}), ("boom", "x", "custom", {}), ("slow", "slow", "custom", {}),
-         ("Answer: 4", "4", "math_dapo", {})]
+        [
+            ("ok", "ok", "custom", {}),
+            ("boom", "x", "custom", {}),
+            ("slow", "slow", "custom", {}),
+            ("Answer: 4", "4", "math_dapo", {}),
+        ]
     )
     assert time.monotonic() - t0 < 5
     assert [r.score for r in out] == [1.0, -1.0, -1.0, 1.0]
@@ -97,8 +101,15 @@ def test_non_finite_rewards_are_scored_as_failures_and_counted():
     from megatron_dapo.coordinator.groups import batch_advantages, judge_group
     from megatron_dapo.rollout.types import Sample
 
-    values = {"nan": float("nan"), "inf": float("inf"), "-inf": -float("inf"), "npnan": np.float32("nan"),
-              "dictnan": {"score": float("nan"), "acc": True}, "good": 1.0, "bad": -1.0}
+    values = {
+        "nan": float("nan"),
+        "inf": float("inf"),
+        "-inf": -float("inf"),
+        "npnan": np.float32("nan"),
+        "dictnan": {"score": float("nan"), "acc": True},
+        "good": 1.0,
+        "bad": -1.0,
+    }
 
     def fn(response, ground_truth, **_):
         return values[response]
@@ -110,8 +121,17 @@ def test_non_finite_rewards_are_scored_as_failures_and_counted():
     assert all("non-finite score" in r.error for r in out[:5])
     assert runner.counters() == {"scored": 7, "errors": 0, "timeouts": 0, "nonfinite": 5}
     # the scores reach the advantages without the non-finite check there firing
-    samples = [Sample(rid=str(i), prompt_ids=[1], output_ids=[2, 3], logprobs=[-0.1, -0.2], finish_reason="stop",
-                      weight_version="0") for i in range(len(out))]
+    samples = [
+        Sample(
+            rid=str(i),
+            prompt_ids=[1],
+            output_ids=[2, 3],
+            logprobs=[-0.1, -0.2],
+            finish_reason="stop",
+            weight_version="0",
+        )
+        for i in range(len(out))
+    ]
     group = judge_group(0, samples, out, max_response_length=8, filter_metric=None)
     assert group.reward_failures == 5
     assert torch.isfinite(batch_advantages([group])).all()

@@ -29,21 +29,41 @@ def test_snapshot_has_the_fields_the_issue_names():
     # Independent of the extractor's own logic: the field names SGLang 0.5.23 documents for these routes.
     c = SNAPSHOT["classes"]
     assert {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"} <= set(
-        c["InitWeightsUpdateGroupReqInput"]["fields"])
-    assert {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
-            "load_format"} <= set(c["UpdateWeightsFromDistributedReqInput"]["fields"])
+        c["InitWeightsUpdateGroupReqInput"]["fields"]
+    )
+    assert {
+        "names",
+        "dtypes",
+        "shapes",
+        "group_name",
+        "flush_cache",
+        "abort_all_requests",
+        "weight_version",
+        "load_format",
+    } <= set(c["UpdateWeightsFromDistributedReqInput"]["fields"])
     assert set(c["UpdateWeightsFromDistributedReqInput"]["required"]) == {"names", "dtypes", "shapes"}
     assert {"input_ids", "sampling_params", "return_logprob", "rid"} <= set(c["GenerateReqInput"]["fields"])
     assert {"temperature", "top_p", "top_k", "max_new_tokens", "stop", "stop_token_ids", "n"} <= set(
-        SNAPSHOT["SamplingParams"]["fields"])
+        SNAPSHOT["SamplingParams"]["fields"]
+    )
 
 
 def _all_client_bodies() -> dict[str, list[dict]]:
-    sp = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_new_tokens=8, stop=["x"], stop_token_ids=[3], n=4,
-                        sampling_seed=2**63 - 1)
+    sp = SamplingParams(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=20,
+        max_new_tokens=8,
+        stop=["x"],
+        stop_token_ids=[3],
+        n=4,
+        sampling_seed=2**63 - 1,
+    )
     return {
-        "/generate": [payloads.generate_body([1, 2], sp, rid="r"),
-                      payloads.generate_body([1, 2], SamplingParams(max_new_tokens=0), rid="p", logprob_start_len=0)],
+        "/generate": [
+            payloads.generate_body([1, 2], sp, rid="r"),
+            payloads.generate_body([1, 2], SamplingParams(max_new_tokens=0), rid="p", logprob_start_len=0),
+        ],
         "/abort_request": [payloads.abort_body("r"), payloads.abort_body(abort_all=True)],
         "/pause_generation": [payloads.pause_body(m) for m in ("abort", "retract", "in_place")],
         "/continue_generation": [payloads.continue_body()],
@@ -55,7 +75,8 @@ def _all_client_bodies() -> dict[str, list[dict]]:
         "/end_weight_update": [payloads.end_update_body()],
         "/update_weights_from_distributed": [
             payloads.update_distributed_body(["a"], ["float32"], [[2, 3]], "g", True, False, "7", "flattened_bucket"),
-            payloads.update_distributed_body(["a"], ["bfloat16"], [[2]])],
+            payloads.update_distributed_body(["a"], ["bfloat16"], [[2]]),
+        ],
         "/update_weights_from_tensor": [payloads.update_tensor_body([b"abc"], weight_version="3")],
         "/update_weight_version": [payloads.update_version_body("9")],
     }
@@ -79,22 +100,37 @@ def test_conformance_checker_catches_wrong_bodies():
 def test_embedded_server_accepts_only_sglang_field_names():
     from megatron_dapo.rollout.embedded import schemas as S
 
-    pairs = {S.GenerateIn: "GenerateReqInput", S.AbortIn: "AbortReq", S.PauseIn: "PauseGenerationReqInput",
-             S.ContinueIn: "ContinueGenerationReqInput", S.MemoryIn: "ReleaseMemoryOccupationReqInput",
-             S.InitGroupIn: "InitWeightsUpdateGroupReqInput", S.DestroyGroupIn: "DestroyWeightsUpdateGroupReqInput",
-             S.UpdateDistributedIn: "UpdateWeightsFromDistributedReqInput",
-             S.UpdateTensorIn: "UpdateWeightsFromTensorReqInput", S.UpdateVersionIn: "UpdateWeightVersionReqInput",
-             S.BeginUpdateIn: "BeginWeightUpdateReqInput", S.EndUpdateIn: "EndWeightUpdateReqInput"}
+    pairs = {
+        S.GenerateIn: "GenerateReqInput",
+        S.AbortIn: "AbortReq",
+        S.PauseIn: "PauseGenerationReqInput",
+        S.ContinueIn: "ContinueGenerationReqInput",
+        S.MemoryIn: "ReleaseMemoryOccupationReqInput",
+        S.InitGroupIn: "InitWeightsUpdateGroupReqInput",
+        S.DestroyGroupIn: "DestroyWeightsUpdateGroupReqInput",
+        S.UpdateDistributedIn: "UpdateWeightsFromDistributedReqInput",
+        S.UpdateTensorIn: "UpdateWeightsFromTensorReqInput",
+        S.UpdateVersionIn: "UpdateWeightVersionReqInput",
+        S.BeginUpdateIn: "BeginWeightUpdateReqInput",
+        S.EndUpdateIn: "EndWeightUpdateReqInput",
+    }
     for model, cls in pairs.items():
         assert set(model.model_fields) <= set(SNAPSHOT["classes"][cls]["fields"]), cls
     assert set(S.SamplingParamsIn.model_fields) <= set(SNAPSHOT["SamplingParams"]["fields"])
 
 
 def test_parse_generate_answer_shapes():
-    item = {"text": "", "output_ids": [5, 6], "meta_info": {
-        "id": "r", "finish_reason": {"type": "stop", "matched": 6}, "weight_version": "3",
-        "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]],
-        "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}]}}
+    item = {
+        "text": "",
+        "output_ids": [5, 6],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "stop", "matched": 6},
+            "weight_version": "3",
+            "output_token_logprobs": [[-0.5, 5, None], [-1.5, 6, None]],
+            "weight_versions": [{"version": "2", "start": 0, "end": 1}, {"version": "3", "start": 1, "end": 2}],
+        },
+    }
     (s,) = payloads.parse_generate(item, [1])
     assert (s.output_ids, s.logprobs, s.finish_reason, s.matched_stop) == ([5, 6], [-0.5, -1.5], "stop", 6)
     assert s.versions == ["2", "3"] and s.num_retractions == 0  # not sent: none
@@ -113,6 +149,7 @@ def test_parse_generate_answer_shapes():
 
 
 # ---- sampling -----------------------------------------------------------------------------------
+
 
 def test_sampled_logprob_is_temperature_scaled_before_filtering():
     from megatron_dapo.rollout.embedded.sampling import sample
@@ -160,20 +197,34 @@ def test_seeded_rows_draw_from_their_own_stream_with_the_filtered_distribution()
     tok, _ = sample(logits, ones, ones, full, torch.Generator().manual_seed(0), seeds=seeds, positions=pos)
     # the same seeded rows alone, reversed and with other engine-stream draws: the same tokens
     rev = [3, 2, 0]
-    tok_rev, _ = sample(logits[rev], ones[:3], ones[:3], full[:3], torch.Generator().manual_seed(5),
-                        seeds=[seeds[i] for i in rev], positions=[pos[i] for i in rev])
+    tok_rev, _ = sample(
+        logits[rev],
+        ones[:3],
+        ones[:3],
+        full[:3],
+        torch.Generator().manual_seed(5),
+        seeds=[seeds[i] for i in rev],
+        positions=[pos[i] for i in rev],
+    )
     assert tok_rev.tolist() == [tok[i].item() for i in rev]
     # over many seeds a seeded draw follows the top-p-filtered, renormalised distribution
     probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
     N = 4000
-    t, _ = sample(probs.log().repeat(N, 1), torch.ones(N), torch.full((N,), 0.85), torch.full((N,), -1),
-                  seeds=list(range(N)), positions=[0] * N)
+    t, _ = sample(
+        probs.log().repeat(N, 1),
+        torch.ones(N),
+        torch.full((N,), 0.85),
+        torch.full((N,), -1),
+        seeds=list(range(N)),
+        positions=[0] * N,
+    )
     freq = torch.bincount(t, minlength=4).double() / N
     assert freq[3] == 0  # outside the nucleus: never drawn
     torch.testing.assert_close(freq[:3], (probs[:3] / probs[:3].sum()).double(), atol=0.03, rtol=0)
 
 
 # ---- engine (in-process) ------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
@@ -200,19 +251,28 @@ def test_engine_batched_samples_have_reference_logprobs(tiny_qwen3):
     model, _ = tiny_qwen3
     eng = Engine(model, seed=3)
     try:
-        reqs = [GenRequest(rid=f"r{i}", prompt=p, max_new_tokens=m, temperature=t, top_p=tp, top_k=k,
-                           return_logprob=True)
-                for i, (p, m, t, tp, k) in enumerate([
-                    ([1, 2, 3], 12, 1.0, 1.0, -1), ([4, 5, 6, 7, 8, 9], 7, 0.6, 0.9, -1),
-                    ([1, 2, 3], 12, 1.0, 1.0, -1), ([10], 9, 0.0, 1.0, -1), ([11, 12], 5, 1.2, 1.0, 8)])]
+        reqs = [
+            GenRequest(rid=f"r{i}", prompt=p, max_new_tokens=m, temperature=t, top_p=tp, top_k=k, return_logprob=True)
+            for i, (p, m, t, tp, k) in enumerate(
+                [
+                    ([1, 2, 3], 12, 1.0, 1.0, -1),
+                    ([4, 5, 6, 7, 8, 9], 7, 0.6, 0.9, -1),
+                    ([1, 2, 3], 12, 1.0, 1.0, -1),
+                    ([10], 9, 0.0, 1.0, -1),
+                    ([11, 12], 5, 1.2, 1.0, 8),
+                ]
+            )
+        ]
         futs = [eng.submit(r) for r in reqs]
         answers = [f.result(60) for f in futs]
     finally:
         eng.close()
     for r, a in zip(reqs, answers):
         out = a["output_ids"]
-        assert len(out) == r.max_new_tokens and a["meta_info"]["finish_reason"] == {"type": "length",
-                                                                                   "length": r.max_new_tokens}
+        assert len(out) == r.max_new_tokens and a["meta_info"]["finish_reason"] == {
+            "type": "length",
+            "length": r.max_new_tokens,
+        }
         got = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         ref = _teacher_forced(model, r.prompt, out, r.temperature)
         assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-4, r.rid
@@ -230,15 +290,17 @@ def test_engine_stop_tokens_input_logprobs_and_abort(tiny_qwen3):
     try:
         greedy = eng.submit(GenRequest(rid="g", prompt=[3, 4], max_new_tokens=6, temperature=0.0)).result(30)
         stop_tok = greedy["output_ids"][2]
-        stopped = eng.submit(GenRequest(rid="s", prompt=[3, 4], max_new_tokens=6, temperature=0.0,
-                                        stop_token_ids=frozenset([stop_tok]))).result(30)
+        stopped = eng.submit(
+            GenRequest(rid="s", prompt=[3, 4], max_new_tokens=6, temperature=0.0, stop_token_ids=frozenset([stop_tok]))
+        ).result(30)
         first = greedy["output_ids"].index(stop_tok)
-        assert stopped["output_ids"] == greedy["output_ids"][:first + 1]
+        assert stopped["output_ids"] == greedy["output_ids"][: first + 1]
         assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
 
         probe = [5, 9, 2, 7, 7, 1]
-        a = eng.submit(GenRequest(rid="p", prompt=probe, max_new_tokens=0, return_logprob=True,
-                                  logprob_start_len=0)).result(30)
+        a = eng.submit(
+            GenRequest(rid="p", prompt=probe, max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+        ).result(30)
         got = a["meta_info"]["input_token_logprobs"]
         assert got[0][0] is None and [t[1] for t in got] == probe
         ref = _teacher_forced(model, probe[:1], probe[1:], 1.0)
@@ -278,8 +340,10 @@ def test_engine_retract_resumes_with_new_weights_and_spans(tiny_qwen3):
         eng.close()
     m = a["meta_info"]
     assert len(a["output_ids"]) == 300 and m["num_retractions"] == 1 and m["weight_version"] == "2"
-    assert m["weight_versions"] == [{"version": "1", "start": 0, "end": n_before},
-                                    {"version": "2", "start": n_before, "end": 300}]
+    assert m["weight_versions"] == [
+        {"version": "1", "start": 0, "end": n_before},
+        {"version": "2", "start": n_before, "end": 300},
+    ]
 
 
 @pytest.mark.parametrize("batching", ["continuous", "static"])
@@ -298,8 +362,15 @@ def test_engine_continuous_batching_joins_arrivals_to_the_running_batch(tiny_qwe
 
     def req(rid):
         seed = 5 if rid == "c" else None  # c samples (temperature 1), the others are greedy
-        return GenRequest(rid=rid, prompt=prompts[rid], max_new_tokens=lengths[rid], temperature=float(rid == "c"),
-                          ignore_eos=True, return_logprob=True, sampling_seed=seed)
+        return GenRequest(
+            rid=rid,
+            prompt=prompts[rid],
+            max_new_tokens=lengths[rid],
+            temperature=float(rid == "c"),
+            ignore_eos=True,
+            return_logprob=True,
+            sampling_seed=seed,
+        )
 
     eng = Engine(model, seed=0, batch_invariant=batch_invariant, batching=batching, max_batch=3)
     decode_batches, timed, a_at_10 = [], eng._timed, threading.Event()
@@ -349,9 +420,10 @@ def test_engine_continuous_batching_joins_arrivals_to_the_running_batch(tiny_qwe
         assert order == ["a", "d", "b", "c", "e"]
     for rid in "abde":
         out = answers[rid]["output_ids"]
-        hf = model.generate(torch.tensor([prompts[rid]]), max_new_tokens=len(out), do_sample=False,
-                            min_new_tokens=len(out))
-        assert out == hf[0, len(prompts[rid]):].tolist(), rid
+        hf = model.generate(
+            torch.tensor([prompts[rid]]), max_new_tokens=len(out), do_sample=False, min_new_tokens=len(out)
+        )
+        assert out == hf[0, len(prompts[rid]) :].tolist(), rid
     for rid in "abcde":
         got = [x[0] for x in answers[rid]["meta_info"]["output_token_logprobs"]]
         ref = _teacher_forced(model, prompts[rid], answers[rid]["output_ids"], float(rid == "c"))
@@ -375,8 +447,9 @@ def test_engine_kv_pool_bounds_admission_and_retracts_as_sglang(tiny_qwen3, batc
     prompts = {"a": [1, 2, 3], "b": [7, 8, 9, 10, 11]}
 
     def greedy(rid, prompt, m):
-        return GenRequest(rid=rid, prompt=prompt, max_new_tokens=m, temperature=0.0, ignore_eos=True,
-                          return_logprob=True)
+        return GenRequest(
+            rid=rid, prompt=prompt, max_new_tokens=m, temperature=0.0, ignore_eos=True, return_logprob=True
+        )
 
     eng = Engine(model, seed=0, batching="continuous", batch_invariant=batch_invariant, max_total_tokens=40)
     held, timed, a_at_10 = [], eng._timed, threading.Event()
@@ -414,9 +487,10 @@ def test_engine_kv_pool_bounds_admission_and_retracts_as_sglang(tiny_qwen3, batc
     for rid, a in answers.items():
         out = a["output_ids"]
         assert len(out) == {"a": 30, "b": 20}[rid]
-        hf = model.generate(torch.tensor([prompts[rid]]), max_new_tokens=len(out), do_sample=False,
-                            min_new_tokens=len(out))
-        assert out == hf[0, len(prompts[rid]):].tolist(), rid
+        hf = model.generate(
+            torch.tensor([prompts[rid]]), max_new_tokens=len(out), do_sample=False, min_new_tokens=len(out)
+        )
+        assert out == hf[0, len(prompts[rid]) :].tolist(), rid
         got = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
         ref = _teacher_forced(model, prompts[rid], out, 0.0)
         assert max(abs(x - y) for x, y in zip(got, ref)) < 1e-4, rid
@@ -447,11 +521,17 @@ def test_engine_fails_only_the_requests_of_a_failed_step(tiny_qwen3, batching):
                 raise RuntimeError(f"injected {name} failure")
             running.set()
             return step(*a)
+
         return run
 
     eng._prefill, eng._decode = flaky(prefill, "prefill"), flaky(decode, "decode")
-    greedy = lambda rid, m: GenRequest(rid=rid, prompt=[1, 2], max_new_tokens=m, temperature=0.0,  # noqa: E731
-                                       ignore_eos=True)
+    greedy = lambda rid, m: GenRequest(
+        rid=rid,
+        prompt=[1, 2],
+        max_new_tokens=m,
+        temperature=0.0,  # noqa: E731
+        ignore_eos=True,
+    )
     try:
         long = eng.submit(greedy("long", 40))
         assert running.wait(60)
@@ -478,15 +558,27 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
     prompt = [3, 1, 4, 1, 5]
 
     def req(rid, seed, p=prompt, m=10):
-        return GenRequest(rid=rid, prompt=list(p), max_new_tokens=m, temperature=1.0, ignore_eos=True,
-                          return_logprob=True, sampling_seed=seed)
+        return GenRequest(
+            rid=rid,
+            prompt=list(p),
+            max_new_tokens=m,
+            temperature=1.0,
+            ignore_eos=True,
+            return_logprob=True,
+            sampling_seed=seed,
+        )
 
     eng = Engine(model, seed=0)
     try:
         alone = eng.submit(req("alone", 7)).result(60)
         # batched with unseeded and other-seeded rows, in another order, on a fresh engine stream
-        batch = [req("u0", None, [9, 9], 14), req("s8", 8), req("again", 7), req("u1", None, [2], 6),
-                 req("s9", 9, [5, 6, 7, 8, 9, 10], 12)]
+        batch = [
+            req("u0", None, [9, 9], 14),
+            req("s8", 8),
+            req("again", 7),
+            req("u1", None, [2], 6),
+            req("s9", 9, [5, 6, 7, 8, 9, 10], 12),
+        ]
         eng.pause("in_place")  # queue them all, so that they are prefilled and decoded as one batch
         futs = [(r, eng.submit(r)) for r in batch]
         eng.resume()
@@ -511,8 +603,12 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
         e = Engine(model, seed=0, batch_invariant=True)
         try:
             e.pause("in_place")
-            futs = [e.submit(r) for r in ([req(f"b{i}", None, [9] * (i + 2), 9 + i) for i in range(3)] if batched
-                                          else []) + [req("x", 7)] + ([req("y", 8, [4, 4])] if batched else [])]
+            futs = [
+                e.submit(r)
+                for r in ([req(f"b{i}", None, [9] * (i + 2), 9 + i) for i in range(3)] if batched else [])
+                + [req("x", 7)]
+                + ([req("y", 8, [4, 4])] if batched else [])
+            ]
             e.resume()
             return {a["meta_info"]["id"]: a for a in (f.result(60) for f in futs)}
         finally:
@@ -522,8 +618,10 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
     assert solo["output_ids"] == mixed["x"]["output_ids"] == alone["output_ids"]
     assert lp(solo) == lp(mixed["x"])  # bitwise
     assert max(abs(x - y) for x, y in zip(lp(solo), ref)) < 1e-4
-    assert all(a["meta_info"]["completion_tokens"] == m for a, m in
-               [(mixed["b0"], 9), (mixed["b1"], 10), (mixed["b2"], 11), (mixed["y"], 10)])
+    assert all(
+        a["meta_info"]["completion_tokens"] == m
+        for a, m in [(mixed["b0"], 9), (mixed["b1"], 10), (mixed["b2"], 11), (mixed["y"], 10)]
+    )
 
     # n > 1 with one seed: SGLang copies the sampling params, seed included, to each of the n
     # requests, so the n samples are identical; distinct samples take one request per seed.
@@ -533,17 +631,23 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
         body = S.GenerateIn(input_ids=prompt, rid="g", return_logprob=True, sampling_params={**seeded, "n": 3})
         copies = [srv.engine.submit(r).result(60)["output_ids"] for r in srv._make_requests(body)]
         # the batch form gives each prompt its own seed: distinct samples in one request
-        batch = S.GenerateIn(input_ids=[prompt] * 3, rid=["b0", "b1", "b2"], return_logprob=True,
-                             sampling_params=[{**seeded, "sampling_seed": sd} for sd in (7, 8, 9)])
+        batch = S.GenerateIn(
+            input_ids=[prompt] * 3,
+            rid=["b0", "b1", "b2"],
+            return_logprob=True,
+            sampling_params=[{**seeded, "sampling_seed": sd} for sd in (7, 8, 9)],
+        )
         reqs = srv._make_requests(batch)
         assert [r.rid for r in reqs] == ["b0", "b1", "b2"]
         distinct = [srv.engine.submit(r).result(60)["output_ids"] for r in reqs]
-        for bad, field in [({"input_ids": [prompt, prompt], "sampling_params": [seeded]}, "2 prompts"),
-                           ({"input_ids": [prompt], "sampling_params": [{**seeded, "n": 2}]}, "sampling_params[0].n"),
-                           ({"input_ids": [prompt, [1, 10**6]]}, "input_ids[1][1]"),
-                           ({"input_ids": [prompt], "sampling_params": [{"top_p": 2.0}]}, "sampling_params[0].top_p"),
-                           ({"input_ids": prompt, "sampling_params": {"top_p": 2.0}}, "sampling_params.top_p"),
-                           ({"input_ids": prompt, "rid": ["a", "b"]}, "a list needs a batch")]:
+        for bad, field in [
+            ({"input_ids": [prompt, prompt], "sampling_params": [seeded]}, "2 prompts"),
+            ({"input_ids": [prompt], "sampling_params": [{**seeded, "n": 2}]}, "sampling_params[0].n"),
+            ({"input_ids": [prompt, [1, 10**6]]}, "input_ids[1][1]"),
+            ({"input_ids": [prompt], "sampling_params": [{"top_p": 2.0}]}, "sampling_params[0].top_p"),
+            ({"input_ids": prompt, "sampling_params": {"top_p": 2.0}}, "sampling_params.top_p"),
+            ({"input_ids": prompt, "rid": ["a", "b"]}, "a list needs a batch"),
+        ]:
             assert field in srv._make_requests(S.GenerateIn(**bad)), bad
     finally:
         srv.engine.close()
@@ -554,6 +658,7 @@ def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
 
 
 # ---- weights -----------------------------------------------------------------------------------
+
 
 def test_loader_maps_per_expert_checkpoint_names_onto_fused_moe(tmp_path):
     from safetensors.torch import load_file
@@ -597,8 +702,9 @@ def test_flattened_updates_are_received_straight_into_rehomed_parameters(tmp_pat
     weights = [sorted(load_file(str(d / "model.safetensors")).items()) for d in dirs]
     model = AutoModelForCausalLM.from_pretrained(dirs[0], dtype=torch.float32)
     loader, homes = HFWeightLoader(model), FlatBucketHomes(HFWeightLoader(model))
-    layout = bucket_layout([n for n, _ in weights[1]], [t.dtype for _, t in weights[1]],
-                           [list(t.shape) for _, t in weights[1]])
+    layout = bucket_layout(
+        [n for n, _ in weights[1]], [t.dtype for _, t in weights[1]], [list(t.shape) for _, t in weights[1]]
+    )
 
     def receive(named):
         flat = homes.buffer(layout, "cpu")
@@ -618,19 +724,32 @@ def test_flattened_updates_are_received_straight_into_rehomed_parameters(tmp_pat
     for k, v in model.state_dict().items():
         torch.testing.assert_close(v, reference[k], atol=0, rtol=0, msg=k)
     experts = [k for k, v in model.named_parameters() if "experts" in k]
-    assert experts and all(not (flat1.data_ptr() <= dict(model.named_parameters())[k].data_ptr()
-                                < flat1.data_ptr() + flat1.numel()) for k in experts)
+    assert experts and all(
+        not (flat1.data_ptr() <= dict(model.named_parameters())[k].data_ptr() < flat1.data_ptr() + flat1.numel())
+        for k in experts
+    )
 
 
 # ---- buckets ------------------------------------------------------------------------------------
+
 
 def test_buckets_bound_size_and_flat_layout_round_trips():
     from megatron_dapo.rollout.weight_buckets import bucket_layout, iter_buckets
 
     g = torch.Generator().manual_seed(0)
-    named = [(f"t{i}", torch.randn(s, generator=g).to(dt)) for i, (s, dt) in enumerate(
-        [((10, 10), torch.float32), ((7,), torch.bfloat16), ((3, 5), torch.float32), ((300,), torch.float32),
-         ((1,), torch.bfloat16), ((2, 2), torch.float32)])]
+    named = [
+        (f"t{i}", torch.randn(s, generator=g).to(dt))
+        for i, (s, dt) in enumerate(
+            [
+                ((10, 10), torch.float32),
+                ((7,), torch.bfloat16),
+                ((3, 5), torch.float32),
+                ((300,), torch.float32),
+                ((1,), torch.bfloat16),
+                ((2, 2), torch.float32),
+            ]
+        )
+    ]
     buckets = list(iter_buckets(iter(named), bucket_bytes=500, aligned=True))
     assert [n for b in buckets for n in b.names] == [n for n, _ in named]  # order kept, nothing lost
     for b in buckets:
@@ -645,14 +764,28 @@ def test_buckets_bound_size_and_flat_layout_round_trips():
 
 # ---- launcher -----------------------------------------------------------------------------------
 
+
 def test_sglang_command_uses_sglang_flag_names():
     from megatron_dapo.rollout.launcher import SGLangServerArgs, sglang_command
 
-    args = SGLangServerArgs(model_path="/m", port=31000, tp_size=4, mem_fraction_static=0.7, api_key="k",
-                            dtype="bfloat16", weight_version="0", random_seed=1, context_length=4096,
-                            base_gpu_id=2, enable_memory_saver=True, skip_tokenizer_init=True,
-                            trust_remote_code=True, served_model_name="q", log_level="info",
-                            enable_deterministic_inference=True)
+    args = SGLangServerArgs(
+        model_path="/m",
+        port=31000,
+        tp_size=4,
+        mem_fraction_static=0.7,
+        api_key="k",
+        dtype="bfloat16",
+        weight_version="0",
+        random_seed=1,
+        context_length=4096,
+        base_gpu_id=2,
+        enable_memory_saver=True,
+        skip_tokenizer_init=True,
+        trust_remote_code=True,
+        served_model_name="q",
+        log_level="info",
+        enable_deterministic_inference=True,
+    )
     cmd = sglang_command(args, python="py")
     assert "--enable-deterministic-inference" in cmd
     assert cmd[:3] == ["py", "-m", "sglang.launch_server"]
@@ -688,8 +821,10 @@ def test_embedded_command_flags_parse_in_the_server():
     assert (args.model, args.port, args.seed, args.enable_deterministic_inference) == ("/m", 1234, 3, True)
     assert not build_parser().parse_args(embedded_command("/m", 1, python="py")[4:]).enable_deterministic_inference
     assert build_parser().parse_args(embedded_command("/m", 1, python="py")[4:]).batching == "static"
-    assert build_parser().parse_args(embedded_command("/m", 1, batching="continuous", python="py")[4:]).batching \
+    assert (
+        build_parser().parse_args(embedded_command("/m", 1, batching="continuous", python="py")[4:]).batching
         == "continuous"
+    )
     assert build_parser().parse_args(["--model", "/m", "--max-total-tokens", "40"]).max_total_tokens == 40
 
 

@@ -97,8 +97,16 @@ def test_retry_needs_a_waiting_trainer_a_small_gap_and_enough_completed_groups_l
 
 
 def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routable=0, syncing=False):
-    return ServerStatus(url, version, running=running, waiting=waiting, throughput=throughput, kv_cache=kv,
-                        routable=routable, syncing=syncing)
+    return ServerStatus(
+        url,
+        version,
+        running=running,
+        waiting=waiting,
+        throughput=throughput,
+        kv_cache=kv,
+        routable=routable,
+        syncing=syncing,
+    )
 
 
 def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server():
@@ -123,12 +131,24 @@ def test_migration_picks_the_largest_ratio_above_threshold_for_a_starved_server(
 
 
 def test_migration_indicators_throughput_and_kv_cache():
-    p = MigrationPolicy(MigrationConfig(indicator="throughput", threshold=3.0,
-                                        stop_indicator="kv_cache", stop_threshold=0.5))
-    assert p.choose([_server("a", running=8, throughput=400.0, kv=0.7),
-                     _server("b", running=8, throughput=100.0, kv=0.1)]).source == "a"
-    assert p.choose([_server("a", running=8, throughput=400.0, kv=0.4),  # stop indicator too low
-                     _server("b", running=8, throughput=100.0, kv=0.1)]) is None
+    p = MigrationPolicy(
+        MigrationConfig(indicator="throughput", threshold=3.0, stop_indicator="kv_cache", stop_threshold=0.5)
+    )
+    assert (
+        p.choose(
+            [_server("a", running=8, throughput=400.0, kv=0.7), _server("b", running=8, throughput=100.0, kv=0.1)]
+        ).source
+        == "a"
+    )
+    assert (
+        p.choose(
+            [
+                _server("a", running=8, throughput=400.0, kv=0.4),  # stop indicator too low
+                _server("b", running=8, throughput=100.0, kv=0.1),
+            ]
+        )
+        is None
+    )
     assert MigrationConfig(indicator="kv_cache").needs_loads and not MigrationConfig().needs_loads
     with pytest.raises(ValueError, match="rollout.migration.stop_indicator"):
         MigrationConfig(stop_indicator="tokens")
@@ -223,8 +243,9 @@ class HoldingClient:
     async def abort_request(self, rid=None, abort_all=False):
         fut = self.held.pop(rid, None)
         if fut is not None and not fut.done():
-            fut.set_result(Sample(rid=rid, prompt_ids=[], output_ids=[], logprobs=[], finish_reason="abort",
-                                  weight_version="0"))
+            fut.set_result(
+                Sample(rid=rid, prompt_ids=[], output_ids=[], logprobs=[], finish_reason="abort", weight_version="0")
+            )
 
     async def health(self, timeout_s=5.0):
         return True
@@ -297,8 +318,9 @@ def test_the_producer_applies_retry_while_the_trainer_waits():
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.types import SamplingParams
 
-    settings = ProducerSettings(train_batch_size=3, n=2, sampling=SamplingParams(), max_response_length=8,
-                                staleness=1, retry_threshold=2)
+    settings = ProducerSettings(
+        train_batch_size=3, n=2, sampling=SamplingParams(), max_response_length=8, staleness=1, retry_threshold=2
+    )
     p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings)
 
     def group(draw):
@@ -325,8 +347,11 @@ def test_the_producer_applies_retry_while_the_trainer_waits():
     assert asyncio.run(go()) == [True, True]
     info = p.take_batch(0, timeout_s=5)
     assert [g.draw for g in info.groups] == [0, 3, 4] and not p.flight and p.in_flight == 0
-    assert (info.coordination["retries"], info.coordination["groups_aborted_retry"],
-            info.coordination["groups_moved_down"]) == (1, 2, 2)
+    assert (
+        info.coordination["retries"],
+        info.coordination["groups_aborted_retry"],
+        info.coordination["groups_moved_down"],
+    ) == (1, 2, 2)
     assert p.totals["aborted_retry"] == 2 and p.slots.reservable(1) == 6  # buffers 1 and 2: room for fresh prompts
 
 
@@ -342,8 +367,9 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
     from megatron_dapo.rollout.types import SamplingParams
 
     def producer(router):
-        settings = ProducerSettings(train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8,
-                                    staleness=1)
+        settings = ProducerSettings(
+            train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8, staleness=1
+        )
         p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=2)
         p.slots.next_buffer = 2
         p._router = router
@@ -351,14 +377,16 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
 
     registry = ServerRegistry(["http://a", "http://b"], version=2)
     registry.records["http://a"].version = 1
-    router = SimpleNamespace(registry=registry, healthy=lambda: [SimpleNamespace(url="http://a"),
-                                                                 SimpleNamespace(url="http://b")])
+    router = SimpleNamespace(
+        registry=registry, healthy=lambda: [SimpleNamespace(url="http://a"), SimpleNamespace(url="http://b")]
+    )
     picks = producer(router)._dispatchable()
     assert sorted(v for _, _, v in picks) == [1, 1, 2, 2]
     p = producer(router)
     p._dispatchable()
     assert {d: p.slots.where[d][0] for d in p.flight if p.flight[d].v_traj == 1} and all(
-        p.slots.where[d][0] == 2 for d in p.flight if p.flight[d].v_traj == 1)
+        p.slots.where[d][0] == 2 for d in p.flight if p.flight[d].v_traj == 1
+    )
     # the lagging server is unhealthy: only the up-to-date one counts
     router.healthy = lambda: [SimpleNamespace(url="http://b")]
     assert [v for _, _, v in producer(router)._dispatchable()] == [2, 2, 2, 2]
@@ -380,8 +408,18 @@ def test_the_router_books_a_load_report_before_the_requests_that_end_after_it():
             reqs = [asyncio.ensure_future(router.generate([1], [sp], group_id="g", rid=f"r{i}")) for i in range(2)]
             await asyncio.sleep(0)
             url = router.dispatcher.sticky("g")
-            registry.update_load(url, ServerLoad(running=2, waiting=0, kv_tokens=20, kv_capacity=1000,
-                                                 throughput=5.0, token_usage=0.02, max_running_requests=8))
+            registry.update_load(
+                url,
+                ServerLoad(
+                    running=2,
+                    waiting=0,
+                    kv_tokens=20,
+                    kv_capacity=1000,
+                    throughput=5.0,
+                    token_usage=0.02,
+                    max_running_requests=8,
+                ),
+            )
             assert await router.migrate_from(url) == 2
             await asyncio.gather(*reqs)
             # the next request's dispatch reads that report: the server runs only what it places there
@@ -409,20 +447,36 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
 
     class Answers:
         async def get_loads(self):
-            return ServerLoad(running=7, waiting=0, kv_tokens=300, kv_capacity=1000, throughput=55.0,
-                              token_usage=0.3, max_running_requests=64)
+            return ServerLoad(
+                running=7,
+                waiting=0,
+                kv_tokens=300,
+                kv_capacity=1000,
+                throughput=55.0,
+                token_usage=0.3,
+                max_running_requests=64,
+            )
 
     class Hangs:
         async def get_loads(self):
             await asyncio.Event().wait()
 
     monkeypatch.setattr(rollout_side, "LOAD_TIMEOUT_S", 0.2)
-    settings = ProducerSettings(train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8,
-                                migration=MigrationConfig(enabled=True, indicator="kv_cache"))
+    settings = ProducerSettings(
+        train_batch_size=2,
+        n=2,
+        sampling=SamplingParams(),
+        max_response_length=8,
+        migration=MigrationConfig(enabled=True, indicator="kv_cache"),
+    )
     p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=0)
     servers = [SimpleNamespace(url="http://a", client=Answers()), SimpleNamespace(url="http://b", client=Hangs())]
-    router = SimpleNamespace(registry=ServerRegistry(["http://a", "http://b"], version=0), servers=servers,
-                             healthy=lambda: servers, protected_on=lambda url: 0)
+    router = SimpleNamespace(
+        registry=ServerRegistry(["http://a", "http://b"], version=0),
+        servers=servers,
+        healthy=lambda: servers,
+        protected_on=lambda url: 0,
+    )
 
     async def read():
         return await asyncio.wait_for(p._server_statuses(router), 5)  # without the load timeout: forever

@@ -87,8 +87,9 @@ def test_stop_token_ids_and_n_in_one_request(servers, hf_model):
         async with _client(servers[0].url) as c:
             greedy = (await c.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=8)))[0]
             stop = greedy.output_ids[3]
-            stopped = (await c.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=8,
-                                                                   stop_token_ids=[stop])))[0]
+            stopped = (
+                await c.generate([9, 8, 7], SamplingParams(temperature=0.0, max_new_tokens=8, stop_token_ids=[stop]))
+            )[0]
             many = await c.generate([9, 8, 7], SamplingParams(temperature=1.0, max_new_tokens=5, n=3))
             return greedy, stopped, many
 
@@ -122,6 +123,7 @@ def test_requests_after_the_servers_keep_alive_expired_do_not_fail(servers):
     """uvicorn (like SGLang) closes idle connections after 5 s; a client reusing one would fail its next request.
     The event loop is blocked across the server's close (as a busy rank 0 blocks it), so the client cannot
     have seen the close before it sends again."""
+
     async def go():
         async with _client(servers[0].url, retries=0) as c:
             first = await c.generate([3, 4, 5], SamplingParams(temperature=0.0, max_new_tokens=2))
@@ -143,11 +145,17 @@ def test_malformed_payloads_answer_400_naming_the_field(servers):
         ("/generate", {"input_ids": "abc"}, "input_ids"),
         ("/generate", {"input_ids": [1], "sampling_params": {"top_k": 0}}, "top_k"),
         ("/pause_generation", {"mode": "sideways"}, "mode"),
-        ("/init_weights_update_group", {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2},
-         "master_port"),
+        (
+            "/init_weights_update_group",
+            {"master_address": "127.0.0.1", "rank_offset": 1, "world_size": 2},
+            "master_port",
+        ),
         ("/update_weights_from_distributed", {"dtypes": ["float32"], "shapes": [[1]]}, "names"),
-        ("/update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]],
-                                              "group_name": "nope"}, "group_name"),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"},
+            "group_name",
+        ),
     ]
     with httpx.Client(trust_env=False, timeout=30) as http:
         assert http.post(url + "/begin_weight_update", json={}, headers=h).status_code == 200
@@ -173,13 +181,21 @@ def test_malformed_payloads_answer_400_naming_the_field(servers):
 
 def test_without_the_key_every_endpoint_but_health_answers_401(servers):
     url = servers[0].url
-    routes = [("POST", "/generate", {"input_ids": [1]}), ("GET", "/get_model_info", None),
-              ("POST", "/pause_generation", {}), ("POST", "/continue_generation", {}),
-              ("POST", "/abort_request", {"abort_all": True}), ("POST", "/flush_cache", None),
-              ("POST", "/init_weights_update_group", {}), ("POST", "/update_weights_from_distributed", {}),
-              ("POST", "/update_weights_from_tensor", {}), ("POST", "/update_weight_version", {"new_version": "x"}),
-              ("POST", "/release_memory_occupation", {}), ("POST", "/resume_memory_occupation", {}),
-              ("POST", "/destroy_weights_update_group", {})]
+    routes = [
+        ("POST", "/generate", {"input_ids": [1]}),
+        ("GET", "/get_model_info", None),
+        ("POST", "/pause_generation", {}),
+        ("POST", "/continue_generation", {}),
+        ("POST", "/abort_request", {"abort_all": True}),
+        ("POST", "/flush_cache", None),
+        ("POST", "/init_weights_update_group", {}),
+        ("POST", "/update_weights_from_distributed", {}),
+        ("POST", "/update_weights_from_tensor", {}),
+        ("POST", "/update_weight_version", {"new_version": "x"}),
+        ("POST", "/release_memory_occupation", {}),
+        ("POST", "/resume_memory_occupation", {}),
+        ("POST", "/destroy_weights_update_group", {}),
+    ]
     with httpx.Client(trust_env=False, timeout=30) as http:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             for method, path, body in routes:
@@ -235,9 +251,17 @@ def _sglang_flattened_payload(named, monkeypatch):
     from megatron_dapo.rollout.embedded.tensor_payload import forking_dumps
 
     mod = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
-    meta_cls = dataclasses.make_dataclass("FlattenedTensorMetadata", [
-        ("name", str), ("shape", torch.Size), ("dtype", torch.dtype), ("start_idx", int), ("end_idx", int),
-        ("numel", int)])
+    meta_cls = dataclasses.make_dataclass(
+        "FlattenedTensorMetadata",
+        [
+            ("name", str),
+            ("shape", torch.Size),
+            ("dtype", torch.dtype),
+            ("start_idx", int),
+            ("end_idx", int),
+            ("numel", int),
+        ],
+    )
     meta_cls.__module__ = mod.__name__
     mod.FlattenedTensorMetadata = meta_cls
     for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync", mod.__name__):
@@ -266,11 +290,13 @@ def test_update_weights_from_tensor_loads_sglang_payloads_and_refuses_code(model
     new = sorted(load_file(str(new_dir / "model.safetensors")).items())
     half = len(new) // 2
     probe = [(5 * i) % 200 + 1 for i in range(16)]
-    want = _reference_logprobs(AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval(),
-                               probe[:1], probe[1:], 1.0)
+    want = _reference_logprobs(
+        AutoModelForCausalLM.from_pretrained(new_dir, dtype=torch.float32).eval(), probe[:1], probe[1:], 1.0
+    )
     server = embedded_server(str(model_dir), tmp_path / "server.log", api_key=KEY)
     start_servers([server], timeout_s=120)
     try:
+
         async def go():
             async with _client(server.url) as c:  # its bodies are checked for conformance below too
                 before = await c.prompt_logprobs(probe)
@@ -278,14 +304,20 @@ def test_update_weights_from_tensor_loads_sglang_payloads_and_refuses_code(model
                     await c.update_weights_from_tensor([serialize_named_tensors(new[:half])], weight_version="t1")
                 async with c.weight_update_session():
                     await c.update_weights_from_tensor([serialize_named_tensors(new[:half])], weight_version="t1")
-                    await c.update_weights_from_tensor([_sglang_flattened_payload(new[half:], monkeypatch)],
-                                                       load_format="flattened_bucket", weight_version="t2")
+                    await c.update_weights_from_tensor(
+                        [_sglang_flattened_payload(new[half:], monkeypatch)],
+                        load_format="flattened_bucket",
+                        weight_version="t2",
+                    )
                 after = await c.prompt_logprobs(probe)
                 version = (await c.get_model_info())["weight_version"]
                 errors = []
                 async with c.weight_update_session():
-                    for bad in (pickle.dumps(print), b"cos\nsystem\n(S'true'\ntR.",
-                                pickle.dumps([("model.norm.weight", torch.load)])):
+                    for bad in (
+                        pickle.dumps(print),
+                        b"cos\nsystem\n(S'true'\ntR.",
+                        pickle.dumps([("model.norm.weight", torch.load)]),
+                    ):
                         with pytest.raises(SGLangHTTPError) as e:
                             await c.update_weights_from_tensor([bad])
                         errors.append(str(e.value))
@@ -309,9 +341,15 @@ def test_killed_server_requests_complete_on_the_other_then_it_comes_back(servers
     prompts = {f"k{i}": [i + 1, i + 2, i + 3] for i in range(12)}
     sp = SamplingParams(temperature=1.0, max_new_tokens=150, n=2)
     try:
+
         async def go():
-            r = Router([victim.url, survivor.url], api_key=KEY, health_interval_s=0.2, recover_after=2,
-                       client_kwargs={"request_hook": _record})
+            r = Router(
+                [victim.url, survivor.url],
+                api_key=KEY,
+                health_interval_s=0.2,
+                recover_after=2,
+                client_kwargs={"request_hook": _record},
+            )
             async with r:
                 vstate = r.servers[0]
                 gen = r.generate_groups(prompts, sp)
@@ -360,10 +398,23 @@ def test_a_new_update_group_replaces_one_whose_trainer_was_killed_mid_update(ser
     weight = hf_model.state_dict()[name].detach().clone()  # the server's own values: nothing changes
     root = Path(__file__).resolve().parent.parent
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen([sys.executable, str(root / "tests" / "workers" / "stale_group_trainer.py"), url, KEY,
-                             str(free_port()), group, name, json.dumps(list(weight.shape))],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(root / "tests" / "workers" / "stale_group_trainer.py"),
+            url,
+            KEY,
+            str(free_port()),
+            group,
+            name,
+            json.dumps(list(weight.shape)),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         line = proc.stdout.readline()
         assert line.startswith("announced"), line + proc.stdout.read()
@@ -394,8 +445,15 @@ def test_a_new_update_group_replaces_one_whose_trainer_was_killed_mid_update(ser
             asyncio.run(call("begin_weight_update"))
         assert asyncio.run(call("end_weight_update"))["success"]
         assert asyncio.run(call("begin_weight_update"))["success"]
-        upd = in_thread(done, "update_weights_from_distributed", [name], ["float32"], [list(weight.shape)], group,
-                        weight_version="resumed")
+        upd = in_thread(
+            done,
+            "update_weights_from_distributed",
+            [name],
+            ["float32"],
+            [list(weight.shape)],
+            group,
+            weight_version="resumed",
+        )
         wgroup.broadcast(weight, pg)
         upd.join(60)
         assert done.get("success"), done
@@ -419,5 +477,11 @@ def test_zz_every_request_sent_in_this_module_conforms_to_sglang():
         if path in protocol.ROUTE_CLASSES:
             seen.add(path)
             assert protocol.check_request(snap, path, body) == [], (path, body)
-    assert {"/generate", "/pause_generation", "/continue_generation", "/abort_request",
-            "/release_memory_occupation", "/resume_memory_occupation"} <= seen
+    assert {
+        "/generate",
+        "/pause_generation",
+        "/continue_generation",
+        "/abort_request",
+        "/release_memory_occupation",
+        "/resume_memory_occupation",
+    } <= seen

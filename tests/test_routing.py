@@ -43,8 +43,11 @@ def srv(url, version=0, **kw) -> ServerView:
 def test_gain_is_the_throughput_difference_and_the_best_gain_wins():
     p = policy(delta_throughput_threshold=0.0)
     req = RouteRequest(prompt_tokens=300, generated_tokens=200)
-    servers = [srv("a", running=40, kv_tokens=400_000), srv("b", running=10, kv_tokens=20_000),
-               srv("c", running=90, kv_tokens=50_000)]
+    servers = [
+        srv("a", running=40, kv_tokens=400_000),
+        srv("b", running=10, kv_tokens=20_000),
+        srv("c", running=90, kv_tokens=50_000),
+    ]
     for s in servers:
         hand = T(s.running + 1, s.kv_tokens + 500) - T(s.running, s.kv_tokens)
         assert p.gain(req, s) == pytest.approx(hand, rel=1e-12, abs=0)
@@ -95,8 +98,12 @@ def test_version_order_new_requests_newest_first_resumed_oldest_allowed():
     old_busy, new_idle = srv("old", version=1, running=8, kv_tokens=8000), srv("new", version=2)
     assert p.choose(resumed, [new_idle, old_busy]).url == "old"
     # ... but never one below its V_traj
-    assert p.choose(RouteRequest(prompt_tokens=500, generated_tokens=5, min_version=2, resumed=True),
-                    [new_idle, old_busy]).url == "new"
+    assert (
+        p.choose(
+            RouteRequest(prompt_tokens=500, generated_tokens=5, min_version=2, resumed=True), [new_idle, old_busy]
+        ).url
+        == "new"
+    )
     # a group whose best gain is under the threshold hands over to the next group
     crowded = srv("new", version=2, running=400, kv_tokens=3_000_000)
     assert p.gain(new_req, crowded) < p.threshold(new_req)
@@ -114,8 +121,12 @@ def test_reserve_capability_prefers_the_siblings_version():
     req = RouteRequest(prompt_tokens=800, min_version=1, sibling_versions=frozenset({7}))
     assert p.choose(req, [a, b, c]).url == "a"
     # the version order alone would have taken "a"
-    assert policy(delta_throughput_threshold=0.2).choose(
-        RouteRequest(prompt_tokens=800, min_version=1, sibling_versions=frozenset({2})), [a, b, c]).url == "a"
+    assert (
+        policy(delta_throughput_threshold=0.2)
+        .choose(RouteRequest(prompt_tokens=800, min_version=1, sibling_versions=frozenset({2})), [a, b, c])
+        .url
+        == "a"
+    )
 
 
 def test_budget_rounds_the_generated_part_up():
@@ -164,8 +175,11 @@ def test_throughput_policies_need_a_cost_model(tmp_path):
 # ---- least_outstanding / request_num_balance ------------------------------------------------------
 def test_least_outstanding_is_the_old_rule():
     p = policy("least_outstanding")
-    servers = [srv("a", outstanding=3, completed=0), srv("b", outstanding=1, completed=9),
-               srv("c", outstanding=1, completed=2)]
+    servers = [
+        srv("a", outstanding=3, completed=0),
+        srv("b", outstanding=1, completed=9),
+        srv("c", outstanding=1, completed=2),
+    ]
     assert p.choose(RouteRequest(prompt_tokens=1), servers).url == "c"
     assert p.choose(RouteRequest(prompt_tokens=1, sticky="a"), servers).url == "a"
     assert p.choose(RouteRequest(prompt_tokens=1, sticky="a", exclude=frozenset({"a"})), servers).url == "c"
@@ -175,8 +189,11 @@ def test_least_outstanding_is_the_old_rule():
 
 def test_request_num_balance_fewest_sequences_and_the_cap():
     p = policy("request_num_balance", concurrency=2)
-    servers = [srv("a", running=5, waiting=0, outstanding=1), srv("b", running=2, waiting=2, outstanding=1),
-               srv("c", running=3, waiting=0, outstanding=0)]
+    servers = [
+        srv("a", running=5, waiting=0, outstanding=1),
+        srv("b", running=2, waiting=2, outstanding=1),
+        srv("c", running=3, waiting=0, outstanding=0),
+    ]
     assert p.choose(RouteRequest(prompt_tokens=1), servers).url == "c"
     full = [srv("a", running=1, outstanding=2), srv("b", running=4, outstanding=1)]
     assert p.choose(RouteRequest(prompt_tokens=1), full).verdict is Verdict.REFUSED  # least loaded "a" is capped
@@ -203,8 +220,14 @@ def drain_all(queues, refuse=()):
 
 def test_priority_queues_oldest_version_first_new_requests_last():
     qs = RequestQueues(QueueConfig("priority", "id"))
-    for r in [q(0, False, name="new0"), q(3, name="r3"), q(1, name="r1a"), q(0, False, name="new1"),
-              q(1, name="r1b"), q(1, validation=True, name="val1")]:
+    for r in [
+        q(0, False, name="new0"),
+        q(3, name="r3"),
+        q(1, name="r1a"),
+        q(0, False, name="new1"),
+        q(1, name="r1b"),
+        q(1, validation=True, name="val1"),
+    ]:
         qs.put(r)
     assert [r.item for r in qs] == ["val1", "r1a", "r1b", "r3", "new0", "new1"]
     assert drain_all(qs) == ["val1", "r1a", "r1b", "r3", "new0", "new1"] and len(qs) == 0
@@ -293,18 +316,28 @@ def test_load_book_adds_admissions_to_the_last_report_until_the_next():
 TINY = "configs/qwen3/tiny_qwen3_cpu.yaml"
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["rollout.routing.method=throughput_optimal"], "rollout.routing.method=throughput_optimal needs "
-                                                    "rollout.routing.cost_model"),
-    (["rollout.routing.method=throughput_optimal", "rollout.routing.cost_model=/nonexistent/cm.json"],
-     "rollout.routing.cost_model: cost model /nonexistent/cm.json"),
-    (["rollout.routing.cost_model=/x.json"], "rollout.routing.cost_model is used only by throughput_optimal"),
-    (["rollout.routing.delta_throughput_threshold=2"], "rollout.routing.delta_throughput_threshold must be in [0, 1]"),
-    (["rollout.routing.request_budget=0"], "rollout.routing.request_budget must be >= 1"),
-    (["rollout.queue.order=short"], "rollout.queue.order='short' needs rollout.queue.policy=priority"),
-    (["rollout.routing.method=round_robin"], "rollout.routing.method"),
-    (["rollout.queue.policy=lifo"], "rollout.queue.policy"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (
+            ["rollout.routing.method=throughput_optimal"],
+            "rollout.routing.method=throughput_optimal needs rollout.routing.cost_model",
+        ),
+        (
+            ["rollout.routing.method=throughput_optimal", "rollout.routing.cost_model=/nonexistent/cm.json"],
+            "rollout.routing.cost_model: cost model /nonexistent/cm.json",
+        ),
+        (["rollout.routing.cost_model=/x.json"], "rollout.routing.cost_model is used only by throughput_optimal"),
+        (
+            ["rollout.routing.delta_throughput_threshold=2"],
+            "rollout.routing.delta_throughput_threshold must be in [0, 1]",
+        ),
+        (["rollout.routing.request_budget=0"], "rollout.routing.request_budget must be >= 1"),
+        (["rollout.queue.order=short"], "rollout.queue.order='short' needs rollout.queue.policy=priority"),
+        (["rollout.routing.method=round_robin"], "rollout.routing.method"),
+        (["rollout.queue.policy=lifo"], "rollout.queue.policy"),
+    ],
+)
 def test_config_rejects_bad_routing_and_queue_keys(overrides, expected):
     from megatron_dapo.config import ConfigError, load_config
 
@@ -319,18 +352,29 @@ def test_config_routing_keys_reach_the_router(tmp_path):
 
     path = tmp_path / "cm.json"
     M.save(path)
-    cfg = load_config(TINY, ["rollout.routing.method=throughput_optimal_with_budget",
-                             f"rollout.routing.cost_model={path}", "rollout.routing.delta_throughput_threshold=0.2",
-                             "rollout.routing.request_budget=256",
-                             "rollout.routing.server_order=reserve_capability", "rollout.queue.policy=priority",
-                             "rollout.queue.order=long", "rollout.concurrency=7"])
+    cfg = load_config(
+        TINY,
+        [
+            "rollout.routing.method=throughput_optimal_with_budget",
+            f"rollout.routing.cost_model={path}",
+            "rollout.routing.delta_throughput_threshold=0.2",
+            "rollout.routing.request_budget=256",
+            "rollout.routing.server_order=reserve_capability",
+            "rollout.queue.policy=priority",
+            "rollout.queue.order=long",
+            "rollout.concurrency=7",
+        ],
+    )
     producer = build_producer(cfg, ["http://127.0.0.1:1"], dataset=[None], tokenizer=None)
     router = producer.router_factory()
     asyncio.run(router.aclose())
     p = router.policy
     assert type(p).__name__ == "ThroughputOptimalWithBudget" and p.model == M and p.cap == 7
-    assert (p.cfg.delta_throughput_threshold, p.cfg.request_budget, p.cfg.server_order) == \
-        (0.2, 256, "reserve_capability")
+    assert (p.cfg.delta_throughput_threshold, p.cfg.request_budget, p.cfg.server_order) == (
+        0.2,
+        256,
+        "reserve_capability",
+    )
     assert (router.dispatcher.queue.cfg.policy, router.dispatcher.queue.cfg.order) == ("priority", "long")
 
 
@@ -400,8 +444,12 @@ def test_dispatcher_repeats_an_unchanged_refusal_exactly_as_deciding_again(queue
         act = rng.random()
         if act < 0.25:
             n += 1
-            req = RouteRequest(prompt_tokens=rng.randint(100, 9000), generated_tokens=rng.choice([0, 500]),
-                               min_version=rng.choice([None, 1, 1, 2]), resumed=rng.random() < 0.3)
+            req = RouteRequest(
+                prompt_tokens=rng.randint(100, 9000),
+                generated_tokens=rng.choice([0, 500]),
+                min_version=rng.choice([None, 1, 1, 2]),
+                resumed=rng.random() < 0.3,
+            )
             for d in (fast, ref):
                 d.submit(n, req, group_id=f"g{n % 7}", v_traj=req.min_version)
         elif act < 0.3 and n:
@@ -445,9 +493,18 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
             body = await request.json()
             seen.append((name, body["rid"]))
             await gate.get()  # held until the test lets one request finish
-            return web.json_response({"text": "", "output_ids": [5], "meta_info": {
-                "id": body["rid"], "finish_reason": {"type": "length", "length": 1},
-                "weight_version": "0", "output_token_logprobs": [[-0.5, 5, None]]}})
+            return web.json_response(
+                {
+                    "text": "",
+                    "output_ids": [5],
+                    "meta_info": {
+                        "id": body["rid"],
+                        "finish_reason": {"type": "length", "length": 1},
+                        "weight_version": "0",
+                        "output_token_logprobs": [[-0.5, 5, None]],
+                    },
+                }
+            )
 
         app = web.Application()
         app.router.add_post("/generate", generate)
@@ -456,8 +513,15 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
     M.save(tmp_path / "cost.json")
 
     def load(running, waiting):
-        return ServerLoad(running=running, waiting=waiting, kv_tokens=0, kv_capacity=100_000, throughput=0.0,
-                          token_usage=0.0, max_running_requests=64)
+        return ServerLoad(
+            running=running,
+            waiting=waiting,
+            kv_tokens=0,
+            kv_capacity=100_000,
+            throughput=0.0,
+            token_usage=0.0,
+            max_running_requests=64,
+        )
 
     async def run():
         seen, gates = [], {"a": asyncio.Queue(), "b": asyncio.Queue()}
@@ -474,14 +538,19 @@ def test_router_holds_requests_back_and_serves_resumed_ones_first(tmp_path):
             raise AssertionError(f"timed out: {seen}")
 
         try:
-            async with Router([a, b], registry=reg, max_in_flight_per_server=1, routing=RoutingConfig(
-                    "throughput_optimal", cost_model=str(tmp_path / "cost.json")),
-                    queue=QueueConfig("priority")) as router:
+            async with Router(
+                [a, b],
+                registry=reg,
+                max_in_flight_per_server=1,
+                routing=RoutingConfig("throughput_optimal", cost_model=str(tmp_path / "cost.json")),
+                queue=QueueConfig("priority"),
+            ) as router:
                 r1 = asyncio.ensure_future(router.generate([1, 2, 3], sp, rid="new-1", min_version=0))
                 await until(lambda: len(seen) == 1)
                 r2 = asyncio.ensure_future(router.generate([1, 2, 3], sp, rid="new-2", min_version=0))
-                r3 = asyncio.ensure_future(router.generate([1, 2, 3, 7, 7], sp, rid="resumed-3", min_version=0,
-                                                           generated=2))
+                r3 = asyncio.ensure_future(
+                    router.generate([1, 2, 3, 7, 7], sp, rid="resumed-3", min_version=0, generated=2)
+                )
                 await asyncio.sleep(0.3)
                 assert seen == [("b", "new-1")] and router.refusals >= 2  # a's engine queue is not empty
                 assert [s.routable for s in reg.statuses()] == [2, 2]  # both wait at the router
@@ -508,6 +577,10 @@ def test_routing_methods_that_read_loads_turn_the_poller_on():
     from megatron_dapo.config.load import config_from_dict
     from megatron_dapo.coordinator.load_poller import poll_interval_s
 
-    for method, interval in (("least_outstanding", None), ("request_num_balance", 0.2),
-                             ("throughput_optimal", 0.2), ("throughput_optimal_with_budget", 0.2)):
+    for method, interval in (
+        ("least_outstanding", None),
+        ("request_num_balance", 0.2),
+        ("throughput_optimal", 0.2),
+        ("throughput_optimal_with_budget", 0.2),
+    ):
         assert poll_interval_s(config_from_dict({"rollout": {"routing": {"method": method}}}).rollout) == interval

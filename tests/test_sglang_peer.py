@@ -33,8 +33,9 @@ def embedded(tmp_path_factory):
     from megatron_dapo.rollout.launcher import launch_embedded
 
     tmp = tmp_path_factory.mktemp("embedded")
-    server = launch_embedded(str(save_tiny_hf_model("qwen3", tmp / "model")), tmp / "server.log", api_key=KEY,
-                             timeout_s=120)
+    server = launch_embedded(
+        str(save_tiny_hf_model("qwen3", tmp / "model")), tmp / "server.log", api_key=KEY, timeout_s=120
+    )
     server.model_dir = tmp / "model"
     yield server
     server.stop()
@@ -43,13 +44,15 @@ def embedded(tmp_path_factory):
 def _weights() -> list[tuple[str, torch.Tensor]]:
     """Mixed bf16 / fp32 tensors of odd sizes (flattened offsets must respect each dtype's alignment)."""
     g = torch.Generator().manual_seed(0)
-    shapes = [("model.embed_tokens.weight", (97, 24), torch.bfloat16),
-              ("model.layers.0.self_attn.q_proj.weight", (24, 24), torch.float32),
-              ("model.layers.0.input_layernorm.weight", (24,), torch.bfloat16),
-              ("model.layers.0.mlp.up_proj.weight", (33, 24), torch.float32),
-              ("model.layers.0.mlp.down_proj.weight", (24, 33), torch.bfloat16),
-              ("model.norm.weight", (7,), torch.float32),
-              ("lm_head.weight", (97, 24), torch.float32)]
+    shapes = [
+        ("model.embed_tokens.weight", (97, 24), torch.bfloat16),
+        ("model.layers.0.self_attn.q_proj.weight", (24, 24), torch.float32),
+        ("model.layers.0.input_layernorm.weight", (24,), torch.bfloat16),
+        ("model.layers.0.mlp.up_proj.weight", (33, 24), torch.float32),
+        ("model.layers.0.mlp.down_proj.weight", (24, 33), torch.bfloat16),
+        ("model.norm.weight", (7,), torch.float32),
+        ("lm_head.weight", (97, 24), torch.float32),
+    ]
     return [(n, torch.randn(s, generator=g).to(dt)) for n, s, dt in shapes]
 
 
@@ -58,8 +61,9 @@ def _http(peer) -> httpx.Client:
 
 
 def _sync_into_peer(peer, flatten: bool, pause: str | None, version: str, bucket_mb: float = 0.004):
-    cfg = SyncConfig(bucket_mb=bucket_mb, flatten_bucket=flatten, pause_generation=pause is not None,
-                     pause_mode=pause or "in_place")
+    cfg = SyncConfig(
+        bucket_mb=bucket_mb, flatten_bucket=flatten, pause_generation=pause is not None, pause_mode=pause or "in_place"
+    )
     bridge = WeightSyncBridge([peer.url], cfg, api_key=KEY, group_name=f"peer_{version}", backend="gloo")
     bridge.connect()
     try:
@@ -68,8 +72,10 @@ def _sync_into_peer(peer, flatten: bool, pause: str | None, version: str, bucket
         bridge.close()
 
 
-@pytest.mark.parametrize("flatten,pause,running", [
-    (False, "in_place", 1), (True, "in_place", 1), (True, "retract", 1), (False, "abort", 1), (True, None, 0)])
+@pytest.mark.parametrize(
+    "flatten,pause,running",
+    [(False, "in_place", 1), (True, "in_place", 1), (True, "retract", 1), (False, "abort", 1), (True, None, 0)],
+)
 def test_bridge_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatten, pause, running):
     """Sessions opened and closed, several buckets, per-tensor and flattened, each pause mode: SGLang's
     receive code gets every tensor with its dtype, shape and bits, and reports the new version. With no
@@ -105,8 +111,9 @@ def test_bridge_closes_a_session_a_dead_trainer_left_open(sglang_peer):
     assert not state["session_open"]
 
 
-def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_server(sglang_peer, embedded,
-                                                                                    monkeypatch):
+def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_server(
+    sglang_peer, embedded, monkeypatch
+):
     """The old bridge (flush_cache on the last bucket after an in_place pause) fails in SGLang with its own
     message, and the embedded server says the same; the bridge's error names the server and the tensor."""
     monkeypatch.setattr(bridge_mod, "flushes_cache", lambda pause_generation, pause_mode: True)
@@ -128,8 +135,12 @@ def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_se
 
     async def go():
         async with SGLangClient(embedded.url, api_key=KEY) as c:
-            long = asyncio.ensure_future(c._post("/generate", {
-                "input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}))
+            long = asyncio.ensure_future(
+                c._post(
+                    "/generate",
+                    {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}},
+                )
+            )
             await asyncio.sleep(0.3)
             await c.pause_generation("in_place")
             assert not long.done(), "the request must still be running when paused"
@@ -151,30 +162,46 @@ def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_se
 
 def test_update_session_gate_answers_as_sglang_does(sglang_peer, embedded):
     """Update outside a session, begin twice, end without begin: status and body equal SGLang's."""
-    steps = [("/update_weights_from_distributed", payloads.update_distributed_body(["x"], ["float32"], [[1]])),
-             ("/update_weights_from_tensor", payloads.update_tensor_body([serialize_named_tensors([])])),
-             ("/end_weight_update", payloads.end_update_body()),
-             ("/begin_weight_update", payloads.begin_update_body()),
-             ("/begin_weight_update", payloads.begin_update_body()),
-             ("/end_weight_update", payloads.end_update_body())]
+    steps = [
+        ("/update_weights_from_distributed", payloads.update_distributed_body(["x"], ["float32"], [[1]])),
+        ("/update_weights_from_tensor", payloads.update_tensor_body([serialize_named_tensors([])])),
+        ("/end_weight_update", payloads.end_update_body()),
+        ("/begin_weight_update", payloads.begin_update_body()),
+        ("/begin_weight_update", payloads.begin_update_body()),
+        ("/end_weight_update", payloads.end_update_body()),
+    ]
     answers = {}
     for name, url in (("sglang", sglang_peer.url), ("embedded", embedded.url)):
-        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False,
-                          timeout=60) as http:
+        with httpx.Client(
+            base_url=url, headers={"Authorization": f"Bearer {KEY}"}, trust_env=False, timeout=60
+        ) as http:
             answers[name] = [(r.status_code, r.json()) for r in (http.post(p, json=b) for p, b in steps)]
     assert answers["embedded"] == answers["sglang"]
     assert [s for s, _ in answers["sglang"]] == [400, 400, 400, 200, 400, 200]
 
 
 def test_api_key_behaviour_agrees_route_by_route(sglang_peer, embedded):
-    routes = [("GET", "/health"), ("GET", "/health_generate"), ("GET", "/get_model_info"), ("GET", "/model_info"),
-              ("POST", "/generate"), ("POST", "/flush_cache"), ("GET", "/flush_cache"), ("POST", "/abort_request"),
-              ("POST", "/pause_generation"), ("POST", "/continue_generation"),
-              ("POST", "/init_weights_update_group"), ("POST", "/destroy_weights_update_group"),
-              ("POST", "/begin_weight_update"), ("POST", "/end_weight_update"),
-              ("POST", "/update_weights_from_distributed"), ("POST", "/update_weights_from_tensor"),
-              ("POST", "/update_weight_version"), ("POST", "/release_memory_occupation"),
-              ("POST", "/resume_memory_occupation")]
+    routes = [
+        ("GET", "/health"),
+        ("GET", "/health_generate"),
+        ("GET", "/get_model_info"),
+        ("GET", "/model_info"),
+        ("POST", "/generate"),
+        ("POST", "/flush_cache"),
+        ("GET", "/flush_cache"),
+        ("POST", "/abort_request"),
+        ("POST", "/pause_generation"),
+        ("POST", "/continue_generation"),
+        ("POST", "/init_weights_update_group"),
+        ("POST", "/destroy_weights_update_group"),
+        ("POST", "/begin_weight_update"),
+        ("POST", "/end_weight_update"),
+        ("POST", "/update_weights_from_distributed"),
+        ("POST", "/update_weights_from_tensor"),
+        ("POST", "/update_weight_version"),
+        ("POST", "/release_memory_occupation"),
+        ("POST", "/resume_memory_occupation"),
+    ]
     headers = {"none": {}, "wrong": {"Authorization": "Bearer nope"}, "scheme": {"Authorization": f"Basic {KEY}"}}
     table = {}
     for name, url in (("sglang", sglang_peer.url), ("embedded", embedded.url)):
@@ -184,8 +211,9 @@ def test_api_key_behaviour_agrees_route_by_route(sglang_peer, embedded):
                     # refused (401), or let through to the route, whatever it then answers: the peer's
                     # /health* ask a scheduler it does not run, and fail
                     try:
-                        r = http.request(method, path, headers={**hdr, "Connection": "close"},
-                                         json={} if method == "POST" else None)
+                        r = http.request(
+                            method, path, headers={**hdr, "Connection": "close"}, json={} if method == "POST" else None
+                        )
                         refused = r.status_code == 401
                     except httpx.TransportError:
                         refused = False
@@ -204,8 +232,9 @@ def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
         payloads.generate_body([1, 2, 3], one, rid="r1"),
         payloads.generate_body([1, 2, 3], SamplingParams(n=4, temperature=1.0, max_new_tokens=8, sampling_seed=11)),
         payloads.generate_body([4, 5], [SamplingParams(max_new_tokens=8, sampling_seed=s) for s in (1, 2, 3)], rid="g"),
-        payloads.generate_body([1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=0), rid="p",
-                               logprob_start_len=0),
+        payloads.generate_body(
+            [1, 2, 3, 4], SamplingParams(temperature=1.0, max_new_tokens=0), rid="p", logprob_start_len=0
+        ),
         payloads.generate_body([9], SamplingParams(temperature=0.0, max_new_tokens=2), return_logprob=False),
         payloads.fixed_length_body([[1, 2], [3, 4, 5]], 6),
     ]
@@ -214,8 +243,17 @@ def test_every_generate_payload_means_the_same_to_sglang(sglang_peer):
     assert all(p["ok"] for p in parsed), parsed
     single, group, batch, prompt, greedy, fixed = parsed
     assert single["is_single"] and single["rid"] == "r1" and single["return_logprob"] is True
-    assert single["sampling"] == [{"n": 1, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "max_new_tokens": 16,
-                                   "sampling_seed": None, "stop_token_ids": [5, 7]}]
+    assert single["sampling"] == [
+        {
+            "n": 1,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "max_new_tokens": 16,
+            "sampling_seed": None,
+            "stop_token_ids": [5, 7],
+        }
+    ]
     # n=4 in one request: SGLang expands it to a batch of 4 copies of the prompt, sharing the seed
     assert group["batch_size"] == 1 and group["sampling"][0]["n"] == 4 and group["sampling"][0]["sampling_seed"] == 11
     assert not batch["is_single"] and batch["batch_size"] == 3 and batch["rid"] == ["g-0", "g-1", "g-2"]
@@ -252,8 +290,13 @@ def test_embedded_load_report_is_what_sglang_serves_for_it(sglang_peer, embedded
     with _http(embedded) as ours, _http(sglang_peer) as peer:
         # work first, so the counters (decode moments, prefill totals, throughput) have all moved
         before = ours.get("/v1/loads").json()["loads"][0]["total_prefill_uncached_tokens"]
-        ours.post("/generate", json={"input_ids": [[5, 6, 7, 8], [9, 10, 11]],
-                                     "sampling_params": {"max_new_tokens": 5, "ignore_eos": True}}).raise_for_status()
+        ours.post(
+            "/generate",
+            json={
+                "input_ids": [[5, 6, 7, 8], [9, 10, 11]],
+                "sampling_params": {"max_new_tokens": 5, "ignore_eos": True},
+            },
+        ).raise_for_status()
         full = ours.get("/v1/loads").json()
         answer = ours.get("/v1/loads", params=params).json()
         assert full["loads"][0]["decode_moments"] and full["loads"][0]["total_prefill_uncached_tokens"] == before + 7
@@ -264,8 +307,9 @@ def test_embedded_load_report_is_what_sglang_serves_for_it(sglang_peer, embedded
         assert theirs["loads"] == answer["loads"]  # SGLang's to_dict of our row reproduces it exactly
         assert list(theirs) == list(answer)
         assert {k: type(v) for k, v in theirs.items()} == {k: type(v) for k, v in answer.items()}
-        assert _prometheus_samples(peer.get("/v1/loads", params={**params, "format": "prometheus"}).text) == \
-            _prometheus_samples(ours.get("/v1/loads", params={**params, "format": "prometheus"}).text)
+        assert _prometheus_samples(
+            peer.get("/v1/loads", params={**params, "format": "prometheus"}).text
+        ) == _prometheus_samples(ours.get("/v1/loads", params={**params, "format": "prometheus"}).text)
 
         # the full row, selected by SGLang, is what our server selects
         peer.post("/peer/load", json=full["loads"][0]).raise_for_status()
@@ -274,6 +318,7 @@ def test_embedded_load_report_is_what_sglang_serves_for_it(sglang_peer, embedded
         async def client_loads():
             async with SGLangClient(sglang_peer.url, api_key=KEY) as c:
                 return await c.get_loads()
+
         assert asyncio.run(client_loads()) == payloads.parse_loads(peer.get("/v1/loads").json())
         assert payloads.parse_loads(full).kv_capacity == full["loads"][0]["max_total_num_tokens"] > 0
 

@@ -61,8 +61,9 @@ def reference_finish_times(cost, arrivals, max_running, static=False, split=Fals
     return [done[i] for i in range(len(arrivals))]
 
 
-def engine_finish_times(cost, arrivals, max_running, kv_capacity=10**9, admission=None, engine_cls=SimEngine,
-                        calls=None):
+def engine_finish_times(
+    cost, arrivals, max_running, kv_capacity=10**9, admission=None, engine_cls=SimEngine, calls=None
+):
     calls = calls or list(range(len(arrivals)))
 
     async def main():
@@ -119,8 +120,9 @@ def test_static_batch_engines_match_the_per_step_reference_of_the_embedded_batch
     ref = reference_finish_times(COST, arrivals, max_running=16, static=True, split=split, calls=calls)
     # split: the second call waits for the first one's batch; else the burst is one batch
     assert (min(ref[3:5]) > max(ref[:3])) == split
-    times, engine = engine_finish_times(COST, arrivals, max_running=16, calls=calls,
-                                        engine_cls=SplitArrivalsEngine if split else StaticBatchEngine)
+    times, engine = engine_finish_times(
+        COST, arrivals, max_running=16, calls=calls, engine_cls=SplitArrivalsEngine if split else StaticBatchEngine
+    )
     assert [t for t, _ in times] == pytest.approx(ref, rel=1e-9)
     assert engine.stats.tokens == sum(a[2] for a in arrivals)
     # both differ from continuous batching here: late arrivals wait for the running batch's longest request
@@ -261,9 +263,17 @@ def test_engine_retracts_newest_when_kv_full():
 def tiny_cfg(staleness, policy="all_at_once", pause_mode="in_place", **extra):
     from megatron_dapo.config.load import load_config
 
-    over = [f"algo.staleness={staleness}", f"rollout.sync.policy={policy}", f"rollout.sync.pause_mode={pause_mode}",
-            "algo.train_batch_size=6", "rollout.n_resp_per_prompt=4", "data.max_response_length=400",
-            "algo.overlong_buffer.len=100", "rollout.num_servers=2", *[f"{k}={v}" for k, v in extra.items()]]
+    over = [
+        f"algo.staleness={staleness}",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "algo.train_batch_size=6",
+        "rollout.n_resp_per_prompt=4",
+        "data.max_response_length=400",
+        "algo.overlong_buffer.len=100",
+        "rollout.num_servers=2",
+        *[f"{k}={v}" for k, v in extra.items()],
+    ]
     return load_config("configs/qwen3/tiny_qwen3_cpu.yaml", over, validate=False)
 
 
@@ -271,8 +281,19 @@ def tiny_world(**kw):
     from megatron_dapo.planner.lengths import dapo_like
     from megatron_dapo.sim.world import World
 
-    args = dict(cost=COST, kv_capacity=200_000, max_running=64, train_s=lambda tokens: tokens / 5000.0, sync_s=0.5,
-                keep_prob=0.6, lengths=dapo_like(400), prompt_len=40, token_unit=2, steps=4, warmup_steps=1)
+    args = dict(
+        cost=COST,
+        kv_capacity=200_000,
+        max_running=64,
+        train_s=lambda tokens: tokens / 5000.0,
+        sync_s=0.5,
+        keep_prob=0.6,
+        lengths=dapo_like(400),
+        prompt_len=40,
+        token_unit=2,
+        steps=4,
+        warmup_steps=1,
+    )
     return World(**{**args, **kw})
 
 
@@ -288,22 +309,47 @@ def expected_units(cfg, world, group, sample):
     return min(math.ceil(400 / world.token_unit), math.ceil(total / world.token_unit))
 
 
-ADVANCED = {"rollout.routing.method": "throughput_optimal", "rollout.routing.delta_throughput_threshold": 0.2,
-            "rollout.routing.server_order": "reserve_capability", "rollout.queue.policy": "priority",
-            "rollout.migration.enabled": "true", "rollout.migration.indicator": "throughput",
-            "rollout.migration.threshold": 5, "rollout.retry.enabled": "true", "rollout.retry.threshold": 4}
+ADVANCED = {
+    "rollout.routing.method": "throughput_optimal",
+    "rollout.routing.delta_throughput_threshold": 0.2,
+    "rollout.routing.server_order": "reserve_capability",
+    "rollout.queue.policy": "priority",
+    "rollout.migration.enabled": "true",
+    "rollout.migration.indicator": "throughput",
+    "rollout.migration.threshold": 5,
+    "rollout.retry.enabled": "true",
+    "rollout.retry.threshold": 4,
+}
 
 
-@pytest.mark.parametrize("staleness,policy,pause_mode,extra", [
-    (0, "all_at_once", "in_place", {}), (2, "all_at_once", "abort", {}), (1, "greedy", "abort", {}),
-    (2, "status_based", "in_place", {}), (2, "status_based", "abort", ADVANCED),
-    (1, "all_at_once", "in_place", {"rollout.redundancy.extra_samples": 2, "rollout.redundancy.extra_prompts": 2})])
+@pytest.mark.parametrize(
+    "staleness,policy,pause_mode,extra",
+    [
+        (0, "all_at_once", "in_place", {}),
+        (2, "all_at_once", "abort", {}),
+        (1, "greedy", "abort", {}),
+        (2, "status_based", "in_place", {}),
+        (2, "status_based", "abort", ADVANCED),
+        (1, "all_at_once", "in_place", {"rollout.redundancy.extra_samples": 2, "rollout.redundancy.extra_prompts": 2}),
+    ],
+)
 def test_simulation_keeps_the_bound_and_loses_nothing(staleness, policy, pause_mode, extra):
     from megatron_dapo.sim.world import simulate
 
-    cfg, world = tiny_cfg(staleness, policy, pause_mode, **{"rollout.sync.threshold": 1.0,
-                                                            "rollout.sync.indicator": "kv_cache",
-                                                            "rollout.loads.interval_ms": 50, **extra}), tiny_world()
+    cfg, world = (
+        tiny_cfg(
+            staleness,
+            policy,
+            pause_mode,
+            **{
+                "rollout.sync.threshold": 1.0,
+                "rollout.sync.indicator": "kv_cache",
+                "rollout.loads.interval_ms": 50,
+                **extra,
+            },
+        ),
+        tiny_world(),
+    )
     r = simulate(cfg, world)
     assert len(r.batches) == 5 and r.steps == 4
     draws = [g.draw for info in r.batches for g in info.groups]
@@ -379,9 +425,25 @@ def test_cli_prints_table_and_rejects_bad_lengths(tmp_path, capsys):
     from megatron_dapo.sim.cli import main
 
     out = tmp_path / "rows.json"
-    argv = ["configs/qwen3/tiny_qwen3_cpu.yaml", "algo.train_batch_size=4", "rollout.n_resp_per_prompt=4",
-            "data.max_response_length=256", "algo.overlong_buffer.len=64", "--step-time", "0.5", "--steps", "2",
-            "--warmup-steps", "1", "--staleness", "0,1", "--modes", "sync,async", "--json", str(out)]
+    argv = [
+        "configs/qwen3/tiny_qwen3_cpu.yaml",
+        "algo.train_batch_size=4",
+        "rollout.n_resp_per_prompt=4",
+        "data.max_response_length=256",
+        "algo.overlong_buffer.len=64",
+        "--step-time",
+        "0.5",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--staleness",
+        "0,1",
+        "--modes",
+        "sync,async",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "sync | 0 |" in text and "async | 1 |" in text
@@ -400,10 +462,27 @@ def test_ceiling_mode_frees_the_trainer_and_the_syncs_only(tmp_path, capsys):
     from megatron_dapo.sim.cli import main
 
     out = tmp_path / "rows.json"
-    argv = ["configs/qwen3/tiny_qwen3_cpu.yaml", "algo.train_batch_size=4", "rollout.n_resp_per_prompt=4",
-            "data.max_response_length=256", "algo.overlong_buffer.len=64", "--step-time", "30", "--sync-s", "10",
-            "--steps", "2", "--warmup-steps", "1", "--staleness", "1,2", "--modes", "async,ceiling",
-            "--json", str(out)]
+    argv = [
+        "configs/qwen3/tiny_qwen3_cpu.yaml",
+        "algo.train_batch_size=4",
+        "rollout.n_resp_per_prompt=4",
+        "data.max_response_length=256",
+        "algo.overlong_buffer.len=64",
+        "--step-time",
+        "30",
+        "--sync-s",
+        "10",
+        "--steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--staleness",
+        "1,2",
+        "--modes",
+        "async,ceiling",
+        "--json",
+        str(out),
+    ]
     assert main(argv) == 0
     rows = {(r["mode"], r["staleness"]): r for r in json.loads(out.read_text())}
     assert set(rows) == {("async", 1), ("async", 2), ("ceiling", 2)}  # the ceiling at the largest staleness
@@ -426,15 +505,31 @@ def test_command_line_overrides_win_over_the_mode_switches(monkeypatch):
 
     def fake_simulate(cfg, w):
         seen.append(cfg)
-        return SimResult(steps=1, wall_s=1.0, tokens_per_s=1.0, rollout_busy=1.0, trainer_busy=0.0,
-                         mean_staleness=0.0, max_staleness=0, step_s=1.0, aborted_tokens=0, regenerated_tokens=0,
-                         retractions=0, migrations=0)
+        return SimResult(
+            steps=1,
+            wall_s=1.0,
+            tokens_per_s=1.0,
+            rollout_busy=1.0,
+            trainer_busy=0.0,
+            mean_staleness=0.0,
+            max_staleness=0,
+            step_s=1.0,
+            aborted_tokens=0,
+            regenerated_tokens=0,
+            retractions=0,
+            migrations=0,
+        )
 
     monkeypatch.setattr(world, "simulate", fake_simulate)
-    args = cli._parser().parse_intermixed_args(["configs/qwen3/qwen3_8b.yaml", "--modes", "advanced,async",
-                                                "--staleness", "2", "--step-time", "1"])
-    cli.run_all(args.config, ["rollout.migration.enabled=false", "rollout.routing.method=request_num_balance"],
-                args, out=io.StringIO())
+    args = cli._parser().parse_intermixed_args(
+        ["configs/qwen3/qwen3_8b.yaml", "--modes", "advanced,async", "--staleness", "2", "--step-time", "1"]
+    )
+    cli.run_all(
+        args.config,
+        ["rollout.migration.enabled=false", "rollout.routing.method=request_num_balance"],
+        args,
+        out=io.StringIO(),
+    )
     advanced, plain = seen
     assert advanced.rollout.sync.policy == "status_based" and advanced.rollout.retry.enabled  # the YAML's
     assert not advanced.rollout.migration.enabled  # ... but the command line's where it says so
@@ -459,14 +554,18 @@ def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
 
     for key in ADVANCED_KEYS:
         if key == "routing":  # the router's cost model is the simulated engines' (--cost-model)
-            assert dataclasses.replace(at(got, key), cost_model=None) == dataclasses.replace(at(want, key),
-                                                                                               cost_model=None)
+            assert dataclasses.replace(at(got, key), cost_model=None) == dataclasses.replace(
+                at(want, key), cost_model=None
+            )
         else:
             assert at(got, key) == at(want, key), key
     assert got.rollout.sync.policy == "status_based" and got.rollout.migration.enabled and got.rollout.retry.enabled
     # the simulated setting itself (cluster, batch, staleness) stays the plain config's
-    assert (got.rollout.server_tp, got.algo.train_batch_size, got.algo.staleness) == \
-        (base.rollout.server_tp, base.algo.train_batch_size, base.algo.staleness)
+    assert (got.rollout.server_tp, got.algo.train_batch_size, got.algo.staleness) == (
+        base.rollout.server_tp,
+        base.algo.train_batch_size,
+        base.algo.staleness,
+    )
     assert mode_overrides("async") == ["rollout.sync.policy=all_at_once"]
     with pytest.raises(ValueError, match="--advanced-config"):
         mode_overrides("advanced", "configs/qwen3/nope.yaml")
@@ -511,19 +610,30 @@ def test_simulated_migrations_neither_cascade_nor_stall(monkeypatch, min_starved
 
     policies = []
     init = migration.MigrationPolicy.__init__
-    monkeypatch.setattr(migration.MigrationPolicy, "__init__",
-                        lambda self, *a, **k: (init(self, *a, **k), policies.append(self))[0])
+    monkeypatch.setattr(
+        migration.MigrationPolicy, "__init__", lambda self, *a, **k: (init(self, *a, **k), policies.append(self))[0]
+    )
     cpu_like = CostModel(a_b=0.0, a_k=4e-6, o_thr=0.03, o_b=0.0, o_k=0.002)  # the CPU benchmark's fit, rounded
-    cfg = tiny_cfg(2, "status_based", "in_place", **{
-        "rollout.sync.indicator": "kv_cache", "rollout.sync.threshold": 0.6, "rollout.sync.check_req_before_sync":
-        "false", "rollout.loads.interval_ms": 200, "rollout.num_servers": 4, "algo.train_batch_size": 4, **ADVANCED,
-        "rollout.migration.min_starved_ms": min_starved_ms})
+    cfg = tiny_cfg(
+        2,
+        "status_based",
+        "in_place",
+        **{
+            "rollout.sync.indicator": "kv_cache",
+            "rollout.sync.threshold": 0.6,
+            "rollout.sync.check_req_before_sync": "false",
+            "rollout.loads.interval_ms": 200,
+            "rollout.num_servers": 4,
+            "algo.train_batch_size": 4,
+            **ADVANCED,
+            "rollout.migration.min_starved_ms": min_starved_ms,
+        },
+    )
     check_s = cfg.rollout.sync.check_interval_ms / 1000.0
     settle = max(2 * check_s, min_starved_ms / 1000.0) - 1e-9
     migrations = 0
     for seed in range(8):
-        r = simulate(cfg, tiny_world(batching="static_split", cost=cpu_like, kv_capacity=64 * 440, steps=6,
-                                     seed=seed))
+        r = simulate(cfg, tiny_world(batching="static_split", cost=cpu_like, kv_capacity=64 * 440, steps=6, seed=seed))
         assert len(r.batches) == 7
         history = policies.pop().history
         migrations += len(history)

@@ -95,8 +95,16 @@ def test_restore_checks_the_bound_and_the_slot():
     assert [item for _, _, item in c.occupied_items()] == ["E", "A"]  # the earliest slot: (3, 0)
 
 
-def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop: float, lazy: bool = False,
-              extra: int = 0, retry: int = 0):
+def _simulate(
+    rng: random.Random,
+    slots: int,
+    staleness: int,
+    steps: int,
+    p_drop: float,
+    lazy: bool = False,
+    extra: int = 0,
+    retry: int = 0,
+):
     """One run of the protocol: a producer that dispatches whenever it may (`lazy`: only some of the
     groups it may, as a producer short of prompts or server room does), groups that complete in a
     random order (some dropped by dynamic sampling), a trainer that consumes ready buffers and syncs
@@ -170,11 +178,15 @@ def _simulate(rng: random.Random, slots: int, staleness: int, steps: int, p_drop
         # the groups in flight; no buffer holds more than `slots` completed groups
         assert {k for k, (b, i) in c.where.items() if c.buffers[b][i].key == k} == set(c.where)
         assert {k for k, (b, i) in c.where.items() if c.buffers[b][i].state == RESERVED} == set(in_flight)
-        assert all(sum(s.state == OCCUPIED for s in buf) <= slots and len(buf) == slots + extra
-                   for buf in c.buffers.values())
+        assert all(
+            sum(s.state == OCCUPIED for s in buf) <= slots and len(buf) == slots + extra for buf in c.buffers.values()
+        )
         # the controller's per-buffer tallies are what a scan of the slots counts
-        assert all(c.count(state, b) == sum(s.state == state for s in buf)
-                   for b, buf in c.buffers.items() for state in (EMPTY, RESERVED, OCCUPIED))
+        assert all(
+            c.count(state, b) == sum(s.state == state for s in buf)
+            for b, buf in c.buffers.items()
+            for state in (EMPTY, RESERVED, OCCUPIED)
+        )
         clock.t += rng.random()
     waiting_items = [item[0] for _, _, item in c.occupied_items()]
     # no prompt lost or duplicated; nothing completed was discarded except surplus / given-up groups
@@ -192,8 +204,14 @@ def test_property_bound_kept_and_nothing_lost(staleness, lazy):
     total_dropped = 0
     for seed in range(40):
         rng = random.Random(1000 * staleness + seed)
-        total_dropped += _simulate(rng, slots=rng.randint(1, 6), staleness=staleness, steps=rng.randint(3, 12),
-                                   p_drop=rng.choice([0.0, 0.3, 0.7]), lazy=lazy)["dropped"]
+        total_dropped += _simulate(
+            rng,
+            slots=rng.randint(1, 6),
+            staleness=staleness,
+            steps=rng.randint(3, 12),
+            p_drop=rng.choice([0.0, 0.3, 0.7]),
+            lazy=lazy,
+        )["dropped"]
     assert total_dropped > 0  # dynamic sampling was exercised
 
 
@@ -205,9 +223,16 @@ def test_property_with_redundant_slots_and_proactive_retry(staleness):
     given_up = retries = 0
     for seed in range(40):
         rng = random.Random(7000 + 1000 * staleness + seed)
-        out = _simulate(rng, slots=rng.randint(1, 6), staleness=staleness, steps=rng.randint(3, 12),
-                        p_drop=rng.choice([0.0, 0.3]), lazy=rng.random() < 0.5,
-                        extra=rng.choice([0, 1, 3]), retry=rng.choice([0, 1, 2, 4]))
+        out = _simulate(
+            rng,
+            slots=rng.randint(1, 6),
+            staleness=staleness,
+            steps=rng.randint(3, 12),
+            p_drop=rng.choice([0.0, 0.3]),
+            lazy=rng.random() < 0.5,
+            extra=rng.choice([0, 1, 3]),
+            retry=rng.choice([0, 1, 2, 4]),
+        )
         given_up, retries = given_up + out["given_up"], retries + out["retries"]
     assert given_up > 0
     if staleness > 0:
@@ -215,16 +240,26 @@ def test_property_with_redundant_slots_and_proactive_retry(staleness):
 
 
 def _piece(out, version, reason, spans=(), prompt=(1, 2)):
-    return Sample(rid="x", prompt_ids=list(prompt), output_ids=list(out), logprobs=[-0.1 * t for t in out],
-                  finish_reason=reason, weight_version=version, weight_versions=[WeightVersionSpan(*s) for s in spans],
-                  text="".join(chr(96 + t) for t in out), group_id="g", index=2)
+    return Sample(
+        rid="x",
+        prompt_ids=list(prompt),
+        output_ids=list(out),
+        logprobs=[-0.1 * t for t in out],
+        finish_reason=reason,
+        weight_version=version,
+        weight_versions=[WeightVersionSpan(*s) for s in spans],
+        text="".join(chr(96 + t) for t in out),
+        group_id="g",
+        index=2,
+    )
 
 
 def test_merge_continuation_keeps_tokens_logprobs_and_versions():
     a = replace(_piece([1, 2, 3], "4", "abort"), num_retractions=1)
     b = _piece([4, 5], "5", "abort", prompt=(1, 2, 1, 2, 3))
-    c = replace(_piece([6], "6", "stop", spans=[("5", 0, 0), ("6", 0, 1)], prompt=(1, 2, 1, 2, 3, 4, 5)),
-                num_retractions=2)
+    c = replace(
+        _piece([6], "6", "stop", spans=[("5", 0, 0), ("6", 0, 1)], prompt=(1, 2, 1, 2, 3, 4, 5)), num_retractions=2
+    )
     m = merge_continuation(merge_continuation(a, b), c)
     assert m.num_retractions == 3  # every piece's
     assert m.prompt_ids == [1, 2] and m.output_ids == [1, 2, 3, 4, 5, 6] and m.index == 2

@@ -27,8 +27,11 @@ def traced(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("trace") / "server_0.jsonl"
     torch.manual_seed(0)
-    eng = Engine(AutoModelForCausalLM.from_config(tiny_hf_config("qwen3"), dtype=torch.float32), max_batch=16,
-                 step_trace=StepTrace(path))
+    eng = Engine(
+        AutoModelForCausalLM.from_config(tiny_hf_config("qwen3"), dtype=torch.float32),
+        max_batch=16,
+        step_trace=StepTrace(path),
+    )
     yield eng, path
     eng.close()
 
@@ -37,8 +40,15 @@ def _run(engine, n: int, prompt_len: int, new_tokens: int) -> None:
     """One batch of n distinct prompts, each generating exactly new_tokens."""
     from megatron_dapo.rollout.embedded.engine import GenRequest
 
-    reqs = [GenRequest(rid=f"r{i}-{time.monotonic_ns()}", prompt=[1 + (i + j) % 50 for j in range(prompt_len)],
-                       max_new_tokens=new_tokens, ignore_eos=True) for i in range(n)]
+    reqs = [
+        GenRequest(
+            rid=f"r{i}-{time.monotonic_ns()}",
+            prompt=[1 + (i + j) % 50 for j in range(prompt_len)],
+            max_new_tokens=new_tokens,
+            ignore_eos=True,
+        )
+        for i in range(n)
+    ]
     for f in engine.submit_many(reqs):
         f.result(timeout=120)
 
@@ -49,7 +59,7 @@ def _workload(engine) -> tuple[list, list]:
     a, b = [], []
     for i, (n, prompt_len) in enumerate((n, p) for n in (1, 4, 12) for p in (8, 120)):
         for _ in range(2):
-            for half in ((a, b) if i % 2 == 0 else (b, a)):
+            for half in (a, b) if i % 2 == 0 else (b, a):
                 t = time.time()
                 _run(engine, n, prompt_len, new_tokens=20)
                 half.append((t, time.time()))

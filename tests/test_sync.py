@@ -29,16 +29,25 @@ def ckpts(tmp_path_factory):
     from megatron_dapo.models.tiny import save_tiny_hf_model
 
     d = tmp_path_factory.mktemp("ckpt")
-    return {name: save_tiny_hf_model(fam, d / name, seed=seed)
-            for name, fam, seed in [("q3_a", "qwen3", 0), ("q3_b", "qwen3", 1), ("q3_c", "qwen3", 2),
-                                    ("moe_a", "qwen3_moe", 0), ("moe_b", "qwen3_moe", 1)]}
+    return {
+        name: save_tiny_hf_model(fam, d / name, seed=seed)
+        for name, fam, seed in [
+            ("q3_a", "qwen3", 0),
+            ("q3_b", "qwen3", 1),
+            ("q3_c", "qwen3", 2),
+            ("moe_a", "qwen3_moe", 0),
+            ("moe_b", "qwen3_moe", 1),
+        ]
+    }
 
 
 @pytest.fixture(scope="module")
 def servers(ckpts, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
-    procs = {"q3": [embedded_server(str(ckpts["q3_a"]), logs / f"q3_{i}.log", api_key=KEY, seed=i) for i in range(2)],
-             "moe": [embedded_server(str(ckpts["moe_a"]), logs / "moe.log", api_key=KEY)]}
+    procs = {
+        "q3": [embedded_server(str(ckpts["q3_a"]), logs / f"q3_{i}.log", api_key=KEY, seed=i) for i in range(2)],
+        "moe": [embedded_server(str(ckpts["moe_a"]), logs / "moe.log", api_key=KEY)],
+    }
     allp = [p for ps in procs.values() for p in ps]
     try:
         start_servers(allp, timeout_s=180)
@@ -83,13 +92,17 @@ def test_sync_makes_servers_match_the_trainer(servers, ckpts, tmp_path, mode):
     target = ckpts["q3_b"] if mode == "per_tensor" else ckpts["q3_c"]
     # flattened: the first sync re-homes the servers' parameters into their receive buffers, the second
     # (other weights, same bucket layout) is received straight into them
-    extra = (["--versions", "1,2"] if mode == "per_tensor" else
-             ["--first-ckpt", str(ckpts["q3_b"]), "--versions", "3", "--flatten", "--bucket-mb", "0.2"])
+    extra = (
+        ["--versions", "1,2"]
+        if mode == "per_tensor"
+        else ["--first-ckpt", str(ckpts["q3_b"]), "--versions", "3", "--flatten", "--bucket-mb", "0.2"]
+    )
     if mode == "per_tensor":
         # a trainer that died mid-sync left server 0's weight-update session open: the bridge closes it
         async def leave_open():
             async with SGLangClient(urls[0], api_key=KEY) as c:
                 await c.begin_weight_update()
+
         asyncio.run(leave_open())
     res = _worker(tmp_path / "out.json", target, urls, "--bad-name-first", *extra)
     # an update naming a tensor the servers lack fails with its name, and leaves the group usable
@@ -126,6 +139,7 @@ def _generate_in_background(urls, prompts, sp):
             async with Router(urls, api_key=KEY) as r:
                 holder["router"] = r
                 result["groups"] = [g async for g in r.generate_groups(prompts, sp)]
+
         try:
             asyncio.run(go())
         except BaseException as e:  # surfaced by the test
@@ -142,8 +156,7 @@ def test_sync_with_requests_in_flight_loses_and_duplicates_nothing(servers, ckpt
     version = "10" if pause else "11"
     ready, go = tmp_path / "ready", tmp_path / "go"
     extra = ["--versions", version, "--ready-file", str(ready), "--go-file", str(go)]
-    proc = _worker(tmp_path / "out.json", ckpts["q3_b"], urls, *extra, *([] if pause else ["--no-pause"]),
-                   wait=False)
+    proc = _worker(tmp_path / "out.json", ckpts["q3_b"], urls, *extra, *([] if pause else ["--no-pause"]), wait=False)
     deadline = time.time() + 60
     while not ready.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)

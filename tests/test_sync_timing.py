@@ -124,8 +124,11 @@ def test_status_based_syncs_the_idle_server_and_the_busy_one_after_its_request(e
 
     async def long_request():
         async with SGLangClient(slow) as client:
-            task = asyncio.ensure_future(client.generate(list(range(3, 12)), SamplingParams(
-                n=4, max_new_tokens=300, temperature=1.0, sampling_seed=7)))
+            task = asyncio.ensure_future(
+                client.generate(
+                    list(range(3, 12)), SamplingParams(n=4, max_new_tokens=300, temperature=1.0, sampling_seed=7)
+                )
+            )
             while (await client.get_loads()).running == 0:  # running before the new version exists
                 await asyncio.sleep(0.01)
             await asyncio.to_thread(store.put, 1, *_version(env, 1))

@@ -94,6 +94,7 @@ def sections(root: type | None = None, prefix: str = "") -> list[tuple[str, type
     """(dotted section name, dataclass) for every config section, depth first in field order."""
     if root is None:
         from megatron_dapo.config.schema import DapoConfig
+
         root = DapoConfig
     found = [(prefix, root)] if prefix else []
     hints = typing.get_type_hints(root)

@@ -8,6 +8,13 @@ from .loss import LOSS_AGG_MODES, dapo_policy_loss
 from .overlong import overlong_filter_mask, overlong_reward
 
 __all__ = [
-    "FilterResult", "LOSS_AGG_MODES", "dapo_policy_loss", "dynamic_sampling_filter", "group_advantages",
-    "overlong_filter_mask", "overlong_reward", "token_advantages", "vocab_parallel_logprobs",
+    "FilterResult",
+    "LOSS_AGG_MODES",
+    "dapo_policy_loss",
+    "dynamic_sampling_filter",
+    "group_advantages",
+    "overlong_filter_mask",
+    "overlong_reward",
+    "token_advantages",
+    "vocab_parallel_logprobs",
 ]

@@ -41,8 +41,10 @@ def index_groups(group_ids: torch.Tensor) -> GroupIndex:
 
 def check_group_inputs(values: torch.Tensor, group_ids: torch.Tensor, name: str, field: str) -> None:
     if values.dim() != 1 or values.shape != group_ids.shape:
-        raise ValueError(f"{name}: {field} shape {tuple(values.shape)} and group_ids shape "
-                         f"{tuple(group_ids.shape)} must be the same 1-D [N]")
+        raise ValueError(
+            f"{name}: {field} shape {tuple(values.shape)} and group_ids shape "
+            f"{tuple(group_ids.shape)} must be the same 1-D [N]"
+        )
     if not torch.isfinite(values).all():
         raise ValueError(f"{name}: {field} holds non-finite values")
 
@@ -58,8 +60,9 @@ def group_mean_std(values: torch.Tensor, index: GroupIndex) -> tuple[torch.Tenso
     return mean, std
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Per-sample advantages [N] (fp32, fp64 for fp64 rewards); formulas in the module doc."""
     check_group_inputs(rewards, group_ids, "group_advantages", "rewards")
     values = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
@@ -73,6 +76,7 @@ def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std
 def token_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Broadcast per-sample advantages [N] to the loss tokens [N, S] (0 outside the mask)."""
     if loss_mask.dim() != 2 or loss_mask.shape[0] != advantages.shape[0]:
-        raise ValueError(f"token_advantages: loss_mask shape {tuple(loss_mask.shape)} must be "
-                         f"[{advantages.shape[0]}, S]")
+        raise ValueError(
+            f"token_advantages: loss_mask shape {tuple(loss_mask.shape)} must be [{advantages.shape[0]}, S]"
+        )
     return advantages[:, None] * loss_mask.to(advantages.dtype)

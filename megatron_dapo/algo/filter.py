@@ -26,8 +26,9 @@ class FilterResult:
     num_all_wrong: int  # dropped groups whose common value < threshold
 
 
-def dynamic_sampling_filter(metric: torch.Tensor, group_ids: torch.Tensor,
-                            correct_threshold: float = 0.5) -> FilterResult:
+def dynamic_sampling_filter(
+    metric: torch.Tensor, group_ids: torch.Tensor, correct_threshold: float = 0.5
+) -> FilterResult:
     """Keep mask and group counts for one generation batch (see the module doc)."""
     check_group_inputs(metric, group_ids, "dynamic_sampling_filter", "metric")
     index = index_groups(group_ids)

@@ -92,8 +92,12 @@ def load_chunk(buf: torch.Tensor, logits: torch.Tensor, lo: int, hi: int, inv_te
 
 
 def shard_partials_torch(
-    logits: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor, inv_temp: float,
-    with_entropy: bool, chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    logits: torch.Tensor,
+    local_target: torch.Tensor,
+    inside: torch.Tensor,
+    inv_temp: float,
+    with_entropy: bool,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> ShardPartials:
     """Reduce a [T, V_shard] shard to ShardPartials, one row chunk at a time."""
     n_tok, vocab = logits.shape
@@ -139,8 +143,13 @@ def merge_partials(p: ShardPartials, inside: torch.Tensor, tp_group) -> GlobalSt
 
 
 def grad_logits_torch(
-    logits: torch.Tensor, local_target: torch.Tensor, inside: torch.Tensor, stats: GlobalStats,
-    inv_temp: float, grad_logprobs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+    logits: torch.Tensor,
+    local_target: torch.Tensor,
+    inside: torch.Tensor,
+    stats: GlobalStats,
+    inv_temp: float,
+    grad_logprobs: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
 ) -> torch.Tensor:
     """d loss / d logits for one shard, recomputing p chunk by chunk, written in the logits' dtype.
@@ -188,8 +197,9 @@ def shard_logprobs_forward(ctx, logits2d, target, tp_group, temperature, with_en
     inv_temp = 1.0 / temperature
     partials = shard_partials(logits2d, local_target, inside, inv_temp, with_entropy, tuning)
     stats = merge_partials(partials, inside, tp_group)
-    ctx.save_for_backward(logits2d, local_target, inside, valid, stats.max, stats.log_sum_exp,
-                          stats.mean_z if with_entropy else stats.max)
+    ctx.save_for_backward(
+        logits2d, local_target, inside, valid, stats.max, stats.log_sum_exp, stats.mean_z if with_entropy else stats.max
+    )
     ctx.meta = (shape + (vocab,), inv_temp, with_entropy, tuning)
     logprobs = torch.where(valid, stats.logprobs, torch.zeros_like(stats.logprobs)).reshape(shape)
     if with_entropy:
@@ -214,8 +224,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, temperature, with_entropy, chunk_elements):
         logits2d = logits.reshape(-1, logits.shape[-1])
-        return shard_logprobs_forward(ctx, logits2d, target, tp_group, temperature, with_entropy, chunk_elements,
-                                      shard_partials_torch)
+        return shard_logprobs_forward(
+            ctx, logits2d, target, tp_group, temperature, with_entropy, chunk_elements, shard_partials_torch
+        )
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):

@@ -60,9 +60,21 @@ NUM_ROW_STATS = 8
 LOG_RATIO_BOUND = 20.0
 
 
-def check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
-                      clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
-                      rollout_is_weights, rollout_is_cap) -> None:
+def check_loss_inputs(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    loss_agg_mode,
+    global_num_tokens,
+    global_num_seqs,
+    dp_world_size,
+    rollout_is_weights,
+    rollout_is_cap,
+) -> None:
     name = "dapo_policy_loss"
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{name}: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
@@ -70,17 +82,24 @@ def check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_
         if t.shape != logprobs.shape:
             raise ValueError(f"{name}: {field} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if rollout_is_weights is not None and rollout_is_weights.shape != logprobs.shape:
-        raise ValueError(f"{name}: rollout_is_weights shape {tuple(rollout_is_weights.shape)} != logprobs shape "
-                         f"{tuple(logprobs.shape)}")
+        raise ValueError(
+            f"{name}: rollout_is_weights shape {tuple(rollout_is_weights.shape)} != logprobs shape "
+            f"{tuple(logprobs.shape)}"
+        )
     if advantages.shape != logprobs.shape and advantages.shape != logprobs.shape[:1]:
-        raise ValueError(f"{name}: advantages shape {tuple(advantages.shape)} must be logprobs shape "
-                         f"{tuple(logprobs.shape)} or per sequence {tuple(logprobs.shape[:1])}")
+        raise ValueError(
+            f"{name}: advantages shape {tuple(advantages.shape)} must be logprobs shape "
+            f"{tuple(logprobs.shape)} or per sequence {tuple(logprobs.shape[:1])}"
+        )
     if logprobs.dim() not in (1, 2) or (logprobs.dim() == 1 and loss_agg_mode != "token-mean"):
-        raise ValueError(f"{name}: logprobs must be [batch, seq] (or [tokens] for token-mean), "
-                         f"got shape {tuple(logprobs.shape)} with {loss_agg_mode}")
+        raise ValueError(
+            f"{name}: logprobs must be [batch, seq] (or [tokens] for token-mean), "
+            f"got shape {tuple(logprobs.shape)} with {loss_agg_mode}"
+        )
     if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0):
-        raise ValueError(f"{name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got "
-                         f"{clip_ratio_low}, {clip_ratio_high}")
+        raise ValueError(
+            f"{name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}"
+        )
     if clip_ratio_c is not None and not clip_ratio_c > 1:
         raise ValueError(f"{name}: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
     for field, v in (("global_num_tokens", global_num_tokens), ("global_num_seqs", global_num_seqs)):
@@ -103,8 +122,17 @@ def as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights):
     return logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights
 
 
-def row_stats_torch(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
-                    clip_ratio_c, rollout_is_weights, rollout_is_cap) -> torch.Tensor:
+def row_stats_torch(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    rollout_is_weights,
+    rollout_is_cap,
+) -> torch.Tensor:
     """Per-sequence partial sums [B, NUM_ROW_STATS]; column ROW_LOSS carries the gradient."""
     cdtype = torch.promote_types(logprobs.dtype, torch.float32)
     mask = loss_mask.bool()
@@ -131,14 +159,26 @@ def row_stats_torch(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_lo
         r = ratio.detach()
         k3 = torch.where(mask, r - 1 - log_ratio.detach(), zero)
         stats = [
-            mask.sum(-1).to(cdtype), upper.sum(-1).to(cdtype), lower.sum(-1).to(cdtype), dual.sum(-1).to(cdtype),
-            torch.where(mask, r, zero).sum(-1), k3.sum(-1), torch.where(mask, r, zero).amax(-1),
+            mask.sum(-1).to(cdtype),
+            upper.sum(-1).to(cdtype),
+            lower.sum(-1).to(cdtype),
+            dual.sum(-1).to(cdtype),
+            torch.where(mask, r, zero).sum(-1),
+            k3.sum(-1),
+            torch.where(mask, r, zero).amax(-1),
         ]
     return torch.stack([pg.sum(-1), *stats], dim=-1)
 
 
-def aggregate_rows(rows: torch.Tensor, loss_agg_mode: str, global_num_tokens=None, global_num_seqs=None,
-                   dp_world_size: int = 1, token_sum_norm=None, seq_len: int = 1):
+def aggregate_rows(
+    rows: torch.Tensor,
+    loss_agg_mode: str,
+    global_num_tokens=None,
+    global_num_seqs=None,
+    dp_world_size: int = 1,
+    token_sum_norm=None,
+    seq_len: int = 1,
+):
     """Loss and metrics from per-sequence partials, with the global normalisation of the module doc."""
     n_tok = rows[:, ROW_TOKENS]
     has_tokens = n_tok > 0
@@ -198,10 +238,23 @@ def dapo_policy_loss(
     pi_old / pi_rollout; they are truncated at rollout_is_cap (None = no truncation) and detached.
     Returns (scalar loss, metrics dict of detached scalars).
     """
-    check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
-                      clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
-                      rollout_is_weights, rollout_is_cap)
+    check_loss_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        global_num_tokens,
+        global_num_seqs,
+        dp_world_size,
+        rollout_is_weights,
+        rollout_is_cap,
+    )
     lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
     rows = row_stats_torch(lp, old, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, w, rollout_is_cap)
-    return aggregate_rows(rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
-                          token_sum_norm, seq_len=lp.shape[-1])
+    return aggregate_rows(
+        rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size, token_sum_norm, seq_len=lp.shape[-1]
+    )

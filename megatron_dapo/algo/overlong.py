@@ -17,12 +17,15 @@ from __future__ import annotations
 import torch
 
 
-def overlong_reward(lengths: torch.Tensor, max_response_len: int, overlong_buffer_len: int,
-                    penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_reward(
+    lengths: torch.Tensor, max_response_len: int, overlong_buffer_len: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
     """Length penalty per response [N] (<= 0, fp32)."""
     if not 0 < overlong_buffer_len <= max_response_len:
-        raise ValueError(f"overlong_reward: need 0 < overlong_buffer_len ({overlong_buffer_len}) <= "
-                         f"max_response_len ({max_response_len})")
+        raise ValueError(
+            f"overlong_reward: need 0 < overlong_buffer_len ({overlong_buffer_len}) <= "
+            f"max_response_len ({max_response_len})"
+        )
     if penalty_factor < 0:
         raise ValueError(f"overlong_reward: penalty_factor must be >= 0, got {penalty_factor}")
     start = max_response_len - overlong_buffer_len
@@ -38,7 +41,9 @@ def overlong_filter_mask(loss_mask: torch.Tensor, truncated: torch.Tensor) -> to
     mean / std (the baseline), it only stops contributing loss tokens.
     """
     if truncated.dim() != 1 or truncated.shape[0] != loss_mask.shape[0]:
-        raise ValueError(f"overlong_filter_mask: truncated shape {tuple(truncated.shape)} must be "
-                         f"[{loss_mask.shape[0]}] (one flag per row of loss_mask)")
+        raise ValueError(
+            f"overlong_filter_mask: truncated shape {tuple(truncated.shape)} must be "
+            f"[{loss_mask.shape[0]}] (one flag per row of loss_mask)"
+        )
     keep = ~truncated.bool()
     return loss_mask * keep.view(-1, *([1] * (loss_mask.dim() - 1))).to(loss_mask.dtype)

@@ -84,6 +84,8 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     model_roots = {name for c in model_chunks for name, _ in c.named_children()}
     extra = sorted(k for k in not_requested if k.split(".")[0] in model_roots)
     if extra:
-        raise ValueError(f"checkpoint {d} holds tensors the model lacks {extra[:4]}: it is a checkpoint of another model")
+        raise ValueError(
+            f"checkpoint {d} holds tensors the model lacks {extra[:4]}: it is a checkpoint of another model"
+        )
     for i, c in enumerate(model_chunks):
         c.load_state_dict(state[_model_key(i, n)], strict=True)

@@ -35,7 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("megatron-to-hf", help="megatron-core dist_checkpointing -> HF safetensors")
     b.add_argument("--ckpt", required=True, help="checkpoint directory (written by hf-to-megatron or training)")
-    b.add_argument("--hf-config", default=None, help="HF directory with config.json / tokenizer (default: CKPT/hf_config)")
+    b.add_argument(
+        "--hf-config", default=None, help="HF directory with config.json / tokenizer (default: CKPT/hf_config)"
+    )
     b.add_argument("--out", required=True, help="output HF directory (must not exist)")
     b.add_argument("--max-shard-size-gb", type=_positive_gb, default=5.0, help="safetensors shard size")
     layout(b, "used to read the checkpoint")
@@ -51,8 +53,15 @@ def main(argv: list[str] | None = None) -> int:
             out = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype)
         else:
             out = megatron_to_hf(
-                args.ckpt, args.out, hf_config_dir=args.hf_config, tp=args.tp, pp=args.pp, ep=args.ep,
-                etp=args.etp, dtype=args.dtype, max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+                args.ckpt,
+                args.out,
+                hf_config_dir=args.hf_config,
+                tp=args.tp,
+                pp=args.pp,
+                ep=args.ep,
+                etp=args.etp,
+                dtype=args.dtype,
+                max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
             )
     except (ValueError, OSError, RuntimeError) as e:
         print(f"megatron-dapo convert: error: {e}", file=sys.stderr)

@@ -73,7 +73,6 @@ def _tmp_sibling(out: Path) -> Path:
 def _run(job: _Job, out: Path) -> Path:
     import torch.multiprocessing as mp
 
-
     if out.exists():
         raise ConversionError(f"output directory {out} already exists; remove it or choose another --out")
     tmp = Path(job.tmp_out)
@@ -131,8 +130,11 @@ def verify_checkpoint_integrity(ckpt: Path) -> bool:
 
 def _worker(local_rank: int, world: int, addr: str, port: int, job: _Job) -> None:
     os.environ.update(
-        RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(world),
-        MASTER_ADDR=addr, MASTER_PORT=str(port),
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR=addr,
+        MASTER_PORT=str(port),
     )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -210,7 +212,12 @@ def _layout(arch: QwenArch, tp: int, pp: int, ep: int, etp: int | None, dtype: s
 
 
 def hf_to_megatron(
-    hf_dir: str | Path, out: str | Path, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None,
+    hf_dir: str | Path,
+    out: str | Path,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
     dtype: str | None = None,
 ) -> Path:
     """Convert an HF Qwen checkpoint into a megatron-core dist_checkpointing checkpoint saved at TP/PP/EP."""
@@ -225,8 +232,15 @@ def hf_to_megatron(
 
 
 def megatron_to_hf(
-    ckpt: str | Path, out: str | Path, hf_config_dir: str | Path | None = None, tp: int = 1, pp: int = 1,
-    ep: int = 1, etp: int | None = None, dtype: str | None = None, max_shard_bytes: int = 5 * 1024**3,
+    ckpt: str | Path,
+    out: str | Path,
+    hf_config_dir: str | Path | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = 5 * 1024**3,
 ) -> Path:
     """Convert a dist_checkpointing checkpoint of this package into HF safetensors (+ index, config, tokenizer).
 
@@ -248,8 +262,14 @@ def megatron_to_hf(
     saved_config = ckpt / HF_CONFIG_DIR / "config.json"
     if saved_config.is_file() and QwenArch.from_hf(saved_config) != arch:
         saved = QwenArch.from_hf(saved_config)
-        diff = [f"{k}: {getattr(saved, k)!r} vs {getattr(arch, k)!r}" for k in vars(arch) if getattr(saved, k) != getattr(arch, k)]
-        raise ConversionError(f"{hf_config_dir} describes another model than the checkpoint's {saved_config} ({'; '.join(diff[:4])})")
+        diff = [
+            f"{k}: {getattr(saved, k)!r} vs {getattr(arch, k)!r}"
+            for k in vars(arch)
+            if getattr(saved, k) != getattr(arch, k)
+        ]
+        raise ConversionError(
+            f"{hf_config_dir} describes another model than the checkpoint's {saved_config} ({'; '.join(diff[:4])})"
+        )
     par = _layout(arch, tp, pp, ep, etp, dtype or _default_dtype(hf_config_dir))
     job = _Job("megatron-to-hf", str(ckpt), str(_tmp_sibling(out)), par, str(hf_config_dir), max_shard_bytes)
     return _run(job, out)

@@ -22,8 +22,11 @@ from megatron_dapo.bridge.manifest import ManifestError
 
 _DCP_MODULES = ("torch.distributed.checkpoint.",)
 _PLAIN = {("builtins", n) for n in ("set", "frozenset", "slice", "complex", "bytearray")} | {
-    ("collections", "OrderedDict"), ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),  # DCP records the checkpoint id
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),  # DCP records the checkpoint id
 }
 
 
@@ -51,8 +54,10 @@ class _AllowListUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         obj = _allowed(module, name)
         if obj is None:
-            raise ManifestError(f"{self.path}: refers to {module}.{name}, which a checkpoint's metadata "
-                                f"never needs (refusing to unpickle it)")
+            raise ManifestError(
+                f"{self.path}: refers to {module}.{name}, which a checkpoint's metadata "
+                f"never needs (refusing to unpickle it)"
+            )
         return obj
 
 

@@ -58,7 +58,9 @@ def _plan(units, arch, layout: RankLayout) -> list[_Plan]:
     if sorted(covered) != sorted(expected):
         missing = sorted(set(expected) - set(covered))
         extra = sorted(set(covered) - set(expected))
-        raise MappingError(f"export covers the HF checkpoint incorrectly: missing {missing[:3]}, unexpected {extra[:3]}")
+        raise MappingError(
+            f"export covers the HF checkpoint incorrectly: missing {missing[:3]}, unexpected {extra[:3]}"
+        )
     return plans
 
 

@@ -92,7 +92,9 @@ class HFCheckpointReader:
         have = self.names()
         missing = [n for n in expected if n not in have]
         if missing:
-            raise CheckpointError(f"HF checkpoint {self.dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)")
+            raise CheckpointError(
+                f"HF checkpoint {self.dir} is missing tensor {missing[0]!r} ({len(missing)} missing in all)"
+            )
         extra = sorted(have - set(expected) - set(optional))
         if extra:
             raise CheckpointError(
@@ -102,7 +104,9 @@ class HFCheckpointReader:
         for name, shape in expected.items():
             got = self.shape(name)
             if got != tuple(shape):
-                raise CheckpointError(f"tensor {name!r}: expected shape {tuple(shape)}, got {got} in {self.files[name].name}")
+                raise CheckpointError(
+                    f"tensor {name!r}: expected shape {tuple(shape)}, got {got} in {self.files[name].name}"
+                )
 
 
 class ShardedSafetensorsWriter:

@@ -48,6 +48,8 @@ def sharded_state_dict_metadata(model_chunks, ckpt_dir: str | Path) -> dict:
     freq = config.moe_layer_freq
     mixed = bool(config.num_moe_experts) and not (isinstance(freq, int) and freq == 1)
     if layout == "stacked" and mixed:
-        raise ValueError(f"checkpoint {ckpt_dir} stores homogeneous (stacked) decoder layers, but the model mixes "
-                         f"dense and MoE layers (moe_layer_freq={freq}): it is a checkpoint of another model")
+        raise ValueError(
+            f"checkpoint {ckpt_dir} stores homogeneous (stacked) decoder layers, but the model mixes "
+            f"dense and MoE layers (moe_layer_freq={freq}): it is a checkpoint of another model"
+        )
     return {"non_homogeneous_layers": layout == "per-layer"}

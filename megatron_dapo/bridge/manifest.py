@@ -77,10 +77,16 @@ def read_manifest(root: str | Path) -> dict:
     except (ValueError, RecursionError) as e:  # truncated, not UTF-8, not JSON
         raise ManifestError(f"{path} is not a valid manifest ({type(e).__name__}: {str(e)[:80]})") from None
     files = manifest.get("files") if isinstance(manifest, dict) else None
-    ok = (isinstance(manifest, dict) and manifest.get("format") == _FORMAT and isinstance(files, dict)
-          and all(isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
-                  for v in files.values())
-          and all(_is_relative(rel) for rel in files))
+    ok = (
+        isinstance(manifest, dict)
+        and manifest.get("format") == _FORMAT
+        and isinstance(files, dict)
+        and all(
+            isinstance(v, dict) and isinstance(v.get("size"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        )
+        and all(_is_relative(rel) for rel in files)
+    )
     if not ok:
         raise ManifestError(f"{path} is not a valid manifest (format {_FORMAT}, relative paths -> size, sha256)")
     return manifest

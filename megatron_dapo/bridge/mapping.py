@@ -50,25 +50,45 @@ class Rule:
 
 RULES: tuple[Rule, ...] = (
     Rule(r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), VOCAB),
-    Rule(_L + r"(input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
-         (_HL + "input_layernorm.weight",), REPLICATED),
-    Rule(_L + r"self_attention\.linear_qkv\.weight",
-         (_HL + "self_attn.q_proj.weight", _HL + "self_attn.k_proj.weight", _HL + "self_attn.v_proj.weight"), QKV),
-    Rule(_L + r"self_attention\.linear_qkv\.bias",
-         (_HL + "self_attn.q_proj.bias", _HL + "self_attn.k_proj.bias", _HL + "self_attn.v_proj.bias"), QKV),
+    Rule(
+        _L + r"(input_layernorm\.weight|self_attention\.linear_qkv\.layer_norm_weight)",
+        (_HL + "input_layernorm.weight",),
+        REPLICATED,
+    ),
+    Rule(
+        _L + r"self_attention\.linear_qkv\.weight",
+        (_HL + "self_attn.q_proj.weight", _HL + "self_attn.k_proj.weight", _HL + "self_attn.v_proj.weight"),
+        QKV,
+    ),
+    Rule(
+        _L + r"self_attention\.linear_qkv\.bias",
+        (_HL + "self_attn.q_proj.bias", _HL + "self_attn.k_proj.bias", _HL + "self_attn.v_proj.bias"),
+        QKV,
+    ),
     Rule(_L + r"self_attention\.q_layernorm\.weight", (_HL + "self_attn.q_norm.weight",), REPLICATED),
     Rule(_L + r"self_attention\.k_layernorm\.weight", (_HL + "self_attn.k_norm.weight",), REPLICATED),
     Rule(_L + r"self_attention\.linear_proj\.weight", (_HL + "self_attn.o_proj.weight",), COLUMN),
-    Rule(_L + r"(pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
-         (_HL + "post_attention_layernorm.weight",), REPLICATED),
+    Rule(
+        _L + r"(pre_mlp_layernorm\.weight|mlp\.linear_fc1\.layer_norm_weight)",
+        (_HL + "post_attention_layernorm.weight",),
+        REPLICATED,
+    ),
     Rule(_L + r"mlp\.linear_fc1\.weight", (_HL + "mlp.gate_proj.weight", _HL + "mlp.up_proj.weight"), GATE_UP),
     Rule(_L + r"mlp\.linear_fc2\.weight", (_HL + "mlp.down_proj.weight",), COLUMN),
     Rule(_L + r"mlp\.router\.weight", (_HL + "mlp.gate.weight",), REPLICATED),
     # SequentialMLP (local spec) and TEGroupedMLP (TE spec) name experts differently.
-    Rule(_L + r"mlp\.experts\.(local_experts\.(?P<expert>\d+)\.linear_fc1\.weight|linear_fc1\.weight(?P<expert_te>\d+))",
-         (_HE + "gate_proj.weight", _HE + "up_proj.weight"), GATE_UP, expert=True),
-    Rule(_L + r"mlp\.experts\.(local_experts\.(?P<expert>\d+)\.linear_fc2\.weight|linear_fc2\.weight(?P<expert_te>\d+))",
-         (_HE + "down_proj.weight",), COLUMN, expert=True),
+    Rule(
+        _L + r"mlp\.experts\.(local_experts\.(?P<expert>\d+)\.linear_fc1\.weight|linear_fc1\.weight(?P<expert_te>\d+))",
+        (_HE + "gate_proj.weight", _HE + "up_proj.weight"),
+        GATE_UP,
+        expert=True,
+    ),
+    Rule(
+        _L + r"mlp\.experts\.(local_experts\.(?P<expert>\d+)\.linear_fc2\.weight|linear_fc2\.weight(?P<expert_te>\d+))",
+        (_HE + "down_proj.weight",),
+        COLUMN,
+        expert=True,
+    ),
     Rule(r"decoder\.final_layernorm\.weight", ("model.norm.weight",), REPLICATED),
     Rule(r"output_layer\.weight", ("lm_head.weight",), VOCAB),
 )
@@ -188,7 +208,9 @@ def _qkv_dims(arch: QwenArch) -> tuple[int, int, int]:
     return arch.num_kv_heads, arch.num_attention_heads // arch.num_kv_heads, arch.head_dim
 
 
-def shard_from_hf(unit: Unit, arch: QwenArch, read: Reader, rank: int, size: int, local_shape: Sequence[int]) -> torch.Tensor:
+def shard_from_hf(
+    unit: Unit, arch: QwenArch, read: Reader, rank: int, size: int, local_shape: Sequence[int]
+) -> torch.Tensor:
     """This rank's megatron shard of `unit`, reading only the HF slices it needs."""
     layout, names = unit.rule.layout, unit.hf_names
     if layout == REPLICATED:
@@ -216,7 +238,9 @@ def shard_from_hf(unit: Unit, arch: QwenArch, read: Reader, rank: int, size: int
         k = read(names[1], 0, rank * g * hd, (rank + 1) * g * hd)
         v = read(names[2], 0, rank * g * hd, (rank + 1) * g * hd)
         rest = q.shape[1:]
-        stacked = torch.cat([q.reshape(g, q_per_group * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], dim=1)
+        stacked = torch.cat(
+            [q.reshape(g, q_per_group * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], dim=1
+        )
         return stacked.reshape(-1, *rest)
     raise MappingError(f"unknown layout {layout!r}")
 

@@ -37,7 +37,9 @@ class SyncPolicyConfig:
         if self.policy not in SYNC_POLICIES:
             raise ValueError(f"rollout.sync.policy must be one of {', '.join(SYNC_POLICIES)}, got {self.policy!r}")
         if self.indicator not in SYNC_INDICATORS:
-            raise ValueError(f"rollout.sync.indicator must be one of {', '.join(SYNC_INDICATORS)}, got {self.indicator!r}")
+            raise ValueError(
+                f"rollout.sync.indicator must be one of {', '.join(SYNC_INDICATORS)}, got {self.indicator!r}"
+            )
         if not self.check_interval_ms > 0:  # also refuses NaN
             raise ValueError(f"rollout.sync.check_interval_ms={self.check_interval_ms} must be > 0")
 
@@ -62,8 +64,9 @@ class MigrationConfig:
     def __post_init__(self):
         for name in ("indicator", "stop_indicator"):
             if getattr(self, name) not in SYNC_INDICATORS:
-                raise ValueError(f"rollout.migration.{name} must be one of {', '.join(SYNC_INDICATORS)}, "
-                                 f"got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"rollout.migration.{name} must be one of {', '.join(SYNC_INDICATORS)}, got {getattr(self, name)!r}"
+                )
         if not self.threshold >= 1:
             raise ValueError(f"rollout.migration.threshold={self.threshold} must be >= 1 (a load ratio)")
         if not self.stop_threshold >= 0:
@@ -91,8 +94,10 @@ class QueueConfig:
         if self.order not in QUEUE_ORDERS:
             raise ValueError(f"rollout.queue.order must be one of {', '.join(QUEUE_ORDERS)}, got {self.order!r}")
         if self.policy == "fifo" and self.order != "id":
-            raise ValueError(f"rollout.queue.order={self.order!r} needs rollout.queue.policy=priority "
-                             f"(fifo serves requests in arrival order)")
+            raise ValueError(
+                f"rollout.queue.order={self.order!r} needs rollout.queue.policy=priority "
+                f"(fifo serves requests in arrival order)"
+            )
 
 
 @dataclass
@@ -102,8 +107,9 @@ class RoutingConfig:
     # least_outstanding: fewest requests in flight; request_num_balance: fewest sequences running +
     # waiting, none above rollout.concurrency; throughput_optimal(_with_budget): largest marginal
     # throughput by the cost model, admitted only if >= delta_throughput_threshold of an idle server's
-    method: Literal["least_outstanding", "request_num_balance", "throughput_optimal",
-                    "throughput_optimal_with_budget"] = "least_outstanding"
+    method: Literal[
+        "least_outstanding", "request_num_balance", "throughput_optimal", "throughput_optimal_with_budget"
+    ] = "least_outstanding"
     delta_throughput_threshold: float = 0.5  # throughput_optimal*: in [0, 1]
     # throughput_optimal*: server groups tried in order: version (new requests newest version first,
     # resumed ones oldest allowed first) or reserve_capability (the group's siblings' version first)
@@ -115,11 +121,13 @@ class RoutingConfig:
         if self.method not in ROUTING_METHODS:
             raise ValueError(f"rollout.routing.method must be one of {', '.join(ROUTING_METHODS)}, got {self.method!r}")
         if self.server_order not in SERVER_ORDERS:
-            raise ValueError(f"rollout.routing.server_order must be one of {', '.join(SERVER_ORDERS)}, "
-                             f"got {self.server_order!r}")
+            raise ValueError(
+                f"rollout.routing.server_order must be one of {', '.join(SERVER_ORDERS)}, got {self.server_order!r}"
+            )
         if not 0.0 <= self.delta_throughput_threshold <= 1.0:
             # above 1 even an idle server would refuse: requests would wait forever
-            raise ValueError(f"rollout.routing.delta_throughput_threshold must be in [0, 1], "
-                             f"got {self.delta_throughput_threshold}")
+            raise ValueError(
+                f"rollout.routing.delta_throughput_threshold must be in [0, 1], got {self.delta_throughput_threshold}"
+            )
         if self.request_budget < 1:
             raise ValueError(f"rollout.routing.request_budget must be >= 1, got {self.request_budget}")

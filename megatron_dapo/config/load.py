@@ -46,7 +46,8 @@ class _StrictLoader(yaml.SafeLoader):
                 continue
             if first is not None:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (first at line {first})", key_node.start_mark
+                )
             seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 
@@ -58,8 +59,10 @@ def _check_expanded_size(data: Any, where: str) -> None:
         value, depth = stack.pop()
         count += 1
         if count > MAX_YAML_NODES:
-            raise ConfigError(f"{where}: more than {MAX_YAML_NODES} values once aliases are expanded "
-                              f"(an alias bomb or a recursive alias?)")
+            raise ConfigError(
+                f"{where}: more than {MAX_YAML_NODES} values once aliases are expanded "
+                f"(an alias bomb or a recursive alias?)"
+            )
         if depth > MAX_YAML_DEPTH:
             raise ConfigError(f"{where}: nested deeper than {MAX_YAML_DEPTH} levels")
         if isinstance(value, dict):

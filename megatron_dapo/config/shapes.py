@@ -176,8 +176,17 @@ def builtin_hf_config(hf_path: str) -> Optional[dict[str, Any]]:
 
 
 # Fields compared when both config.json and the inline model.hf_config exist.
-_CHECKED_FIELDS = ("architectures", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-                   "vocab_size", "num_experts", "num_local_experts", "num_experts_per_tok")
+_CHECKED_FIELDS = (
+    "architectures",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+)
 
 
 def resolve_model_shape(model) -> ResolvedShape:

@@ -103,7 +103,8 @@ def _check_model(cfg: DapoConfig, shape: ModelShape, source: str, errors: list[s
     r = cfg.rollout
     if r.engine == "sglang" and r.server_tp >= 1 and shape.num_attention_heads % r.server_tp:
         errors.append(
-            f"rollout.server_tp={r.server_tp} does not divide num_attention_heads={shape.num_attention_heads} ({source})"
+            f"rollout.server_tp={r.server_tp} does not divide "
+            f"num_attention_heads={shape.num_attention_heads} ({source})"
         )
 
 
@@ -124,15 +125,18 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         if not a.loss_scale_factor > 0:
             errors.append(f"algo.loss_scale_factor={a.loss_scale_factor} must be > 0 or null")
         if a.loss_agg_mode != "seq-mean-token-sum-norm":
-            errors.append(f"algo.loss_scale_factor={a.loss_scale_factor} only applies to "
-                          f"algo.loss_agg_mode=seq-mean-token-sum-norm (got {a.loss_agg_mode})")
+            errors.append(
+                f"algo.loss_scale_factor={a.loss_scale_factor} only applies to "
+                f"algo.loss_agg_mode=seq-mean-token-sum-norm (got {a.loss_agg_mode})"
+            )
     if a.train_batch_size < 1:
         errors.append(f"algo.train_batch_size={a.train_batch_size} must be >= 1")
     if a.ppo_mini_batch_size < 1:
         errors.append(f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} must be >= 1")
     elif a.train_batch_size >= 1 and a.train_batch_size % a.ppo_mini_batch_size:
         errors.append(
-            f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide algo.train_batch_size={a.train_batch_size}"
+            f"algo.ppo_mini_batch_size={a.ppo_mini_batch_size} does not divide "
+            f"algo.train_batch_size={a.train_batch_size}"
         )
     if a.ppo_epochs < 1:
         errors.append(f"algo.ppo_epochs={a.ppo_epochs} must be >= 1")
@@ -164,7 +168,8 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
     if ob.enable:
         if not 0 < ob.len < cfg.data.max_response_length:
             errors.append(
-                f"algo.overlong_buffer.len={ob.len} must be in (0, data.max_response_length={cfg.data.max_response_length})"
+                f"algo.overlong_buffer.len={ob.len} must be in "
+                f"(0, data.max_response_length={cfg.data.max_response_length})"
             )
         if ob.penalty_factor < 0:
             errors.append(f"algo.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
@@ -230,8 +235,10 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
             f"an SGLang engine runs on one node"
         )
     if r.embedded_batching != "static" and (r.engine != "embedded" or r.servers):
-        errors.append(f"rollout.embedded_batching={r.embedded_batching} applies only to embedded servers the driver "
-                      f"launches (rollout.engine=embedded, no rollout.servers); SGLang always batches continuously")
+        errors.append(
+            f"rollout.embedded_batching={r.embedded_batching} applies only to embedded servers the driver "
+            f"launches (rollout.engine=embedded, no rollout.servers); SGLang always batches continuously"
+        )
     if r.engine == "embedded" and r.server_tp != 1:
         errors.append(f"rollout.server_tp={r.server_tp}: the embedded engine has no tensor parallelism; use 1")
     if cfg.trainer.launcher == "torchrun" and r.engine == "sglang" and not r.servers:
@@ -281,13 +288,17 @@ def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:
     if r.retry.threshold < 1:
         errors.append(f"rollout.retry.threshold={r.retry.threshold} must be >= 1")
     if r.retry.enabled and cfg.algo.staleness < 1:
-        errors.append("rollout.retry.enabled needs algo.staleness >= 1: it moves completed groups down from "
-                      "later staleness buffers, and at staleness 0 there are none")
+        errors.append(
+            "rollout.retry.enabled needs algo.staleness >= 1: it moves completed groups down from "
+            "later staleness buffers, and at staleness 0 there are none"
+        )
     m = r.migration
     if m.enabled:
         if not r.partial_rollout:
-            errors.append("rollout.migration.enabled needs rollout.partial_rollout: migrated requests "
-                          "continue from their tokens on another server")
+            errors.append(
+                "rollout.migration.enabled needs rollout.partial_rollout: migrated requests "
+                "continue from their tokens on another server"
+            )
         servers = len(r.servers) if r.servers else r.num_servers
         if servers < 2:
             errors.append(f"rollout.migration.enabled needs at least 2 rollout servers, got {servers}")
@@ -297,16 +308,20 @@ def _check_routing(cfg: DapoConfig, errors: list[str]) -> None:
     routing = cfg.rollout.routing
     if routing.method.startswith("throughput_optimal"):
         if not routing.cost_model:
-            errors.append(f"rollout.routing.method={routing.method} needs rollout.routing.cost_model (the JSON "
-                          f"written by `megatron-dapo profile-engine`)")
+            errors.append(
+                f"rollout.routing.method={routing.method} needs rollout.routing.cost_model (the JSON "
+                f"written by `megatron-dapo profile-engine`)"
+            )
         else:
             try:
                 CostModel.load(routing.cost_model)
             except ValueError as e:
                 errors.append(f"rollout.routing.cost_model: {e}")
     elif routing.cost_model:
-        errors.append(f"rollout.routing.cost_model is used only by throughput_optimal routing "
-                      f"(rollout.routing.method={routing.method})")
+        errors.append(
+            f"rollout.routing.cost_model is used only by throughput_optimal routing "
+            f"(rollout.routing.method={routing.method})"
+        )
 
 
 def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:

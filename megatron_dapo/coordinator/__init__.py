@@ -11,13 +11,22 @@ async producer (megatron_dapo.coordinator.producer) and a simulator can drive th
 from megatron_dapo.config.coordination import MigrationConfig
 from megatron_dapo.coordinator.migration import MigrationPolicy
 from megatron_dapo.coordinator.partial import (
-                                               continuation_ids,
-                                               continuation_sampling,
-                                               finish_partial,
-                                               merge_continuation,
+    continuation_ids,
+    continuation_sampling,
+    finish_partial,
+    merge_continuation,
 )
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.staleness import StalenessController, StalenessError
 
-__all__ = ["MigrationConfig", "MigrationPolicy", "ProactiveRetry", "StalenessController", "StalenessError",
-           "continuation_ids", "continuation_sampling", "finish_partial", "merge_continuation"]
+__all__ = [
+    "MigrationConfig",
+    "MigrationPolicy",
+    "ProactiveRetry",
+    "StalenessController",
+    "StalenessError",
+    "continuation_ids",
+    "continuation_sampling",
+    "finish_partial",
+    "merge_continuation",
+]

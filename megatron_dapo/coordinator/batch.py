@@ -13,8 +13,13 @@ from megatron_dapo.coordinator.groups import JudgedGroup, batch_advantages
 from megatron_dapo.types import RolloutBatch
 
 
-def build_batch(groups: list[JudgedGroup], step: int, temperature: float, norm_adv_by_std: bool = True,
-                overlong_filter: bool = False) -> RolloutBatch:
+def build_batch(
+    groups: list[JudgedGroup],
+    step: int,
+    temperature: float,
+    norm_adv_by_std: bool = True,
+    overlong_filter: bool = False,
+) -> RolloutBatch:
     samples = [s for g in groups for s in g.samples]
     return RolloutBatch(
         input_ids=[list(s.prompt_ids) + list(s.output_ids) for s in samples],
@@ -37,7 +42,15 @@ def probe_batch(token_ids: list[int], step: int = 0) -> RolloutBatch:
     logprobs of it must equal the servers' prompt logprobs)."""
     n = len(token_ids) - 1
     return RolloutBatch(
-        input_ids=[list(token_ids)], prompt_lengths=[1], response_lengths=[n], advantages=torch.zeros(1),
-        rollout_logprobs=[[0.0] * n], response_loss_mask=[1], token_versions=[[step] * n],
-        group_index=torch.zeros(1, dtype=torch.long), temperature=1.0, step=step, prompt_indices=[-1],
+        input_ids=[list(token_ids)],
+        prompt_lengths=[1],
+        response_lengths=[n],
+        advantages=torch.zeros(1),
+        rollout_logprobs=[[0.0] * n],
+        response_loss_mask=[1],
+        token_versions=[[step] * n],
+        group_index=torch.zeros(1, dtype=torch.long),
+        temperature=1.0,
+        step=step,
+        prompt_indices=[-1],
     )

@@ -17,8 +17,15 @@ from megatron_dapo.rollout.types import SamplingParams
 
 def sampling_params(cfg, n: int = 1):
     s = cfg.rollout.sampling
-    return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_new_tokens=max_new_tokens(cfg),
-                          stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None, n=n)
+    return SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_new_tokens=max_new_tokens(cfg),
+        stop=list(s.stop) or None,
+        stop_token_ids=list(s.stop_token_ids) or None,
+        n=n,
+    )
 
 
 def load_tokenizer(cfg):
@@ -50,8 +57,9 @@ def coordination_settings(r) -> dict:
     }
 
 
-def build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_factory=None, clock=time.monotonic,
-                   cost_model=None):
+def build_producer(
+    cfg, server_urls, dataset, tokenizer, registry=None, client_factory=None, clock=time.monotonic, cost_model=None
+):
     """The rollout producer and its router as `cfg` says; `client_factory` / `clock` / `cost_model`: the
     simulator's engines, virtual time and engine cost model (megatron_dapo.sim), else HTTP clients, real
     time and rollout.routing.cost_model's file."""
@@ -75,9 +83,16 @@ def build_producer(cfg, server_urls, dataset, tokenizer, registry=None, client_f
 
     def router():
         extra = {} if client_factory is None else {"client_factory": client_factory}
-        return Router(server_urls, api_key=r.api_key, max_in_flight_per_server=r.concurrency,
-                      client_kwargs={"timeout_s": r.request_timeout_s}, registry=registry,
-                      routing=r.routing, queue=r.queue,
-                      cost_model=cost_model, **extra)
+        return Router(
+            server_urls,
+            api_key=r.api_key,
+            max_in_flight_per_server=r.concurrency,
+            client_kwargs={"timeout_s": r.request_timeout_s},
+            registry=registry,
+            routing=r.routing,
+            queue=r.queue,
+            cost_model=cost_model,
+            **extra,
+        )
 
     return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)

@@ -59,8 +59,14 @@ class Dispatcher:
     def __len__(self) -> int:
         return len(self._waiting)
 
-    def submit(self, key: Hashable, request: RouteRequest, group_id: str | None = None,
-               v_traj: int | None = None, validation: bool = False) -> None:
+    def submit(
+        self,
+        key: Hashable,
+        request: RouteRequest,
+        group_id: str | None = None,
+        v_traj: int | None = None,
+        validation: bool = False,
+    ) -> None:
         """Queue one request attempt; `v_traj` orders it in priority queues (default: min_version)."""
         v = v_traj if v_traj is not None else request.min_version or 0
         self._idle = None
@@ -109,8 +115,9 @@ class Dispatcher:
             if w is None:
                 return Placement.GONE
             stuck = self._sticky.get(w.group_id) if w.group_id is not None else None
-            req = _with(w.request, sticky=stuck[0] if stuck else None,
-                        sibling_versions=stuck[1] if stuck else frozenset())
+            req = _with(
+                w.request, sticky=stuck[0] if stuck else None, sibling_versions=stuck[1] if stuck else frozenset()
+            )
             route = self.policy.choose(req, list(views.values()))
             if route.verdict is Verdict.PLACED:
                 del self._waiting[key]

@@ -29,8 +29,13 @@ class ValSettings:
     @classmethod
     def from_config(cls, cfg) -> "ValSettings":
         v, s = cfg.trainer.val, cfg.rollout.sampling
-        sampling = SamplingParams(temperature=v.temperature, top_p=v.top_p, max_new_tokens=val_max_new_tokens(cfg),
-                                  stop=list(s.stop) or None, stop_token_ids=list(s.stop_token_ids) or None)
+        sampling = SamplingParams(
+            temperature=v.temperature,
+            top_p=v.top_p,
+            max_new_tokens=val_max_new_tokens(cfg),
+            stop=list(s.stop) or None,
+            stop_token_ids=list(s.stop_token_ids) or None,
+        )
         return cls(n=v.n, sampling=sampling, greedy=v.greedy, seed=cfg.trainer.seed if s.seeded else None)
 
 
@@ -55,8 +60,10 @@ async def _answers(router: Router, prompt: list[int], index: int, settings: ValS
         if settings.seed is None:
             requests.append(router.generate(prompt, replace(settings.sampling, n=settings.n), group_id=gid))
         else:
-            seeded = [replace(settings.sampling, n=1, sampling_seed=val_seed(settings.seed, index, j))
-                      for j in range(settings.n)]
+            seeded = [
+                replace(settings.sampling, n=1, sampling_seed=val_seed(settings.seed, index, j))
+                for j in range(settings.n)
+            ]
             requests.append(router.generate(prompt, seeded, group_id=gid))
     if settings.greedy:
         requests.append(router.generate(prompt, replace(settings.sampling, temperature=0.0, n=1), group_id=gid))
@@ -74,15 +81,29 @@ async def _evaluate(urls, dataset, rewards, settings: ValSettings, api_key, toke
             sampled, greedy = await _answers(router, list(rec.prompt_ids), i, settings)
             texts = [response_text(s, tokenizer) for s in sampled + greedy]
             extra = dict(rec.extra_info)
-            judged = await asyncio.to_thread(rewards.score_many,
-                                             [(t, rec.ground_truth, rec.data_source, extra) for t in texts])
+            judged = await asyncio.to_thread(
+                rewards.score_many, [(t, rec.ground_truth, rec.data_source, extra) for t in texts]
+            )
             n = len(sampled)
-            outcome = PromptOutcome(rec.data_source, tuple(r.acc for r in judged[:n]),
-                                    tuple(r.pred for r in judged[:n]), judged[n].acc if greedy else None)
-            records = [{"prompt_index": i, "data_source": rec.data_source, "ground_truth": rec.ground_truth,
-                        "kind": "sampled" if j < n else "greedy", "response": t, "pred": r.pred, "acc": r.acc,
-                        "score": r.score}
-                       for j, (t, r) in enumerate(zip(texts, judged))]
+            outcome = PromptOutcome(
+                rec.data_source,
+                tuple(r.acc for r in judged[:n]),
+                tuple(r.pred for r in judged[:n]),
+                judged[n].acc if greedy else None,
+            )
+            records = [
+                {
+                    "prompt_index": i,
+                    "data_source": rec.data_source,
+                    "ground_truth": rec.ground_truth,
+                    "kind": "sampled" if j < n else "greedy",
+                    "response": t,
+                    "pred": r.pred,
+                    "acc": r.acc,
+                    "score": r.score,
+                }
+                for j, (t, r) in enumerate(zip(texts, judged))
+            ]
             return outcome, records
 
         done = await asyncio.gather(*(one(i) for i in range(len(dataset))))
@@ -90,8 +111,9 @@ async def _evaluate(urls, dataset, rewards, settings: ValSettings, api_key, toke
     return ValReport(validation_metrics(outcomes), outcomes, [r for _, recs in done for r in recs])
 
 
-def evaluate(urls, dataset, rewards, settings: ValSettings, api_key=None, tokenizer=None,
-             timeout_s: float = 3600.0) -> ValReport:
+def evaluate(
+    urls, dataset, rewards, settings: ValSettings, api_key=None, tokenizer=None, timeout_s: float = 3600.0
+) -> ValReport:
     """Sample and judge every prompt of `dataset` on the servers at `urls` (`timeout_s` per /generate:
     one request carries all n samples of a prompt)."""
     return asyncio.run(_evaluate(urls, dataset, rewards, settings, api_key, tokenizer, timeout_s))

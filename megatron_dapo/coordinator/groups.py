@@ -63,8 +63,10 @@ class JudgedGroup:
     @property
     def min_version(self) -> int:
         """Oldest weight version behind any token of the group (its staleness is measured from this)."""
-        return min((min(v) for v in self.token_versions if v), default=min(
-            version_number(s.weight_version) for s in self.samples))
+        return min(
+            (min(v) for v in self.token_versions if v),
+            default=min(version_number(s.weight_version) for s in self.samples),
+        )
 
     def metric(self, name: str) -> list[float]:
         if name == "acc":
@@ -119,9 +121,11 @@ def judge_group(
         token_versions=[token_versions(s) for s in samples],
     )
     if filter_metric is not None:
-        res = dynamic_sampling_filter(torch.tensor(g.metric(filter_metric), dtype=torch.float64),
-                                      torch.zeros(len(samples), dtype=torch.long),
-                                      correct_threshold=0.5 if filter_metric == "acc" else 0.0)
+        res = dynamic_sampling_filter(
+            torch.tensor(g.metric(filter_metric), dtype=torch.float64),
+            torch.zeros(len(samples), dtype=torch.long),
+            correct_threshold=0.5 if filter_metric == "acc" else 0.0,
+        )
         g.kept = res.num_kept == 1
     return g
 

@@ -38,8 +38,14 @@ LOAD_TIMEOUT_S = 5.0
 
 
 class LoadPoller:
-    def __init__(self, registry: ServerRegistry, interval_s: float, api_key: str | None = None,
-                 timeout_s: float = LOAD_TIMEOUT_S, client_factory: Callable[..., SGLangClient] = SGLangClient):
+    def __init__(
+        self,
+        registry: ServerRegistry,
+        interval_s: float,
+        api_key: str | None = None,
+        timeout_s: float = LOAD_TIMEOUT_S,
+        client_factory: Callable[..., SGLangClient] = SGLangClient,
+    ):
         if interval_s <= 0:
             raise ValueError(f"load poller: interval_s must be > 0, got {interval_s}")
         self.registry, self.interval_s = registry, interval_s

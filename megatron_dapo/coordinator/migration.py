@@ -85,8 +85,7 @@ class MigrationPolicy:
     def _recent(self, at: dict[str, tuple[int, float]], url: str, now: float) -> bool:
         """A migration at this check, the previous one, or within min_starved_ms, involved `url` so."""
         last = at.get(url)
-        return last is not None and (self._checks - last[0] <= 1
-                                     or now - last[1] < self.cfg.min_starved_ms / 1000.0)
+        return last is not None and (self._checks - last[0] <= 1 or now - last[1] < self.cfg.min_starved_ms / 1000.0)
 
     def _destinations(self, servers: Sequence[ServerStatus], now: float) -> list[ServerStatus]:
         """Servers starved long enough to take work; updates when each one's starvation began."""
@@ -109,8 +108,13 @@ class MigrationPolicy:
         best: Migration | None = None
         for dst in self._destinations(servers, now):
             for src in servers:
-                if (src.url == dst.url or src.syncing or src.version > dst.version
-                        or self._recent(self._dest_at, src.url, now) or not movable(src, self.cfg.stop_indicator)):
+                if (
+                    src.url == dst.url
+                    or src.syncing
+                    or src.version > dst.version
+                    or self._recent(self._dest_at, src.url, now)
+                    or not movable(src, self.cfg.stop_indicator)
+                ):
                     continue
                 r = _ratio(src.indicator(self.cfg.indicator), dst.indicator(self.cfg.indicator))
                 if r > self.cfg.threshold and (best is None or r > best.ratio):

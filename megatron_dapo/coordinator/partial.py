@@ -61,10 +61,14 @@ def continuation_ids(sample: Sample) -> list[int]:
     return list(sample.prompt_ids) + list(sample.output_ids)
 
 
-async def finish_partial(generate: Callable[[Sample, SamplingParams], Awaitable[Sample]], sample: Sample,
-                         sampling: SamplingParams, max_stalls: int = 3,
-                         on_resume: Callable[[], None] | None = None,
-                         on_progress: Callable[[Sample], None] | None = None) -> Sample:
+async def finish_partial(
+    generate: Callable[[Sample, SamplingParams], Awaitable[Sample]],
+    sample: Sample,
+    sampling: SamplingParams,
+    max_stalls: int = 3,
+    on_resume: Callable[[], None] | None = None,
+    on_progress: Callable[[Sample], None] | None = None,
+) -> Sample:
     """Continue `sample` (of prompt `sample.prompt_ids`, drawn with `sampling`) until it is not aborted.
 
     `generate(so_far, sampling)` sends one request continuing the trajectory `so_far` (its input: the

@@ -147,8 +147,9 @@ class _CoordinatorManager(BaseManager):
 _CoordinatorManager.register("Coordinator", CoordinatorHost, exposed=("call",))
 
 
-def start_process_coordinator(cfg, server_urls: list[str], start_timeout_s: float = 120.0,
-                              objects: Callable[..., dict] = coordinator_objects) -> CoordinatorClient:
+def start_process_coordinator(
+    cfg, server_urls: list[str], start_timeout_s: float = 120.0, objects: Callable[..., dict] = coordinator_objects
+) -> CoordinatorClient:
     """The coordinator in a subprocess of this process (trainer rank 0 under torchrun); `objects(cfg,
     server_urls)` builds what it serves there.
 
@@ -157,9 +158,19 @@ def start_process_coordinator(cfg, server_urls: list[str], start_timeout_s: floa
     auth key on stdin, serves on a Unix socket and prints the socket's address."""
     key = os.urandom(32)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}  # this process's imports
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_dapo.coordinator.process", str(os.getpid()),
-                             str(logging.getLogger().getEffectiveLevel())],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_dapo.coordinator.process",
+            str(os.getpid()),
+            str(logging.getLogger().getEffectiveLevel()),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
+    )
 
     def end():
         proc.terminate()
@@ -192,7 +203,7 @@ def _read_address(proc, timeout_s: float) -> str:
     line = proc.stdout.readline().strip()
     if not line.startswith("ADDRESS "):
         raise RuntimeError(f"the coordinator process failed to start (exit code {proc.wait()}); see its log above")
-    return line[len("ADDRESS "):]
+    return line[len("ADDRESS ") :]
 
 
 def serve(parent_pid: int, log_level: int) -> None:
@@ -206,16 +217,20 @@ def serve(parent_pid: int, log_level: int) -> None:
     server.serve_forever()
 
 
-def start_ray_coordinator(cfg, server_urls: list[str], name: str | None = None,
-                          objects: Callable[..., dict] = coordinator_objects) -> CoordinatorClient:
+def start_ray_coordinator(
+    cfg, server_urls: list[str], name: str | None = None, objects: Callable[..., dict] = coordinator_objects
+) -> CoordinatorClient:
     """The coordinator as a named Ray actor (threaded: the syncer's calls run beside a waiting take_step);
     `objects(cfg, server_urls)` builds what it serves there."""
     import ray  # a Ray run's dependency only: torchrun ranks never import it
 
     name = name or f"megatron_dapo_coordinator_{uuid.uuid4().hex[:8]}"
     # num_cpus=0: placed beside the run's placement group, never waiting for a CPU the group holds
-    actor = ray.remote(CoordinatorHost).options(name=name, max_concurrency=32, num_cpus=0).remote(
-        objects, cfg, list(server_urls))
+    actor = (
+        ray.remote(CoordinatorHost)
+        .options(name=name, max_concurrency=32, num_cpus=0)
+        .remote(objects, cfg, list(server_urls))
+    )
     handle = ray.get_actor(name)
 
     def send(*request) -> bytes:

@@ -48,15 +48,17 @@ def _check(points: Sequence[ProfilePoint]) -> None:
         if not (p.step_s > 0 and p.n > 0 and p.kv_tokens >= 0 and math.isfinite(p.step_s)):
             raise ValueError(f"cost model fit: point {p} needs n > 0, kv_tokens >= 0 and a step time > 0")
     if len({p.n for p in points}) < 2 or len({round(p.kv_tokens / p.n, 6) for p in points}) < 2:
-        raise ValueError("cost model fit: the grid must vary both the batch n and the context per request "
-                         "(K / n), or a_k and o_k cannot be told apart")
+        raise ValueError(
+            "cost model fit: the grid must vary both the batch n and the context per request "
+            "(K / n), or a_k and o_k cannot be told apart"
+        )
 
 
 def _nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """argmin |x b - y|^2 over b >= 0, for a few columns: the best of the per-support least squares whose
     solution is non-negative (the optimum is one of them)."""
     cols = x.shape[1]
-    best, best_err = np.zeros(cols), float(np.sum(y ** 2))
+    best, best_err = np.zeros(cols), float(np.sum(y**2))
     for k in range(1, cols + 1):
         for support in itertools.combinations(range(cols), k):
             b_s, *_ = np.linalg.lstsq(x[:, support], y, rcond=None)
@@ -126,8 +128,10 @@ def format_table(model: CostModel, points: Sequence[ProfilePoint]) -> str:
     lines = [f"{'n':>7} {'KV tokens':>10} {'steps':>6} {'measured ms':>12} {'fitted ms':>10} {'error':>7}"]
     for p in sorted(points, key=lambda q: (q.n, q.kv_tokens)):
         fit = model.step_time(p.n, p.kv_tokens)
-        lines.append(f"{p.n:7.1f} {p.kv_tokens:10.0f} {p.steps:6d} {p.step_s * 1e3:12.3f} {fit * 1e3:10.3f} "
-                     f"{(fit - p.step_s) / p.step_s:+7.1%}")
+        lines.append(
+            f"{p.n:7.1f} {p.kv_tokens:10.0f} {p.steps:6d} {p.step_s * 1e3:12.3f} {fit * 1e3:10.3f} "
+            f"{(fit - p.step_s) / p.step_s:+7.1%}"
+        )
     return "\n".join(lines)
 
 
@@ -136,8 +140,9 @@ TRACE_CONTEXT_BIN = 32  # tokens of context per sequence (K / n) that one point'
 TRACE_MIN_STEPS = 1  # every step counts (the by-steps fit weighs a point by its steps)
 
 
-def read_step_trace(paths: Sequence[str], since: float | None = None, until: float | None = None,
-                    kind: str = "decode") -> list[dict]:
+def read_step_trace(
+    paths: Sequence[str], since: float | None = None, until: float | None = None, kind: str = "decode"
+) -> list[dict]:
     """The `kind` rows (decode or prefill) of trace files whose wall-clock end `t` lies in [since, until]. A
     torn last line (a server killed mid-write) is skipped; any other unreadable line is an error naming file
     and line."""
@@ -151,8 +156,11 @@ def read_step_trace(paths: Sequence[str], since: float | None = None, until: flo
                 continue
             try:
                 row = json.loads(line)
-                keep = row["kind"] == kind and (since is None or row["t"] >= since) and (
-                    until is None or row["t"] <= until)
+                keep = (
+                    row["kind"] == kind
+                    and (since is None or row["t"] >= since)
+                    and (until is None or row["t"] <= until)
+                )
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 if i == len(lines):  # no newline after it: the last line, cut short
                     continue
@@ -162,17 +170,22 @@ def read_step_trace(paths: Sequence[str], since: float | None = None, until: flo
     return rows
 
 
-def trace_points(rows: Sequence[dict], context_bin: int = TRACE_CONTEXT_BIN,
-                 min_steps: int = TRACE_MIN_STEPS) -> list[ProfilePoint]:
+def trace_points(
+    rows: Sequence[dict], context_bin: int = TRACE_CONTEXT_BIN, min_steps: int = TRACE_MIN_STEPS
+) -> list[ProfilePoint]:
     """Decode-step rows grouped by batch n and context per sequence (K / n, in `context_bin` tokens): one
     ProfilePoint per group of at least `min_steps` steps, with their mean K and step time."""
     groups: dict[tuple[int, int], list[dict]] = {}
     for r in rows:
         if r["n"] > 0 and r["s"] > 0:
             groups.setdefault((r["n"], int(r["kv"] / r["n"] // context_bin)), []).append(r)
-    return [ProfilePoint(n=float(n), kv_tokens=sum(r["kv"] for r in g) / len(g), step_s=sum(r["s"] for r in g) / len(g),
-                         steps=len(g))
-            for (n, _), g in sorted(groups.items()) if len(g) >= min_steps]
+    return [
+        ProfilePoint(
+            n=float(n), kv_tokens=sum(r["kv"] for r in g) / len(g), step_s=sum(r["s"] for r in g) / len(g), steps=len(g)
+        )
+        for (n, _), g in sorted(groups.items())
+        if len(g) >= min_steps
+    ]
 
 
 def prefill_cost(rows: Sequence[dict]) -> float:

@@ -56,20 +56,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo profile-engine", description=__doc__.split("\n\n")[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--server", help="base URL of the running server (http://host:port)")
-    src.add_argument("--from-trace", nargs="+", metavar="FILE",
-                     help="step-trace files of embedded servers (serve --step-trace): fit their decode steps")
+    src.add_argument(
+        "--from-trace",
+        nargs="+",
+        metavar="FILE",
+        help="step-trace files of embedded servers (serve --step-trace): fit their decode steps",
+    )
     p.add_argument("--since", type=float, default=None, help="--from-trace: only steps ending at/after this time")
     p.add_argument("--until", type=float, default=None, help="--from-trace: only steps ending at/before this time")
     p.add_argument("--out", default="cost_model.json", help="where to write the fitted coefficients (JSON)")
     p.add_argument("--api-key", default=None, help="Bearer key of the server")
-    p.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64],
-                   help="concurrent requests n of the grid (comma-separated)")
-    p.add_argument("--prompt-lens", type=_ints, default=[128, 512, 2048],
-                   help="prompt lengths of the grid; resident KV tokens K grow with them (comma-separated)")
+    p.add_argument(
+        "--batch-sizes",
+        type=_ints,
+        default=[1, 2, 4, 8, 16, 32, 64],
+        help="concurrent requests n of the grid (comma-separated)",
+    )
+    p.add_argument(
+        "--prompt-lens",
+        type=_ints,
+        default=[128, 512, 2048],
+        help="prompt lengths of the grid; resident KV tokens K grow with them (comma-separated)",
+    )
     p.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates (>= 2)")
     p.add_argument("--repeats", type=int, default=1, help="measurements per grid point")
-    p.add_argument("--max-token-id", type=int, default=200,
-                   help="prompt token ids are drawn from [1, this); keep it below the model's vocabulary")
+    p.add_argument(
+        "--max-token-id",
+        type=int,
+        default=200,
+        help="prompt token ids are drawn from [1, this); keep it below the model's vocabulary",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per-request timeout")
     return p
@@ -87,8 +103,10 @@ async def _timed_batch(client: SGLangClient, prompts: list[list[int]], new_token
     lengths = await client.generate_fixed_length(prompts, new_tokens)
     wall = time.perf_counter() - t0
     if any(n != new_tokens for n in lengths):
-        raise ProfileError(f"asked {new_tokens} tokens per request, got {sorted(set(lengths))}: does the server "
-                           "honour ignore_eos, and does prompt + new tokens fit its context?")
+        raise ProfileError(
+            f"asked {new_tokens} tokens per request, got {sorted(set(lengths))}: does the server "
+            "honour ignore_eos, and does prompt + new tokens fit its context?"
+        )
     return wall
 
 
@@ -96,13 +114,15 @@ async def _idle_load(client: SGLangClient):
     """The server's load report; ProfileError if other requests run there (they would be timed too)."""
     load = await client.get_loads()
     if load.running or load.waiting:
-        raise ProfileError(f"{client.base_url} is busy ({load.running} running, {load.waiting} waiting): "
-                           "profile an idle server")
+        raise ProfileError(
+            f"{client.base_url} is busy ({load.running} running, {load.waiting} waiting): profile an idle server"
+        )
     return load
 
 
-async def measure_point(client: SGLangClient, n: int, prompt_len: int, new_tokens: int,
-                        rng: random.Random, max_token_id: int) -> ProfilePoint:
+async def measure_point(
+    client: SGLangClient, n: int, prompt_len: int, new_tokens: int, rng: random.Random, max_token_id: int
+) -> ProfilePoint:
     before = await _idle_load(client)
     prompts = [[rng.randrange(1, max_token_id) for _ in range(prompt_len)] for _ in range(n)]
     wall = await _timed_batch(client, prompts, new_tokens)
@@ -110,12 +130,17 @@ async def measure_point(client: SGLangClient, n: int, prompt_len: int, new_token
     if delta is not None and delta[0] > 0:
         steps, batch_sum, us_sum = delta[0], delta[1], delta[2]
         n_mean = batch_sum / steps
-        return ProfilePoint(n=n_mean, kv_tokens=n_mean * (prompt_len + new_tokens / 2), step_s=us_sum / steps / 1e6,
-                            steps=int(steps))
+        return ProfilePoint(
+            n=n_mean, kv_tokens=n_mean * (prompt_len + new_tokens / 2), step_s=us_sum / steps / 1e6, steps=int(steps)
+        )
     # no decode counters: the extra steps' share of the wall time
     wall_one = await _timed_batch(client, prompts, 1)
-    return ProfilePoint(n=float(n), kv_tokens=n * (prompt_len + new_tokens / 2),
-                        step_s=max(wall - wall_one, 1e-9) / (new_tokens - 1), steps=new_tokens - 1)
+    return ProfilePoint(
+        n=float(n),
+        kv_tokens=n * (prompt_len + new_tokens / 2),
+        step_s=max(wall - wall_one, 1e-9) / (new_tokens - 1),
+        steps=new_tokens - 1,
+    )
 
 
 async def profile(args) -> list[ProfilePoint]:
@@ -129,8 +154,11 @@ async def profile(args) -> list[ProfilePoint]:
             for p in args.prompt_lens:
                 for _ in range(args.repeats):
                     point = await measure_point(client, n, p, args.new_tokens, rng, args.max_token_id)
-                    print(f"  n={n:<4} prompt={p:<6} -> {point.step_s * 1e3:8.3f} ms/step "
-                          f"(mean batch {point.n:.1f}, {point.steps} steps)", flush=True)
+                    print(
+                        f"  n={n:<4} prompt={p:<6} -> {point.step_s * 1e3:8.3f} ms/step "
+                        f"(mean batch {point.n:.1f}, {point.steps} steps)",
+                        flush=True,
+                    )
                     points.append(point)
     return points
 
@@ -143,15 +171,25 @@ def fit_trace(paths: list[str], since: float | None = None, until: float | None 
     try:
         model, rel_error = fit_cost_model(points, by_steps=True)
     except ValueError as e:
-        raise ValueError(f"{len(rows)} decode steps in {', '.join(map(str, paths))} ({len(points)} points): {e}") \
-            from None
+        raise ValueError(
+            f"{len(rows)} decode steps in {', '.join(map(str, paths))} ({len(points)} points): {e}"
+        ) from None
     prefills = read_step_trace(paths, since, until, kind="prefill")
     # prefill: its own steps' time per token (decode waits for them, as the simulator's engines do)
     model = dataclasses.replace(model, p_k=prefill_cost(prefills))
-    return {**model.to_dict(), "fit_rel_error": rel_error, "total_time_rel_error": total_time_error(model, rows),
-            "steps": len(rows), "decode_s": sum(r["s"] for r in rows), "prefills": len(prefills),
-            "prefill_s": sum(r["s"] for r in prefills), "points": [p.to_dict() for p in points],
-            "traces": [str(p) for p in paths], "since": since, "until": until}
+    return {
+        **model.to_dict(),
+        "fit_rel_error": rel_error,
+        "total_time_rel_error": total_time_error(model, rows),
+        "steps": len(rows),
+        "decode_s": sum(r["s"] for r in rows),
+        "prefills": len(prefills),
+        "prefill_s": sum(r["s"] for r in prefills),
+        "points": [p.to_dict() for p in points],
+        "traces": [str(p) for p in paths],
+        "since": since,
+        "until": until,
+    }
 
 
 def _main_trace(args) -> int:
@@ -162,12 +200,16 @@ def _main_trace(args) -> int:
         return 1
     model = CostModel.from_dict(fit)
     points = [ProfilePoint(**p) for p in fit["points"]]
-    print(f"{fit['steps']} decode steps ({fit['decode_s']:.1f} s) from {len(args.from_trace)} trace(s), "
-          f"{len(points)} points (steps binned by batch n and context per sequence; fit weighted by steps)")
+    print(
+        f"{fit['steps']} decode steps ({fit['decode_s']:.1f} s) from {len(args.from_trace)} trace(s), "
+        f"{len(points)} points (steps binned by batch n and context per sequence; fit weighted by steps)"
+    )
     print(format_table(model, points))
-    print(f"fit relative error (rms over points, weighted by steps): {fit['fit_rel_error']:.2%}; "
-          f"total decode time fitted vs traced: {fit['total_time_rel_error']:+.2%}; "
-          f"prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, p_k = {model.p_k:.3g} s per token")
+    print(
+        f"fit relative error (rms over points, weighted by steps): {fit['fit_rel_error']:.2%}; "
+        f"total decode time fitted vs traced: {fit['total_time_rel_error']:+.2%}; "
+        f"prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, p_k = {model.p_k:.3g} s per token"
+    )
     print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
     model.save(Path(args.out), **{k: v for k, v in fit.items() if k not in model.to_dict()})
     print(f"wrote {args.out}")
@@ -185,8 +227,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
     if args.repeats < 1 or args.max_token_id < 2:
         parser.error("--repeats must be >= 1 and --max-token-id >= 2")
-    print(f"profiling {args.server}: n in {args.batch_sizes}, prompt lengths {args.prompt_lens}, "
-          f"{args.new_tokens} new tokens, {args.repeats} repeat(s)", flush=True)
+    print(
+        f"profiling {args.server}: n in {args.batch_sizes}, prompt lengths {args.prompt_lens}, "
+        f"{args.new_tokens} new tokens, {args.repeats} repeat(s)",
+        flush=True,
+    )
     try:
         points = asyncio.run(profile(args))
         model, rel_error = fit_cost_model(points)
@@ -196,8 +241,13 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(model, points))
     print(f"fit relative error (rms): {rel_error:.2%}")
     print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
-    model.save(Path(args.out), fit_rel_error=rel_error, points=[p.to_dict() for p in points], server=args.server,
-               new_tokens=args.new_tokens)
+    model.save(
+        Path(args.out),
+        fit_rel_error=rel_error,
+        points=[p.to_dict() for p in points],
+        server=args.server,
+        new_tokens=args.new_tokens,
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -194,8 +194,7 @@ class Router:
         """Place what the dispatcher can place now (no healthy server: the callers wait for one)."""
         if not len(self.dispatcher):
             return
-        out = self.dispatcher.dispatch(self._views(),
-                                       fail_unroutable=self.registry is None or not self.healthy())
+        out = self.dispatcher.dispatch(self._views(), fail_unroutable=self.registry is None or not self.healthy())
         for t, url in out.placed:
             if t.future.done():  # its caller was cancelled before its _place could withdraw it
                 self.dispatcher.finished(t)
@@ -218,14 +217,27 @@ class Router:
         self.dispatcher.finished(t, generated, report)
         asyncio.get_running_loop().call_soon(self._dispatch)  # after the caller's own bookkeeping
 
-    async def _place(self, input_ids: Sequence[int], sequences: int, group_id: str | None,
-                     min_version: int | None, newest_version: int | None, generated: int | None,
-                     validation: bool, tried: set[str]) -> _Ticket | None:
+    async def _place(
+        self,
+        input_ids: Sequence[int],
+        sequences: int,
+        group_id: str | None,
+        min_version: int | None,
+        newest_version: int | None,
+        generated: int | None,
+        validation: bool,
+        tried: set[str],
+    ) -> _Ticket | None:
         """Queue one attempt and wait until the dispatcher places it; None = no healthy server."""
         floor = max((v for v in (min_version, newest_version) if v is not None), default=None)
-        req = RouteRequest(prompt_tokens=len(input_ids) - (generated or 0), generated_tokens=generated or 0,
-                           sequences=sequences, min_version=floor if self.registry is not None else None,
-                           resumed=generated is not None, exclude=frozenset(tried))
+        req = RouteRequest(
+            prompt_tokens=len(input_ids) - (generated or 0),
+            generated_tokens=generated or 0,
+            sequences=sequences,
+            min_version=floor if self.registry is not None else None,
+            resumed=generated is not None,
+            exclude=frozenset(tried),
+        )
         t = _Ticket(asyncio.get_running_loop().create_future())
         # priority queues order by V_traj (the staleness deadline), not by the version it may run at
         self.dispatcher.submit(t, req, group_id, v_traj=min_version or 0, validation=validation)
@@ -274,15 +286,22 @@ class Router:
         try:
             await asyncio.wait_for(self._healthy_event.wait(), self.wait_for_healthy_s)
         except asyncio.TimeoutError:
-            raise NoHealthyServer(f"no healthy server among {[s.url for s in self.servers]} "
-                                  f"after {self.wait_for_healthy_s}s") from None
+            raise NoHealthyServer(
+                f"no healthy server among {[s.url for s in self.servers]} after {self.wait_for_healthy_s}s"
+            ) from None
 
     # ---- generation ----------------------------------------------------------------------------
-    async def generate(self, input_ids: Sequence[int],
-                       sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                       group_id: str | None = None, rid: str | None = None, min_version: int | None = None,
-                       generated: int | None = None, newest_version: int | None = None,
-                       validation: bool = False) -> list[Sample]:
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        group_id: str | None = None,
+        rid: str | None = None,
+        min_version: int | None = None,
+        generated: int | None = None,
+        newest_version: int | None = None,
+        validation: bool = False,
+    ) -> list[Sample]:
         """One /generate (n samples in one request), with failover; returns when all n are done.
         `min_version`: the request's V_traj (with a registry: only servers holding at least it).
         `generated`: set for a request that continues a trajectory (partial rollout): how many of
@@ -295,8 +314,9 @@ class Router:
         attempt = 0
         while attempt < self.max_attempts:
             await self._wait_any_healthy()
-            t = await self._place(input_ids, sequences, group_id, min_version, newest_version, generated,
-                                  validation, tried)
+            t = await self._place(
+                input_ids, sequences, group_id, min_version, newest_version, generated, validation, tried
+            )
             if t is None:
                 attempt += 1
                 continue
@@ -309,9 +329,12 @@ class Router:
             try:
                 async with s.slots or contextlib.nullcontext():
                     # tracked once it goes to the server (not while it waits for a concurrency slot here)
-                    self._running[serial] = RunningRequest(s, group_id, server_rids(sent_rid, sampling),
-                                                           migrated=generated is not None
-                                                           and self._continues_migrated(group_id))
+                    self._running[serial] = RunningRequest(
+                        s,
+                        group_id,
+                        server_rids(sent_rid, sampling),
+                        migrated=generated is not None and self._continues_migrated(group_id),
+                    )
                     samples = await s.client.generate(input_ids, sampling, rid=sent_rid)
                 produced = sum(len(smp.output_ids) for smp in samples)
             except (SGLangConnectionError, SGLangHTTPError) as e:
@@ -331,8 +354,9 @@ class Router:
             return samples
         raise NoHealthyServer(f"request failed on every server tried ({sorted(tried)}): {last_err}")
 
-    async def generate_group(self, input_ids: Sequence[int], sampling: SamplingParams,
-                             group_id: str | None = None) -> AsyncIterator[Sample]:
+    async def generate_group(
+        self, input_ids: Sequence[int], sampling: SamplingParams, group_id: str | None = None
+    ) -> AsyncIterator[Sample]:
         """The n samples of one prompt as n single requests on one server, yielded as each finishes."""
         group_id = group_id or uuid.uuid4().hex
         one = replace(sampling, n=1)
@@ -350,8 +374,9 @@ class Router:
             for t in tasks:
                 t.cancel()
 
-    async def generate_groups(self, prompts: dict[str, Sequence[int]], sampling: SamplingParams
-                              ) -> AsyncIterator[list[Sample]]:
+    async def generate_groups(
+        self, prompts: dict[str, Sequence[int]], sampling: SamplingParams
+    ) -> AsyncIterator[list[Sample]]:
         """Many groups at once; yields each group's n samples (sorted by index) when its last one finishes."""
 
         async def collect(gid, ids):

@@ -103,8 +103,9 @@ REFUSED, UNROUTABLE = Route(Verdict.REFUSED), Route(Verdict.UNROUTABLE)
 
 def candidates(req: RouteRequest, servers: Sequence[ServerView]) -> list[ServerView]:
     """Healthy, not syncing, holding V_traj; servers that failed this request only if none else."""
-    usable = [s for s in servers if s.healthy and not s.syncing
-              and (req.min_version is None or s.version >= req.min_version)]
+    usable = [
+        s for s in servers if s.healthy and not s.syncing and (req.min_version is None or s.version >= req.min_version)
+    ]
     return [s for s in usable if s.url not in req.exclude] or usable
 
 
@@ -160,8 +161,10 @@ class ThroughputOptimal(RequestNumBalance):
     def __init__(self, cfg: RoutingConfig, concurrency: int | None = None, model: CostModel | None = None):
         super().__init__(cfg, concurrency)
         if model is None and not cfg.cost_model:
-            raise ValueError(f"rollout.routing.method={cfg.method} needs rollout.routing.cost_model "
-                             f"(the JSON written by `megatron-dapo profile-engine`)")
+            raise ValueError(
+                f"rollout.routing.method={cfg.method} needs rollout.routing.cost_model "
+                f"(the JSON written by `megatron-dapo profile-engine`)"
+            )
         self.model = model or CostModel.load(cfg.cost_model)
 
     def gain(self, req: RouteRequest, s: ServerView) -> float:
@@ -177,8 +180,9 @@ class ThroughputOptimal(RequestNumBalance):
             return False
         if s.running + s.waiting == 0:
             return True  # an idle server takes even a request larger than its KV estimate allows
-        return s.waiting == 0 and (s.kv_capacity <= 0 or
-                                   s.kv_tokens + req.sequences * self.request_tokens(req) <= s.kv_capacity)
+        return s.waiting == 0 and (
+            s.kv_capacity <= 0 or s.kv_tokens + req.sequences * self.request_tokens(req) <= s.kv_capacity
+        )
 
     def accepts(self, req: RouteRequest, s: ServerView) -> bool:
         return self.eligible(req, s) and self.gain(req, s) >= self.threshold(req)
@@ -207,8 +211,9 @@ class ThroughputOptimalWithBudget(ThroughputOptimal):
         return req.prompt_tokens + math.ceil((req.generated_tokens + 1) / budget) * budget
 
 
-def make_routing_policy(cfg: RoutingConfig | None = None, concurrency: int | None = None,
-                        model: CostModel | None = None):
+def make_routing_policy(
+    cfg: RoutingConfig | None = None, concurrency: int | None = None, model: CostModel | None = None
+):
     """The policy `cfg.method` names; `concurrency` = per-server cap on requests in flight
     (rollout.concurrency); `model` overrides the cost model file (a simulator's own). Works on a checked
     copy of `cfg`, as make_sync_policy does."""

@@ -138,8 +138,9 @@ class ServerRegistry:
             r.sync_s += self.clock() - r.sync_started
             if version is not None:
                 r.version, r.syncs = version, r.syncs + 1
-                self._events.append({"server": self.urls.index(url), "version": version,
-                                     "start": r.sync_started, "end": self.clock()})
+                self._events.append(
+                    {"server": self.urls.index(url), "version": version, "start": r.sync_started, "end": self.clock()}
+                )
         self._notify()
 
     def publish_all(self, version: int, seconds: float = 0.0) -> None:
@@ -162,8 +163,16 @@ class ServerRegistry:
 
     @staticmethod
     def _view(r: ServerRecord) -> ServerView:
-        return ServerView(r.url, version=r.version, syncing=r.syncing, running=r.running, waiting=r.waiting,
-                          kv_tokens=r.kv_tokens, kv_capacity=r.kv_capacity, load_time=r.load_time)
+        return ServerView(
+            r.url,
+            version=r.version,
+            syncing=r.syncing,
+            running=r.running,
+            waiting=r.waiting,
+            kv_tokens=r.kv_tokens,
+            kv_capacity=r.kv_capacity,
+            load_time=r.load_time,
+        )
 
     def route_view(self, url: str) -> ServerView:
         """Server `url` as routing sees it from here (version, syncing, last load report)."""
@@ -181,11 +190,19 @@ class ServerRegistry:
         """The router's view of every server: running = the router's count in flight there; waiting,
         throughput and kv_cache from its last load report (a caller with fresher reports overwrites them)."""
         with self._lock:
-            return [ServerStatus(r.url, r.version, running=r.outstanding, syncing=r.syncing,
-                                 routable=sum(n for v, n in self._waiting.items() if v <= r.version),
-                                 waiting=r.waiting, throughput=r.throughput,
-                                 kv_cache=r.kv_tokens / r.kv_capacity if r.kv_capacity else 0.0)
-                    for r in self.records.values()]
+            return [
+                ServerStatus(
+                    r.url,
+                    r.version,
+                    running=r.outstanding,
+                    syncing=r.syncing,
+                    routable=sum(n for v, n in self._waiting.items() if v <= r.version),
+                    waiting=r.waiting,
+                    throughput=r.throughput,
+                    kv_cache=r.kv_tokens / r.kv_capacity if r.kv_capacity else 0.0,
+                )
+                for r in self.records.values()
+            ]
 
     def take_events(self) -> list[dict]:
         """Per-server syncs completed since the last call: server index, version, start and end times."""
@@ -198,8 +215,14 @@ class ServerRegistry:
             out = {}
             for i, r in enumerate(self.records.values()):
                 self._account(r)
-                out.update({f"server/{i}/version": float(r.version), f"server/{i}/syncs": float(r.syncs),
-                            f"server/{i}/sync_s": r.sync_s, f"server/{i}/idle_s": r.idle_s})
+                out.update(
+                    {
+                        f"server/{i}/version": float(r.version),
+                        f"server/{i}/syncs": float(r.syncs),
+                        f"server/{i}/sync_s": r.sync_s,
+                        f"server/{i}/idle_s": r.idle_s,
+                    }
+                )
                 if r.load_time is not None:  # its last load report (rollout.loads)
                     out.update({f"server/{i}/{k}": float(getattr(r, k)) for k in LOAD_METRICS})
             return out

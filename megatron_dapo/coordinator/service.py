@@ -38,8 +38,17 @@ from megatron_dapo.types import StepData
 log = logging.getLogger(__name__)
 
 # what a client may call on each object the coordinator serves
-COORDINATOR_CALLS = ("setup", "restore", "start", "stop", "take_step", "set_version", "fail", "checkpoint_state",
-                     "validate")
+COORDINATOR_CALLS = (
+    "setup",
+    "restore",
+    "start",
+    "stop",
+    "take_step",
+    "set_version",
+    "fail",
+    "checkpoint_state",
+    "validate",
+)
 REGISTRY_CALLS = ("begin_sync", "end_sync", "publish_all", "statuses", "metrics", "take_events")
 REMOTE_CALLS = {"coordinator": COORDINATOR_CALLS, "registry": REGISTRY_CALLS}
 
@@ -50,27 +59,43 @@ def step_metrics(info, cfg, batch) -> dict[str, float]:
 
     m = response_metrics(info.groups)
     m.update(batch_metrics(batch))
-    m.update({
-        "groups/kept": info.kept,
-        "groups/dropped_all_correct": info.dropped_all_correct,
-        "groups/dropped_all_wrong": info.dropped_all_wrong,
-        "groups/gen_batches": info.gen_batches,
-        "reward/failures": info.reward_failures,
-        # measured on the batch, not assumed: the reservation protocol keeps it at 0
-        "groups/over_staleness_bound": sum(n for k, n in info.staleness.items() if k > cfg.algo.staleness),
-    })
+    m.update(
+        {
+            "groups/kept": info.kept,
+            "groups/dropped_all_correct": info.dropped_all_correct,
+            "groups/dropped_all_wrong": info.dropped_all_wrong,
+            "groups/gen_batches": info.gen_batches,
+            "reward/failures": info.reward_failures,
+            # measured on the batch, not assumed: the reservation protocol keeps it at 0
+            "groups/over_staleness_bound": sum(n for k, n in info.staleness.items() if k > cfg.algo.staleness),
+        }
+    )
     m.update(info.metrics())
     m.update(staleness_metrics(info.staleness, cfg.algo.staleness))
     return m
 
 
-_BATCH_INFO_COUNTS = ("kept", "dropped_all_correct", "dropped_all_wrong", "gen_batches", "reward_failures", "wait_s",
-                      "reserved_slots", "occupied_slots", "partial_resumes", "tokens_regenerated")
+_BATCH_INFO_COUNTS = (
+    "kept",
+    "dropped_all_correct",
+    "dropped_all_wrong",
+    "gen_batches",
+    "reward_failures",
+    "wait_s",
+    "reserved_slots",
+    "occupied_slots",
+    "partial_resumes",
+    "tokens_regenerated",
+)
 
 
 def batch_info_state(info) -> dict:
-    return {**{k: getattr(info, k) for k in _BATCH_INFO_COUNTS}, "staleness": dict(info.staleness),
-            "coordination": dict(info.coordination), "groups": [g.to_state() for g in info.groups]}
+    return {
+        **{k: getattr(info, k) for k in _BATCH_INFO_COUNTS},
+        "staleness": dict(info.staleness),
+        "coordination": dict(info.coordination),
+        "groups": [g.to_state() for g in info.groups],
+    }
 
 
 def batch_info_from_state(state: dict):
@@ -79,9 +104,12 @@ def batch_info_from_state(state: dict):
 
     state = dict(state)
     state.pop("dropped_stale", None)  # checkpoints from before staleness by reservation
-    return BatchInfo(groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
-                     staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
-                     coordination=Counter(state.pop("coordination", {})), **state)
+    return BatchInfo(
+        groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
+        staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
+        coordination=Counter(state.pop("coordination", {})),
+        **state,
+    )
 
 
 class CoordinatorService:
@@ -106,8 +134,12 @@ class CoordinatorService:
         if cfg.data.val_files:
             self.val_data = prompt_dataset(cfg, cfg.data.val_files, tokenizer)
         self.producer = build_producer(cfg, self.urls, dataset, tokenizer, self.registry)
-        return {"train": len(dataset), "dropped": dataset.num_dropped_too_long, "truncated": dataset.num_truncated,
-                "val": 0 if self.val_data is None else len(self.val_data)}
+        return {
+            "train": len(dataset),
+            "dropped": dataset.num_dropped_too_long,
+            "truncated": dataset.num_truncated,
+            "val": 0 if self.val_data is None else len(self.val_data),
+        }
 
     def restore(self, found: str, state: dict, next_step: int) -> None:
         """Load a checkpoint's rollout state; its saved batch is step `next_step`'s. A state that does
@@ -120,8 +152,9 @@ class CoordinatorService:
         except DatasetError:  # a sampler state for another dataset: it says so
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise CheckpointError(f"{Path(found) / 'rollout.json'} does not fit this run "
-                                  f"({type(e).__name__}: {e})") from None
+            raise CheckpointError(
+                f"{Path(found) / 'rollout.json'} does not fit this run ({type(e).__name__}: {e})"
+            ) from None
         if pending is not None:
             self._pending[next_step] = pending
 
@@ -153,14 +186,19 @@ class CoordinatorService:
 
         cfg = self.cfg
         info = self._take(step)
-        batch = build_batch(info.groups, step, cfg.rollout.sampling.temperature, cfg.algo.norm_adv_by_std,
-                            cfg.algo.overlong_filter)
+        batch = build_batch(
+            info.groups, step, cfg.rollout.sampling.temperature, cfg.algo.norm_adv_by_std, cfg.algo.overlong_filter
+        )
         return StepData(
             shards=shard_batch(batch, dp_size, cfg.algo.ppo_mini_batch_size),
-            metrics=step_metrics(info, cfg, batch), staleness=Counter(info.staleness),
-            extra={"prompt_indices": batch.prompt_indices,
-                   "sample_versions": [min(v) if v else step for v in batch.token_versions]},
-            tokens=sum(len(x) for x in batch.input_ids))
+            metrics=step_metrics(info, cfg, batch),
+            staleness=Counter(info.staleness),
+            extra={
+                "prompt_indices": batch.prompt_indices,
+                "sample_versions": [min(v) if v else step for v in batch.token_versions],
+            },
+            tokens=sum(len(x) for x in batch.input_ids),
+        )
 
     def set_version(self, version: int) -> None:
         self.producer.set_version(version)
@@ -185,6 +223,12 @@ class CoordinatorService:
         from megatron_dapo.coordinator.evaluate import ValSettings, evaluate
 
         cfg = self.cfg
-        return evaluate(self.urls, self.val_data, self.producer.rewards, ValSettings.from_config(cfg),
-                        api_key=cfg.rollout.api_key, tokenizer=self.producer.tokenizer,
-                        timeout_s=cfg.rollout.request_timeout_s).metrics
+        return evaluate(
+            self.urls,
+            self.val_data,
+            self.producer.rewards,
+            ValSettings.from_config(cfg),
+            api_key=cfg.rollout.api_key,
+            tokenizer=self.producer.tokenizer,
+            timeout_s=cfg.rollout.request_timeout_s,
+        ).metrics

@@ -16,7 +16,9 @@ import torch
 from megatron_dapo.types import DPShard, RolloutBatch
 
 
-def split_groups_over_ranks(group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int) -> list[list[int]]:
+def split_groups_over_ranks(
+    group_of_row: list[int], row_tokens: list[int], groups: list[int], dp: int
+) -> list[list[int]]:
     """Rows of `groups` for each of `dp` ranks: whole groups, greedily balancing token counts."""
     members: dict[int, list[int]] = {g: [] for g in groups}
     for r, g in enumerate(group_of_row):
@@ -41,12 +43,17 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     """The batch restricted to `rows` (in that order); group ids and prompt indices stay global."""
     index = torch.tensor(rows, dtype=torch.long)
     return RolloutBatch(
-        input_ids=[batch.input_ids[r] for r in rows], prompt_lengths=[batch.prompt_lengths[r] for r in rows],
-        response_lengths=[batch.response_lengths[r] for r in rows], advantages=batch.advantages[index].clone(),
+        input_ids=[batch.input_ids[r] for r in rows],
+        prompt_lengths=[batch.prompt_lengths[r] for r in rows],
+        response_lengths=[batch.response_lengths[r] for r in rows],
+        advantages=batch.advantages[index].clone(),
         rollout_logprobs=[batch.rollout_logprobs[r] for r in rows],
         response_loss_mask=[batch.response_loss_mask[r] for r in rows],
-        token_versions=[batch.token_versions[r] for r in rows], group_index=batch.group_index[index].clone(),
-        temperature=batch.temperature, step=batch.step, prompt_indices=list(batch.prompt_indices),
+        token_versions=[batch.token_versions[r] for r in rows],
+        group_index=batch.group_index[index].clone(),
+        temperature=batch.temperature,
+        step=batch.step,
+        prompt_indices=list(batch.prompt_indices),
     )
 
 
@@ -56,7 +63,7 @@ def shard_batch(batch: RolloutBatch, dp_size: int, mini_batch_groups: int) -> li
     group_of_row = batch.group_index.tolist()
     tokens = [len(x) for x in batch.input_ids]
     group_ids = sorted(set(group_of_row))
-    minis = [group_ids[i:i + mini_batch_groups] for i in range(0, len(group_ids), mini_batch_groups)]
+    minis = [group_ids[i : i + mini_batch_groups] for i in range(0, len(group_ids), mini_batch_groups)]
     per_rank: list[list[list[int]]] = [[] for _ in range(dp_size)]  # rank -> mini -> global rows
     counts = []
     for mini in minis:
@@ -68,8 +75,9 @@ def shard_batch(batch: RolloutBatch, dp_size: int, mini_batch_groups: int) -> li
     for rank, mini_rows in enumerate(per_rank):
         rows = sorted(r for rs in mini_rows for r in rs)  # the batch's order (the old-logprob packing follows it)
         local = {r: i for i, r in enumerate(rows)}
-        shards.append(DPShard(select_rows(batch, rows), rank, dp_size, [[local[r] for r in rs] for rs in mini_rows],
-                              list(counts)))
+        shards.append(
+            DPShard(select_rows(batch, rows), rank, dp_size, [[local[r] for r in rs] for rs in mini_rows], list(counts))
+        )
     return shards
 
 

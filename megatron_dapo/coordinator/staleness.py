@@ -65,8 +65,14 @@ class StalenessController:
     slots, for the ages and waits a scheduler may look at; it never changes a decision.
     """
 
-    def __init__(self, slots: int, staleness: int, clock: Callable[[], float] = time.monotonic,
-                 next_buffer: int = 0, extra: int = 0):
+    def __init__(
+        self,
+        slots: int,
+        staleness: int,
+        clock: Callable[[], float] = time.monotonic,
+        next_buffer: int = 0,
+        extra: int = 0,
+    ):
         if slots < 1:
             raise ValueError(f"staleness buffers need at least one slot, got {slots}")
         if staleness < 0:
@@ -134,8 +140,9 @@ class StalenessController:
 
     def occupied_items(self) -> list[tuple[int, int, Any]]:
         """(buffer, slot, item) of every completed, not yet consumed group, in buffer and slot order."""
-        return [(b, i, s.item) for b in sorted(self.buffers) for i, s in enumerate(self.buffers[b])
-                if s.state == OCCUPIED]
+        return [
+            (b, i, s.item) for b in sorted(self.buffers) for i, s in enumerate(self.buffers[b]) if s.state == OCCUPIED
+        ]
 
     def oldest_reservation_age(self) -> float:
         now = self.clock()
@@ -226,17 +233,22 @@ class StalenessController:
 
     def movable(self, buffer: int) -> int:
         """Completed groups in buffers after `buffer` that could move down into it."""
-        return sum(s.state == OCCUPIED and s.v_traj <= buffer
-                   for b, buf in self.buffers.items() if b > buffer for s in buf)
+        return sum(
+            s.state == OCCUPIED and s.v_traj <= buffer for b, buf in self.buffers.items() if b > buffer for s in buf
+        )
 
     def move_down(self, buffer: int, n: int) -> list[Hashable]:
         """Move up to `n` completed groups from the newest later buffers into `buffer`'s empty slots
         (their staleness only drops); returns the keys moved. Within a buffer the oldest V_traj goes
         first, as PSRL's proactive filter takes them."""
-        candidates = [(b, i) for b in sorted((b for b in self.buffers if b > buffer), reverse=True)
-                      for i in sorted((i for i, s in enumerate(self.buffers[b])
-                                       if s.state == OCCUPIED and s.v_traj <= buffer),
-                                      key=lambda i, b=b: (self.buffers[b][i].v_traj, i))]
+        candidates = [
+            (b, i)
+            for b in sorted((b for b in self.buffers if b > buffer), reverse=True)
+            for i in sorted(
+                (i for i, s in enumerate(self.buffers[b]) if s.state == OCCUPIED and s.v_traj <= buffer),
+                key=lambda i, b=b: (self.buffers[b][i].v_traj, i),
+            )
+        ]
         moved: list[Hashable] = []
         for b, i in candidates:
             if len(moved) == n or not self._has_room(buffer):
@@ -254,8 +266,10 @@ class StalenessController:
     def consume(self) -> list[Any]:
         """The next buffer's items in slot order; the trainer moves on to the buffer after it."""
         if not self.ready():
-            raise StalenessError(f"buffer {self.next_buffer} is not full: "
-                                 f"{self.count(OCCUPIED, self.next_buffer)}/{self.slots} slots occupied")
+            raise StalenessError(
+                f"buffer {self.next_buffer} is not full: "
+                f"{self.count(OCCUPIED, self.next_buffer)}/{self.slots} slots occupied"
+            )
         buf = self.buffers.pop(self.next_buffer)
         del self._tally[self.next_buffer]
         for s in buf:
@@ -273,15 +287,17 @@ class StalenessController:
         return pos
 
     # ---- checkpoints ---------------------------------------------------------------------------
-    def restore(self, key: Hashable, v_traj: int, buffer: int, slot: int, item: Any = None,
-                state: str = OCCUPIED) -> None:
+    def restore(
+        self, key: Hashable, v_traj: int, buffer: int, slot: int, item: Any = None, state: str = OCCUPIED
+    ) -> None:
         """Put a group back where a checkpoint saw it: completed (`OCCUPIED`, with its item) or in
         flight (`RESERVED`, to be dispatched again)."""
         if buffer < self.next_buffer or not 0 <= slot < self.capacity:
             raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is outside the open buffers")
         if buffer > v_traj + self.staleness:
-            raise StalenessError(f"group {key!r} of version {v_traj} cannot sit in buffer {buffer} "
-                                 f"(staleness {self.staleness})")
+            raise StalenessError(
+                f"group {key!r} of version {v_traj} cannot sit in buffer {buffer} (staleness {self.staleness})"
+            )
         s = self._buffer(buffer)[slot]
         if s.state != EMPTY or key in self.where:
             raise StalenessError(f"group {key!r}: slot ({buffer}, {slot}) is taken or the group is placed twice")

@@ -76,9 +76,13 @@ class StatusBased:
         if now < self._next_check:
             return []
         self._next_check = now + self.cfg.check_interval_ms / 1000.0
-        return [s.url for s in _lagging(servers, latest)
-                if s.waiting == 0 and s.indicator(self.cfg.indicator) <= self.cfg.threshold
-                and not (self.cfg.check_req_before_sync and s.routable > 0)]
+        return [
+            s.url
+            for s in _lagging(servers, latest)
+            if s.waiting == 0
+            and s.indicator(self.cfg.indicator) <= self.cfg.threshold
+            and not (self.cfg.check_req_before_sync and s.routable > 0)
+        ]
 
 
 def make_sync_policy(cfg: SyncPolicyConfig, clock: Callable[[], float] = time.monotonic):

@@ -100,6 +100,8 @@ def format_table(first_column: str, rows: dict[str, dict[str, float | int]]) -> 
         return f"{'-':>{w}}" if v is None else f"{v:>{w}}" if isinstance(v, int) else f"{v:>{w}.3f}"
 
     lines = [f"{first_column:<{width}}" + "".join(f"  {n:>{w}}" for n, w in zip(names, cols))]
-    lines += [f"{label:<{width}}" + "".join(f"  {cell(r.get(n), w)}" for n, w in zip(names, cols))
-              for label, r in rows.items()]
+    lines += [
+        f"{label:<{width}}" + "".join(f"  {cell(r.get(n), w)}" for n, w in zip(names, cols))
+        for label, r in rows.items()
+    ]
     return "\n".join(lines)

@@ -114,8 +114,14 @@ class PromptDataset:
     (see `TRUNCATION_MODES`).
     """
 
-    def __init__(self, paths: str | Path | Iterable[str | Path], tokenizer, max_prompt_length: int | None = None,
-                 truncation: str = "drop", prompt_key: str = "prompt"):
+    def __init__(
+        self,
+        paths: str | Path | Iterable[str | Path],
+        tokenizer,
+        max_prompt_length: int | None = None,
+        truncation: str = "drop",
+        prompt_key: str = "prompt",
+    ):
         if truncation not in TRUNCATION_MODES:
             raise DatasetError(f"truncation={truncation!r}: expected one of {TRUNCATION_MODES}")
         if isinstance(paths, (str, Path)):
@@ -138,8 +144,10 @@ class PromptDataset:
                         self.num_dropped_too_long += 1
                         continue
                     if truncation == "error":
-                        raise DatasetError(f"{path}: row {i}: prompt has {len(ids)} tokens, more than "
-                                           f"max_prompt_length={max_prompt_length} (data.truncation=error)")
+                        raise DatasetError(
+                            f"{path}: row {i}: prompt has {len(ids)} tokens, more than "
+                            f"max_prompt_length={max_prompt_length} (data.truncation=error)"
+                        )
                     ids = truncate(ids, max_prompt_length, truncation)
                     self.num_truncated += 1
                 extra = row.get("extra_info") if isinstance(row.get("extra_info"), dict) else {}
@@ -173,10 +181,10 @@ def truncate(ids: list[int], max_length: int, mode: str) -> list[int]:
     if mode == "right":
         return list(ids[:max_length])
     if mode == "left":
-        return list(ids[len(ids) - max_length:])
+        return list(ids[len(ids) - max_length :])
     if mode == "middle":
         head = max_length // 2
-        return list(ids[:head]) + list(ids[len(ids) - (max_length - head):])
+        return list(ids[:head]) + list(ids[len(ids) - (max_length - head) :])
     raise ValueError(f"truncate: mode={mode!r}, expected left, right or middle")
 
 
@@ -229,7 +237,13 @@ class PromptSampler:
         return [self.next() for _ in range(n)]
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "size": self.size, "shuffle": self.shuffle, "epoch": self.epoch, "offset": self.offset}
+        return {
+            "seed": self.seed,
+            "size": self.size,
+            "shuffle": self.shuffle,
+            "epoch": self.epoch,
+            "offset": self.offset,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["size"] != self.size or state["seed"] != self.seed or state["shuffle"] != self.shuffle:

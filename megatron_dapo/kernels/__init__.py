@@ -15,6 +15,10 @@ from .dispatch import (
 )
 
 __all__ = [
-    "dapo_policy_loss", "dynamic_sampling_filter", "group_advantages", "resolve_backend", "token_advantages",
+    "dapo_policy_loss",
+    "dynamic_sampling_filter",
+    "group_advantages",
+    "resolve_backend",
+    "token_advantages",
     "vocab_parallel_logprobs",
 ]

@@ -60,14 +60,16 @@ def _triton(module: str):
     return importlib.import_module(f"megatron_dapo.kernels.{module}")
 
 
-def vocab_parallel_logprobs(logits_shard, target_ids, tp_group=None, temperature=1.0, with_entropy=False, *,
-                            backend: str | None = None):
+def vocab_parallel_logprobs(
+    logits_shard, target_ids, tp_group=None, temperature=1.0, with_entropy=False, *, backend: str | None = None
+):
     # the fused kernel computes in fp32; "auto" keeps float64 (gradchecks, references) on the torch path
     if logits_shard.dtype == torch.float64 and (backend or os.environ.get(ENV_VAR, "auto")) == "auto":
         backend = "torch"
     if resolve_backend(logits_shard.device, backend) == "triton":
         return _triton("logprobs_triton").vocab_parallel_logprobs(
-            logits_shard, target_ids, tp_group, temperature, with_entropy)
+            logits_shard, target_ids, tp_group, temperature, with_entropy
+        )
     return _logprobs.vocab_parallel_logprobs(logits_shard, target_ids, tp_group, temperature, with_entropy)
 
 

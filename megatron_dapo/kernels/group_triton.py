@@ -19,8 +19,17 @@ from megatron_dapo.algo.filter import FilterResult
 
 @triton.jit
 def _group_stats_kernel(
-    values_ptr, order_ptr, offsets_ptr, counts_ptr, adv_ptr, keep_ptr, correct_ptr,
-    eps, threshold, NORM_BY_STD: tl.constexpr, BLOCK: tl.constexpr,
+    values_ptr,
+    order_ptr,
+    offsets_ptr,
+    counts_ptr,
+    adv_ptr,
+    keep_ptr,
+    correct_ptr,
+    eps,
+    threshold,
+    NORM_BY_STD: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     g = tl.program_id(0)
     start = tl.load(offsets_ptr + g)
@@ -68,35 +77,50 @@ def _group_stats(values, group_ids, norm_by_std, eps, threshold):
     if g:
         block = triton.next_power_of_2(max(int(index.counts.max()), 2))
         _group_stats_kernel[(g,)](
-            values.float().contiguous(), order, offsets, index.counts, adv, keep, correct,
-            float(eps), float(threshold), NORM_BY_STD=bool(norm_by_std), BLOCK=block,
+            values.float().contiguous(),
+            order,
+            offsets,
+            index.counts,
+            adv,
+            keep,
+            correct,
+            float(eps),
+            float(threshold),
+            NORM_BY_STD=bool(norm_by_std),
+            BLOCK=block,
         )
     return index, adv, keep.bool(), correct.bool()
 
 
-def group_advantages(rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_ids: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """Triton version of `megatron_dapo.algo.advantages.group_advantages` (fp32 output)."""
     check_group_inputs(rewards, group_ids, "group_advantages", "rewards")
     return _group_stats(rewards, group_ids, norm_by_std, eps, 0.0)[1]
 
 
-def dynamic_sampling_filter(metric: torch.Tensor, group_ids: torch.Tensor,
-                            correct_threshold: float = 0.5) -> FilterResult:
+def dynamic_sampling_filter(
+    metric: torch.Tensor, group_ids: torch.Tensor, correct_threshold: float = 0.5
+) -> FilterResult:
     """Triton version of `megatron_dapo.algo.filter.dynamic_sampling_filter`."""
     check_group_inputs(metric, group_ids, "dynamic_sampling_filter", "metric")
     index, _, keep, correct = _group_stats(metric, group_ids, True, 1e-6, correct_threshold)
     return FilterResult(
-        keep=keep[index.inverse], num_groups=index.num_groups, num_kept=int(keep.sum()),
-        num_all_correct=int(correct.sum()), num_all_wrong=int((~keep & ~correct).sum()),
+        keep=keep[index.inverse],
+        num_groups=index.num_groups,
+        num_kept=int(keep.sum()),
+        num_all_correct=int(correct.sum()),
+        num_all_wrong=int((~keep & ~correct).sum()),
     )
 
 
 def token_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """Triton version of `megatron_dapo.algo.advantages.token_advantages` (fp32 output)."""
     if loss_mask.dim() != 2 or loss_mask.shape[0] != advantages.shape[0]:
-        raise ValueError(f"token_advantages: loss_mask shape {tuple(loss_mask.shape)} must be "
-                         f"[{advantages.shape[0]}, S]")
+        raise ValueError(
+            f"token_advantages: loss_mask shape {tuple(loss_mask.shape)} must be [{advantages.shape[0]}, S]"
+        )
     n, s = loss_mask.shape
     out = torch.empty(n, s, dtype=torch.float32, device=advantages.device)
     block = min(block, triton.next_power_of_2(max(s, 16)))

@@ -29,8 +29,18 @@ DEFAULT_BLOCK_V = 4096
 
 @triton.jit
 def _logprob_fwd_kernel(
-    logits_ptr, row_stride, target_ptr, inside_ptr, max_ptr, sum_ptr, tgt_ptr, ent_ptr,
-    n_cols, inv_temp, WITH_ENTROPY: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    row_stride,
+    target_ptr,
+    inside_ptr,
+    max_ptr,
+    sum_ptr,
+    tgt_ptr,
+    ent_ptr,
+    n_cols,
+    inv_temp,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
@@ -65,9 +75,22 @@ def _logprob_fwd_kernel(
 
 @triton.jit
 def _logprob_bwd_kernel(
-    logits_ptr, row_stride, grad_ptr, grad_stride, target_ptr, inside_ptr, max_ptr, lse_ptr, meanz_ptr,
-    glp_ptr, gh_ptr, n_cols, inv_temp,
-    HAS_GLP: tl.constexpr, HAS_GH: tl.constexpr, BLOCK: tl.constexpr,
+    logits_ptr,
+    row_stride,
+    grad_ptr,
+    grad_stride,
+    target_ptr,
+    inside_ptr,
+    max_ptr,
+    lse_ptr,
+    meanz_ptr,
+    glp_ptr,
+    gh_ptr,
+    n_cols,
+    inv_temp,
+    HAS_GLP: tl.constexpr,
+    HAS_GH: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
@@ -110,8 +133,18 @@ def shard_partials_triton(logits2d, local_target, inside, inv_temp, with_entropy
     q = torch.empty(n_tok, **f32) if with_entropy else m
     if n_tok:
         _logprob_fwd_kernel[(n_tok,)](
-            logits2d, logits2d.stride(0), local_target, inside.to(torch.int8), m, s, t, q,
-            vocab, inv_temp, WITH_ENTROPY=with_entropy, BLOCK=block_v,
+            logits2d,
+            logits2d.stride(0),
+            local_target,
+            inside.to(torch.int8),
+            m,
+            s,
+            t,
+            q,
+            vocab,
+            inv_temp,
+            WITH_ENTROPY=with_entropy,
+            BLOCK=block_v,
         )
     return ShardPartials(m, s, t, q if with_entropy else None)
 
@@ -122,10 +155,22 @@ def grad_logits_triton(logits2d, local_target, inside, stats: GlobalStats, inv_t
     dummy = stats.max
     if n_tok:
         _logprob_bwd_kernel[(n_tok,)](
-            logits2d, logits2d.stride(0), grad, grad.stride(0), local_target, inside.to(torch.int8),
-            stats.max, stats.log_sum_exp, stats.mean_z if gh is not None else dummy,
-            glp.float().contiguous() if glp is not None else dummy, gh.float().contiguous() if gh is not None else dummy,
-            vocab, inv_temp, HAS_GLP=glp is not None, HAS_GH=gh is not None, BLOCK=block_v,
+            logits2d,
+            logits2d.stride(0),
+            grad,
+            grad.stride(0),
+            local_target,
+            inside.to(torch.int8),
+            stats.max,
+            stats.log_sum_exp,
+            stats.mean_z if gh is not None else dummy,
+            glp.float().contiguous() if glp is not None else dummy,
+            gh.float().contiguous() if gh is not None else dummy,
+            vocab,
+            inv_temp,
+            HAS_GLP=glp is not None,
+            HAS_GH=gh is not None,
+            BLOCK=block_v,
         )
     return grad
 
@@ -133,8 +178,9 @@ def grad_logits_triton(logits2d, local_target, inside, stats: GlobalStats, inv_t
 class _TritonVocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp_group, temperature, with_entropy, block_v):
-        return shard_logprobs_forward(ctx, _rows(logits), target, tp_group, temperature, with_entropy, block_v,
-                                      shard_partials_triton)
+        return shard_logprobs_forward(
+            ctx, _rows(logits), target, tp_group, temperature, with_entropy, block_v, shard_partials_triton
+        )
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
@@ -153,8 +199,10 @@ def vocab_parallel_logprobs(
     """Triton version of `megatron_dapo.algo.logprobs.vocab_parallel_logprobs` (fp32 outputs)."""
     check_logprob_inputs(logits_shard, target_ids, temperature)
     if compute_dtype(logits_shard.dtype) != torch.float32:
-        raise TypeError(f"triton vocab_parallel_logprobs computes in fp32; got {logits_shard.dtype} logits "
-                        "(use the torch backend for float64)")
+        raise TypeError(
+            f"triton vocab_parallel_logprobs computes in fp32; got {logits_shard.dtype} logits "
+            "(use the torch backend for float64)"
+        )
     block_v = min(block_v, triton.next_power_of_2(max(logits_shard.shape[-1], 16)))
     logprobs, entropy = _TritonVocabParallelLogprobs.apply(
         logits_shard, target_ids, tp_group, float(temperature), bool(with_entropy), int(block_v)

@@ -21,9 +21,23 @@ DEFAULT_BLOCK_S = 1024
 
 @triton.jit
 def _dapo_loss_fwd_kernel(
-    lp_ptr, old_ptr, adv_ptr, mask_ptr, w_ptr, rows_ptr, dpg_ptr, seq_len,
-    clip_low, clip_high, clip_c, is_cap, log_ratio_bound,
-    HAS_DUAL: tl.constexpr, HAS_W: tl.constexpr, HAS_CAP: tl.constexpr, BLOCK: tl.constexpr,
+    lp_ptr,
+    old_ptr,
+    adv_ptr,
+    mask_ptr,
+    w_ptr,
+    rows_ptr,
+    dpg_ptr,
+    seq_len,
+    clip_low,
+    clip_high,
+    clip_c,
+    is_cap,
+    log_ratio_bound,
+    HAS_DUAL: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     base = row * seq_len
@@ -89,8 +103,7 @@ def _dapo_loss_fwd_kernel(
 
 class _TritonRowStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logprobs, old_logprobs, advantages, loss_mask, weights, clip_low, clip_high, clip_c, cap,
-                block_s):
+    def forward(ctx, logprobs, old_logprobs, advantages, loss_mask, weights, clip_low, clip_high, clip_c, cap, block_s):
         b, s = logprobs.shape
         f32 = dict(dtype=torch.float32, device=logprobs.device)
         rows = torch.empty(b, NUM_ROW_STATS, **f32)
@@ -98,10 +111,22 @@ class _TritonRowStats(torch.autograd.Function):
         lp = logprobs.detach().contiguous()
         if b:
             _dapo_loss_fwd_kernel[(b,)](
-                lp, old_logprobs.contiguous(), advantages.contiguous(), loss_mask.bool().to(torch.int8).contiguous(),
-                weights.contiguous() if weights is not None else lp, rows, dpg, s,
-                float(clip_low), float(clip_high), float(clip_c or 0.0), float(cap or 0.0), LOG_RATIO_BOUND,
-                HAS_DUAL=clip_c is not None, HAS_W=weights is not None, HAS_CAP=cap is not None,
+                lp,
+                old_logprobs.contiguous(),
+                advantages.contiguous(),
+                loss_mask.bool().to(torch.int8).contiguous(),
+                weights.contiguous() if weights is not None else lp,
+                rows,
+                dpg,
+                s,
+                float(clip_low),
+                float(clip_high),
+                float(clip_c or 0.0),
+                float(cap or 0.0),
+                LOG_RATIO_BOUND,
+                HAS_DUAL=clip_c is not None,
+                HAS_W=weights is not None,
+                HAS_CAP=cap is not None,
                 BLOCK=block_s,
             )
         ctx.save_for_backward(dpg)
@@ -134,14 +159,35 @@ def dapo_policy_loss(
     block_s: int = DEFAULT_BLOCK_S,
 ):
     """Triton version of `megatron_dapo.algo.loss.dapo_policy_loss` (same arguments and semantics)."""
-    check_loss_inputs(logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low, clip_ratio_high,
-                      clip_ratio_c, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
-                      rollout_is_weights, rollout_is_cap)
+    check_loss_inputs(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        global_num_tokens,
+        global_num_seqs,
+        dp_world_size,
+        rollout_is_weights,
+        rollout_is_cap,
+    )
     lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
     block_s = min(block_s, triton.next_power_of_2(max(lp.shape[-1], 16)))
     rows = _TritonRowStats.apply(
-        lp, old.detach(), adv.detach().expand_as(lp), mask, None if w is None else w.detach(),
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_is_cap, block_s,
+        lp,
+        old.detach(),
+        adv.detach().expand_as(lp),
+        mask,
+        None if w is None else w.detach(),
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        rollout_is_cap,
+        block_s,
     )
-    return aggregate_rows(rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size,
-                          token_sum_norm, seq_len=lp.shape[-1])
+    return aggregate_rows(
+        rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size, token_sum_norm, seq_len=lp.shape[-1]
+    )

@@ -31,8 +31,14 @@ from megatron_dapo.models.specs import decoder_block_spec, te_available
 
 VOCAB_PAD_MULTIPLE = 128
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -258,7 +264,9 @@ def _check_matches_parallel_state(par: ModelParallel) -> None:
     for name in ("tp", "pp", "ep", "etp"):
         want = par.expert_tp if name == "etp" else getattr(par, name)
         if getattr(have, name) != want:
-            raise ValueError(f"ModelParallel.{name}={want} but megatron-core's parallel state has {getattr(have, name)}")
+            raise ValueError(
+                f"ModelParallel.{name}={want} but megatron-core's parallel state has {getattr(have, name)}"
+            )
     if (have.vpp or 1) != (par.vpp or 1):
         raise ValueError(f"ModelParallel.vpp={par.vpp} but megatron-core's parallel state has {have.vpp}")
 

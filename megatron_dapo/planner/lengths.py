@@ -40,8 +40,10 @@ class LognormalLengths:
         return max(1, min(self.max_len, int(x)))
 
     def describe(self) -> str:
-        return (f"lognormal lengths: median {self.median:.0f}, sigma prompt {self.prompt_sigma} x sample "
-                f"{self.sample_sigma}, cut at {self.max_len}")
+        return (
+            f"lognormal lengths: median {self.median:.0f}, sigma prompt {self.prompt_sigma} x sample "
+            f"{self.sample_sigma}, cut at {self.max_len}"
+        )
 
 
 @dataclass
@@ -86,8 +88,9 @@ def fit_lognormal(mean: float, truncated_frac: float, max_len: int, seed: int = 
             best = (err, median, sigma)
     _, median, sigma = best
     share = 0.5 / 0.9  # the default's split of the variance between prompt and sample
-    return LognormalLengths(median, max_len, prompt_sigma=sigma * math.sqrt(share),
-                            sample_sigma=sigma * math.sqrt(1 - share), seed=seed)
+    return LognormalLengths(
+        median, max_len, prompt_sigma=sigma * math.sqrt(share), sample_sigma=sigma * math.sqrt(1 - share), seed=seed
+    )
 
 
 def _norm_ppf(p: float) -> float:

@@ -84,9 +84,7 @@ def embedding_params(shape: ModelShape, tp: int = 1) -> int:
 
 def total_params(shape: ModelShape) -> int:
     """All parameters of the model (no sharding), as in the HF checkpoint."""
-    layers = sum(
-        layer_params(shape, i).dense + layer_params(shape, i).expert for i in range(shape.num_layers)
-    )
+    layers = sum(layer_params(shape, i).dense + layer_params(shape, i).expert for i in range(shape.num_layers))
     outputs = 1 if shape.tie_embeddings else 2
     return layers + outputs * embedding_params(shape) + shape.hidden_size  # + final norm
 

@@ -163,9 +163,15 @@ class Plan:
         return int(self.gpu_mem_gib * GiB * (1 - self.headroom))
 
 
-def make_plan(cfg: DapoConfig, gpu_mem_gib: float = 80.0, headroom: float = 0.1, prompt_tokens: float = 256,
-              response_tokens: float | None = None, peak_tflops: float = H100_BF16_TFLOPS,
-              mfu: float = DEFAULT_MFU) -> Plan:
+def make_plan(
+    cfg: DapoConfig,
+    gpu_mem_gib: float = 80.0,
+    headroom: float = 0.1,
+    prompt_tokens: float = 256,
+    response_tokens: float | None = None,
+    peak_tflops: float = H100_BF16_TFLOPS,
+    mfu: float = DEFAULT_MFU,
+) -> Plan:
     """Layout, memory and step time of `cfg` (already validated) on GPUs of `gpu_mem_gib`; raises nothing
     on fit. Step time at mean `prompt_tokens` / `response_tokens` per sample (default response: the mean
     of the simulator's DAPO-like length model, megatron_dapo.planner.lengths.dapo_like)."""
@@ -245,9 +251,14 @@ def format_plan(plan: Plan) -> str:
     first, last = lay.trainer_gpus[0], lay.trainer_gpus[-1]
     dp = derived.data_parallel_size(cfg)
     out.append(
-        f"trainer ({t.backend}): {lay.world_size} ranks on node {first[0]} GPU {first[1]} .. node {last[0]} GPU {last[1]}; "
+        f"trainer ({t.backend}): {lay.world_size} ranks on node {first[0]} GPU {first[1]} .. "
+        f"node {last[0]} GPU {last[1]}; "
         f"tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp else ''} cp={p.cp} dp={dp}"
-        + (f" ep={p.ep} etp={derived.expert_tp_size(cfg)} edp={derived.expert_data_parallel_size(cfg)}" if s.is_moe else "")
+        + (
+            f" ep={p.ep} etp={derived.expert_tp_size(cfg)} edp={derived.expert_data_parallel_size(cfg)}"
+            if s.is_moe
+            else ""
+        )
         + (" sequence-parallel" if p.sequence_parallel else "")
     )
     if t.backend == "megatron":
@@ -273,7 +284,8 @@ def format_plan(plan: Plan) -> str:
 
     tokens = derived.max_tokens_per_micro_batch(cfg)
     out.append(
-        f"memory per training GPU, {unit} (micro-batch of {tokens} tokens, recompute {cfg.model.recompute_granularity}, "
+        f"memory per training GPU, {unit} (micro-batch of {tokens} tokens, "
+        f"recompute {cfg.model.recompute_granularity}, "
         f"distributed optimizer {'on' if cfg.optimizer.use_distributed_optimizer else 'off'}):"
     )
     out.append("  stage    params     grads optimizer activations    logits     total | act: none      full")
@@ -290,15 +302,20 @@ def format_plan(plan: Plan) -> str:
     if plan.rollout is not None:
         ro = plan.rollout
         out.append(
-            f"memory per rollout GPU, GiB (mem_fraction_static {r.mem_fraction_static}): weights {ro.weights / GiB:.2f}, "
+            f"memory per rollout GPU, GiB (mem_fraction_static {r.mem_fraction_static}): "
+            f"weights {ro.weights / GiB:.2f}, "
             f"KV cache {max(ro.kv_pool, 0) / GiB:.2f} = {ro.kv_tokens} tokens "
             f"({ro.kv_bytes_per_token} B/token), {ro.full_sequences} full sequences of {ro.seq_len} tokens"
         )
     store = weight_store_bytes(cfg, s)
     if store:
-        out.append(f"weight store (rollout.sync.policy={r.sync.policy}): {store / scale:.2f} {unit} of host memory on "
-                   f"trainer rank 0 (the newest weights and the previous ones a lagging server may still read)")
-    out.append(f"usable per GPU: {plan.usable_bytes / GiB:.2f} GiB; largest training GPU: {worst.total / scale:.2f} {unit}")
+        out.append(
+            f"weight store (rollout.sync.policy={r.sync.policy}): {store / scale:.2f} {unit} of host memory on "
+            f"trainer rank 0 (the newest weights and the previous ones a lagging server may still read)"
+        )
+    out.append(
+        f"usable per GPU: {plan.usable_bytes / GiB:.2f} GiB; largest training GPU: {worst.total / scale:.2f} {unit}"
+    )
     if plan.step is not None:
         out += ["", _format_step(plan)]
     return "\n".join(out)
@@ -308,11 +325,13 @@ def _format_step(plan: Plan) -> str:
     st, cfg = plan.step, plan.cfg
     tokens = st.tokens(cfg)
     sp = st.speed
-    return (f"trainer step (estimate): {cfg.algo.train_batch_size} prompts x {cfg.rollout.n_resp_per_prompt} samples x "
-            f"{st.prompt_tokens + st.response_tokens:.0f} tokens (mean prompt {st.prompt_tokens:.0f} + response "
-            f"{st.response_tokens:.0f}) = {tokens / 1e6:.2f} M tokens -> {sp.step_s(tokens):.0f} s on {sp.gpus} GPUs "
-            f"at {sp.mfu:.0%} of {sp.peak_tflops:.0f} TFLOP/s ({sp.flops_per_token:.3g} FLOPs per token; "
-            f"`megatron-dapo simulate` trains at this rate)")
+    return (
+        f"trainer step (estimate): {cfg.algo.train_batch_size} prompts x {cfg.rollout.n_resp_per_prompt} samples x "
+        f"{st.prompt_tokens + st.response_tokens:.0f} tokens (mean prompt {st.prompt_tokens:.0f} + response "
+        f"{st.response_tokens:.0f}) = {tokens / 1e6:.2f} M tokens -> {sp.step_s(tokens):.0f} s on {sp.gpus} GPUs "
+        f"at {sp.mfu:.0%} of {sp.peak_tflops:.0f} TFLOP/s ({sp.flops_per_token:.3g} FLOPs per token; "
+        f"`megatron-dapo simulate` trains at this rate)"
+    )
 
 
 def _optimizer_alternative(plan: Plan) -> int:
@@ -335,16 +354,31 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--nodes", type=int, required=True, help="nodes in the job (sets trainer.nnodes)")
     parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (sets trainer.gpus_per_node)")
     parser.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
-    parser.add_argument("--headroom", type=float, default=0.1,
-                        help="fraction of GPU memory kept free for the CUDA context, NCCL and fragmentation (0.1)")
-    parser.add_argument("--gpu-tflops", type=float, default=H100_BF16_TFLOPS,
-                        help=f"peak bf16 TFLOP/s per trainer GPU, for the step time ({H100_BF16_TFLOPS:g}, H100)")
-    parser.add_argument("--mfu", type=float, default=DEFAULT_MFU,
-                        help=f"trainer model FLOPs utilisation, for the step time ({DEFAULT_MFU})")
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        default=0.1,
+        help="fraction of GPU memory kept free for the CUDA context, NCCL and fragmentation (0.1)",
+    )
+    parser.add_argument(
+        "--gpu-tflops",
+        type=float,
+        default=H100_BF16_TFLOPS,
+        help=f"peak bf16 TFLOP/s per trainer GPU, for the step time ({H100_BF16_TFLOPS:g}, H100)",
+    )
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=DEFAULT_MFU,
+        help=f"trainer model FLOPs utilisation, for the step time ({DEFAULT_MFU})",
+    )
     parser.add_argument("--prompt-len", type=float, default=256, help="mean prompt tokens, for the step time (256)")
-    parser.add_argument("--response-len", type=float,
-                        help="mean response tokens, for the step time (default: the simulator's DAPO-like "
-                             "lengths for data.max_response_length)")
+    parser.add_argument(
+        "--response-len",
+        type=float,
+        help="mean response tokens, for the step time (default: the simulator's DAPO-like "
+        "lengths for data.max_response_length)",
+    )
     return parser
 
 
@@ -356,8 +390,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides, validate=False)
         for note in validate_config(cfg):
             print(f"note: {note}", file=sys.stderr)
-        plan = make_plan(cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, args.gpu_tflops,
-                         args.mfu)
+        plan = make_plan(
+            cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, args.gpu_tflops, args.mfu
+        )
     except (ConfigError, ValueError) as e:
         print(f"plan error: {e}", file=sys.stderr)
         return 2

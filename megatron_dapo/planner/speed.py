@@ -30,8 +30,9 @@ class TrainerSpeed:
         return tokens * self.flops_per_token / (self.gpus * self.peak_tflops * 1e12 * self.mfu)
 
 
-def trainer_speed(cfg, shape: ModelShape, mean_seq_tokens: float, peak_tflops: float = H100_BF16_TFLOPS,
-                  mfu: float = DEFAULT_MFU) -> TrainerSpeed:
+def trainer_speed(
+    cfg, shape: ModelShape, mean_seq_tokens: float, peak_tflops: float = H100_BF16_TFLOPS, mfu: float = DEFAULT_MFU
+) -> TrainerSpeed:
     """`cfg`'s trainer on sequences of `mean_seq_tokens`; ValueError naming the option that makes no
     sense (`--mfu`, `--gpu-tflops`, the mean lengths) or when the trainer has no GPU left."""
     if not 0 < mfu <= 1:  # also refuses NaN
@@ -42,8 +43,10 @@ def trainer_speed(cfg, shape: ModelShape, mean_seq_tokens: float, peak_tflops: f
         raise ValueError(f"mean sequence of {mean_seq_tokens} tokens (--prompt-len + response length) must be > 0")
     gpus = derived.trainer_world_size(cfg)
     if gpus < 1:
-        raise ValueError(f"trainer: no GPUs left for training ({cfg.trainer.nnodes} x {cfg.trainer.gpus_per_node} "
-                         f"minus {derived.launched_rollout_gpus(cfg)} for the engines)")
+        raise ValueError(
+            f"trainer: no GPUs left for training ({cfg.trainer.nnodes} x {cfg.trainer.gpus_per_node} "
+            f"minus {derived.launched_rollout_gpus(cfg)} for the engines)"
+        )
     attn = 2 * 2 * shape.num_layers * shape.num_attention_heads * shape.head_dim * mean_seq_tokens / 2
     forward = 2 * active_params(shape) + attn
     passes = 1 + 3 + (1 if cfg.model.recompute_granularity == "full" else 0)

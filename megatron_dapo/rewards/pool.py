@@ -51,8 +51,10 @@ class RewardPool:
         try:
             self._fns = pickle.dumps((default, dict(by_source or {})))
         except Exception as e:
-            raise ValueError(f"reward.num_workers > 0 sends the reward function to worker processes, but it cannot "
-                             f"be pickled ({type(e).__name__}: {e}); use a module-level function") from None
+            raise ValueError(
+                f"reward.num_workers > 0 sends the reward function to worker processes, but it cannot "
+                f"be pickled ({type(e).__name__}: {e}); use a module-level function"
+            ) from None
         self._ctx = multiprocessing.get_context("spawn")
         self._lock = threading.Lock()
         self._idle: list[_Worker] = []
@@ -64,8 +66,9 @@ class RewardPool:
 
     def _spawn(self) -> _Worker:
         mine, theirs = self._ctx.Pipe()
-        p = self._ctx.Process(target=_worker_main, args=(theirs, self._fns, os.getpid()), name="reward-worker",
-                              daemon=True)
+        p = self._ctx.Process(
+            target=_worker_main, args=(theirs, self._fns, os.getpid()), name="reward-worker", daemon=True
+        )
         p.start()
         theirs.close()
         return _Worker(p, mine)

@@ -219,5 +219,9 @@ class RewardRunner:
         return self.score_many([(response, ground_truth, data_source, extra or {})])[0]
 
     def counters(self) -> dict:
-        return {"scored": self.num_scored, "errors": self.num_errors, "timeouts": self.num_timeouts,
-                "nonfinite": self.num_nonfinite}
+        return {
+            "scored": self.num_scored,
+            "errors": self.num_errors,
+            "timeouts": self.num_timeouts,
+            "nonfinite": self.num_nonfinite,
+        }

@@ -7,5 +7,12 @@ Light to import (aiohttp only); the embedded server and its torch/transformers e
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
 
-__all__ = ["SGLangClient", "SGLangError", "SGLangHTTPError", "SGLangConnectionError",
-           "Sample", "SamplingParams", "WeightVersionSpan"]
+__all__ = [
+    "SGLangClient",
+    "SGLangError",
+    "SGLangHTTPError",
+    "SGLangConnectionError",
+    "Sample",
+    "SamplingParams",
+    "WeightVersionSpan",
+]

@@ -105,7 +105,8 @@ class SGLangClient:
             # aiohttp, not httpx: a loopback round trip to FastAPI took 1.6-2.1 ms instead of 4.2-6.3 ms
             # on this project's CPU machines, client CPU that rank 0 pays for every /generate of every step.
             self._session = aiohttp.ClientSession(
-                base_url=self.base_url + "/", headers=self._headers,
+                base_url=self.base_url + "/",
+                headers=self._headers,
                 # Idle connections are dropped before the server's keep-alive (uvicorn and SGLang: 5 s)
                 # would close them: a request written into a connection the server just closed fails.
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
@@ -114,8 +115,14 @@ class SGLangClient:
             )
         return self._session
 
-    async def _request(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
-                       timeout_s: float | None = None) -> tuple[int, bytes]:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        params: dict | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[int, bytes]:
         """(status, body bytes) of a 2xx answer; raises SGLangHTTPError / SGLangConnectionError otherwise."""
         kwargs = {}
         if body is not None:
@@ -172,11 +179,13 @@ class SGLangClient:
             body = payloads.generate_body(input_ids, list(sampling), rid=rid, return_logprob=return_logprob)
             answer = await self._post("/generate", body)
             if not isinstance(answer, list) or len(answer) != len(sampling):
-                raise SGLangHTTPError(f"POST {self.base_url}/generate",
-                                      f"a batch of {len(sampling)} answered with {answer!r:.200}")
+                raise SGLangHTTPError(
+                    f"POST {self.base_url}/generate", f"a batch of {len(sampling)} answered with {answer!r:.200}"
+                )
             return payloads.parse_generate(answer, input_ids, server=self.base_url)
-        body = payloads.generate_body(input_ids, sampling, rid=rid if sampling.n == 1 else None,
-                                      return_logprob=return_logprob)
+        body = payloads.generate_body(
+            input_ids, sampling, rid=rid if sampling.n == 1 else None, return_logprob=return_logprob
+        )
         answer = await self._post("/generate", body)
         samples = payloads.parse_generate(answer, input_ids, server=self.base_url)
         if sampling.n == 1:
@@ -187,15 +196,17 @@ class SGLangClient:
         """Generate exactly `max_new_tokens` tokens for each prompt, in one batch; the output lengths."""
         answer = await self._post("/generate", payloads.fixed_length_body(prompts, max_new_tokens))
         if not isinstance(answer, list) or len(answer) != len(prompts):
-            raise SGLangHTTPError(f"POST {self.base_url}/generate",
-                                  f"a batch of {len(prompts)} answered with {answer!r:.200}")
+            raise SGLangHTTPError(
+                f"POST {self.base_url}/generate", f"a batch of {len(prompts)} answered with {answer!r:.200}"
+            )
         return [len(item.get("output_ids") or []) for item in answer]
 
     async def prompt_logprobs(self, input_ids: Sequence[int], temperature: float = 1.0) -> list[float]:
         """Logprob of each token of `input_ids` given the ones before it (len(input_ids) - 1 values)."""
         sampling = SamplingParams(temperature=temperature, max_new_tokens=0)
-        body = payloads.generate_body(input_ids, sampling, rid=uuid.uuid4().hex, return_logprob=True,
-                                      logprob_start_len=0)
+        body = payloads.generate_body(
+            input_ids, sampling, rid=uuid.uuid4().hex, return_logprob=True, logprob_start_len=0
+        )
         return payloads.parse_input_logprobs(await self._post("/generate", body))
 
     # ---- control -------------------------------------------------------------------------------
@@ -220,8 +231,7 @@ class SGLangClient:
 
     async def get_loads(self) -> ServerLoad:
         """The server's own load (SGLang's /v1/loads, DP rank 0, core fields)."""
-        answer = _json_or_none((await self._request("GET", "/v1/loads", params={"dp_rank": "0",
-                                                                                 "include": "core"}))[1])
+        answer = _json_or_none((await self._request("GET", "/v1/loads", params={"dp_rank": "0", "include": "core"}))[1])
         try:
             return payloads.parse_loads(answer, server=self.base_url)
         except ValueError as e:
@@ -246,9 +256,15 @@ class SGLangClient:
         await self._post("/resume_memory_occupation", payloads.memory_body(tags))
 
     # ---- weight updates ------------------------------------------------------------------------
-    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                        world_size: int, group_name: str = payloads.DEFAULT_GROUP,
-                                        backend: str = "nccl") -> dict:
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = payloads.DEFAULT_GROUP,
+        backend: str = "nccl",
+    ) -> dict:
         body = payloads.init_group_body(master_address, master_port, rank_offset, world_size, group_name, backend)
         return _check_success("/init_weights_update_group", await self._post("/init_weights_update_group", body))
 
@@ -258,8 +274,9 @@ class SGLangClient:
 
     async def begin_weight_update(self, selector: str = "all") -> dict:
         """Open SGLang's weight-update session; updates are refused outside one."""
-        return _check_success("/begin_weight_update",
-                              await self._post("/begin_weight_update", payloads.begin_update_body(selector)))
+        return _check_success(
+            "/begin_weight_update", await self._post("/begin_weight_update", payloads.begin_update_body(selector))
+        )
 
     async def end_weight_update(self) -> dict:
         return _check_success("/end_weight_update", await self._post("/end_weight_update", payloads.end_update_body()))
@@ -277,22 +294,36 @@ class SGLangClient:
             raise
         await self.end_weight_update()
 
-    async def update_weights_from_distributed(self, names, dtypes, shapes, group_name: str = payloads.DEFAULT_GROUP,
-                                              flush_cache: bool = True, abort_all_requests: bool = False,
-                                              weight_version: str | None = None,
-                                              load_format: str | None = None) -> dict:
-        body = payloads.update_distributed_body(names, dtypes, shapes, group_name, flush_cache, abort_all_requests,
-                                                weight_version, load_format)
-        return _check_success("/update_weights_from_distributed",
-                              await self._post("/update_weights_from_distributed", body))
+    async def update_weights_from_distributed(
+        self,
+        names,
+        dtypes,
+        shapes,
+        group_name: str = payloads.DEFAULT_GROUP,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+    ) -> dict:
+        body = payloads.update_distributed_body(
+            names, dtypes, shapes, group_name, flush_cache, abort_all_requests, weight_version, load_format
+        )
+        return _check_success(
+            "/update_weights_from_distributed", await self._post("/update_weights_from_distributed", body)
+        )
 
-    async def update_weights_from_tensor(self, serialized_named_tensors: Sequence[bytes],
-                                         load_format: str | None = None, flush_cache: bool = True,
-                                         abort_all_requests: bool = False,
-                                         weight_version: str | None = None) -> dict:
+    async def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[bytes],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+    ) -> dict:
         """One update; call it inside `weight_update_session()` (SGLang refuses it outside a session)."""
-        body = payloads.update_tensor_body(serialized_named_tensors, load_format, flush_cache, abort_all_requests,
-                                           weight_version)
+        body = payloads.update_tensor_body(
+            serialized_named_tensors, load_format, flush_cache, abort_all_requests, weight_version
+        )
         return _check_success("/update_weights_from_tensor", await self._post("/update_weights_from_tensor", body))
 
     async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:

@@ -53,40 +53,88 @@ class SGLangServerArgs:
     def from_config(cls, cfg, model_path: str, port: int, **overrides) -> "SGLangServerArgs":
         """From a resolved run config (`cfg.rollout`: server_tp, mem_fraction_static, host, api_key, extra_args)."""
         r = cfg.rollout
-        kw = dict(model_path=model_path, port=port, host=r.host, tp_size=r.server_tp,
-                  mem_fraction_static=r.mem_fraction_static, api_key=r.api_key, extra_args=list(r.extra_args),
-                  enable_deterministic_inference=r.deterministic_inference)
+        kw = dict(
+            model_path=model_path,
+            port=port,
+            host=r.host,
+            tp_size=r.server_tp,
+            mem_fraction_static=r.mem_fraction_static,
+            api_key=r.api_key,
+            extra_args=list(r.extra_args),
+            enable_deterministic_inference=r.deterministic_inference,
+        )
         kw.update(overrides)
         return cls(**kw)
 
 
 def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list[str]:
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", str(args.model_path),
-           "--host", args.host, "--port", str(args.port), "--tp-size", str(args.tp_size)]
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(args.model_path),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--tp-size",
+        str(args.tp_size),
+    ]
     optional = {
-        "--mem-fraction-static": args.mem_fraction_static, "--api-key": args.api_key, "--dtype": args.dtype,
-        "--served-model-name": args.served_model_name, "--weight-version": args.weight_version,
-        "--random-seed": args.random_seed, "--context-length": args.context_length,
-        "--base-gpu-id": args.base_gpu_id, "--log-level": args.log_level,
+        "--mem-fraction-static": args.mem_fraction_static,
+        "--api-key": args.api_key,
+        "--dtype": args.dtype,
+        "--served-model-name": args.served_model_name,
+        "--weight-version": args.weight_version,
+        "--random-seed": args.random_seed,
+        "--context-length": args.context_length,
+        "--base-gpu-id": args.base_gpu_id,
+        "--log-level": args.log_level,
     }
     for flag, value in optional.items():
         if value is not None:
             cmd += [flag, str(value)]
-    for flag, on in {"--enable-memory-saver": args.enable_memory_saver,
-                     "--enable-deterministic-inference": args.enable_deterministic_inference,
-                     "--trust-remote-code": args.trust_remote_code,
-                     "--skip-tokenizer-init": args.skip_tokenizer_init}.items():
+    for flag, on in {
+        "--enable-memory-saver": args.enable_memory_saver,
+        "--enable-deterministic-inference": args.enable_deterministic_inference,
+        "--trust-remote-code": args.trust_remote_code,
+        "--skip-tokenizer-init": args.skip_tokenizer_init,
+    }.items():
         if on:
             cmd.append(flag)
     return cmd + list(args.extra_args)
 
 
-def embedded_command(model_dir: str, port: int, host: str = LOOPBACK, api_key: str | None = None,
-                     device: str = "auto", seed: int = 0, threads: int | None = 1,
-                     deterministic_inference: bool = False, batching: str = "static",
-                     extra_args: list[str] | None = None, python: str = sys.executable) -> list[str]:
-    cmd = [python, "-m", "megatron_dapo.cli", "serve", "--model", str(model_dir), "--host", host,
-           "--port", str(port), "--device", device, "--seed", str(seed)]
+def embedded_command(
+    model_dir: str,
+    port: int,
+    host: str = LOOPBACK,
+    api_key: str | None = None,
+    device: str = "auto",
+    seed: int = 0,
+    threads: int | None = 1,
+    deterministic_inference: bool = False,
+    batching: str = "static",
+    extra_args: list[str] | None = None,
+    python: str = sys.executable,
+) -> list[str]:
+    cmd = [
+        python,
+        "-m",
+        "megatron_dapo.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--device",
+        device,
+        "--seed",
+        str(seed),
+    ]
     if threads:
         cmd += ["--threads", str(threads)]
     if deterministic_inference:
@@ -99,8 +147,15 @@ def embedded_command(model_dir: str, port: int, host: str = LOOPBACK, api_key: s
 class ServerProcess:
     """One server process: start, wait for /health, log to a file, stop cleanly."""
 
-    def __init__(self, cmd: list[str], port: int, host: str = LOOPBACK, log_path: str | Path | None = None,
-                 env: dict | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        cmd: list[str],
+        port: int,
+        host: str = LOOPBACK,
+        log_path: str | Path | None = None,
+        env: dict | None = None,
+        api_key: str | None = None,
+    ):
         self.cmd, self.port, self.host = cmd, port, host
         self.log_path = Path(log_path) if log_path else Path(f"rollout_server_{port}.log")
         self.env = env
@@ -116,8 +171,9 @@ class ServerProcess:
         env = dict(os.environ)
         env.update(self.env or {})
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
         if wait:
             self.wait_healthy(timeout_s)
         return self
@@ -127,8 +183,10 @@ class ServerProcess:
         no_proxy = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback never via a proxy
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server on port {self.port} exited with {self.proc.returncode} during "
-                                   f"start-up; log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"server on port {self.port} exited with {self.proc.returncode} during "
+                    f"start-up; log {self.log_path}:\n{self.log_tail()}"
+                )
             try:
                 with no_proxy.open(f"{self.url}/health", timeout=2.0) as resp:
                     if resp.status == 200:
@@ -137,8 +195,10 @@ class ServerProcess:
                 pass
             if time.monotonic() > deadline:
                 self.stop()
-                raise TimeoutError(f"server on port {self.port} not healthy after {timeout_s}s; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise TimeoutError(
+                    f"server on port {self.port} not healthy after {timeout_s}s; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             time.sleep(0.2)
 
     def move_to_port(self, port: int) -> None:
@@ -179,18 +239,21 @@ class ServerProcess:
         self.stop()
 
 
-def launch_sglang(args: SGLangServerArgs, log_path: str | Path, timeout_s: float = 1200.0,
-                  env: dict | None = None) -> ServerProcess:
+def launch_sglang(
+    args: SGLangServerArgs, log_path: str | Path, timeout_s: float = 1200.0, env: dict | None = None
+) -> ServerProcess:
     """Start an SGLang server; needs the `sglang` package (GPU machines: pip install megatron-dapo[gpu])."""
 
     if importlib.util.find_spec("sglang") is None:
-        raise ImportError("SGLang is not installed: `pip install sglang==0.5.23` (GPU only), "
-                          "or set rollout.engine: embedded")
+        raise ImportError(
+            "SGLang is not installed: `pip install sglang==0.5.23` (GPU only), or set rollout.engine: embedded"
+        )
     return ServerProcess(sglang_command(args), args.port, args.host, log_path, env, args.api_key).start(timeout_s)
 
 
-def embedded_server(model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None,
-                    **kw) -> ServerProcess:
+def embedded_server(
+    model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None, **kw
+) -> ServerProcess:
     """An embedded SGLang-compatible server process (not started) on a free loopback port by default."""
     port = port or free_port()
     env = {"OMP_NUM_THREADS": str(kw.get("threads") or 1), "TOKENIZERS_PARALLELISM": "false"}
@@ -199,17 +262,26 @@ def embedded_server(model_dir: str, log_path: str | Path, port: int | None = Non
     return ServerProcess(embedded_command(model_dir, port, **kw), port, LOOPBACK, log_path, env, api_key)
 
 
-def launch_embedded(model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None,
-                    timeout_s: float = 300.0, **kw) -> ServerProcess:
+def launch_embedded(
+    model_dir: str,
+    log_path: str | Path,
+    port: int | None = None,
+    api_key: str | None = None,
+    timeout_s: float = 300.0,
+    **kw,
+) -> ServerProcess:
     """Start one embedded server and wait until it is healthy."""
     return embedded_server(model_dir, log_path, port, api_key, **kw).start(timeout_s)
 
 
-def launch_embedded_servers(model_dir: str, count: int, log_dir: str | Path, api_key: str | None = None,
-                            timeout_s: float = 300.0, **kw) -> list[ServerProcess]:
+def launch_embedded_servers(
+    model_dir: str, count: int, log_dir: str | Path, api_key: str | None = None, timeout_s: float = 300.0, **kw
+) -> list[ServerProcess]:
     """Start `count` embedded servers at once (their start-ups overlap); all healthy, or all stopped."""
-    servers = [embedded_server(model_dir, Path(log_dir) / f"server_{i}.log", api_key=api_key, seed=i, **kw)
-               for i in range(count)]
+    servers = [
+        embedded_server(model_dir, Path(log_dir) / f"server_{i}.log", api_key=api_key, seed=i, **kw)
+        for i in range(count)
+    ]
     start_servers(servers, timeout_s)
     return servers
 

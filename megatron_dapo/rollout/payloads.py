@@ -40,9 +40,11 @@ def generate_body(
 
 def fixed_length_body(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> dict:
     """A batch of prompts, each generating exactly `max_new_tokens` tokens (EOS ignored): for timing."""
-    return {"input_ids": [[int(t) for t in p] for p in prompts],
-            "sampling_params": {"max_new_tokens": int(max_new_tokens), "ignore_eos": True, "temperature": 1.0},
-            "return_logprob": False}
+    return {
+        "input_ids": [[int(t) for t in p] for p in prompts],
+        "sampling_params": {"max_new_tokens": int(max_new_tokens), "ignore_eos": True, "temperature": 1.0},
+        "return_logprob": False,
+    }
 
 
 def abort_body(rid: str | None = None, abort_all: bool = False) -> dict:
@@ -64,8 +66,12 @@ def memory_body(tags: Sequence[str] | None = None) -> dict:
 
 
 def init_group_body(
-    master_address: str, master_port: int, rank_offset: int, world_size: int,
-    group_name: str = DEFAULT_GROUP, backend: str = "nccl",
+    master_address: str,
+    master_port: int,
+    rank_offset: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP,
+    backend: str = "nccl",
 ) -> dict:
     return {
         "master_address": master_address,
@@ -92,9 +98,14 @@ def destroy_group_body(group_name: str = DEFAULT_GROUP) -> dict:
 
 
 def update_distributed_body(
-    names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]],
-    group_name: str = DEFAULT_GROUP, flush_cache: bool = True, abort_all_requests: bool = False,
-    weight_version: str | None = None, load_format: str | None = None,
+    names: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    group_name: str = DEFAULT_GROUP,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+    weight_version: str | None = None,
+    load_format: str | None = None,
 ) -> dict:
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError(f"names/dtypes/shapes lengths differ: {len(names)}/{len(dtypes)}/{len(shapes)}")
@@ -114,8 +125,11 @@ def update_distributed_body(
 
 
 def update_tensor_body(
-    serialized_named_tensors: Sequence[bytes], load_format: str | None = None, flush_cache: bool = True,
-    abort_all_requests: bool = False, weight_version: str | None = None,
+    serialized_named_tensors: Sequence[bytes],
+    load_format: str | None = None,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+    weight_version: str | None = None,
 ) -> dict:
     # SGLang's HTTP schema takes the bytes base64-encoded (JSON has no bytes type).
     body = {
@@ -155,7 +169,9 @@ def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "")
         meta = item["meta_info"]
         output_ids = [int(t) for t in item["output_ids"]]
     except (KeyError, TypeError) as e:
-        raise ValueError(f"/generate answer lacks {e} (keys: {sorted(item) if isinstance(item, dict) else item!r})") from None
+        raise ValueError(
+            f"/generate answer lacks {e} (keys: {sorted(item) if isinstance(item, dict) else item!r})"
+        ) from None
     kind, matched, message = parse_finish_reason(meta.get("finish_reason"))
     triples = meta.get("output_token_logprobs") or []
     if triples and len(triples) != len(output_ids):
@@ -163,7 +179,9 @@ def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "")
     for (_, tok, *_), out_tok in zip(triples, output_ids):
         if int(tok) != out_tok:
             raise ValueError(f"/generate answer: logprob token {tok} != output token {out_tok}")
-    spans = [WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []]
+    spans = [
+        WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in meta.get("weight_versions") or []
+    ]
     return Sample(
         rid=str(meta.get("id", "")),
         prompt_ids=list(prompt_ids),
@@ -200,9 +218,15 @@ def parse_input_logprobs(answer) -> list[float]:
     return [float(t[0]) for t in triples if t[0] is not None]
 
 
-LOAD_FIELDS = {"running": "num_running_reqs", "waiting": "num_waiting_reqs", "kv_tokens": "num_used_tokens",
-               "kv_capacity": "max_total_num_tokens", "throughput": "gen_throughput", "token_usage": "token_usage",
-               "max_running_requests": "max_running_requests"}
+LOAD_FIELDS = {
+    "running": "num_running_reqs",
+    "waiting": "num_waiting_reqs",
+    "kv_tokens": "num_used_tokens",
+    "kv_capacity": "max_total_num_tokens",
+    "throughput": "gen_throughput",
+    "token_usage": "token_usage",
+    "max_running_requests": "max_running_requests",
+}
 
 
 def parse_loads(answer, server: str = "") -> ServerLoad:
@@ -220,5 +244,8 @@ def parse_loads(answer, server: str = "") -> ServerLoad:
     moments = row.get("decode_moments")
     if moments is not None and (not isinstance(moments, list) or len(moments) != 6):
         raise ValueError(f"{server}/v1/loads: loads[0].decode_moments must be a list of 6 sums, got {moments!r}")
-    return ServerLoad(**values, decode_moments=tuple(map(float, moments)) if moments else None,
-                      timestamp=float(row.get("timestamp") or 0.0))
+    return ServerLoad(
+        **values,
+        decode_moments=tuple(map(float, moments)) if moments else None,
+        timestamp=float(row.get("timestamp") or 0.0),
+    )

@@ -31,7 +31,7 @@ class FlatLayout:
         out = []
         for name, dt, shape, off in zip(self.names, self.dtypes, self.shapes, self.offsets):
             size = math.prod(shape) * dt.itemsize
-            out.append((name, flat[off:off + size].view(dt).reshape(shape)))
+            out.append((name, flat[off : off + size].view(dt).reshape(shape)))
         return out
 
 
@@ -78,8 +78,9 @@ class Bucket:
         return out
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int,
-                 aligned: bool = False) -> Iterator[Bucket]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, aligned: bool = False
+) -> Iterator[Bucket]:
     """Consecutive tensors, at most `bucket_bytes` per bucket (a bigger tensor gets a bucket alone).
 
     aligned=True also closes a bucket before a tensor whose flat offset would be misaligned.

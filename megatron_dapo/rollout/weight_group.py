@@ -43,13 +43,20 @@ def init_weight_update_group(
     # What `rendezvous("tcp://...")` builds outside torchelastic: rank 0 hosts the store. Built by hand
     # because under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make every rank a client
     # of a store nobody hosts.
-    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=connect_timeout,
-                          multi_tenant=True)
+    store = dist.TCPStore(
+        master_address, int(master_port), world_size, is_master=rank == 0, timeout=connect_timeout, multi_tenant=True
+    )
     store = dist.PrefixStore(group_name, store)
     # The private helper is what both SGLang and torch's own new_group use to build a group from a
     # store; the public API would insist on the default group spanning these ranks.
     pg, _ = c10d._new_process_group_helper(
-        world_size, rank, [], c10d.Backend(backend), store, group_name=group_name, timeout=timeout,
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        store,
+        group_name=group_name,
+        timeout=timeout,
     )
     c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg

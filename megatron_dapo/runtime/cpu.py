@@ -241,7 +241,9 @@ def _patch_sequence_parallel_collectives() -> None:
         if world == 1:
             return input_
         if input_split_sizes is None:
-            assert input_.shape[0] % world == 0, "First dimension of the tensor should be divisible by tensor parallel size"
+            assert input_.shape[0] % world == 0, (
+                "First dimension of the tensor should be divisible by tensor parallel size"
+            )
             input_split_sizes = [input_.shape[0] // world] * world
         total = input_.contiguous().clone()
         dist.all_reduce(total, group=group)

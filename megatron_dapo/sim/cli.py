@@ -32,8 +32,20 @@ from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
 # `section.field` for single fields); everything else (model, cluster, batch, staleness) stays the
 # simulated config's. One definition of "advanced": the advanced launchers' own config.
 ADVANCED_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "advanced_qwen3_8b.yaml"
-ADVANCED_KEYS = ("concurrency", "partial_rollout", "sync.policy", "sync.indicator", "sync.threshold",
-                 "sync.check_req_before_sync", "routing", "queue", "migration", "retry", "redundancy", "loads")
+ADVANCED_KEYS = (
+    "concurrency",
+    "partial_rollout",
+    "sync.policy",
+    "sync.indicator",
+    "sync.threshold",
+    "sync.check_req_before_sync",
+    "routing",
+    "queue",
+    "migration",
+    "retry",
+    "redundancy",
+    "loads",
+)
 PLAIN = ["rollout.sync.policy=all_at_once"]
 
 
@@ -78,23 +90,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the engines' KV pool (80)")
     p.add_argument("--cost-model", help="engine cost model JSON (profile-engine); default PSRL's 7B fit")
     p.add_argument("--max-running", type=int, default=1024, help="max running requests per engine (1024)")
-    p.add_argument("--engine-admission", choices=["sglang", "greedy"], default="sglang",
-                   help="engines' KV budget for admitting: SGLang's (input + a decaying share of every "
-                        "running request's remaining output) or greedy (the input only)")
+    p.add_argument(
+        "--engine-admission",
+        choices=["sglang", "greedy"],
+        default="sglang",
+        help="engines' KV budget for admitting: SGLang's (input + a decaying share of every "
+        "running request's remaining output) or greedy (the input only)",
+    )
     p.add_argument("--step-time", type=float, help="trainer seconds per step; default: plan's FLOPs estimate")
-    p.add_argument("--gpu-tflops", type=float, default=H100_BF16_TFLOPS,
-                   help=f"peak bf16 TFLOP/s per trainer GPU ({H100_BF16_TFLOPS:g}, H100)")
+    p.add_argument(
+        "--gpu-tflops",
+        type=float,
+        default=H100_BF16_TFLOPS,
+        help=f"peak bf16 TFLOP/s per trainer GPU ({H100_BF16_TFLOPS:g}, H100)",
+    )
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"trainer model FLOPs utilisation ({DEFAULT_MFU})")
     p.add_argument("--sync-s", type=float, default=5.0, help="seconds of one weight sync (5)")
     p.add_argument("--lengths", default="dapo", help="dapo | a run's metrics.jsonl | JSON with `lengths`")
     p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (256)")
     p.add_argument("--keep-prob", type=float, default=0.5, help="dynamic sampling: share of groups kept (0.5)")
     p.add_argument("--staleness", default="0,1,2,3", help="comma list (0,1,2,3)")
-    p.add_argument("--modes", default="sync,async,advanced",
-                   help="comma list of sync, async, advanced, ceiling (async with a free trainer and syncs)")
-    p.add_argument("--advanced-config", default=str(ADVANCED_CONFIG),
-                   help="YAML whose rollout-coordination switches `advanced` uses "
-                        "(configs/qwen3/advanced_qwen3_8b.yaml)")
+    p.add_argument(
+        "--modes",
+        default="sync,async,advanced",
+        help="comma list of sync, async, advanced, ceiling (async with a free trainer and syncs)",
+    )
+    p.add_argument(
+        "--advanced-config",
+        default=str(ADVANCED_CONFIG),
+        help="YAML whose rollout-coordination switches `advanced` uses (configs/qwen3/advanced_qwen3_8b.yaml)",
+    )
     p.add_argument("--steps", type=int, default=6, help="measured steps (6)")
     p.add_argument("--warmup-steps", type=int, default=2, help="steps before measuring (2)")
     p.add_argument("--token-unit", type=int, default=0, help="tokens per simulated id (0: max_response_length / 1024)")
@@ -117,10 +142,21 @@ def build_world(cfg, args):
         speed = trainer_speed(cfg, model_shape(cfg), mean_seq, args.gpu_tflops, args.mfu)
         train_s = speed.step_s
     unit = args.token_unit or max(1, max_len // 1024)
-    world = World(cost=cost, kv_capacity=kv_tokens_per_engine(cfg, args.gpu_mem_gib), max_running=args.max_running,
-                  train_s=train_s, sync_s=args.sync_s, keep_prob=args.keep_prob, lengths=lengths,
-                  prompt_len=args.prompt_len, token_unit=unit, steps=args.steps, warmup_steps=args.warmup_steps,
-                  seed=args.seed, admission=KVAdmission() if args.engine_admission == "sglang" else None)
+    world = World(
+        cost=cost,
+        kv_capacity=kv_tokens_per_engine(cfg, args.gpu_mem_gib),
+        max_running=args.max_running,
+        train_s=train_s,
+        sync_s=args.sync_s,
+        keep_prob=args.keep_prob,
+        lengths=lengths,
+        prompt_len=args.prompt_len,
+        token_unit=unit,
+        steps=args.steps,
+        warmup_steps=args.warmup_steps,
+        seed=args.seed,
+        admission=KVAdmission() if args.engine_admission == "sglang" else None,
+    )
     return world, speed
 
 
@@ -158,14 +194,35 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
     staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
     cfg0 = load_config(config, base, validate=False)
     world, speed = build_world(cfg0, args)
-    print(f"simulate {config}: {cfg0.rollout.num_servers} engines x tp {cfg0.rollout.server_tp}, KV pool "
-          f"{world.kv_capacity} tokens each; {cfg0.algo.train_batch_size} prompts x {cfg0.rollout.n_resp_per_prompt} "
-          f"per step; {world.lengths.describe()}; keep {world.keep_prob}; trainer "
-          + (f"{args.step_time} s/step" if speed is None else
-             f"{speed.gpus} GPUs at {args.mfu:.0%} of {args.gpu_tflops:.0f} TFLOP/s")
-          + f"; sync {world.sync_s} s; {world.warmup_steps}+{world.steps} steps", file=out)
-    header = ("mode", "stale", "tokens/s", "x sync", "step s", "rollout busy", "trainer busy", "mean stale",
-              "migrations", "aborted tok", "regen tok", "decoded tok/s", "decode batch", "refusals", "retractions")
+    print(
+        f"simulate {config}: {cfg0.rollout.num_servers} engines x tp {cfg0.rollout.server_tp}, KV pool "
+        f"{world.kv_capacity} tokens each; {cfg0.algo.train_batch_size} prompts x {cfg0.rollout.n_resp_per_prompt} "
+        f"per step; {world.lengths.describe()}; keep {world.keep_prob}; trainer "
+        + (
+            f"{args.step_time} s/step"
+            if speed is None
+            else f"{speed.gpus} GPUs at {args.mfu:.0%} of {args.gpu_tflops:.0f} TFLOP/s"
+        )
+        + f"; sync {world.sync_s} s; {world.warmup_steps}+{world.steps} steps",
+        file=out,
+    )
+    header = (
+        "mode",
+        "stale",
+        "tokens/s",
+        "x sync",
+        "step s",
+        "rollout busy",
+        "trainer busy",
+        "mean stale",
+        "migrations",
+        "aborted tok",
+        "regen tok",
+        "decoded tok/s",
+        "decode batch",
+        "refusals",
+        "retractions",
+    )
     print(" | ".join(header), file=out)
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
@@ -177,15 +234,25 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
         row = {"mode": mode, "staleness": s, **r.summary()}
         rows.append(row)
         ratio = f"{r.tokens_per_s / sync_tps:.2f}" if sync_tps else "-"
-        print(f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "
-              f"{r.trainer_busy:.2f} | {r.mean_staleness:.2f} | {r.migrations} | {r.aborted_tokens} | "
-              f"{r.regenerated_tokens} | {r.generated_per_s:.0f} | {r.mean_decode_batch:.1f} | {r.refusals} | "
-              f"{r.retractions}",
-              file=out, flush=True)
+        print(
+            f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "
+            f"{r.trainer_busy:.2f} | {r.mean_staleness:.2f} | {r.migrations} | {r.aborted_tokens} | "
+            f"{r.regenerated_tokens} | {r.generated_per_s:.0f} | {r.mean_decode_batch:.1f} | {r.refusals} | "
+            f"{r.retractions}",
+            file=out,
+            flush=True,
+        )
     ceiling = next((r["tokens_per_s"] for r in rows if r["mode"] == "ceiling"), None)
     if ceiling:
-        print("of the ceiling: " + ", ".join(f"{r['mode']}@{r['staleness']} {r['tokens_per_s'] / ceiling:.2f}"
-                                             for r in rows if r["mode"] != "ceiling"), file=out)
+        print(
+            "of the ceiling: "
+            + ", ".join(
+                f"{r['mode']}@{r['staleness']} {r['tokens_per_s'] / ceiling:.2f}"
+                for r in rows
+                if r["mode"] != "ceiling"
+            ),
+            file=out,
+        )
     return rows
 
 

@@ -22,8 +22,7 @@ from megatron_dapo.sim.engine import EngineResult, SimEngine
 
 
 class SimClient:
-    def __init__(self, url: str, engine: SimEngine, lengths, max_new_tokens: int, token_unit: int = 1,
-                 seed: int = 0):
+    def __init__(self, url: str, engine: SimEngine, lengths, max_new_tokens: int, token_unit: int = 1, seed: int = 0):
         self.base_url, self.engine, self.lengths = url.rstrip("/"), engine, lengths
         self.max_units = max_new_tokens  # in ids (units), as the producer's SamplingParams say
         self.unit = token_unit
@@ -41,8 +40,13 @@ class SimClient:
         remaining = max(0, units - before)
         return min(remaining, sp.max_new_tokens), units >= self.max_units or remaining >= sp.max_new_tokens
 
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                       rid: str | None = None, return_logprob: bool = True) -> list[Sample]:
+    async def generate(
+        self,
+        input_ids: Sequence[int],
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+        rid: str | None = None,
+        return_logprob: bool = True,
+    ) -> list[Sample]:
         sampling = sampling or SamplingParams()
         rid = rid or uuid.uuid4().hex
         params = [sampling] * sampling.n if isinstance(sampling, SamplingParams) else list(sampling)
@@ -51,23 +55,37 @@ class SimClient:
         for i, sp in enumerate(params):
             units, at_max = self._target_units(prompt_key, sp)
             cut.append(at_max)
-            futures.append(self.engine.submit(f"{rid}-{i}", len(input_ids) * self.unit, units * self.unit,
-                                              max_new=sp.max_new_tokens * self.unit))
+            futures.append(
+                self.engine.submit(
+                    f"{rid}-{i}", len(input_ids) * self.unit, units * self.unit, max_new=sp.max_new_tokens * self.unit
+                )
+            )
         results: list[EngineResult] = await asyncio.gather(*futures)
-        return [self._sample(f"{rid}-{i}" if len(params) > 1 else rid, input_ids, r, at_max, i)
-                for i, (r, at_max) in enumerate(zip(results, cut))]
+        return [
+            self._sample(f"{rid}-{i}" if len(params) > 1 else rid, input_ids, r, at_max, i)
+            for i, (r, at_max) in enumerate(zip(results, cut))
+        ]
 
     def _sample(self, rid: str, input_ids, r: EngineResult, at_max: bool, index: int) -> Sample:
         units = r.generated // self.unit
-        spans = [WeightVersionSpan(str(v), start // self.unit, end // self.unit)
-                 for (start, v), (end, _) in zip(r.versions, r.versions[1:] + [(r.generated, None)])]
+        spans = [
+            WeightVersionSpan(str(v), start // self.unit, end // self.unit)
+            for (start, v), (end, _) in zip(r.versions, r.versions[1:] + [(r.generated, None)])
+        ]
         spans = [s for s in spans if s.end > s.start]
         versions = {s.version for s in spans}
         version = spans[-1].version if spans else str(self.engine.version)
-        return Sample(rid=rid, prompt_ids=list(input_ids), output_ids=[1] * units, logprobs=[0.0] * units,
-                      finish_reason="abort" if r.aborted else "length" if at_max else "stop",
-                      weight_version=version, weight_versions=spans if len(versions) > 1 else [],
-                      index=index, server=self.base_url)
+        return Sample(
+            rid=rid,
+            prompt_ids=list(input_ids),
+            output_ids=[1] * units,
+            logprobs=[0.0] * units,
+            finish_reason="abort" if r.aborted else "length" if at_max else "stop",
+            weight_version=version,
+            weight_versions=spans if len(versions) > 1 else [],
+            index=index,
+            server=self.base_url,
+        )
 
     # ---- control (as SGLangClient) -------------------------------------------------------------
     async def health(self, timeout_s: float = 5.0) -> bool:

@@ -92,8 +92,15 @@ class EngineStats:
 
 
 class SimEngine:
-    def __init__(self, cost: CostModel, kv_capacity: int, max_running: int, version: int = 0,
-                 loop: asyncio.AbstractEventLoop | None = None, admission: KVAdmission | None = None):
+    def __init__(
+        self,
+        cost: CostModel,
+        kv_capacity: int,
+        max_running: int,
+        version: int = 0,
+        loop: asyncio.AbstractEventLoop | None = None,
+        admission: KVAdmission | None = None,
+    ):
         if kv_capacity < 1 or max_running < 1:
             raise ValueError(f"engine: kv_capacity ({kv_capacity}) and max_running ({max_running}) must be >= 1")
         self.cost, self.kv_capacity, self.max_running = cost, kv_capacity, max_running
@@ -136,9 +143,16 @@ class SimEngine:
         """Its load report, as SGLang's /v1/loads gives it (what sync policies and routing read)."""
         self.catch_up()
         kv = self.kv_tokens()
-        return ServerLoad(running=self.n, waiting=len(self.waiting), kv_tokens=kv, kv_capacity=self.kv_capacity,
-                          throughput=0.0 if self.paused else self.throughput(), token_usage=kv / self.kv_capacity,
-                          max_running_requests=self.max_running, timestamp=self.loop.time())
+        return ServerLoad(
+            running=self.n,
+            waiting=len(self.waiting),
+            kv_tokens=kv,
+            kv_capacity=self.kv_capacity,
+            throughput=0.0 if self.paused else self.throughput(),
+            token_usage=kv / self.kv_capacity,
+            max_running_requests=self.max_running,
+            timestamp=self.loop.time(),
+        )
 
     # ---- the step clock ------------------------------------------------------------------------
     def steps_time(self, j: int) -> float:
@@ -223,8 +237,10 @@ class SimEngine:
             if self.kv_tokens() + self.n <= self.kv_capacity:
                 break
             if self.n == 1:
-                raise RuntimeError(f"engine: request {req.rid} needs more KV ({self.kv_tokens() + 1} tokens) "
-                                   f"than the pool holds ({self.kv_capacity})")
+                raise RuntimeError(
+                    f"engine: request {req.rid} needs more KV ({self.kv_tokens() + 1} tokens) "
+                    f"than the pool holds ({self.kv_capacity})"
+                )
             self._remove(req)
             self.stats.retractions += 1
             self.waiting.appendleft(req)
@@ -235,6 +251,7 @@ class SimEngine:
 
     def _answer(self, req: EngineRequest, result: EngineResult) -> None:
         """Resolve at the boundary's time: a change caught up mid-step lands when that step ends."""
+
         def deliver():
             if not req.future.done():
                 req.future.set_result(result)
@@ -276,8 +293,7 @@ class SimEngine:
                 self._held_linear += 1
                 self._held_linear_c += self._clip_free_step(req)
                 req.held = HELD_LINEAR
-        return (self.admission.clip_new_tokens * self._held_clipped + self._held_linear_c
-                - self.step * self._held_linear)
+        return self.admission.clip_new_tokens * self._held_clipped + self._held_linear_c - self.step * self._held_linear
 
     def _clip_free_step(self, req: EngineRequest) -> int:
         """c: the step at which a running request's max_new_tokens would run out."""

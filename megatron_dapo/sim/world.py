@@ -104,8 +104,10 @@ async def _run(cfg, world: World) -> SimResult:
     engine_cls = ENGINES.get(world.batching)
     if engine_cls is None:
         raise ValueError(f"simulate: batching must be one of {sorted(ENGINES)}, got {world.batching!r}")
-    engines = {u: engine_cls(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop,
-                         admission=world.admission) for u in urls}
+    engines = {
+        u: engine_cls(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop, admission=world.admission)
+        for u in urls
+    }
     max_units = math.ceil(cfg.data.max_response_length / world.token_unit)
     if (cfg.rollout.sampling.max_new_tokens or cfg.data.max_response_length) != cfg.data.max_response_length:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
@@ -119,8 +121,16 @@ async def _run(cfg, world: World) -> SimResult:
 
     registry = ServerRegistry(urls, version=0, clock=loop.time)
     dataset = SimPrompts(world.prompts, world.prompt_len, world.token_unit)
-    producer = build_producer(cfg, urls, dataset, None, registry, client_factory=client, clock=loop.time,
-                               cost_model=world.router_cost or world.cost)  # throughput_optimal's model
+    producer = build_producer(
+        cfg,
+        urls,
+        dataset,
+        None,
+        registry,
+        client_factory=client,
+        clock=loop.time,
+        cost_model=world.router_cost or world.cost,
+    )  # throughput_optimal's model
     producer.rewards = SimReward(world.keep_prob, world.seed)
     changed = asyncio.Event()
     producer.add_listener(lambda: loop.call_soon(changed.set))
@@ -155,8 +165,15 @@ async def _run(cfg, world: World) -> SimResult:
 class SimTrainer:
     """The training loop's timeline: take the batch, train, sync; the per-server sync loop."""
 
-    def __init__(self, cfg, world: World, producer, registry: ServerRegistry, engines: dict[str, SimEngine],
-                 changed: asyncio.Event):
+    def __init__(
+        self,
+        cfg,
+        world: World,
+        producer,
+        registry: ServerRegistry,
+        engines: dict[str, SimEngine],
+        changed: asyncio.Event,
+    ):
         self.cfg, self.world, self.producer, self.registry = cfg, world, producer, registry
         self.engines, self.changed = engines, changed
         self.loop = asyncio.get_running_loop()
@@ -196,8 +213,9 @@ class SimTrainer:
             for e in self.engines.values():
                 e.catch_up()  # decode time up to now is counted
             self.engine_busy.append(sum(e.stats.busy_s for e in self.engines.values()))
-            self.engine_work.append((sum(e.stats.tokens for e in self.engines.values()),
-                                     sum(e.stats.steps for e in self.engines.values())))
+            self.engine_work.append(
+                (sum(e.stats.tokens for e in self.engines.values()), sum(e.stats.steps for e in self.engines.values()))
+            )
 
     async def _sync_all(self, version: int) -> None:
         """all_at_once, as the loop does it inline: pause every server, load, continue, publish."""
@@ -231,8 +249,12 @@ class SimTrainer:
                 for s in statuses:
                     if s.version < self.stored and not s.syncing:
                         row = self.engines[s.url].load()
-                        s.running, s.waiting, s.throughput, s.kv_cache = (row.running, row.waiting, row.throughput,
-                                                                          row.token_usage)
+                        s.running, s.waiting, s.throughput, s.kv_cache = (
+                            row.running,
+                            row.waiting,
+                            row.throughput,
+                            row.token_usage,
+                        )
             for url in policy.choose(statuses, self.stored):
                 self.registry.begin_sync(url)
                 task = asyncio.get_running_loop().create_task(self._sync_one(url, self.stored))
@@ -270,10 +292,13 @@ class SimTrainer:
             staleness.update(info.staleness)
         n = max(1, sum(staleness.values()))
         return SimResult(
-            steps=len(measured), wall_s=wall, tokens_per_s=tokens / wall if wall > 0 else 0.0,
+            steps=len(measured),
+            wall_s=wall,
+            tokens_per_s=tokens / wall if wall > 0 else 0.0,
             rollout_busy=(self.engine_busy[-1] - busy0) / (wall * len(engines)) if wall > 0 else 0.0,
             trainer_busy=sum(self.train_busy[warmup:]) / wall if wall > 0 else 0.0,
-            mean_staleness=sum(k * v for k, v in staleness.items()) / n, max_staleness=max(staleness, default=0),
+            mean_staleness=sum(k * v for k, v in staleness.items()) / n,
+            max_staleness=max(staleness, default=0),
             step_s=wall / max(1, len(measured)),
             aborted_tokens=sum(e.stats.aborted_tokens for e in engines),
             regenerated_tokens=sum(info.tokens_regenerated for info, _ in self.batches) * self.world.token_unit,
@@ -282,5 +307,6 @@ class SimTrainer:
             generated_per_s=gen_tokens / wall if wall > 0 else 0.0,
             mean_decode_batch=gen_tokens / gen_steps if gen_steps else 0.0,
             refusals=sum(info.coordination.get("routing_refusals", 0) for info, _ in measured),
-            batches=[info for info, _ in self.batches], step_ends=list(self.step_ends),
+            batches=[info for info, _ in self.batches],
+            step_ends=list(self.step_ends),
         )

@@ -85,8 +85,12 @@ class SyncStats:
         return self.nbytes / max(self.seconds, 1e-9) / 1e9
 
     def as_metrics(self, prefix: str = "sync/") -> dict[str, float]:
-        m = {f"{prefix}seconds": self.seconds, f"{prefix}gbps": self.gbps, f"{prefix}bytes": float(self.nbytes),
-             f"{prefix}buckets": float(self.num_buckets)}
+        m = {
+            f"{prefix}seconds": self.seconds,
+            f"{prefix}gbps": self.gbps,
+            f"{prefix}bytes": float(self.nbytes),
+            f"{prefix}buckets": float(self.num_buckets),
+        }
         if self.max_logprob_diff is not None:
             m[f"{prefix}max_logprob_diff"] = self.max_logprob_diff
         return m
@@ -157,7 +161,9 @@ class WeightSyncBridge:
         self.pause_mode = pause_mode
         self.group_name = group_name
         self.backend = backend or wgroup.default_backend()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
         self.master_address, self.master_port = master_address, master_port
         self.timeout_s = timeout_s
         self.api_key = api_key
@@ -182,21 +188,29 @@ class WeightSyncBridge:
         offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
 
         async def ask_all():
-            return await asyncio.gather(*(
-                c.init_weights_update_group(self.master_address, port, off, self.world_size, self.group_name,
-                                            self.backend)
-                for c, off in zip(self.clients, offsets)))
+            return await asyncio.gather(
+                *(
+                    c.init_weights_update_group(
+                        self.master_address, port, off, self.world_size, self.group_name, self.backend
+                    )
+                    for c, off in zip(self.clients, offsets)
+                )
+            )
 
         answers = self._loop.submit(ask_all())
         try:
-            self.pg = wgroup.init_weight_update_group(self.master_address, port, 0, self.world_size,
-                                                      self.group_name, self.backend, self.timeout_s)
+            self.pg = wgroup.init_weight_update_group(
+                self.master_address, port, 0, self.world_size, self.group_name, self.backend, self.timeout_s
+            )
         except Exception as e:
-            raise WeightSyncError(f"weight-update group at {self.master_address}:{port} did not form: {e}; "
-                                  f"servers: {self._drain(answers)}") from e
+            raise WeightSyncError(
+                f"weight-update group at {self.master_address}:{port} did not form: {e}; "
+                f"servers: {self._drain(answers)}"
+            ) from e
         answers.result(self.timeout_s)
-        log.info("weight-update group %s formed: %d servers, world size %d", self.group_name, len(self.urls),
-                 self.world_size)
+        log.info(
+            "weight-update group %s formed: %d servers, world size %d", self.group_name, len(self.urls), self.world_size
+        )
 
     @staticmethod
     def _drain(fut) -> str:
@@ -216,8 +230,10 @@ class WeightSyncBridge:
             self.pg = None
         self._staging = [None, None]
         if self._loop is not None:
+
             async def close_clients():
                 await asyncio.gather(*(c.aclose() for c in self.clients))
+
             self._loop.run(close_clients())
             self._loop.close()
             self._loop = None
@@ -273,15 +289,26 @@ class WeightSyncBridge:
                 if paused:
                     self._all("continue_generation")
         stats = SyncStats(version, n_tensors, n_bytes, n_buckets, time.perf_counter() - t0)
-        log.info("synced %d tensors (%.1f MB, %d buckets) to %d servers in %.2fs (%.2f GB/s), version %s",
-                 n_tensors, n_bytes / 1e6, n_buckets, len(self.urls), stats.seconds, stats.gbps, version)
+        log.info(
+            "synced %d tensors (%.1f MB, %d buckets) to %d servers in %.2fs (%.2f GB/s), version %s",
+            n_tensors,
+            n_bytes / 1e6,
+            n_buckets,
+            len(self.urls),
+            stats.seconds,
+            stats.gbps,
+            version,
+        )
         return stats
 
     def _all(self, method: str, *args, return_exceptions: bool = False, **kwargs) -> list:
         """`method` on every server's client at once; their answers (or errors, with return_exceptions)."""
+
         async def go():
-            return await asyncio.gather(*(getattr(c, method)(*args, **kwargs) for c in self.clients),
-                                        return_exceptions=return_exceptions)
+            return await asyncio.gather(
+                *(getattr(c, method)(*args, **kwargs) for c in self.clients), return_exceptions=return_exceptions
+            )
+
         return self._loop.run(go(), self.timeout_s)
 
     def _begin_sessions(self) -> None:
@@ -298,8 +325,11 @@ class WeightSyncBridge:
     def _each(self, method: str, quiet: bool = False) -> None:
         """`method` on every server, even when some fail; then raise naming each server that failed
         (or only log, with `quiet`, when an earlier error is already on its way)."""
-        errors = [f"{url}: {e}" for url, e in zip(self.urls, self._all(method, return_exceptions=True))
-                  if isinstance(e, BaseException)]
+        errors = [
+            f"{url}: {e}"
+            for url, e in zip(self.urls, self._all(method, return_exceptions=True))
+            if isinstance(e, BaseException)
+        ]
         if errors and quiet:
             log.warning("%s failed after an error: %s", method, "; ".join(errors))
         elif errors:
@@ -313,15 +343,25 @@ class WeightSyncBridge:
             bucket.tensors = [(n, t.to(self.device)) for n, t in bucket.tensors]
         return [bucket.flatten(self._staging_for(bucket.nbytes, slot))]
 
-    def _start(self, bucket: Bucket, payload: list[torch.Tensor], version: str | None,
-               flush_cache: bool) -> "_InFlight":
+    def _start(
+        self, bucket: Bucket, payload: list[torch.Tensor], version: str | None, flush_cache: bool
+    ) -> "_InFlight":
         async def post_all():
-            return await asyncio.gather(*(
-                c.update_weights_from_distributed(
-                    bucket.names, bucket.dtypes, bucket.shapes, group_name=self.group_name,
-                    flush_cache=flush_cache, weight_version=version,
-                    load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None)
-                for c in self.clients), return_exceptions=True)
+            return await asyncio.gather(
+                *(
+                    c.update_weights_from_distributed(
+                        bucket.names,
+                        bucket.dtypes,
+                        bucket.shapes,
+                        group_name=self.group_name,
+                        flush_cache=flush_cache,
+                        weight_version=version,
+                        load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None,
+                    )
+                    for c in self.clients
+                ),
+                return_exceptions=True,
+            )
 
         answers = self._loop.submit(post_all())
         works = [wgroup.broadcast(t, self.pg, async_op=True) for t in payload]
@@ -334,15 +374,21 @@ class WeightSyncBridge:
         try:
             answers = inflight.answers.result(self.timeout_s)
         except concurrent.futures.TimeoutError as e:
-            raise WeightSyncError(f"no answer to a weight update in {self.timeout_s}s (bucket from tensor "
-                                  f"{inflight.names[0]!r}, {len(inflight.names)} tensors)") from e
+            raise WeightSyncError(
+                f"no answer to a weight update in {self.timeout_s}s (bucket from tensor "
+                f"{inflight.names[0]!r}, {len(inflight.names)} tensors)"
+            ) from e
         failed = [(url, e) for url, e in zip(self.urls, answers) if isinstance(e, BaseException)]
         if failed:
-            what = (f"the update of tensor {inflight.names[0]!r}" if len(inflight.names) == 1 else
-                    f"the update of the bucket from tensor {inflight.names[0]!r} to {inflight.names[-1]!r} "
-                    f"({len(inflight.names)} tensors)")
-            raise WeightSyncError(f"{what} failed on " + "; ".join(f"{url}: {_reason(e)}" for url, e in failed)) \
-                from failed[0][1]
+            what = (
+                f"the update of tensor {inflight.names[0]!r}"
+                if len(inflight.names) == 1
+                else f"the update of the bucket from tensor {inflight.names[0]!r} to {inflight.names[-1]!r} "
+                f"({len(inflight.names)} tensors)"
+            )
+            raise WeightSyncError(
+                f"{what} failed on " + "; ".join(f"{url}: {_reason(e)}" for url, e in failed)
+            ) from failed[0][1]
         for w in inflight.works:
             w.wait()
 
@@ -358,8 +404,7 @@ class WeightSyncBridge:
         on the wire): no fresh allocation, and no page faults, per bucket."""
         buf = self._staging[slot]
         if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(max(nbytes, int(self.cfg.bucket_mb * 1024 * 1024)), dtype=torch.uint8,
-                              device=self.device)
+            buf = torch.empty(max(nbytes, int(self.cfg.bucket_mb * 1024 * 1024)), dtype=torch.uint8, device=self.device)
             self._staging[slot] = buf
         return buf
 

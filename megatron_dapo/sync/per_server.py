@@ -53,14 +53,19 @@ class WeightStore:
         self._snap: WeightSnapshot | None = None
         self._readers: dict[int, int] = {}  # version -> syncs reading that snapshot
 
-    def put(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor | None]],
-            probe_logprobs: Sequence[float] | None = None) -> None:
+    def put(
+        self,
+        version: int,
+        named_tensors: Iterable[tuple[str, torch.Tensor | None]],
+        probe_logprobs: Sequence[float] | None = None,
+    ) -> None:
         """Every trainer rank calls this (the export's gathers are collective); rank 0 keeps a host copy."""
         keep = _is_sender()
         if keep:
             with self._cv:  # at most two copies: the current snapshot (maybe being read) and the new one
-                self._cv.wait_for(lambda: self._snap is None or
-                                  not any(n for v, n in self._readers.items() if v < self._snap.version))
+                self._cv.wait_for(
+                    lambda: self._snap is None or not any(n for v, n in self._readers.items() if v < self._snap.version)
+                )
         tensors = []
         for name, t in named_tensors:
             if keep and t is not None:
@@ -68,8 +73,11 @@ class WeightStore:
         if keep:
             if not tensors:
                 raise RuntimeError("WeightStore.put: the weight iterator yielded no tensors")
-            snap = WeightSnapshot(int(version), tuple(tensors),
-                                  None if probe_logprobs is None else tuple(float(x) for x in probe_logprobs))
+            snap = WeightSnapshot(
+                int(version),
+                tuple(tensors),
+                None if probe_logprobs is None else tuple(float(x) for x in probe_logprobs),
+            )
             with self._cv:
                 self._snap = snap
 
@@ -93,16 +101,28 @@ class WeightStore:
 
 
 class PerServerSync:
-    def __init__(self, urls: Sequence[str], sync_cfg, registry: ServerRegistry, store: WeightStore,
-                 api_key: str | None = None, server_tp_sizes: Sequence[int] | None = None,
-                 probe: Sequence[int] | None = None, on_publish: Callable[[str, int], None] | None = None,
-                 on_error: Callable[[BaseException], None] | None = None, clock=time.monotonic):
+    def __init__(
+        self,
+        urls: Sequence[str],
+        sync_cfg,
+        registry: ServerRegistry,
+        store: WeightStore,
+        api_key: str | None = None,
+        server_tp_sizes: Sequence[int] | None = None,
+        probe: Sequence[int] | None = None,
+        on_publish: Callable[[str, int], None] | None = None,
+        on_error: Callable[[BaseException], None] | None = None,
+        clock=time.monotonic,
+    ):
         self.cfg, self.registry, self.store = sync_cfg, registry, store
         self.policy = make_sync_policy(sync_cfg, clock)
         tps = list(server_tp_sizes or [1] * len(urls))
-        self.bridges = {u.rstrip("/"): WeightSyncBridge([u], sync_cfg, api_key=api_key, server_tp_sizes=[tp],
-                                                        group_name=f"megatron_dapo_weight_sync_{i}")
-                        for i, (u, tp) in enumerate(zip(urls, tps))}
+        self.bridges = {
+            u.rstrip("/"): WeightSyncBridge(
+                [u], sync_cfg, api_key=api_key, server_tp_sizes=[tp], group_name=f"megatron_dapo_weight_sync_{i}"
+            )
+            for i, (u, tp) in enumerate(zip(urls, tps))
+        }
         self.api_key, self.probe = api_key, list(probe) if probe is not None else None
         self.on_publish, self.on_error = on_publish, on_error
         self.error: BaseException | None = None
@@ -124,8 +144,9 @@ class PerServerSync:
 
         self._http = _LoopThread()
         # the poller's timeout, no retries: a hung server must not hold the other servers' syncs
-        self._clients = {u: SGLangClient(u, api_key=self.api_key, timeout_s=LOAD_TIMEOUT_S, retries=0)
-                         for u in self.bridges}
+        self._clients = {
+            u: SGLangClient(u, api_key=self.api_key, timeout_s=LOAD_TIMEOUT_S, retries=0) for u in self.bridges
+        }
 
     def sync_all(self) -> None:
         """Bring every server to the store's version now (before rollout starts), in parallel."""
@@ -149,9 +170,11 @@ class PerServerSync:
             self._thread.join(timeout=60)
         self._pool.shutdown(wait=True)
         if self._http is not None:
+
             async def close_clients():
                 for c in self._clients.values():
                     await c.aclose()
+
             self._http.run(close_clients(), 10)
             self._http.close()
         for b in self.bridges.values():

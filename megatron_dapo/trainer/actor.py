@@ -18,8 +18,9 @@ the same way). A train step:
 3. for each of `ppo_epochs` epochs, for each mini-batch of `ppo_mini_batch_size` groups: the
    rows are packed into micro-batches by the token budget `algo.max_tokens_per_micro_batch`, and
    megatron-core's pipeline schedule runs forward / backward with the DAPO loss normalised by the
-   loss-token count of the whole mini-batch (all micro-batches, all DP ranks; it comes with the shard); then one optimizer step (grad clipping, lr schedule with warm-up). A non-finite
-   loss or gradient norm skips that step (counted in `actor/skipped_steps`).
+   loss-token count of the whole mini-batch (all micro-batches, all DP ranks; it comes with the
+   shard); then one optimizer step (grad clipping, lr schedule with warm-up). A non-finite loss or
+   gradient norm skips that step (counted in `actor/skipped_steps`).
 
 Micro-batch losses are returned to the schedule multiplied by the number of micro-batches (the
 schedule divides by it); the DAPO loss already carries the DP factor that DDP's averaging removes,
@@ -58,9 +59,14 @@ def dapo_loss_options(cfg) -> dict:
     seq-mean-token-sum-norm would divide by each micro-batch's padded width instead."""
 
     a = cfg.algo
-    return dict(clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-                loss_agg_mode=a.loss_agg_mode, token_sum_norm=token_sum_norm(cfg),
-                rollout_is_cap=a.rollout_is.cap if a.rollout_is.enable else None)
+    return dict(
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+        loss_agg_mode=a.loss_agg_mode,
+        token_sum_norm=token_sum_norm(cfg),
+        rollout_is_cap=a.rollout_is.cap if a.rollout_is.enable else None,
+    )
 
 
 class MegatronActor:
@@ -73,7 +79,6 @@ class MegatronActor:
         )
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-
         self.cfg = cfg
         p, m, o, a = cfg.parallel, cfg.model, cfg.optimizer, cfg.algo
         hf_dir = hf_dir or m.hf_path or None
@@ -82,11 +87,18 @@ class MegatronActor:
             raise ValueError("model.hf_path (or model.hf_config) is required to build the actor's model")
         self.use_te = m.transformer_impl == "transformer_engine" and te_available() and torch.cuda.is_available()
         arch = QwenArch.from_hf(source)
-        par = ModelParallel(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, dtype=m.dtype,
-                            sequence_parallel=p.sequence_parallel)
+        par = ModelParallel(
+            tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, dtype=m.dtype, sequence_parallel=p.sequence_parallel
+        )
         # grouped GEMM of the experts exists only with Transformer Engine (TEGroupedMLP)
-        overrides = ({"moe_token_dispatcher_type": p.moe_token_dispatcher,
-                      "moe_grouped_gemm": m.moe_grouped_gemm and self.use_te} if arch.is_moe else {})
+        overrides = (
+            {
+                "moe_token_dispatcher_type": p.moe_token_dispatcher,
+                "moe_grouped_gemm": m.moe_grouped_gemm and self.use_te,
+            }
+            if arch.is_moe
+            else {}
+        )
         if m.recompute_granularity != "none":
             overrides["recompute_granularity"] = m.recompute_granularity
             if m.recompute_granularity == "full":
@@ -108,15 +120,25 @@ class MegatronActor:
         dtype = par.torch_dtype
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
-                optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay, adam_beta1=o.adam_beta1,
-                adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-                use_distributed_optimizer=o.use_distributed_optimizer, params_dtype=dtype,
-                bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
+                optimizer="adam",
+                lr=o.lr,
+                min_lr=o.min_lr,
+                weight_decay=o.weight_decay,
+                adam_beta1=o.adam_beta1,
+                adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps,
+                clip_grad=o.clip_grad,
+                use_distributed_optimizer=o.use_distributed_optimizer,
+                params_dtype=dtype,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
             ),
             self.model,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.dp_group = ps.get_data_parallel_group()
         self.dp_size = ps.get_data_parallel_world_size()
@@ -146,8 +168,9 @@ class MegatronActor:
             longest = torch.tensor([max([1] + [sum(lengths[i] for i in b) for b in plan])], dtype=torch.long)
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
             length = -(-int(longest) // self.pad_multiple) * self.pad_multiple
-        return [pack(batch.input_ids, batch.prompt_lengths, [rows[i] for i in b], length, self.pad_multiple)
-                for b in plan]
+        return [
+            pack(batch.input_ids, batch.prompt_lengths, [rows[i] for i in b], length, self.pad_multiple) for b in plan
+        ]
 
     def _forward(self, model, mb: PackedMicroBatch):
         dev = self.device
@@ -162,8 +185,9 @@ class MegatronActor:
 
     def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float, with_entropy: bool):
         logits = mask_padded_vocab_logits(logits, self.arch.vocab_size)
-        out = vocab_parallel_logprobs(logits, mb.target_ids.to(logits.device), self.tp_group,
-                                      temperature=temperature, with_entropy=with_entropy)
+        out = vocab_parallel_logprobs(
+            logits, mb.target_ids.to(logits.device), self.tp_group, temperature=temperature, with_entropy=with_entropy
+        )
         return out
 
     def _run(self, packs, forward_only: bool, loss_fn):
@@ -178,8 +202,13 @@ class MegatronActor:
         # Interleaved (virtual) pipelining asks each model chunk for its own iterator.
         data = iter(packs) if len(self.model) == 1 else [iter(list(packs)) for _ in self.model]
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=data, model=self.model,
-            num_microbatches=len(packs), seq_length=length, micro_batch_size=1, forward_only=forward_only,
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=self.model,
+            num_microbatches=len(packs),
+            seq_length=length,
+            micro_batch_size=1,
+            forward_only=forward_only,
         )
 
     # ---------------------------------------------------------------- logprobs
@@ -229,8 +258,9 @@ class MegatronActor:
         a = self.cfg.algo
         if isinstance(data, DPShard):
             if (data.dp_rank, data.dp_size) != (self.dp_rank, self.dp_size):
-                raise ValueError(f"shard of DP rank {data.dp_rank}/{data.dp_size} given to DP rank "
-                                 f"{self.dp_rank}/{self.dp_size}")
+                raise ValueError(
+                    f"shard of DP rank {data.dp_rank}/{data.dp_size} given to DP rank {self.dp_rank}/{self.dp_size}"
+                )
             shard = data
         else:
             self._check_batch(data)
@@ -278,11 +308,15 @@ class MegatronActor:
         for r in range(n):
             resp = len(batch.input_ids[r]) - batch.prompt_lengths[r]
             if resp != batch.response_lengths[r]:
-                raise ValueError(f"RolloutBatch row {r}: response_lengths says {batch.response_lengths[r]} but "
-                                 f"input_ids minus the prompt has {resp} tokens")
+                raise ValueError(
+                    f"RolloutBatch row {r}: response_lengths says {batch.response_lengths[r]} but "
+                    f"input_ids minus the prompt has {resp} tokens"
+                )
             if len(batch.rollout_logprobs[r]) != resp:
-                raise ValueError(f"RolloutBatch row {r}: {len(batch.rollout_logprobs[r])} rollout logprobs for "
-                                 f"{resp} response tokens")
+                raise ValueError(
+                    f"RolloutBatch row {r}: {len(batch.rollout_logprobs[r])} rollout logprobs for "
+                    f"{resp} response tokens"
+                )
 
     def _mini_batch_step(self, batch, rows: list[int], old: dict[int, torch.Tensor], counts: tuple[int, int]):
         a = self.cfg.algo
@@ -319,8 +353,15 @@ class MegatronActor:
             log_w = (old_rows - roll_rows).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
             is_weights = torch.exp(log_w) * (mask > 0) if use_is else None
             loss, metrics = dapo_policy_loss(
-                lp, old_rows, adv, mask, global_num_tokens=max(global_tokens, 1.0), rollout_is_weights=is_weights,
-                global_num_seqs=max(global_seqs, 1.0), dp_world_size=self.dp_size, **loss_options,
+                lp,
+                old_rows,
+                adv,
+                mask,
+                global_num_tokens=max(global_tokens, 1.0),
+                rollout_is_weights=is_weights,
+                global_num_seqs=max(global_seqs, 1.0),
+                dp_world_size=self.dp_size,
+                **loss_options,
             )
             ent = mb.gather(ent_pos.float())
             # Token-mean entropy over the mini-batch, with the same global normalisation as the loss.
@@ -339,9 +380,12 @@ class MegatronActor:
                 }
                 if use_is:
                     w = torch.clamp(is_weights, max=a.rollout_is.cap) if a.rollout_is.cap else is_weights
-                    add["actor/rollout_is_weight_mean"] = float((w * mask).sum()) * self.dp_size / max(global_tokens, 1.0)
+                    add["actor/rollout_is_weight_mean"] = (
+                        float((w * mask).sum()) * self.dp_size / max(global_tokens, 1.0)
+                    )
                     add["actor/train_rollout_logprob_abs_diff"] = (
-                        float(((old_rows - roll_rows).abs() * mask).sum()) * self.dp_size / max(global_tokens, 1.0))
+                        float(((old_rows - roll_rows).abs() * mask).sum()) * self.dp_size / max(global_tokens, 1.0)
+                    )
                 for k, v in add.items():
                     sums[k] = sums.get(k, 0.0) + v
                 ratio_max = float(metrics["ratio_max"]) if metrics["num_tokens"] > 0 else 0.0
@@ -404,7 +448,8 @@ class MegatronActor:
             **model_sd,
             # dp_reshardable: each rank writes its own optimizer shard, no gather (resume keeps TP/PP/EP).
             "optimizer": self.optimizer.sharded_state_dict(
-                model_sd if len(self.model) > 1 else model_sd["model"], is_loading=is_loading,
+                model_sd if len(self.model) > 1 else model_sd["model"],
+                is_loading=is_loading,
                 metadata={"distrib_optim_sharding_type": "dp_reshardable"},
             ),
             "scheduler": self.scheduler.state_dict(),

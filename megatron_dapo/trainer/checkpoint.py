@@ -15,7 +15,8 @@ A save writes everything into `<name>.tmp/`, hashes it into the manifest, rename
 and only then points `latest` at it (write `latest.tmp`, fsync, `os.replace`). A crash at any
 moment leaves `latest` naming the previous complete checkpoint. On resume the manifest is checked
 before anything is read, and nothing but JSON and megatron-core's files is deserialized; the one
-pickle among those (torch_dist's `.metadata`) is first read with an allow-list (`bridge.dcp_metadata`). `latest` may only name a `step_*` directory directly inside save_dir.
+pickle among those (torch_dist's `.metadata`) is first read with an allow-list (`bridge.dcp_metadata`).
+`latest` may only name a `step_*` directory directly inside save_dir.
 """
 
 from __future__ import annotations
@@ -70,8 +71,11 @@ def complete_checkpoints(save_dir: str | Path) -> list[Path]:
     save_dir = Path(save_dir)
     if not save_dir.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in save_dir.iterdir()
-             if (m := _NAME.fullmatch(p.name)) and p.is_dir() and (p / MANIFEST).is_file()]
+    found = [
+        (int(m.group(1)), p)
+        for p in save_dir.iterdir()
+        if (m := _NAME.fullmatch(p.name)) and p.is_dir() and (p / MANIFEST).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -83,8 +87,12 @@ def commit_save(save_dir: str | Path, step: int, keep_last: int = 0) -> Path:
         raise CheckpointError(f"{tmp}: trainer.json missing, refusing to publish an incomplete checkpoint")
     t0 = time.perf_counter()
     files = write_manifest(tmp)["files"]
-    log.info("checkpoint manifest: %d files, %.1f MB hashed in %.2f s", len(files),
-             sum(f["size"] for f in files.values()) / 2**20, time.perf_counter() - t0)
+    log.info(
+        "checkpoint manifest: %d files, %.1f MB hashed in %.2f s",
+        len(files),
+        sum(f["size"] for f in files.values()) / 2**20,
+        time.perf_counter() - t0,
+    )
     if final.exists():  # a re-save of the same step (e.g. after resume): replace only once complete
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -106,14 +114,19 @@ def _pointed(save_dir: Path) -> Path:
     except UnicodeDecodeError:
         name = None
     if name is None or not _NAME.fullmatch(name):
-        raise CheckpointError(f"{pointer} does not hold a checkpoint name (step_NNNNNN inside {save_dir}): "
-                              f"{raw[:60]!r}")
+        raise CheckpointError(
+            f"{pointer} does not hold a checkpoint name (step_NNNNNN inside {save_dir}): {raw[:60]!r}"
+        )
     path = save_dir / name
     if path.is_symlink():
-        raise CheckpointError(f"{pointer} names {name}, a symbolic link: a checkpoint must be a directory of {save_dir}")
+        raise CheckpointError(
+            f"{pointer} names {name}, a symbolic link: a checkpoint must be a directory of {save_dir}"
+        )
     if not (path / "trainer.json").is_file() or not (path / MANIFEST).is_file():
-        raise CheckpointError(f"{pointer} names {name}, which is not a complete checkpoint "
-                              f"(no {'trainer.json' if not (path / 'trainer.json').is_file() else MANIFEST})")
+        raise CheckpointError(
+            f"{pointer} names {name}, which is not a complete checkpoint "
+            f"(no {'trainer.json' if not (path / 'trainer.json').is_file() else MANIFEST})"
+        )
     return path
 
 
@@ -144,7 +157,8 @@ def find_resume_checkpoint(save_dir: str | Path) -> Path | None:
             raise CheckpointError(
                 f"resume: {save_dir} holds checkpoints but {why}; refusing to start over (it would overwrite "
                 f"them). The newest complete checkpoint is {newest}: resume from it with "
-                f"`echo {newest.name} > {save_dir / LATEST}`, or set checkpoint.save_dir to an empty directory")
+                f"`echo {newest.name} > {save_dir / LATEST}`, or set checkpoint.save_dir to an empty directory"
+            )
         if why != f"no {LATEST} pointer":
             raise CheckpointError(why)
         return None
@@ -230,7 +244,8 @@ def set_rng_state(state: dict) -> None:
         from megatron.core import tensor_parallel
 
         tensor_parallel.get_cuda_rng_tracker().set_states(
-            {k: torch.tensor(v, dtype=torch.uint8) for k, v in state["megatron"].items()})
+            {k: torch.tensor(v, dtype=torch.uint8) for k, v in state["megatron"].items()}
+        )
 
 
 def rng_path(ckpt_dir: Path, rank: int) -> Path:
@@ -248,8 +263,12 @@ def read_rng(ckpt_dir: Path, rank: int) -> dict:
     if not path.exists():
         raise CheckpointError(f"{path} missing: the checkpoint was saved with fewer trainer ranks")
     state = _read_json(path)
-    shape_ok = (isinstance(state, dict) and all(isinstance(state.get(k), list) for k in ("python", "numpy", "torch"))
-                and len(state["python"]) == 3 and len(state["numpy"]) == 5)
+    shape_ok = (
+        isinstance(state, dict)
+        and all(isinstance(state.get(k), list) for k in ("python", "numpy", "torch"))
+        and len(state["python"]) == 3
+        and len(state["numpy"]) == 5
+    )
     if not shape_ok:
         raise CheckpointError(f"{path}: expected RNG states 'python' [3], 'numpy' [5], 'torch' lists")
     return state

@@ -33,13 +33,18 @@ from megatron_dapo.trainer.warm_start import sft_examples, supervised_warm_start
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
 
 
-def prepare(run_dir: Path, warm_steps: int, max_operand: int = 29, num_test: int = 100, seed: int = 0,
-            rejected_fraction: float = 0.75) -> dict:
+def prepare(
+    run_dir: Path,
+    warm_steps: int,
+    max_operand: int = 29,
+    num_test: int = 100,
+    seed: int = 0,
+    rejected_fraction: float = 0.75,
+) -> dict:
     """Tokenizer, tiny model (warm-started), train / held-out data under `run_dir`; returns their paths.
 
     `rejected_fraction` of the warm-start answers use the style the DAPO rule rejects."""
     from transformers import AutoTokenizer
-
 
     model_dir = run_dir / "model"
     data_dir = run_dir / "data"
@@ -49,8 +54,15 @@ def prepare(run_dir: Path, warm_steps: int, max_operand: int = 29, num_test: int
         build_char_tokenizer(raw)
         tok = AutoTokenizer.from_pretrained(raw)
         # generation stops at the chat turn's end (<|im_end|>), as for Qwen3's instruct models
-        save_tiny_hf_model("qwen3", raw, seed=seed, vocab_size=vocab_size(), eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id, bos_token_id=None)
+        save_tiny_hf_model(
+            "qwen3",
+            raw,
+            seed=seed,
+            vocab_size=vocab_size(),
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=None,
+        )
         rows = read_rows(train)
         style = random.Random(seed)
 
@@ -74,8 +86,9 @@ def held_out_table(points: list[tuple[int, dict]], val) -> str:
     per_step = [(step, by_source(metrics)) for step, metrics in points]
     sources = list(dict.fromkeys(s for _, m in per_step for s in m))
     title = f"held-out accuracy: {val.n} samples per problem at temperature {val.temperature}, top_p {val.top_p}"
-    tables = [format_table(f"[{source}] step", {str(step): m.get(source, {}) for step, m in per_step})
-              for source in sources]
+    tables = [
+        format_table(f"[{source}] step", {str(step): m.get(source, {}) for step, m in per_step}) for source in sources
+    ]
     return "\n".join([title, *tables])
 
 
@@ -90,7 +103,6 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     import torch
-
 
     # One thread per process: the demo runs several processes on a small machine, and torch's
     # spinning intra-op threads slow a shared CPU down many times over.
@@ -115,14 +127,17 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides,
     ]
     cfg = load_config(args.config, overrides)
-    print(f"DAPO: {cfg.trainer.total_steps} steps x {cfg.algo.train_batch_size} prompts x "
-          f"{cfg.rollout.n_resp_per_prompt} samples, TP={cfg.parallel.tp} trainer on gloo, "
-          f"{cfg.rollout.num_servers} embedded servers, staleness {cfg.algo.staleness}")
+    print(
+        f"DAPO: {cfg.trainer.total_steps} steps x {cfg.algo.train_batch_size} prompts x "
+        f"{cfg.rollout.n_resp_per_prompt} samples, TP={cfg.parallel.tp} trainer on gloo, "
+        f"{cfg.rollout.num_servers} embedded servers, staleness {cfg.algo.staleness}"
+    )
     result = run_with_ray(cfg)
     plots = plot_run(run_dir)
     wall = time.time() - t_start
     print()
     print(held_out_table(result.val["all"], cfg.trainer.val))
-    print(f"wall time {wall:.0f}s; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}; "
-          f"plots: {plots[0].parent}")
+    print(
+        f"wall time {wall:.0f}s; TensorBoard: tensorboard --logdir {run_dir / 'tensorboard'}; plots: {plots[0].parent}"
+    )
     return 0

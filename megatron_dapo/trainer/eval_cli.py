@@ -61,9 +61,11 @@ def resolve_checkpoint(path: str | Path) -> CheckpointSource:
         return CheckpointSource("megatron", path, path.name)
     if (path / "config.json").is_file() and any(path.glob("*.safetensors")):
         return CheckpointSource("hf", path, path.name)
-    raise EvalError(f"--checkpoint {path} is neither a training checkpoint (step_NNNNNN/ with trainer.json, or its "
-                    f"directory with `latest`), a megatron-core checkpoint (metadata.json or "
-                    f"latest_checkpointed_iteration.txt) nor an HF model directory (config.json + *.safetensors)")
+    raise EvalError(
+        f"--checkpoint {path} is neither a training checkpoint (step_NNNNNN/ with trainer.json, or its "
+        f"directory with `latest`), a megatron-core checkpoint (metadata.json or "
+        f"latest_checkpointed_iteration.txt) nor an HF model directory (config.json + *.safetensors)"
+    )
 
 
 def hf_weights(source: CheckpointSource, cfg, work_dir: Path, layout: dict) -> Path:
@@ -90,16 +92,23 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        servers = launcher.launch_embedded_servers(str(model_dir), r.num_servers, log_dir, api_key=r.api_key,
-                                                   device=device, deterministic_inference=r.deterministic_inference,
-                                                   batching=r.embedded_batching)
+        servers = launcher.launch_embedded_servers(
+            str(model_dir),
+            r.num_servers,
+            log_dir,
+            api_key=r.api_key,
+            device=device,
+            deterministic_inference=r.deterministic_inference,
+            batching=r.embedded_batching,
+        )
         for s in servers:
             stack.callback(s.stop)
         return [s.url for s in servers]
     urls = []
     for i in range(r.num_servers):  # server i on GPUs [i * server_tp, (i + 1) * server_tp) of this node
-        args = launcher.SGLangServerArgs.from_config(cfg, str(model_dir), free_port(), random_seed=i,
-                                                     base_gpu_id=i * r.server_tp)
+        args = launcher.SGLangServerArgs.from_config(
+            cfg, str(model_dir), free_port(), random_seed=i, base_gpu_id=i * r.server_tp
+        )
         proc = launcher.launch_sglang(args, log_dir / f"server_{i}.log")
         stack.callback(proc.stop)
         urls.append(proc.url)
@@ -129,8 +138,9 @@ def _write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _serve_checkpoint(cfg, source: CheckpointSource, work: Path, layout: dict, log_dir: Path,
-                      stack: ExitStack) -> list[str]:
+def _serve_checkpoint(
+    cfg, source: CheckpointSource, work: Path, layout: dict, log_dir: Path, stack: ExitStack
+) -> list[str]:
     """Servers holding the checkpoint's weights; those started here are stopped when `stack` closes."""
     # They start from model.hf_path while the checkpoint converts, then get its weights as a run's do.
     with ThreadPoolExecutor(1) as pool:
@@ -143,20 +153,21 @@ def _serve_checkpoint(cfg, source: CheckpointSource, work: Path, layout: dict, l
     return urls
 
 
-def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: Path | None = None,
-             layout: dict | None = None) -> dict:
+def run_eval(
+    cfg, checkpoint: str | Path, output: Path | None = None, samples: Path | None = None, layout: dict | None = None
+) -> dict:
     """Evaluate one checkpoint; returns (and writes) the result dict."""
     if not cfg.data.val_files:
         raise EvalError("data.val_files is empty: nothing to evaluate")
     t0 = time.time()
     source = resolve_checkpoint(checkpoint)
 
-
     from transformers import AutoTokenizer
 
     from megatron_dapo.coordinator.build import reward_runner
     from megatron_dapo.coordinator.evaluate import ValSettings, evaluate
     from megatron_dapo.coordinator.val_metrics import by_source, format_table
+
     eval_dir = Path(cfg.logging.run_dir) / "eval"
     output = Path(output) if output else eval_dir / f"{source.label}.json"
     work = eval_dir / f".work-{source.label}-{os.getpid()}"
@@ -169,16 +180,31 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
         settings = ValSettings.from_config(cfg)
         rewards = reward_runner(cfg)
         stack.callback(rewards.close)  # its worker processes (reward.num_workers)
-        report = evaluate(urls, dataset, rewards, settings, api_key=cfg.rollout.api_key,
-                          tokenizer=tokenizer, timeout_s=cfg.rollout.request_timeout_s)
+        report = evaluate(
+            urls,
+            dataset,
+            rewards,
+            settings,
+            api_key=cfg.rollout.api_key,
+            tokenizer=tokenizer,
+            timeout_s=cfg.rollout.request_timeout_s,
+        )
     prompts = dict(sorted(Counter(o.data_source for o in report.outcomes).items()))
     result = {
-        "checkpoint": str(source.path), "kind": source.kind, "step": source.step,
-        "val_files": list(cfg.data.val_files), "prompts": prompts,
+        "checkpoint": str(source.path),
+        "kind": source.kind,
+        "step": source.step,
+        "val_files": list(cfg.data.val_files),
+        "prompts": prompts,
         "dropped_too_long": dataset.num_dropped_too_long,  # prompts over data.max_prompt_length
-        "settings": {"n": settings.n, "greedy": settings.greedy, "seed": settings.seed,
-                     **{k: v for k, v in asdict(settings.sampling).items() if k not in ("n", "sampling_seed")}},
-        "metrics": report.metrics, "wall_s": round(time.time() - t0, 1),
+        "settings": {
+            "n": settings.n,
+            "greedy": settings.greedy,
+            "seed": settings.seed,
+            **{k: v for k, v in asdict(settings.sampling).items() if k not in ("n", "sampling_seed")},
+        },
+        "metrics": report.metrics,
+        "wall_s": round(time.time() - t0, 1),
     }
     _write_json(output, result)
     if samples is not None:
@@ -193,8 +219,11 @@ def run_eval(cfg, checkpoint: str | Path, output: Path | None = None, samples: P
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo eval", description=__doc__.splitlines()[0])
     p.add_argument("config", help="the run's YAML config (data.val_files, trainer.val, rollout, reward)")
-    p.add_argument("--checkpoint", required=True,
-                   help="step_NNNNNN/ or its save_dir, a megatron-core checkpoint or an HF model directory")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="step_NNNNNN/ or its save_dir, a megatron-core checkpoint or an HF model directory",
+    )
     p.add_argument("--output", default=None, help="result JSON (default <logging.run_dir>/eval/<checkpoint>.json)")
     p.add_argument("--samples", default=None, help="also write every judged answer to this jsonl file")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size to read a megatron checkpoint with")
@@ -217,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     s = result["settings"]
     step = f" (step {result['step']})" if result["step"] is not None else ""
-    print(f"{result['checkpoint']}{step}: n={s['n']} at temperature {s['temperature']}, top_p {s['top_p']}, "
-          f"max {s['max_new_tokens']} new tokens{', plus greedy' if s['greedy'] else ''}")
+    print(
+        f"{result['checkpoint']}{step}: n={s['n']} at temperature {s['temperature']}, top_p {s['top_p']}, "
+        f"max {s['max_new_tokens']} new tokens{', plus greedy' if s['greedy'] else ''}"
+    )
     print(result["table"])
     print(f"wrote {result['output']} ({result['wall_s']:.0f}s)")
     return 0

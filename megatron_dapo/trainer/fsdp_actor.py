@@ -89,14 +89,16 @@ class FSDPActor(MegatronActor):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         from transformers import AutoModelForCausalLM
 
-
         self.cfg = cfg
         m, o, a = cfg.model, cfg.optimizer, cfg.algo
         hf_dir = hf_dir or m.hf_path or None
         if not hf_dir:
             raise ValueError("model.hf_path is required to build the FSDP2 actor's model")
-        bad = [f"parallel.{n}={getattr(cfg.parallel, n)}" for n in ("tp", "pp", "cp", "ep")
-               if getattr(cfg.parallel, n) != 1]
+        bad = [
+            f"parallel.{n}={getattr(cfg.parallel, n)}"
+            for n in ("tp", "pp", "cp", "ep")
+            if getattr(cfg.parallel, n) != 1
+        ]
         if bad:
             raise ValueError(f"trainer.backend=fsdp2 shards over data parallel only; set {', '.join(bad)} to 1")
         if not dist.is_initialized():
@@ -123,9 +125,14 @@ class FSDPActor(MegatronActor):
         params = [p for p in model.parameters() if p.requires_grad]
         # As megatron-core: no weight decay on biases and norm weights.
         self.optimizer = torch.optim.AdamW(
-            [{"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
-             {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "wd_mult": 0.0}],
-            lr=o.lr, betas=(o.adam_beta1, o.adam_beta2), eps=o.adam_eps, weight_decay=o.weight_decay,
+            [
+                {"params": [p for p in params if p.ndim > 1], "weight_decay": o.weight_decay},
+                {"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0, "wd_mult": 0.0},
+            ],
+            lr=o.lr,
+            betas=(o.adam_beta1, o.adam_beta2),
+            eps=o.adam_eps,
+            weight_decay=o.weight_decay,
         )
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
         self.tp_group = None
@@ -142,13 +149,15 @@ class FSDPActor(MegatronActor):
     # ---------------------------------------------------------------- forward machinery
     def _forward(self, model, mb):
         # No attention mask: transformers derives the per-sequence causal mask from the position ids.
-        out = self.module(input_ids=mb.tokens.to(self.device), position_ids=mb.position_ids.to(self.device),
-                          use_cache=False)
+        out = self.module(
+            input_ids=mb.tokens.to(self.device), position_ids=mb.position_ids.to(self.device), use_cache=False
+        )
         return out.logits
 
     def _logprobs(self, logits, mb, temperature: float, with_entropy: bool):
-        return vocab_parallel_logprobs(logits, mb.target_ids.to(logits.device), None,
-                                       temperature=temperature, with_entropy=with_entropy)
+        return vocab_parallel_logprobs(
+            logits, mb.target_ids.to(logits.device), None, temperature=temperature, with_entropy=with_entropy
+        )
 
     def _run(self, packs, forward_only: bool, loss_fn):
         """Forward (and backward) of each micro-batch in turn; gradients accumulate in the shards.
@@ -183,8 +192,12 @@ class FSDPActor(MegatronActor):
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optimizer": optim_sd, "scheduler": self.scheduler.state_dict(),
-                "actor": {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps}}
+        return {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "actor": {"optimizer_steps": self.optimizer_steps, "skipped_steps": self.skipped_steps},
+        }
 
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and lr schedule as a torch.distributed.checkpoint (DCP) directory, each
@@ -206,8 +219,9 @@ class FSDPActor(MegatronActor):
             raise FileNotFoundError(f"actor checkpoint {path} does not exist")
         state = self._state()
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
         self.scheduler.load_state_dict(state["scheduler"])
         self.optimizer_steps = int(state["actor"]["optimizer_steps"])
         self.skipped_steps = int(state["actor"]["skipped_steps"])

@@ -35,8 +35,13 @@ def _local_ray_init():
     import ray
 
     # Loopback only (CI machines reach nothing else), no dashboard; all of this machine's CPUs.
-    ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, num_cpus=os.cpu_count() or 1,
-             log_to_driver=True, configure_logging=False)
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=os.cpu_count() or 1,
+        log_to_driver=True,
+        configure_logging=False,
+    )
 
 
 class _ServerActor:
@@ -54,10 +59,15 @@ class _ServerActor:
             self.proc = launcher.launch_sglang(args, log_path)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.proc = launcher.launch_embedded(cfg.model.hf_path, log_path, api_key=cfg.rollout.api_key,
-                                                 seed=index, device=device,
-                                                 deterministic_inference=cfg.rollout.deterministic_inference,
-                                                 batching=cfg.rollout.embedded_batching)
+            self.proc = launcher.launch_embedded(
+                cfg.model.hf_path,
+                log_path,
+                api_key=cfg.rollout.api_key,
+                seed=index,
+                device=device,
+                deterministic_inference=cfg.rollout.deterministic_inference,
+                batching=cfg.rollout.embedded_batching,
+            )
         return self.proc.url
 
     def stop(self) -> None:
@@ -68,7 +78,6 @@ class _ServerActor:
 class _TrainerActor:
     def node_address(self) -> tuple[str, int]:
         import ray
-
 
         ip = ray.util.get_node_ip_address()
         return ip, free_port(ip)
@@ -121,8 +130,9 @@ def run_with_ray(cfg, resume: bool = False):
     try:
         ray.get(pg.ready(), timeout=120)
     except Exception as e:
-        raise LaunchError(f"Ray could not place {len(bundles)} bundles {bundles} "
-                          f"(cluster: {ray.cluster_resources()}): {e}") from e
+        raise LaunchError(
+            f"Ray could not place {len(bundles)} bundles {bundles} (cluster: {ray.cluster_resources()}): {e}"
+        ) from e
     env_common = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
     run_dir = Path(cfg.logging.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -134,21 +144,43 @@ def run_with_ray(cfg, resume: bool = False):
 
     servers, trainers = [], []
     try:
-        servers = [ServerActor.options(scheduling_strategy=strategy(world + i), num_cpus=server_bundle["CPU"],
-                                       num_gpus=server_bundle.get("GPU", 0),
-                                       runtime_env={"env_vars": env_common}).remote()
-                   for i in range(n_servers)]
+        servers = [
+            ServerActor.options(
+                scheduling_strategy=strategy(world + i),
+                num_cpus=server_bundle["CPU"],
+                num_gpus=server_bundle.get("GPU", 0),
+                runtime_env={"env_vars": env_common},
+            ).remote()
+            for i in range(n_servers)
+        ]
         urls = external + ray.get([s.start.remote(cfg_dict, i, str(run_dir / "logs")) for i, s in enumerate(servers)])
         tp_sizes = [cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1] * len(urls)
-        trainers = [TrainerActor.options(scheduling_strategy=strategy(r), num_cpus=trainer_bundle["CPU"],
-                                         num_gpus=trainer_bundle.get("GPU", 0),
-                                         runtime_env={"env_vars": env_common}).remote()
-                    for r in range(world)]
+        trainers = [
+            TrainerActor.options(
+                scheduling_strategy=strategy(r),
+                num_cpus=trainer_bundle["CPU"],
+                num_gpus=trainer_bundle.get("GPU", 0),
+                runtime_env={"env_vars": env_common},
+            ).remote()
+            for r in range(world)
+        ]
         master_addr, master_port = ray.get(trainers[0].node_address.remote())
-        futures = [t.run.remote(cfg_dict, {"RANK": r, "WORLD_SIZE": world, "LOCAL_RANK": 0 if gpu else r,
-                                           "MASTER_ADDR": master_addr, "MASTER_PORT": master_port},
-                                urls, tp_sizes, resume)
-                   for r, t in enumerate(trainers)]
+        futures = [
+            t.run.remote(
+                cfg_dict,
+                {
+                    "RANK": r,
+                    "WORLD_SIZE": world,
+                    "LOCAL_RANK": 0 if gpu else r,
+                    "MASTER_ADDR": master_addr,
+                    "MASTER_PORT": master_port,
+                },
+                urls,
+                tp_sizes,
+                resume,
+            )
+            for r, t in enumerate(trainers)
+        ]
         results = ray.get(futures)
         return results[0]
     finally:
@@ -169,8 +201,10 @@ def run_with_torchrun(cfg, resume: bool = False):
     from megatron_dapo.trainer.loop import train_rank
 
     if not cfg.rollout.servers:
-        raise LaunchError("trainer.launcher=torchrun needs rollout.servers: the URLs of running rollout servers "
-                          "(start them with `megatron-dapo serve` or SGLang), e.g. "
-                          "rollout.servers='[\"http://127.0.0.1:30000\"]'")
+        raise LaunchError(
+            "trainer.launcher=torchrun needs rollout.servers: the URLs of running rollout servers "
+            "(start them with `megatron-dapo serve` or SGLang), e.g. "
+            "rollout.servers='[\"http://127.0.0.1:30000\"]'"
+        )
     tp = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
     return train_rank(cfg, list(cfg.rollout.servers), [tp] * len(cfg.rollout.servers), resume=resume)

@@ -93,7 +93,9 @@ def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
         return None
     state = ckpt.read_trainer_state(found)
     if state["world_size"] != world_size:
-        raise ckpt.CheckpointError(f"{found} was saved by {state['world_size']} trainer ranks, this run has {world_size}")
+        raise ckpt.CheckpointError(
+            f"{found} was saved by {state['world_size']} trainer ranks, this run has {world_size}"
+        )
     for r in range(world_size):
         ckpt.read_rng(found, r)
     return found, ckpt.read_rollout_state(found)
@@ -111,8 +113,14 @@ def build_actor(cfg):
     return MegatronActor(cfg)
 
 
-def train_rank(cfg, server_urls: list[str], server_tp_sizes: list[int] | None = None, resume: bool | None = None,
-               stop_after: int | None = None, on_step_end=None) -> RunResult | None:
+def train_rank(
+    cfg,
+    server_urls: list[str],
+    server_tp_sizes: list[int] | None = None,
+    resume: bool | None = None,
+    stop_after: int | None = None,
+    on_step_end=None,
+) -> RunResult | None:
     """Run the whole training on this trainer rank; returns the result on rank 0 (None elsewhere).
 
     `stop_after`: leave after this many steps of this invocation (as if the run were stopped there).
@@ -155,8 +163,14 @@ def _start_rollout_side(cfg, server_urls, resume: bool):
         resumed = _read_resume_checkpoint(cfg, dist.get_world_size()) if resume else None
         coord = start_coordinator(cfg, server_urls)
         sizes = coord.setup()
-        log.info("rollout coordinator: %s; train prompts: %d (%d dropped, %d truncated as longer than %d tokens)",
-                 coord.where, sizes["train"], sizes["dropped"], sizes["truncated"], cfg.data.max_prompt_length)
+        log.info(
+            "rollout coordinator: %s; train prompts: %d (%d dropped, %d truncated as longer than %d tokens)",
+            coord.where,
+            sizes["train"],
+            sizes["dropped"],
+            sizes["truncated"],
+            cfg.data.max_prompt_length,
+        )
         if resumed is not None:
             found, state = resumed
             coord.restore(str(found), state, ckpt.read_trainer_state(found)["step"] + 1)
@@ -215,8 +229,12 @@ class Trainer:
                 metrics = self.train_step(step)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(acc=f"{metrics['reward/accuracy']:.2f}", kept=int(metrics["groups/kept"]),
-                                    gen=int(metrics["groups/gen_batches"]), refresh=False)
+                    bar.set_postfix(
+                        acc=f"{metrics['reward/accuracy']:.2f}",
+                        kept=int(metrics["groups/kept"]),
+                        gen=int(metrics["groups/gen_batches"]),
+                        refresh=False,
+                    )
                 done += 1
                 last = step == total - 1
                 every = cfg.checkpoint.save_every
@@ -268,8 +286,14 @@ class Trainer:
         m.update(sync_metrics)
         m.update(self.coord.registry.metrics())
         elapsed = time.perf_counter() - t_step
-        m.update({"time/generation_wait_s": t_gen, "time/train_s": t_train, "time/step_s": elapsed,
-                  "throughput/tokens_per_s": data.tokens / max(1e-9, elapsed)})
+        m.update(
+            {
+                "time/generation_wait_s": t_gen,
+                "time/train_s": t_train,
+                "time/step_s": elapsed,
+                "throughput/tokens_per_s": data.tokens / max(1e-9, elapsed),
+            }
+        )
         extra = {**data.extra, "weight_version": step + 1, **self.weight_sync.step_extra()}
         self.writer.log(step, m, staleness=data.staleness, extra=extra)
         if step % self.cfg.logging.log_every == 0 or step == self.cfg.trainer.total_steps - 1:
@@ -282,5 +306,6 @@ class Trainer:
             return None
         from tqdm import tqdm  # only rank 0 with a progress bar needs it
 
-        return tqdm(total=self.cfg.trainer.total_steps, initial=start_step, desc="DAPO", unit="step",
-                    dynamic_ncols=True)
+        return tqdm(
+            total=self.cfg.trainer.total_steps, initial=start_step, desc="DAPO", unit="step", dynamic_ncols=True
+        )

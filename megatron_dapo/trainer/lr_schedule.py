@@ -19,8 +19,15 @@ def build_lr_scheduler(optimizer, cfg):
     o = cfg.optimizer
     decay = derived.lr_decay_steps(cfg)
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if o.lr_warmup_steps else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_steps, lr_decay_steps=max(decay, o.lr_warmup_steps + 1),
-        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=max(decay, 1), wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0 if o.lr_warmup_steps else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_steps,
+        lr_decay_steps=max(decay, o.lr_warmup_steps + 1),
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=max(decay, 1),
+        wd_incr_style="constant",
     )

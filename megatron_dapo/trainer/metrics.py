@@ -11,8 +11,15 @@ import math
 from collections import Counter
 from pathlib import Path
 
-CONSOLE_KEYS = ("reward/accuracy", "reward/score_mean", "response/length_mean", "groups/kept", "actor/pg_loss",
-                "actor/grad_norm", "time/step_s")
+CONSOLE_KEYS = (
+    "reward/accuracy",
+    "reward/score_mean",
+    "response/length_mean",
+    "groups/kept",
+    "actor/pg_loss",
+    "actor/grad_norm",
+    "time/step_s",
+)
 
 
 def console_line(metrics: dict[str, float]) -> str:

@@ -53,8 +53,9 @@ class PackedMicroBatch:
 
         cu = self.cu_seqlens.to(torch.int32)
         max_len = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                               max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+        )
 
     def gather(self, per_position: torch.Tensor) -> torch.Tensor:
         """[1, L] values at packed positions -> [n, R] per sequence and response token (0 where invalid)."""
@@ -92,13 +93,19 @@ def plan_micro_batches(lengths: list[int], max_tokens: int, min_count: int = 1) 
             continue
         b = max(splittable, key=lambda b: sum(lengths[i] for i in bins[b]))
         seqs = bins[b]
-        bins[b], extra = seqs[: len(seqs) // 2], seqs[len(seqs) // 2:]
+        bins[b], extra = seqs[: len(seqs) // 2], seqs[len(seqs) // 2 :]
         bins.append(extra)
     return [sorted(b) for b in bins]
 
 
-def pack(sequences: list[list[int]], prompt_lengths: list[int], rows: list[int], length: int | None = None,
-         pad_multiple: int = 1, pad_id: int = 0) -> PackedMicroBatch:
+def pack(
+    sequences: list[list[int]],
+    prompt_lengths: list[int],
+    rows: list[int],
+    length: int | None = None,
+    pad_multiple: int = 1,
+    pad_id: int = 0,
+) -> PackedMicroBatch:
     """Pack `sequences[r]` for r in `rows` into one micro-batch of `length` tokens (None: as short as
     possible, rounded up to `pad_multiple`). An empty `rows` gives an all-padding micro-batch."""
     total = sum(len(sequences[r]) for r in rows)
@@ -122,17 +129,17 @@ def pack(sequences: list[list[int]], prompt_lengths: list[int], rows: list[int],
         if p > len(seq):
             raise ValueError(f"row {r}: prompt length {p} exceeds the sequence length {len(seq)}")
         o, n = cu[-1], len(seq)
-        tokens[0, o:o + n] = torch.as_tensor(seq, dtype=torch.long)
-        positions[0, o:o + n] = torch.arange(n)
+        tokens[0, o : o + n] = torch.as_tensor(seq, dtype=torch.long)
+        positions[0, o : o + n] = torch.arange(n)
         k = n - p
         if k:
             at = torch.arange(o + p - 1, o + n - 1)
-            targets[0, at] = tokens[0, o + p:o + n]
+            targets[0, at] = tokens[0, o + p : o + n]
             index[i, :k] = at
             valid[i, :k] = True
         cu.append(o + n)
     if cu[-1] < length:  # trailing padding: its own segment, so real tokens never attend to it
-        positions[0, cu[-1]:] = torch.arange(length - cu[-1])
+        positions[0, cu[-1] :] = torch.arange(length - cu[-1])
         cu.append(length)
     return PackedMicroBatch(list(rows), tokens, positions, targets, torch.tensor(cu, dtype=torch.int32), index, valid)
 

@@ -48,7 +48,7 @@ def plot_run(run_dir: str | Path, out_dir: str | Path | None = None) -> list[Pat
             ax.set_title(tag, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(tags):]:
+        for ax in list(axes.flat)[len(tags) :]:
             ax.axis("off")
         fig.tight_layout()
         path = out_dir / f"{group}.png"

@@ -36,8 +36,9 @@ def synthetic_batch(step: int, batch_size: int, seq_len: int, rank_seed: int = 0
 
 
 def _worker(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     warnings.filterwarnings("ignore")
@@ -51,8 +52,11 @@ def _worker(rank: int, world: int, port: int, args) -> None:
         losses = _train(info, args)
         if rank == 0:
             first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
-            print(f"smoke: loss {first:.3f} -> {last:.3f} over {len(losses)} steps "
-                  f"(TP={world}, backend {info.backend}; chance level for the task: {math.log(ALPHABET):.3f})", flush=True)
+            print(
+                f"smoke: loss {first:.3f} -> {last:.3f} over {len(losses)} steps "
+                f"(TP={world}, backend {info.backend}; chance level for the task: {math.log(ALPHABET):.3f})",
+                flush=True,
+            )
             if not last < 0.5 * first:
                 raise SystemExit(f"smoke: the loss did not fall enough ({first:.3f} -> {last:.3f})")
     finally:
@@ -68,7 +72,6 @@ def _train(info, args) -> list[float]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from tqdm import tqdm
 
-
     hf_config = tiny_hf_config("qwen3", num_hidden_layers=2, architectures=["Qwen3ForCausalLM"])
     torch.manual_seed(args.seed)
     (model,) = build_gpt_model(hf_config)
@@ -78,13 +81,29 @@ def _train(info, args) -> list[float]:
     )
     config.finalize_model_grads_func = finalize_model_grads
     opt = get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=0.01, clip_grad=1.0,
-                        use_distributed_optimizer=True, params_dtype=torch.float32),
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            weight_decay=0.01,
+            clip_grad=1.0,
+            use_distributed_optimizer=True,
+            params_dtype=torch.float32,
+        ),
         [ddp],
     )
-    sched = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=args.lr, min_lr=args.lr, lr_warmup_steps=3,
-                                    lr_decay_steps=args.steps, lr_decay_style="constant", start_wd=0.01,
-                                    end_wd=0.01, wd_incr_steps=args.steps, wd_incr_style="constant")
+    sched = OptimizerParamScheduler(
+        opt,
+        init_lr=0.0,
+        max_lr=args.lr,
+        min_lr=args.lr,
+        lr_warmup_steps=3,
+        lr_decay_steps=args.steps,
+        lr_decay_style="constant",
+        start_wd=0.01,
+        end_wd=0.01,
+        wd_incr_steps=args.steps,
+        wd_incr_style="constant",
+    )
     tp_group = ps.get_tensor_model_parallel_group()
     mask = torch.triu(torch.ones(args.seq_len, args.seq_len, dtype=torch.bool), 1)[None, None]
     positions = torch.arange(args.seq_len)[None]
@@ -108,7 +127,10 @@ def _train(info, args) -> list[float]:
         out = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter([synthetic_batch(step, args.batch_size, args.seq_len)]),
-            model=[ddp], num_microbatches=1, seq_length=args.seq_len, micro_batch_size=args.batch_size,
+            model=[ddp],
+            num_microbatches=1,
+            seq_length=args.seq_len,
+            micro_batch_size=args.batch_size,
             forward_only=False,
         )
         ok, grad_norm, _ = opt.step()
@@ -132,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch.multiprocessing as mp
-
 
     ctx = mp.spawn(_worker, args=(args.tp, free_port(), args), nprocs=args.tp, join=False)
     try:

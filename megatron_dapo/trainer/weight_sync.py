@@ -65,8 +65,9 @@ class AllAtOnceSync(WeightSync):
     def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
         super().__init__(cfg, actor, rank)
         self.coord = coord
-        self.bridge = WeightSyncBridge(server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key,
-                                       server_tp_sizes=server_tp_sizes)
+        self.bridge = WeightSyncBridge(
+            server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key, server_tp_sizes=server_tp_sizes
+        )
         self.bridge.connect()
 
     def _sync(self, version: int) -> dict[str, float]:
@@ -103,10 +104,17 @@ class PerServerStoreSync(WeightSync):
         self.store = WeightStore()
         self.syncer = None
         if rank == 0:
-            self.syncer = PerServerSync(server_urls, cfg.rollout.sync, coord.registry, self.store,
-                                       api_key=cfg.rollout.api_key, server_tp_sizes=server_tp_sizes,
-                                       probe=self.probe, on_publish=lambda url, v: coord.set_version(v),
-                                       on_error=coord.fail)
+            self.syncer = PerServerSync(
+                server_urls,
+                cfg.rollout.sync,
+                coord.registry,
+                self.store,
+                api_key=cfg.rollout.api_key,
+                server_tp_sizes=server_tp_sizes,
+                probe=self.probe,
+                on_publish=lambda url, v: coord.set_version(v),
+                on_error=coord.fail,
+            )
             self.syncer.connect()
 
     def _store(self, version: int) -> dict[str, float]:

@@ -65,13 +65,17 @@ def make_batch(seed: int, n_groups: int = 3, group_size: int = 2, temperature: f
         rlen.append(r)
     n = len(ids)
     return RolloutBatch(
-        input_ids=ids, prompt_lengths=plen, response_lengths=rlen,
+        input_ids=ids,
+        prompt_lengths=plen,
+        response_lengths=rlen,
         advantages=torch.randn(n, generator=g),
         rollout_logprobs=[[0.0] * r for r in rlen],
         response_loss_mask=[0 if i == 1 else 1 for i in range(n)],  # one overlong-filtered sample
         token_versions=[[0] * r for r in rlen],
         group_index=torch.arange(n_groups).repeat_interleave(group_size),
-        temperature=temperature, step=0, prompt_indices=list(range(n_groups)),
+        temperature=temperature,
+        step=0,
+        prompt_indices=list(range(n_groups)),
     )
 
 
@@ -81,7 +85,7 @@ def hf_logprobs(hf_model, batch: RolloutBatch) -> list[torch.Tensor]:
     with torch.no_grad():
         for seq, p in zip(batch.input_ids, batch.prompt_lengths):
             logits = hf_model(torch.tensor([seq])).logits[0].double() / batch.temperature
-            lp = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
+            lp = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
             out.append(lp.float())
     return out
 
@@ -144,7 +148,7 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
     lp = []
     for seq, p in zip(batch.input_ids, batch.prompt_lengths):
         logits = model(torch.tensor([seq])).logits[0] / batch.temperature
-        row = torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
+        row = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
         lp.append(torch.nn.functional.pad(row, (0, width - row.numel())))
     lp = torch.stack(lp)
     old_rows, roll, mask = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
@@ -154,16 +158,31 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
         mask[i, :k] = batch.response_loss_mask[i]
     w = torch.exp(old_rows - roll) * (mask > 0)
     # token_sum_norm: the one constant divisor of seq-mean-token-sum-norm (ignored by the other modes)
-    loss, _ = dapo_policy_loss(lp, old_rows, batch.advantages.float(), mask, a.clip_ratio_low, a.clip_ratio_high,
-                               a.clip_ratio_c, a.loss_agg_mode, None, w, rollout_is_cap=a.rollout_is.cap,
-                               token_sum_norm=cfg.data.max_response_length)
+    loss, _ = dapo_policy_loss(
+        lp,
+        old_rows,
+        batch.advantages.float(),
+        mask,
+        a.clip_ratio_low,
+        a.clip_ratio_high,
+        a.clip_ratio_c,
+        a.loss_agg_mode,
+        None,
+        w,
+        rollout_is_cap=a.rollout_is.cap,
+        token_sum_norm=cfg.data.max_response_length,
+    )
     loss.backward()
     params = dict(model.named_parameters())
     decay = [p for p in params.values() if p.ndim > 1]
     no_decay = [p for p in params.values() if p.ndim <= 1]
     norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP).item()
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.optimizer.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.999), eps=EPS)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.optimizer.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.999),
+        eps=EPS,
+    )
     opt.step()
     return loss.item(), norm, on_disk_state(model), old
 
@@ -191,8 +210,7 @@ def check_exact_update(hf_dir, ep=1, seed=5, **algo):
     """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor."""
     init_model_parallel(ep=ep, seed=1)  # DP=2
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
-    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3,
-                      **algo)
+    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo)
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     batch = make_batch(seed=seed)
     g = torch.Generator().manual_seed(9)
@@ -223,9 +241,12 @@ def check_exact_update(hf_dir, ep=1, seed=5, **algo):
             worst_rel = max(worst_rel, err / delta_ref)
         assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
-    log(f"DP=2 (EP={ep}) packed update vs one-process HF reference: loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
+    log(
+        f"DP=2 (EP={ep}) packed update vs one-process HF reference: "
+        f"loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
         f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
-        f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})")
+        f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})"
+    )
     assert moved > 1e-4, "the step should move the parameters"
     return actor, cfg, batch, after
 
@@ -285,8 +306,9 @@ def check_shards(hf_dir):
     batch = make_batch(seed=11, n_groups=4)
     whole, sharded = MegatronActor(cfg), MegatronActor(cfg)
     g = torch.Generator().manual_seed(3)
-    batch.rollout_logprobs = [(o + 0.3 * torch.randn(o.shape, generator=g)).tolist()
-                              for o in whole.compute_logprobs(batch)]
+    batch.rollout_logprobs = [
+        (o + 0.3 * torch.randn(o.shape, generator=g)).tolist() for o in whole.compute_logprobs(batch)
+    ]
     shards = shard_batch(batch, 2, cfg.algo.ppo_mini_batch_size) if dist.get_rank() == 0 else None
     shard = scatter_shards(shards, data_parallel_ranks(sharded.dp_rank))
     assert 0 < shard.batch.num_samples < batch.num_samples and len(shard.mini_batches) == 2
@@ -298,8 +320,10 @@ def check_shards(hf_dir):
     w1, w2 = exported(whole), exported(sharded)
     diff = max((w1[k] - w2[k]).abs().max().item() for k in w1)
     moved = max((w1[k] - v).abs().max().item() for k, v in exported(MegatronActor(cfg)).items())
-    log(f"shard-fed vs whole-batch step: params max abs diff {diff:.1e} (update {moved:.1e}), "
-        f"rank 0 trained {shard.batch.num_samples} of {batch.num_samples} rows; metrics equal: {m_whole == m_shard}")
+    log(
+        f"shard-fed vs whole-batch step: params max abs diff {diff:.1e} (update {moved:.1e}), "
+        f"rank 0 trained {shard.batch.num_samples} of {batch.num_samples} rows; metrics equal: {m_whole == m_shard}"
+    )
     assert moved > 1e-4 and all(torch.equal(w1[k], w2[k]) for k in w1), diff
     assert m_whole == m_shard, (m_whole, m_shard)
 

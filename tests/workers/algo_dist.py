@@ -51,8 +51,13 @@ def check_tp(rank, world):
         ((lp * glp.to(dtype)).sum() + (ent * gh.to(dtype)).sum()).backward()
         tol = 1e-10 if dtype == torch.float64 else 1e-5
         for name, a, b in (("logprobs", lp, rlp), ("entropy", ent, rent), ("grad", x.grad, ref_x.grad[:, shard])):
-            torch.testing.assert_close(a.double(), b.detach(), atol=tol, rtol=tol,
-                                       msg=lambda m: f"TP rank {rank} {backend} {dtype} {name}: {m}")
+            torch.testing.assert_close(
+                a.double(),
+                b.detach(),
+                atol=tol,
+                rtol=tol,
+                msg=lambda m: f"TP rank {rank} {backend} {dtype} {name}: {m}",
+            )
         print(f"rank {rank}: TP=2 {backend} {dtype} ok", flush=True)
 
 
@@ -90,11 +95,16 @@ def check_dp(rank, world):
             ref_model.load_state_dict(base.state_dict())
             ddp = torch.nn.parallel.DistributedDataParallel(base)
             # what the actor does: count local loss tokens / sequences, all-reduce the sum
-            counts = torch.tensor([mask[rank_rows[rank]].sum(), (mask[rank_rows[rank]].sum(-1) > 0).sum()],
-                                  dtype=torch.float64)
+            counts = torch.tensor(
+                [mask[rank_rows[rank]].sum(), (mask[rank_rows[rank]].sum(-1) > 0).sum()], dtype=torch.float64
+            )
             dist.all_reduce(counts)
-            glob = dict(global_num_tokens=counts[0].item(), global_num_seqs=counts[1].item(), dp_world_size=world,
-                        token_sum_norm=s)
+            glob = dict(
+                global_num_tokens=counts[0].item(),
+                global_num_seqs=counts[1].item(),
+                dp_world_size=world,
+                token_sum_norm=s,
+            )
             total = torch.zeros((), dtype=torch.float64)
             kl = torch.zeros((), dtype=torch.float64)
             for i, rows in enumerate(micro[rank]):
@@ -107,16 +117,24 @@ def check_dp(rank, world):
             stacked = torch.stack([total, kl])
             dist.all_reduce(stacked)
             stacked /= world  # DDP's averaging, applied to the logged numbers
-            one_loss, one_metrics = policy_loss(ref_model, batch, list(range(12)), backend, dtype, mode,
-                                                token_sum_norm=s)
+            one_loss, one_metrics = policy_loss(
+                ref_model, batch, list(range(12)), backend, dtype, mode, token_sum_norm=s
+            )
             one_loss.backward()
             tol = 1e-12 if dtype == torch.float64 else 2e-6
-            for name, a, b in (("weight grad", base.weight.grad, ref_model.weight.grad),
-                               ("bias grad", base.bias.grad, ref_model.bias.grad),
-                               ("loss", stacked[0], one_loss.detach()),
-                               ("approx_kl", stacked[1], one_metrics["approx_kl"])):
-                torch.testing.assert_close(a.double(), b.double(), atol=tol, rtol=tol,
-                                           msg=lambda m: f"DP rank {rank} {backend} {mode} {name}: {m}")
+            for name, a, b in (
+                ("weight grad", base.weight.grad, ref_model.weight.grad),
+                ("bias grad", base.bias.grad, ref_model.bias.grad),
+                ("loss", stacked[0], one_loss.detach()),
+                ("approx_kl", stacked[1], one_metrics["approx_kl"]),
+            ):
+                torch.testing.assert_close(
+                    a.double(),
+                    b.double(),
+                    atol=tol,
+                    rtol=tol,
+                    msg=lambda m: f"DP rank {rank} {backend} {mode} {name}: {m}",
+                )
             print(f"rank {rank}: DP=2 x 3 micro-batches {backend} {dtype} {mode} ok", flush=True)
 
 

@@ -49,8 +49,24 @@ def ref_token_loss(lp, old, a, low, high, c, w, cap):
     return loss
 
 
-def ref_policy_loss(lp, old, adv, mask, *, low=0.2, high=0.28, c=None, mode="token-mean", n_tok=None,
-                    n_seq=None, dp=1, w=None, cap=2.0, norm=None, only=None):
+def ref_policy_loss(
+    lp,
+    old,
+    adv,
+    mask,
+    *,
+    low=0.2,
+    high=0.28,
+    c=None,
+    mode="token-mean",
+    n_tok=None,
+    n_seq=None,
+    dp=1,
+    w=None,
+    cap=2.0,
+    norm=None,
+    only=None,
+):
     """Loss of a [B, S] micro-batch as python floats; adv is [B] or [B, S].
 
     only=(i, t): the share of token (i, t) alone (the others count but add 0), for gradients."""
@@ -64,7 +80,9 @@ def ref_policy_loss(lp, old, adv, mask, *, low=0.2, high=0.28, c=None, mode="tok
         for t in range(len(lp[i])):
             if mask[i][t] > 0:
                 if only is None or only == (i, t):
-                    s += ref_token_loss(lp[i][t], old[i][t], adv[i][t], low, high, c, None if w is None else w[i][t], cap)
+                    s += ref_token_loss(
+                        lp[i][t], old[i][t], adv[i][t], low, high, c, None if w is None else w[i][t], cap
+                    )
                 n += 1
         seq_sums.append(s)
         seq_counts.append(n)
@@ -91,8 +109,9 @@ def ref_policy_loss_grad(lp, *args, h=1e-6, **kwargs):
             up, down = base.clone(), base.clone()
             up[i, t] += h
             down[i, t] -= h
-            grad[i, t] = (ref_policy_loss(up, *args, only=(i, t), **kwargs)
-                          - ref_policy_loss(down, *args, only=(i, t), **kwargs)) / (2 * h)
+            grad[i, t] = (
+                ref_policy_loss(up, *args, only=(i, t), **kwargs) - ref_policy_loss(down, *args, only=(i, t), **kwargs)
+            ) / (2 * h)
     return grad
 
 

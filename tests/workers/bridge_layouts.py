@@ -98,7 +98,9 @@ def main() -> int:
                 elif tensor is not None:
                     failures.append(f"{name} {layout}: rank {info.rank} received {hf_name}")
             if info.rank == 0 and sorted(seen) != sorted(on_disk):
-                failures.append(f"{name} {layout}: exported names differ from the file: {sorted(set(seen) ^ set(on_disk))[:4]}")
+                failures.append(
+                    f"{name} {layout}: exported names differ from the file: {sorted(set(seen) ^ set(on_disk))[:4]}"
+                )
             # The order is identical on every rank and every call.
             orders = [None] * dist.get_world_size()
             dist.all_gather_object(orders, seen)
@@ -108,7 +110,9 @@ def main() -> int:
                 # dst_rank=None: every rank receives every full tensor, equal to the file's.
                 for hf_name, tensor in export_hf_weights(chunks, dst_rank=None):
                     if tensor is None or tensor.shape != torch.Size(_shape(arch, hf_name)):
-                        failures.append(f"{name} {layout}: broadcast export gave rank {info.rank} no/misshaped {hf_name}")
+                        failures.append(
+                            f"{name} {layout}: broadcast export gave rank {info.rank} no/misshaped {hf_name}"
+                        )
                         break
                 if info.rank == 0:
                     print(f"RESULT {name} {layout} broadcast-export ok", flush=True)

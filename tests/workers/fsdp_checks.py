@@ -62,7 +62,7 @@ def hf_rows(model, batch: RolloutBatch, dtype=torch.float64) -> list[torch.Tenso
     out = []
     for seq, p in zip(batch.input_ids, batch.prompt_lengths):
         logits = model(torch.tensor([seq])).logits[0].to(dtype) / batch.temperature
-        out.append(torch.log_softmax(logits, -1)[p - 1:-1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0])
+        out.append(torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0])
     return out
 
 
@@ -82,23 +82,39 @@ def reference(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
     with torch.no_grad():
         old = [x.float() for x in hf_rows(model.eval(), batch)]
     n, width = batch.num_samples, max(batch.response_lengths)
-    lp = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel()))
-                      for r in hf_rows(model, batch, torch.float32)])
+    lp = torch.stack([torch.nn.functional.pad(r, (0, width - r.numel())) for r in hf_rows(model, batch, torch.float32)])
     old_rows, roll, mask = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
     for i in range(n):
         k = batch.response_lengths[i]
         old_rows[i, :k], roll[i, :k] = old[i], torch.tensor(batch.rollout_logprobs[i])
         mask[i, :k] = batch.response_loss_mask[i]
     w = torch.exp(old_rows - roll) * (mask > 0)
-    loss, _ = dapo_policy_loss(lp, old_rows, batch.advantages.float(), mask, a.clip_ratio_low, a.clip_ratio_high,
-                               a.clip_ratio_c, a.loss_agg_mode, None, w, rollout_is_cap=a.rollout_is.cap)
+    loss, _ = dapo_policy_loss(
+        lp,
+        old_rows,
+        batch.advantages.float(),
+        mask,
+        a.clip_ratio_low,
+        a.clip_ratio_high,
+        a.clip_ratio_c,
+        a.loss_agg_mode,
+        None,
+        w,
+        rollout_is_cap=a.rollout_is.cap,
+    )
     loss.backward()
     params = dict(model.named_parameters())
     grads = {k: p.grad.clone() for k, p in params.items()}
     norm = torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP).item()
-    opt = torch.optim.AdamW([{"params": [p for p in params.values() if p.ndim > 1], "weight_decay": WD},
-                             {"params": [p for p in params.values() if p.ndim <= 1], "weight_decay": 0.0}],
-                            lr=LR, betas=(0.9, 0.999), eps=EPS)
+    opt = torch.optim.AdamW(
+        [
+            {"params": [p for p in params.values() if p.ndim > 1], "weight_decay": WD},
+            {"params": [p for p in params.values() if p.ndim <= 1], "weight_decay": 0.0},
+        ],
+        lr=LR,
+        betas=(0.9, 0.999),
+        eps=EPS,
+    )
     opt.step()
     return loss.item(), norm, grads, {k: v.detach().clone() for k, v in params.items()}, old
 
@@ -136,14 +152,16 @@ def check_export(hf_dir):
     items = list(actor.export_weights())  # rank 0 receives, rank 1 gets None
     names = [n for n, _ in items]
     assert len(names) == len(set(names))
-    assert set(names) == set(on_disk), (sorted(set(names) ^ set(on_disk)))
+    assert set(names) == set(on_disk), sorted(set(names) ^ set(on_disk))
     if dist.get_rank() == 0:
         for name, t in items:
             assert t.shape == on_disk[name].shape and torch.equal(t, on_disk[name].float()), name
     else:
         assert all(t is None for _, t in items)
-    log(f"export: {len(names)} tensors, names / shapes / values equal to the safetensors file "
-        f"(tied lm_head absent: {'lm_head.weight' not in names})")
+    log(
+        f"export: {len(names)} tensors, names / shapes / values equal to the safetensors file "
+        f"(tied lm_head absent: {'lm_head.weight' not in names})"
+    )
 
 
 def train_step_checking_grads(actor, batch, ref_grads) -> dict:
@@ -254,8 +272,12 @@ def main(argv):
     if dist.get_rank() == 0:
         save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
     dist.barrier()
-    for name, check in (("logprobs", lambda: check_logprobs(hf_dir)), ("export", lambda: check_export(hf_dir)),
-                        ("train", lambda: check_train(hf_dir, tmpdir)), ("moe", lambda: check_moe(moe_dir))):
+    for name, check in (
+        ("logprobs", lambda: check_logprobs(hf_dir)),
+        ("export", lambda: check_export(hf_dir)),
+        ("train", lambda: check_train(hf_dir, tmpdir)),
+        ("moe", lambda: check_moe(moe_dir)),
+    ):
         check()
         dist.barrier()
         log(f"CHECK PASSED {name}")

@@ -28,13 +28,29 @@ def main():
         if weights:  # rank 0
             out.mkdir(parents=True, exist_ok=True)
             torch.save(weights, out / f"weights_step{step}.pt")
-            torch.save({k: getattr(batch, k) for k in ("input_ids", "prompt_lengths", "response_lengths",
-                                                       "rollout_logprobs", "token_versions", "temperature")},
-                       out / f"batch_step{step}.pt")
+            torch.save(
+                {
+                    k: getattr(batch, k)
+                    for k in (
+                        "input_ids",
+                        "prompt_lengths",
+                        "response_lengths",
+                        "rollout_logprobs",
+                        "token_versions",
+                        "temperature",
+                    )
+                },
+                out / f"batch_step{step}.pt",
+            )
 
     try:
-        result = train_rank(cfg, list(cfg.rollout.servers), resume=cfg.checkpoint.resume,
-                            stop_after=None if stop_after == "-" else int(stop_after), on_step_end=dump_weights)
+        result = train_rank(
+            cfg,
+            list(cfg.rollout.servers),
+            resume=cfg.checkpoint.resume,
+            stop_after=None if stop_after == "-" else int(stop_after),
+            on_step_end=dump_weights,
+        )
     except RunSetupError as e:
         print(f"RUN SETUP ERROR: {e}", flush=True)
         sys.exit(3)

@@ -45,28 +45,50 @@ def plain_gpt_model(hf_dir):
     hf = json.loads((Path(hf_dir) / "config.json").read_text())
     experts = hf.get("num_local_experts", hf.get("num_experts"))
     config = TransformerConfig(
-        num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"],
-        num_attention_heads=hf["num_attention_heads"], num_query_groups=hf["num_key_value_heads"],
-        kv_channels=hf["head_dim"], ffn_hidden_size=hf["intermediate_size"],
-        normalization="RMSNorm", layernorm_epsilon=hf["rms_norm_eps"], qk_layernorm=True,
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        hidden_dropout=0.0, attention_dropout=0.0, attention_softmax_in_fp32=True,
-        num_moe_experts=experts, moe_router_topk=hf["num_experts_per_tok"],
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=hf["num_attention_heads"],
+        num_query_groups=hf["num_key_value_heads"],
+        kv_channels=hf["head_dim"],
+        ffn_hidden_size=hf["intermediate_size"],
+        normalization="RMSNorm",
+        layernorm_epsilon=hf["rms_norm_eps"],
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        num_moe_experts=experts,
+        moe_router_topk=hf["num_experts_per_tok"],
         moe_ffn_hidden_size=hf["moe_intermediate_size"],
         moe_router_pre_softmax=not hf["norm_topk_prob"],  # norm_topk_prob: softmax over the top-k
-        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=hf["router_aux_loss_coef"],
-        moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, use_cpu_initialization=True,
-        gradient_accumulation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-        masked_softmax_fusion=False, persist_layer_norm=False,
+        moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=hf["router_aux_loss_coef"],
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
     )
     assert config.moe_layer_freq == 1, "the plain model must use megatron-core's default moe_layer_freq"
-    spec = get_gpt_layer_local_spec(num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                    normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
     return GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=hf["vocab_size"],
-        max_sequence_length=hf["max_position_embeddings"], share_embeddings_and_output_weights=False,
-        position_embedding_type="rope", rotary_base=hf["rope_parameters"]["rope_theta"],
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=hf["vocab_size"],
+        max_sequence_length=hf["max_position_embeddings"],
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=hf["rope_parameters"]["rope_theta"],
     )
 
 
@@ -90,7 +112,9 @@ def check_converted(hf_dir, ckpt, ids, ref, num_layers):
 
     torch.manual_seed(1)
     plain = plain_gpt_model(hf_dir)
-    state = dist_checkpointing.load({"model": plain.sharded_state_dict()}, str(release), strict=StrictHandling.RAISE_ALL)
+    state = dist_checkpointing.load(
+        {"model": plain.sharded_state_dict()}, str(release), strict=StrictHandling.RAISE_ALL
+    )
     plain.load_state_dict(state["model"], strict=True)
     err = rel_err(megatron_logits([plain], ids, ref.shape[-1]), ref)
     print(f"RESULT converted rel={err:.3e}", flush=True)

@@ -68,9 +68,7 @@ def build_gpt(config):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    spec = get_gpt_layer_local_spec(
-        num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm"
-    )
+    spec = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, qk_layernorm=True, normalization="RMSNorm")
     return GPTModel(
         config=config,
         transformer_layer_spec=spec,

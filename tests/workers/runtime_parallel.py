@@ -74,7 +74,9 @@ def reference_step_data(moe, steps, dp, n_mb, mbs):
     no_decay = [p for p in params.values() if p.ndim <= 1]  # megatron skips wd on 1-D params
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=BETAS, eps=EPS,
+        lr=LR,
+        betas=BETAS,
+        eps=EPS,
     )
     out = []
     for step in range(steps):
@@ -112,15 +114,31 @@ def parallel_model(moe, tp, pp, ep, distributed_optimizer):
     config.finalize_model_grads_func = finalize_model_grads
     opt = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam", lr=LR, weight_decay=WD, adam_beta1=BETAS[0], adam_beta2=BETAS[1], adam_eps=EPS,
-            clip_grad=CLIP, use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32,
+            optimizer="adam",
+            lr=LR,
+            weight_decay=WD,
+            adam_beta1=BETAS[0],
+            adam_beta2=BETAS[1],
+            adam_eps=EPS,
+            clip_grad=CLIP,
+            use_distributed_optimizer=distributed_optimizer,
+            params_dtype=torch.float32,
         ),
         [ddp],
     )
     # The scheduler is what applies megatron's per-group wd_mult (no decay on 1-D params).
     OptimizerParamScheduler(
-        opt, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100, lr_decay_style="constant",
-        start_wd=WD, end_wd=WD, wd_incr_steps=100, wd_incr_style="constant",
+        opt,
+        init_lr=LR,
+        max_lr=LR,
+        min_lr=LR,
+        lr_warmup_steps=0,
+        lr_decay_steps=100,
+        lr_decay_style="constant",
+        start_wd=WD,
+        end_wd=WD,
+        wd_incr_steps=100,
+        wd_incr_style="constant",
     )
     return config, ddp, opt
 

@@ -21,11 +21,14 @@ def main():
     from megatron_dapo.runtime.net import LOOPBACK
 
     def post(path, body):
-        return httpx.post(url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600,
-                          trust_env=False)
+        return httpx.post(
+            url + path, json=body, headers={"Authorization": f"Bearer {key}"}, timeout=600, trust_env=False
+        )
 
-    init = threading.Thread(target=post, args=(
-        "/init_weights_update_group", payloads.init_group_body(LOOPBACK, int(port), 1, 2, group, "gloo")))
+    init = threading.Thread(
+        target=post,
+        args=("/init_weights_update_group", payloads.init_group_body(LOOPBACK, int(port), 1, 2, group, "gloo")),
+    )
     init.start()
     wgroup.init_weight_update_group(LOOPBACK, int(port), 0, 2, group, "gloo", timeout_s=60)
     init.join()

@@ -41,7 +41,9 @@ def main():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32).eval()
-    probe = [int(x) for x in torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))]
+    probe = [
+        int(x) for x in torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))
+    ]
     with torch.no_grad():
         logits = model(torch.tensor([probe])).logits[0].double()
     ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
@@ -75,14 +77,30 @@ def main():
         bridge.sync(named(a.first_ckpt), version="first")
     for v in a.versions.split(","):
         s = bridge.sync(named(), version=v)
-        stats.append({"version": s.version, "tensors": s.num_tensors, "bytes": s.nbytes, "buckets": s.num_buckets,
-                      "gbps": s.gbps})
+        stats.append(
+            {
+                "version": s.version,
+                "tensors": s.num_tensors,
+                "bytes": s.nbytes,
+                "buckets": s.num_buckets,
+                "gbps": s.gbps,
+            }
+        )
     diff = bridge.verify(probe, ref.tolist(), tolerance=1e-4)
     server_lps = bridge.server_logprobs(probe)
     bridge.close()
     with open(a.out, "w") as f:
-        json.dump({"stats": stats, "bad_name_error": bad_name_error, "max_diff": diff, "probe": probe,
-                   "trainer": ref.tolist(), "servers": server_lps}, f)
+        json.dump(
+            {
+                "stats": stats,
+                "bad_name_error": bad_name_error,
+                "max_diff": diff,
+                "probe": probe,
+                "trainer": ref.tolist(),
+                "servers": server_lps,
+            },
+            f,
+        )
     print("sync worker done", stats, diff)
     return 0
 

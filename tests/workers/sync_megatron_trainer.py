@@ -28,6 +28,7 @@ def megatron_logprobs(chunks, probe, vocab):
     lp = torch.log_softmax(logits[:-1], -1)
     return lp.gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
 
+
 def main():
     out, hf_dir, api_key, *urls = sys.argv[1:]
     from megatron_dapo.bridge.export import export_hf_weights
@@ -57,8 +58,14 @@ def main():
             diff = bridge.verify(probe, ref.tolist(), tolerance=1e-4)
 
             versions = bridge._all("get_model_info")
-            report["rounds"].append({"version": version, "max_diff": diff, "tensors": stats.num_tensors,
-                                     "server_versions": [v["weight_version"] for v in versions]})
+            report["rounds"].append(
+                {
+                    "version": version,
+                    "max_diff": diff,
+                    "tensors": stats.num_tensors,
+                    "server_versions": [v["weight_version"] for v in versions],
+                }
+            )
         dist.barrier()
     if info.rank == 0:
         bridge.close()
@@ -67,6 +74,7 @@ def main():
         print("megatron sync worker done", report)
     dist.barrier()
     dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

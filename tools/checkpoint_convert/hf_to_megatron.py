@@ -1,6 +1,6 @@
 """HF safetensors -> megatron-core dist_checkpointing. Same as `megatron-dapo convert hf-to-megatron`.
 
-    python tools/checkpoint_convert/hf_to_megatron.py --hf Qwen3-8B --out ckpt/qwen3-8b --tp 2
+python tools/checkpoint_convert/hf_to_megatron.py --hf Qwen3-8B --out ckpt/qwen3-8b --tp 2
 """
 
 import sys

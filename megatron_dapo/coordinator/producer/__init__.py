@@ -73,5 +73,15 @@ from megatron_dapo.coordinator.producer.settings import (
     sample_seed,
 )
 
-__all__ = ["COORDINATION_COUNTS", "LOAD_TIMEOUT_S", "BatchInfo", "DynamicSamplingExhausted", "InFlight",
-           "ProducerCounters", "ProducerSettings", "RolloutProducer", "response_text", "sample_seed"]
+__all__ = [
+    "COORDINATION_COUNTS",
+    "LOAD_TIMEOUT_S",
+    "BatchInfo",
+    "DynamicSamplingExhausted",
+    "InFlight",
+    "ProducerCounters",
+    "ProducerSettings",
+    "RolloutProducer",
+    "response_text",
+    "sample_seed",
+]

@@ -56,9 +56,11 @@ class Batches:
                 return info
             if time.monotonic() - t0 > timeout_s:
                 with p._cv:
-                    raise TimeoutError(f"no full batch for step {step} after {timeout_s}s "
-                                       f"({p.slots.count(OCCUPIED, step)}/{p.s.train_batch_size} groups "
-                                       f"kept, {p.in_flight} in flight)")
+                    raise TimeoutError(
+                        f"no full batch for step {step} after {timeout_s}s "
+                        f"({p.slots.count(OCCUPIED, step)}/{p.s.train_batch_size} groups "
+                        f"kept, {p.in_flight} in flight)"
+                    )
             with p._cv:
                 p._cv.wait_for(lambda seen=seen: p._changes != seen, WAIT_S)
 
@@ -107,13 +109,18 @@ class Batches:
         # Judged groups beyond this batch (already in later buffers) count towards the next one.
         judged = c.judged - later
         info = BatchInfo(
-            groups, p.s.train_batch_size, c.dropped_correct, c.dropped_wrong,
+            groups,
+            p.s.train_batch_size,
+            c.dropped_correct,
+            c.dropped_wrong,
             gen_batches=max(1, math.ceil(judged / p.gen_batch_size)),
             reward_failures=c.reward_failures,
             staleness=Counter(step - g.min_version for g in groups),
             wait_s=p.clock() - waiting_since,
-            reserved_slots=p.in_flight, occupied_slots=later,
-            partial_resumes=c.resumes, tokens_regenerated=c.regenerated,
+            reserved_slots=p.in_flight,
+            occupied_slots=later,
+            partial_resumes=c.resumes,
+            tokens_regenerated=c.regenerated,
             coordination=self._router_counts(c.coordination),
         )
         c.reset(judged=later)
@@ -150,8 +157,12 @@ class Batches:
         out = p.retry.apply(p.slots, trainer_waiting=self.waiting_for == p.slots.next_buffer)
         if out is None:
             return
-        log.info("proactive retry on buffer %d: %d in flight aborted, %d completed groups moved down",
-                 out.buffer, len(out.aborted), len(out.moved))
+        log.info(
+            "proactive retry on buffer %d: %d in flight aborted, %d completed groups moved down",
+            out.buffer,
+            len(out.aborted),
+            len(out.moved),
+        )
         p.counters.coordination["retries"] += 1
         p.counters.coordination["groups_moved_down"] += len(out.moved)
         p.completion.abandon(out.aborted, "retry")

@@ -41,14 +41,25 @@ class Completion:
             rid = f"{sample.group_id}-{sample.index}-{uuid.uuid4().hex[:6]}"
             # a resumed trajectory: routing charges its generated tokens, priority queues order it by V_traj,
             # and it goes on at its newest tokens' version or later (never back to older weights)
-            (piece,) = await router.generate(continuation_ids(so_far), sampling, group_id=sample.group_id, rid=rid,
-                                             min_version=v_traj, generated=len(so_far.output_ids),
-                                             newest_version=max(token_versions(so_far), default=None))
+            (piece,) = await router.generate(
+                continuation_ids(so_far),
+                sampling,
+                group_id=sample.group_id,
+                rid=rid,
+                min_version=v_traj,
+                generated=len(so_far.output_ids),
+                newest_version=max(token_versions(so_far), default=None),
+            )
             return piece
 
-        return await finish_partial(generate, sample, p.dispatch.sampling(draw, sample.index), p.s.max_resubmits,
-                                    on_resume=lambda: self.count(resumes=1),
-                                    on_progress=lambda merged: self.progress(draw, merged))
+        return await finish_partial(
+            generate,
+            sample,
+            p.dispatch.sampling(draw, sample.index),
+            p.s.max_resubmits,
+            on_resume=lambda: self.count(resumes=1),
+            on_progress=lambda merged: self.progress(draw, merged),
+        )
 
     # ---- one group -----------------------------------------------------------------------------
     async def one_group(self, router, idx: int, draw: int, v_traj: int) -> None:

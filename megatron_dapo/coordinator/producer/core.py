@@ -34,8 +34,17 @@ log = logging.getLogger("megatron_dapo.coordinator.producer")
 
 
 class RolloutProducer:
-    def __init__(self, router_factory, dataset, sampler, reward_runner, settings: ProducerSettings, version: int = 0,
-                 tokenizer=None, clock=time.monotonic):
+    def __init__(
+        self,
+        router_factory,
+        dataset,
+        sampler,
+        reward_runner,
+        settings: ProducerSettings,
+        version: int = 0,
+        tokenizer=None,
+        clock=time.monotonic,
+    ):
         """`router_factory()` builds the router inside the producer's event loop (aiohttp sessions
         belong to the loop that creates them). With `tokenizer`, responses are judged on their
         tokens decoded here (special tokens skipped), whatever text the server returns."""
@@ -49,8 +58,9 @@ class RolloutProducer:
         self._changes = 0  # bumped by every _changed(): what a waiting take_batch waits for
         self.handoff = LoopHandoff(self._cv)
         self.version = version
-        self.slots = StalenessController(settings.train_batch_size, settings.staleness, clock=clock,
-                                         extra=settings.extra_prompts)
+        self.slots = StalenessController(
+            settings.train_batch_size, settings.staleness, clock=clock, extra=settings.extra_prompts
+        )
         self.retry = ProactiveRetry(settings.retry_threshold, clock) if settings.retry_threshold else None
         self.migration = MigrationPolicy(settings.migration, clock) if settings.migration.enabled else None
         self.counters = ProducerCounters()

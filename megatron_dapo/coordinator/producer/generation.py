@@ -32,8 +32,9 @@ class Generation:
         seeded = [p.dispatch.sampling(draw, i) for i in range(p.s.n)]
         return await router.generate(prompt, seeded, group_id=group_id, rid=group_id, min_version=v_traj)
 
-    async def group(self, router, prompt: list[int], idx: int, draw: int,
-                    resumed: list[Sample] | None = None) -> list[Sample]:
+    async def group(
+        self, router, prompt: list[int], idx: int, draw: int, resumed: list[Sample] | None = None
+    ) -> list[Sample]:
         """The group's n finished samples; `resumed`: its answers saved by a checkpoint, continued."""
         p = self.p
         if p.s.extra_samples:
@@ -61,8 +62,9 @@ class Generation:
             log.info("group of prompt %d aborted by the server (attempt %d); resubmitting", idx, attempt)
         raise RuntimeError(f"prompt {idx}: generation aborted {p.s.max_resubmits + 1} times")
 
-    async def first_n(self, router, prompt: list[int], idx: int, draw: int,
-                      resumed: list[Sample | None] | None) -> list[Sample]:
+    async def first_n(
+        self, router, prompt: list[int], idx: int, draw: int, resumed: list[Sample | None] | None
+    ) -> list[Sample]:
         """Sample-level redundancy: n + extra samples, one request each; the first n to finish are kept."""
         p = self.p
         n_all = p.s.n + p.s.extra_samples
@@ -74,16 +76,19 @@ class Generation:
             if resumed is None or len(resumed) != n_all:
                 resumed = [None] * n_all
             f.samples = list(resumed)
-        tasks = [asyncio.ensure_future(self._one_of_n(router, prompt, idx, draw, v_traj, gid, i, resumed[i]))
-                 for i in range(n_all)]
+        tasks = [
+            asyncio.ensure_future(self._one_of_n(router, prompt, idx, draw, v_traj, gid, i, resumed[i]))
+            for i in range(n_all)
+        ]
         kept = await self._keep_first(router, gid, tasks)
         kept.sort(key=lambda smp: smp.index)
         for j, smp in enumerate(kept):
             smp.index = j
         return kept
 
-    async def _one_of_n(self, router, prompt: list[int], idx: int, draw: int, v_traj: int, gid: str, i: int,
-                        prior: Sample | None) -> Sample:
+    async def _one_of_n(
+        self, router, prompt: list[int], idx: int, draw: int, v_traj: int, gid: str, i: int, prior: Sample | None
+    ) -> Sample:
         """Sample `i` of a redundant group, resubmitted (or continued) while it is aborted."""
         p = self.p
         for _ in range(p.s.max_resubmits + 1):
@@ -91,8 +96,13 @@ class Generation:
                 smp, prior = prior, None
                 smp.group_id = gid
             else:
-                (smp,) = await router.generate(prompt, [p.dispatch.sampling(draw, i)], group_id=gid,
-                                               rid=f"{gid}-s{i}-{uuid.uuid4().hex[:4]}", min_version=v_traj)
+                (smp,) = await router.generate(
+                    prompt,
+                    [p.dispatch.sampling(draw, i)],
+                    group_id=gid,
+                    rid=f"{gid}-s{i}-{uuid.uuid4().hex[:4]}",
+                    min_version=v_traj,
+                )
                 smp.index = i
                 p.completion.progress(draw, smp)
             if not smp.aborted:

@@ -41,8 +41,9 @@ class Migration:
         # the generation clients wait minutes for an answer; a load report that slow is no report
         # (the timeout is read from the package at call time: tests shorten it there)
         timeout = package.LOAD_TIMEOUT_S
-        rows = await asyncio.gather(*(asyncio.wait_for(by_url[s.url].client.get_loads(), timeout)
-                                      for s in statuses), return_exceptions=True)
+        rows = await asyncio.gather(
+            *(asyncio.wait_for(by_url[s.url].client.get_loads(), timeout) for s in statuses), return_exceptions=True
+        )
         known = []
         for st, load in zip(statuses, rows):
             if isinstance(load, BaseException):  # no report: not a candidate this round
@@ -69,8 +70,9 @@ class Migration:
         if m is None:
             return
         aborted = await router.migrate_from(m.source)
-        log.info("migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source,
-                 m.ratio, m.starved)
+        log.info(
+            "migration: %d requests aborted on %s (ratio %.3g to starved %s)", aborted, m.source, m.ratio, m.starved
+        )
         if not aborted:  # all it runs continues earlier migrations (the router keeps them): nothing moved
             return
         p.counters.coordination["migrations"] += 1  # loop-owned

@@ -80,15 +80,27 @@ class BatchInfo:
         return sum(s.num_retractions for g in self.groups for s in g.samples)
 
     def metrics(self) -> dict[str, float]:
-        return {"rollout/reserved_slots": self.reserved_slots, "rollout/occupied_slots": self.occupied_slots,
-                "rollout/partial_resumes": self.partial_resumes, "rollout/retractions": self.retractions,
-                "rollout/tokens_regenerated": self.tokens_regenerated,
-                **{f"rollout/{k}": float(v) for k, v in sorted(self.coordination.items())}}
+        return {
+            "rollout/reserved_slots": self.reserved_slots,
+            "rollout/occupied_slots": self.occupied_slots,
+            "rollout/partial_resumes": self.partial_resumes,
+            "rollout/retractions": self.retractions,
+            "rollout/tokens_regenerated": self.tokens_regenerated,
+            **{f"rollout/{k}": float(v) for k, v in sorted(self.coordination.items())},
+        }
 
 
-COORDINATION_COUNTS = ("groups_aborted_surplus", "groups_aborted_retry", "groups_moved_down", "retries",
-                       "samples_aborted_surplus", "migrations", "requests_migrated", "routing_refusals",
-                       "router_queue")
+COORDINATION_COUNTS = (
+    "groups_aborted_surplus",
+    "groups_aborted_retry",
+    "groups_moved_down",
+    "retries",
+    "samples_aborted_surplus",
+    "migrations",
+    "requests_migrated",
+    "routing_refusals",
+    "router_queue",
+)
 
 
 def _coordination() -> Counter:

@@ -23,8 +23,13 @@ def state_dict(p: RolloutProducer) -> dict:
         "buffer": [g.to_state() for _, _, g in occupied],
         "slots": [[b, i] for b, i, _ in occupied],
         "in_flight": [
-            {"draw": d, "idx": f.idx, "v_traj": f.v_traj, "slot": list(p.slots.where[d]),
-             "samples": None if f.samples is None else [None if s is None else asdict(s) for s in f.samples]}
+            {
+                "draw": d,
+                "idx": f.idx,
+                "v_traj": f.v_traj,
+                "slot": list(p.slots.where[d]),
+                "samples": None if f.samples is None else [None if s is None else asdict(s) for s in f.samples],
+            }
             for d, f in sorted(p.flight.items())
         ],
     }
@@ -35,13 +40,11 @@ def restored_slots(p: RolloutProducer, state: dict) -> tuple[StalenessController
     B = p.s.train_batch_size
     consumed = int(state["consumed"])
     if consumed % B:
-        raise ValueError(f"rollout state: {consumed} groups consumed is not a multiple of "
-                         f"train_batch_size {B}")
+        raise ValueError(f"rollout state: {consumed} groups consumed is not a multiple of train_batch_size {B}")
     groups = [JudgedGroup.from_state(g) for g in state["buffer"]]
     # checkpoints older than the staleness slots: completed groups fill the next buffers in order
     where = state.get("slots") or [(consumed // B + i // B, i % B) for i in range(len(groups))]
-    slots = StalenessController(B, p.s.staleness, clock=p.clock, next_buffer=consumed // B,
-                                extra=p.s.extra_prompts)
+    slots = StalenessController(B, p.s.staleness, clock=p.clock, next_buffer=consumed // B, extra=p.s.extra_prompts)
     for n, (g, (b, i)) in enumerate(zip(groups, where)):
         v_traj = g.v_traj if g.v_traj >= 0 else g.min_version
         slots.restore(g.draw if g.draw >= 0 else f"restored-{n}", v_traj, int(b), int(i), g)
@@ -49,8 +52,7 @@ def restored_slots(p: RolloutProducer, state: dict) -> tuple[StalenessController
     for f in state.get("in_flight") or []:
         draw = int(f["draw"])
         slots.restore(draw, int(f["v_traj"]), int(f["slot"][0]), int(f["slot"][1]), state=RESERVED)
-        samples = None if f["samples"] is None else [None if s is None else sample_from_state(s)
-                                                     for s in f["samples"]]
+        samples = None if f["samples"] is None else [None if s is None else sample_from_state(s) for s in f["samples"]]
         flight[draw] = InFlight(int(f["idx"]), int(f["v_traj"]), samples)
     return slots, flight
 

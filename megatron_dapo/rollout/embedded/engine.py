@@ -111,9 +111,19 @@ class _Batch:
 
 
 class Engine:
-    def __init__(self, model, tokenizer=None, max_batch: int = 64, seed: int = 0,
-                 weight_version: str = "default", max_context: int | None = None, batch_invariant: bool = False,
-                 step_trace: StepTrace | None = None, batching: str = "static", max_total_tokens: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        max_batch: int = 64,
+        seed: int = 0,
+        weight_version: str = "default",
+        max_context: int | None = None,
+        batch_invariant: bool = False,
+        step_trace: StepTrace | None = None,
+        batching: str = "static",
+        max_total_tokens: int | None = None,
+    ):
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
@@ -182,9 +192,14 @@ class Engine:
             waiting = list(self._waiting)
             paused = self._paused
         return EngineLoad(
-            running=len(running), waiting=len(waiting), resident_tokens=sum(map(_seq_len, running)),
-            waiting_tokens=sum(map(_seq_len, waiting)), capacity=self.capacity,
-            paused=len(running) if paused else 0, retracted=sum(r.num_retractions > 0 for r in waiting))
+            running=len(running),
+            waiting=len(waiting),
+            resident_tokens=sum(map(_seq_len, running)),
+            waiting_tokens=sum(map(_seq_len, waiting)),
+            capacity=self.capacity,
+            paused=len(running) if paused else 0,
+            retracted=sum(r.num_retractions > 0 for r in waiting),
+        )
 
     def is_paused(self) -> bool:
         return self._paused
@@ -199,9 +214,15 @@ class Engine:
         """Mark requests aborted; they finish at the next step boundary (at once when idle or paused)."""
         with self._qlock:
             active = dict(self._active)  # one atomic copy: the worker retires requests concurrently
-            targets = list(active.values()) if abort_all else (
-                [active[rid]] if rid in active else
-                [r for k, r in active.items() if rid and k.startswith(f"{rid}_")])
+            targets = (
+                list(active.values())
+                if abort_all
+                else (
+                    [active[rid]]
+                    if rid in active
+                    else [r for k, r in active.items() if rid and k.startswith(f"{rid}_")]
+                )
+            )
             for r in targets:
                 r.abort_msg = message
             self._qlock.notify_all()
@@ -292,8 +313,14 @@ class Engine:
                 r = self._waiting[0]
                 if _seq_len(r) + 1 > self.capacity:
                     self._waiting.popleft()
-                    r.finish = {"type": "abort", "status_code": 400, "err_type": None, "message": (
-                        f"{_seq_len(r)} tokens do not fit the KV pool of {self.capacity} (--max-total-tokens)")}
+                    r.finish = {
+                        "type": "abort",
+                        "status_code": 400,
+                        "err_type": None,
+                        "message": (
+                            f"{_seq_len(r)} tokens do not fit the KV pool of {self.capacity} (--max-total-tokens)"
+                        ),
+                    }
                     self._send(r)
                     continue
                 if resident + _seq_len(r) + running + len(taken) + 1 > self.capacity:
@@ -317,8 +344,12 @@ class Engine:
             retracted.append(b.reqs[i])
         if resident + len(keep) > self.capacity:
             r = b.reqs[keep[0]]
-            r.finish = {"type": "abort", "status_code": 500, "err_type": None, "message": (
-                "Out of memory even after retracting all other requests in the decode batch")}
+            r.finish = {
+                "type": "abort",
+                "status_code": 500,
+                "err_type": None,
+                "message": ("Out of memory even after retracting all other requests in the decode batch"),
+            }
         self._batch = self._select(b, sorted(keep))
         # the last one retracted goes first: it cannot come back before a sequence has left, and admission
         # takes no one past it, so nothing retracted is prefilled only to be retracted again
@@ -345,8 +376,9 @@ class Engine:
             else:
                 self.stats.decode_step(len(reqs), start, end, generated)
             if self.step_trace is not None:
-                self.step_trace.step("prefill" if prefill else "decode", len(reqs), kv, end - start,
-                                     uncached if prefill else 0)
+                self.step_trace.step(
+                    "prefill" if prefill else "decode", len(reqs), kv, end - start, uncached if prefill else 0
+                )
             return out
         finally:
             held, self._held_answers = self._held_answers, None
@@ -357,8 +389,14 @@ class Engine:
     @torch.inference_mode()
     def _forward(self, ids, mask, pos, cache, logits_to_keep=1):
         # transformers 5.24 names the KV cache argument `cache` (formerly past_key_values)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                         use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
         return out.logits.float(), out.cache
 
     def _input_logprobs(self, r: GenRequest, s: tuple, logits: torch.Tensor) -> None:
@@ -399,8 +437,13 @@ class Engine:
                 a.keys = torch.cat([_left_pad(a.keys, width, -2), _left_pad(b.keys, width, -2)])
                 a.values = torch.cat([_left_pad(a.values, width, -2), _left_pad(b.values, width, -2)])
             cache, mask = running.cache, torch.cat([_left_pad(m, width, -1) for m in masks])
-        return _Batch(running.reqs + joined.reqs, cache, mask, torch.cat([running.next_pos, joined.next_pos]),
-                      torch.cat([running.last_tokens, joined.last_tokens]))
+        return _Batch(
+            running.reqs + joined.reqs,
+            cache,
+            mask,
+            torch.cat([running.next_pos, joined.next_pos]),
+            torch.cat([running.last_tokens, joined.last_tokens]),
+        )
 
     def _prefill_each(self, reqs: list[GenRequest]) -> _Batch | None:
         from transformers import DynamicCache
@@ -411,8 +454,9 @@ class Engine:
             ids = torch.tensor([s], device=self.device)
             pos = torch.arange(len(s), device=self.device).unsqueeze(0)
             want = self._wants_input_logprobs(r)
-            logits, cache = self._forward(ids, torch.ones_like(ids), pos, DynamicCache(),
-                                          logits_to_keep=0 if want else 1)
+            logits, cache = self._forward(
+                ids, torch.ones_like(ids), pos, DynamicCache(), logits_to_keep=0 if want else 1
+            )
             if want:
                 self._input_logprobs(r, s, logits[0])
             caches.append(cache)
@@ -432,8 +476,8 @@ class Engine:
         ids = torch.zeros(len(uniq), L, dtype=torch.long)
         mask = torch.zeros(len(uniq), L, dtype=torch.long)
         for i, s in enumerate(uniq):
-            ids[i, L - len(s):] = torch.tensor(s)
-            mask[i, L - len(s):] = 1
+            ids[i, L - len(s) :] = torch.tensor(s)
+            mask[i, L - len(s) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         want_input = any(self._wants_input_logprobs(r) for r in reqs)
@@ -441,7 +485,7 @@ class Engine:
 
         for r, s in zip(reqs, seqs):
             if self._wants_input_logprobs(r):
-                self._input_logprobs(r, s, logits[row_of[s], L - len(s):])
+                self._input_logprobs(r, s, logits[row_of[s], L - len(s) :])
 
         index = torch.tensor([row_of[s] for s in seqs], device=self.device)
         last = logits[:, -1][index]
@@ -455,9 +499,12 @@ class Engine:
             rows = []
             for i in range(len(b.reqs)):
                 n = int(b.next_pos[i])
-                logits, b.cache[i] = self._forward(b.last_tokens[i:i + 1].unsqueeze(-1),
-                                                   torch.ones(1, n + 1, dtype=torch.long, device=self.device),
-                                                   b.next_pos[i:i + 1].unsqueeze(-1), b.cache[i])
+                logits, b.cache[i] = self._forward(
+                    b.last_tokens[i : i + 1].unsqueeze(-1),
+                    torch.ones(1, n + 1, dtype=torch.long, device=self.device),
+                    b.next_pos[i : i + 1].unsqueeze(-1),
+                    b.cache[i],
+                )
                 rows.append(logits[0, -1])
             b.next_pos = b.next_pos + 1
             self._batch = self._sample_and_advance(b, torch.stack(rows))
@@ -471,8 +518,9 @@ class Engine:
     def _budget(self, r: GenRequest) -> int:
         return min(r.max_new_tokens - len(r.output), self.max_context - len(r.prompt) - len(r.output))
 
-    def _sample_and_advance(self, b: _Batch, last_logits: torch.Tensor,
-                            skip: list[bool] | None = None) -> _Batch | None:
+    def _sample_and_advance(
+        self, b: _Batch, last_logits: torch.Tensor, skip: list[bool] | None = None
+    ) -> _Batch | None:
         """Draw each row's next token; returns the batch of the rows still running (None: none)."""
         dev = last_logits.device
         temp = torch.tensor([r.temperature for r in b.reqs], device=dev)
@@ -482,8 +530,7 @@ class Engine:
         seeds = [r.sampling_seed for r in b.reqs]
         positions = [len(r.prompt) + len(r.output) for r in b.reqs]  # where the drawn token will sit
         logits = apply_penalties(last_logits, [r.output for r in b.reqs], [self._penalties(r) for r in b.reqs])
-        tokens, lps = sample(logits, temp, top_p, top_k, self.generator, seeds=seeds, positions=positions,
-                             min_p=min_p)
+        tokens, lps = sample(logits, temp, top_p, top_k, self.generator, seeds=seeds, positions=positions, min_p=min_p)
         k = max((r.top_logprobs_num for r in b.reqs if r.return_logprob), default=0)
         top = top_logprobs(logprob_rows(logits, temp), k) if k > 0 else None
         b.last_tokens = tokens
@@ -493,7 +540,7 @@ class Engine:
             r.output.append(tok)
             r.logprobs.append(lp)
             if top is not None and r.top_logprobs_num > 0:
-                r.output_top.append((top[0][i][:r.top_logprobs_num], top[1][i][:r.top_logprobs_num]))
+                r.output_top.append((top[0][i][: r.top_logprobs_num], top[1][i][: r.top_logprobs_num]))
             r.finish = self._finish_reason(r, tok)
         return self._retire_finished(b)
 
@@ -615,9 +662,15 @@ class Engine:
                 meta["input_top_logprobs"] = self._top_entries(r, r.input_top or [])
                 meta["output_top_logprobs"] = self._top_entries(r, r.output_top)
         meta["e2e_latency"] = time.perf_counter() - r.created
-        text = "" if self.tokenizer is None else self.tokenizer.decode(
-            r.output, skip_special_tokens=r.skip_special_tokens,
-            spaces_between_special_tokens=r.spaces_between_special_tokens)
+        text = (
+            ""
+            if self.tokenizer is None
+            else self.tokenizer.decode(
+                r.output,
+                skip_special_tokens=r.skip_special_tokens,
+                spaces_between_special_tokens=r.spaces_between_special_tokens,
+            )
+        )
         return {"text": text, "output_ids": list(r.output), "meta_info": meta}
 
 

@@ -20,8 +20,11 @@ class ServerLimits:
     group_timeout_s: float = 60.0  # --weight-group-timeout-s: forming a weight-update group
 
     def __post_init__(self):
-        for flag, value in (("--max-request-bytes", self.max_request_bytes), ("--max-n", self.max_n),
-                            ("--weight-group-timeout-s", self.group_timeout_s)):
+        for flag, value in (
+            ("--max-request-bytes", self.max_request_bytes),
+            ("--max-n", self.max_n),
+            ("--weight-group-timeout-s", self.group_timeout_s),
+        ):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{flag}: must be a positive number, got {value}")
 
@@ -84,10 +87,20 @@ class BodySizeLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send, size: int):
-        message = (f"request body: {size} bytes or more is above the limit of {self.max_bytes} "
-                   "(server flag --max-request-bytes)")
+        message = (
+            f"request body: {size} bytes or more is above the limit of {self.max_bytes} "
+            "(server flag --max-request-bytes)"
+        )
         payload = json.dumps({"error": {"message": message}}).encode()
-        await send({"type": "http.response.start", "status": 400,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 400,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})

@@ -21,8 +21,13 @@ import time
 
 from megatron_dapo.rollout.embedded.engine import Engine
 
-SECTIONS = (("memory", "memory"), ("speculative", "spec"), ("lora", "lora"), ("disaggregation", "disagg"),
-            ("queues", "queues"))  # (row key, include= name), in SGLang's order
+SECTIONS = (
+    ("memory", "memory"),
+    ("speculative", "spec"),
+    ("lora", "lora"),
+    ("disaggregation", "disagg"),
+    ("queues", "queues"),
+)  # (row key, include= name), in SGLang's order
 VALID_INCLUDE = frozenset({"core", "all"} | {name for _, name in SECTIONS})
 PROMETHEUS_PREFIX = {"speculative": "spec", "disaggregation": "disagg"}
 GIB = float(1 << 30)
@@ -46,27 +51,48 @@ def load_row(engine: Engine) -> dict:
     prefill_tokens, prefill_us = engine.stats.prefill_totals()
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     return {
-        "timestamp": time.time(), "dp_rank": 0,
-        "num_running_reqs": load.running, "num_waiting_reqs": load.waiting,
-        "num_waiting_uncached_tokens": load.waiting_tokens, "num_used_tokens": load.resident_tokens,
+        "timestamp": time.time(),
+        "dp_rank": 0,
+        "num_running_reqs": load.running,
+        "num_waiting_reqs": load.waiting,
+        "num_waiting_uncached_tokens": load.waiting_tokens,
+        "num_used_tokens": load.resident_tokens,
         "num_total_tokens": load.resident_tokens + load.waiting_tokens,
-        "num_active_tokens": load.resident_tokens + load.waiting_tokens, "num_prealloc_ready_tokens": 0,
-        "max_total_num_tokens": capacity, "max_running_requests": engine.max_batch,
-        "token_usage": round(usage, 4), "gen_throughput": round(engine.stats.gen_throughput(), 2),
+        "num_active_tokens": load.resident_tokens + load.waiting_tokens,
+        "num_prealloc_ready_tokens": 0,
+        "max_total_num_tokens": capacity,
+        "max_running_requests": engine.max_batch,
+        "token_usage": round(usage, 4),
+        "gen_throughput": round(engine.stats.gen_throughput(), 2),
         "cache_hit_rate": 0.0,
         # SGLang's formula, with max_running_requests standing for its max_running_requests_under_SLO
         "utilization": round(max(load.running / engine.max_batch, usage / 0.9), 4),
-        "total_prefill_uncached_tokens": prefill_tokens, "total_prefill_busy_us": prefill_us,
+        "total_prefill_uncached_tokens": prefill_tokens,
+        "total_prefill_busy_us": prefill_us,
         "decode_moments": engine.stats.decode_moments(),
-        "memory": {"weight_gb": round(weight_bytes / GIB, 3),
-                   "kv_cache_gb": round(load.resident_tokens * kv_bytes_per_token(engine) / GIB, 3),
-                   "graph_gb": 0.0, "token_capacity": capacity},
-        "disaggregation": {"mode": "null", "prefill_bootstrap_queue_reqs": 0, "prefill_inflight_queue_reqs": 0,
-                           "decode_prealloc_queue_reqs": 0, "decode_transfer_queue_reqs": 0,
-                           "decode_retracted_queue_reqs": 0, "kv_transfer_speed_gb_s": 0.0,
-                           "kv_transfer_latency_ms": 0.0},
-        "queues": {"waiting": load.waiting, "grammar": 0, "paused": load.paused, "retracted": load.retracted,
-                   "prealloc_ready": 0},
+        "memory": {
+            "weight_gb": round(weight_bytes / GIB, 3),
+            "kv_cache_gb": round(load.resident_tokens * kv_bytes_per_token(engine) / GIB, 3),
+            "graph_gb": 0.0,
+            "token_capacity": capacity,
+        },
+        "disaggregation": {
+            "mode": "null",
+            "prefill_bootstrap_queue_reqs": 0,
+            "prefill_inflight_queue_reqs": 0,
+            "decode_prealloc_queue_reqs": 0,
+            "decode_transfer_queue_reqs": 0,
+            "decode_retracted_queue_reqs": 0,
+            "kv_transfer_speed_gb_s": 0.0,
+            "kv_transfer_latency_ms": 0.0,
+        },
+        "queues": {
+            "waiting": load.waiting,
+            "grammar": 0,
+            "paused": load.paused,
+            "retracted": load.retracted,
+            "prealloc_ready": 0,
+        },
     }
 
 
@@ -76,8 +102,9 @@ def parse_include(include: str | None) -> set[str] | None:
         return None
     sections = {s.strip() for s in include.split(",")}
     if not sections <= VALID_INCLUDE:
-        raise ValueError(f"Invalid include sections: {sections - VALID_INCLUDE}. "
-                         f"Valid options: {sorted(VALID_INCLUDE)}")
+        raise ValueError(
+            f"Invalid include sections: {sections - VALID_INCLUDE}. Valid options: {sorted(VALID_INCLUDE)}"
+        )
     return sections
 
 

@@ -27,8 +27,12 @@ GEN_THROUGHPUT_STALE_S = 30.0  # SGLang's GEN_THROUGHPUT_STALENESS_SECONDS
 
 
 class LoadStats:
-    def __init__(self, clock: Callable[[], float] = time.perf_counter, window_steps: int = GEN_THROUGHPUT_WINDOW_STEPS,
-                 stale_s: float = GEN_THROUGHPUT_STALE_S):
+    def __init__(
+        self,
+        clock: Callable[[], float] = time.perf_counter,
+        window_steps: int = GEN_THROUGHPUT_WINDOW_STEPS,
+        stale_s: float = GEN_THROUGHPUT_STALE_S,
+    ):
         self.clock = clock
         self.stale_s = stale_s
         self._lock = threading.Lock()

@@ -82,8 +82,9 @@ def apply_penalties(logits: torch.Tensor, outputs: list[list[int]], penalties: l
     return out
 
 
-def filter_top_k_top_p(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                       min_p: torch.Tensor | None = None) -> torch.Tensor:
+def filter_top_k_top_p(
+    probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor | None = None
+) -> torch.Tensor:
     """Zero out tokens outside each row's top-k and top-p nucleus, then below min_p x the top token's
     probability; rows are not renormalised."""
     sorted_p, order = probs.sort(dim=-1, descending=True)
@@ -142,8 +143,9 @@ def sample(
                 raise ValueError("sample: seeded rows need one position per row")
             rows = torch.tensor(seeded, device=probs.device)
             cdf = probs[rows].double().cumsum(-1)
-            u = torch.tensor([seeded_uniform(seeds[i], positions[i]) for i in seeded], dtype=torch.float64,
-                             device=probs.device)
+            u = torch.tensor(
+                [seeded_uniform(seeds[i], positions[i]) for i in seeded], dtype=torch.float64, device=probs.device
+            )
             # first token whose cumulative mass exceeds u * total: never a zero-probability token
             pick = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
             drawn[rows] = pick.clamp(max=probs.shape[-1] - 1)

@@ -27,20 +27,64 @@ class _Strict(BaseModel):
 # field -> the values that mean "feature off" in SGLang 0.5.23 (a batch may send a list of them)
 GENERATE_NEUTRAL: dict[str, tuple] = {
     **dict.fromkeys(
-        ("session_id", "input_embeds", "image_data", "video_data", "audio_data", "mm_hashes",
-         "mm_content_hashes", "video_config", "watermark", "token_ids_logprob", "return_sampling_mask",
-         "sampling_logprobs_mode", "modalities", "session_params", "lora_path", "lora_id",
-         "custom_logit_processor", "positional_embed_overrides", "bootstrap_host", "bootstrap_port",
-         "bootstrap_room", "bootstrap_pair_key", "decode_tp_size", "disagg_prefill_dp_rank",
-         "max_thinking_tokens", "need_wait_for_mm_inputs", "num_items_assigned", "encoder_urls",
-         "max_dynamic_patch", "min_dynamic_patch", "image_max_dynamic_patch", "video_max_dynamic_patch",
-         "images_config", "mm_processor_kwargs", "multi_item_delimiter_indices", "token_indices_to_pool",
-         "kv_hints"), (None,)),
+        (
+            "session_id",
+            "input_embeds",
+            "image_data",
+            "video_data",
+            "audio_data",
+            "mm_hashes",
+            "mm_content_hashes",
+            "video_config",
+            "watermark",
+            "token_ids_logprob",
+            "return_sampling_mask",
+            "sampling_logprobs_mode",
+            "modalities",
+            "session_params",
+            "lora_path",
+            "lora_id",
+            "custom_logit_processor",
+            "positional_embed_overrides",
+            "bootstrap_host",
+            "bootstrap_port",
+            "bootstrap_room",
+            "bootstrap_pair_key",
+            "decode_tp_size",
+            "disagg_prefill_dp_rank",
+            "max_thinking_tokens",
+            "need_wait_for_mm_inputs",
+            "num_items_assigned",
+            "encoder_urls",
+            "max_dynamic_patch",
+            "min_dynamic_patch",
+            "image_max_dynamic_patch",
+            "video_max_dynamic_patch",
+            "images_config",
+            "mm_processor_kwargs",
+            "multi_item_delimiter_indices",
+            "token_indices_to_pool",
+            "kv_hints",
+        ),
+        (None,),
+    ),
     **dict.fromkeys(
-        ("use_audio_in_video", "return_flat_raw_top_logprobs", "return_flat_raw_output_top_logprobs",
-         "return_flat_raw_top_logprobs_b64", "return_hidden_states", "return_routed_experts",
-         "return_indexer_topk", "background", "require_reasoning", "return_bytes", "return_entropy",
-         "return_prompt_token_ids"), (None, False)),
+        (
+            "use_audio_in_video",
+            "return_flat_raw_top_logprobs",
+            "return_flat_raw_output_top_logprobs",
+            "return_flat_raw_top_logprobs_b64",
+            "return_hidden_states",
+            "return_routed_experts",
+            "return_indexer_topk",
+            "background",
+            "require_reasoning",
+            "return_bytes",
+            "return_entropy",
+            "return_prompt_token_ids",
+        ),
+        (None, False),
+    ),
     "routed_experts_start_len": (None, 0),
 }
 SAMPLING_NEUTRAL: dict[str, tuple] = {
@@ -69,8 +113,9 @@ def _drop_neutral(data, table: dict[str, tuple]):
     for name in [k for k in data if k in table]:
         if not _is_neutral(data[name], table[name]):
             shown = ", ".join(json.dumps(n) for n in table[name])
-            raise ValueError(f"{name}: not implemented by this server; only {shown} accepted, "
-                             f"got {json.dumps(data[name])[:200]}")
+            raise ValueError(
+                f"{name}: not implemented by this server; only {shown} accepted, got {json.dumps(data[name])[:200]}"
+            )
         data = {k: v for k, v in data.items() if k != name}
     return data
 
@@ -111,8 +156,9 @@ class SamplingParamsIn(_Strict):
     @model_validator(mode="after")
     def _min_within_max(self):
         if self.max_new_tokens is not None and (self.min_new_tokens or 0) > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens: must be in [0, max_new_tokens({self.max_new_tokens})], "
-                             f"got {self.min_new_tokens}")
+            raise ValueError(
+                f"min_new_tokens: must be in [0, max_new_tokens({self.max_new_tokens})], got {self.min_new_tokens}"
+            )
         return self
 
     @field_validator("stop_regex")

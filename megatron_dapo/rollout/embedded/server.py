@@ -44,19 +44,47 @@ SHUTDOWN_GRACE_S = 5  # SIGTERM: in-flight requests get this long, then are canc
 class EmbeddedServer:
     """The server's state (`state`, its `engine`) and its FastAPI `app`."""
 
-    def __init__(self, model, tokenizer=None, model_path: str = "", api_key: str | None = None,
-                 weight_version: str = "default", max_batch: int = 64, seed: int = 0, batch_invariant: bool = False,
-                 served_model_name: str | None = None, limits: ServerLimits | None = None,
-                 step_trace: str | None = None, batching: str = "static", max_total_tokens: int | None = None):
-        self.engine = Engine(model, tokenizer, max_batch=max_batch, seed=seed, weight_version=weight_version,
-                             batch_invariant=batch_invariant, batching=batching, max_total_tokens=max_total_tokens,
-                             step_trace=StepTrace(step_trace) if step_trace else None)
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        model_path: str = "",
+        api_key: str | None = None,
+        weight_version: str = "default",
+        max_batch: int = 64,
+        seed: int = 0,
+        batch_invariant: bool = False,
+        served_model_name: str | None = None,
+        limits: ServerLimits | None = None,
+        step_trace: str | None = None,
+        batching: str = "static",
+        max_total_tokens: int | None = None,
+    ):
+        self.engine = Engine(
+            model,
+            tokenizer,
+            max_batch=max_batch,
+            seed=seed,
+            weight_version=weight_version,
+            batch_invariant=batch_invariant,
+            batching=batching,
+            max_total_tokens=max_total_tokens,
+            step_trace=StepTrace(step_trace) if step_trace else None,
+        )
         self.state = ServerState(
-            engine=self.engine, loader=HFWeightLoader(model), limits=limits or ServerLimits(),
-            model_path=model_path, served_model_name=served_model_name or model_path,  # SGLang's default
+            engine=self.engine,
+            loader=HFWeightLoader(model),
+            limits=limits or ServerLimits(),
+            model_path=model_path,
+            served_model_name=served_model_name or model_path,  # SGLang's default
             api_key=api_key,
-            launch_settings={"random_seed": seed, "max_running_requests": max_batch,
-                             "max_total_tokens": max_total_tokens, "enable_deterministic_inference": batch_invariant})
+            launch_settings={
+                "random_seed": seed,
+                "max_running_requests": max_batch,
+                "max_total_tokens": max_total_tokens,
+                "enable_deterministic_inference": batch_invariant,
+            },
+        )
         self.app = _build_app(self.state)
 
     def _make_requests(self, body: S.GenerateIn) -> list[GenRequest] | str:
@@ -85,8 +113,16 @@ async def _lifespan(app: FastAPI):
 
 async def _validation(request: Request, exc: RequestValidationError):
     # SGLang answers 400, not FastAPI's 422, with this shape.
-    return JSONResponse({"object": "error", "message": f"{request.url.path}: {generate.field_message(exc)}",
-                         "type": "Bad Request", "param": None, "code": 400}, status_code=400)
+    return JSONResponse(
+        {
+            "object": "error",
+            "message": f"{request.url.path}: {generate.field_message(exc)}",
+            "type": "Bad Request",
+            "param": None,
+            "code": 400,
+        },
+        status_code=400,
+    )
 
 
 async def _auth(request: Request, call_next):
@@ -102,11 +138,13 @@ async def _auth(request: Request, call_next):
 def load_model(path: str, device: str = "auto", dtype: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                       ("cpu" if device == "auto" else device))
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
+    )
     dt = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dt or (torch.bfloat16 if dev.type == "cuda"
-                                                                    else torch.float32))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dt or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    )
     model.to(dev)
     tokenizer = None
     if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
@@ -119,38 +157,68 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="HF model directory (config.json + safetensors)")
     p.add_argument("--host", default=LOOPBACK)
     p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=os.environ.get("MEGATRON_DAPO_API_KEY"),
-                   help="require `Authorization: Bearer KEY` (default: $MEGATRON_DAPO_API_KEY)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MEGATRON_DAPO_API_KEY"),
+        help="require `Authorization: Bearer KEY` (default: $MEGATRON_DAPO_API_KEY)",
+    )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--max-batch", type=int, default=64, help="most sequences running at once")
-    p.add_argument("--batching", choices=BATCHING, default="static",
-                   help="static: a batch runs until its last sequence ends, arrivals wait for the next one; "
-                        "continuous: arrivals are prefilled between decode steps and join the running batch "
-                        "(as SGLang schedules)")
-    p.add_argument("--max-total-tokens", type=int, default=None,
-                   help="the KV pool in tokens (SGLang's flag): requests wait while the running sequences fill it, "
-                        "and a decode step that would overflow it retracts sequences (default: --max-batch "
-                        "sequences of the full context)")
+    p.add_argument(
+        "--batching",
+        choices=BATCHING,
+        default="static",
+        help="static: a batch runs until its last sequence ends, arrivals wait for the next one; "
+        "continuous: arrivals are prefilled between decode steps and join the running batch "
+        "(as SGLang schedules)",
+    )
+    p.add_argument(
+        "--max-total-tokens",
+        type=int,
+        default=None,
+        help="the KV pool in tokens (SGLang's flag): requests wait while the running sequences fill it, "
+        "and a decode step that would overflow it retracts sequences (default: --max-batch "
+        "sequences of the full context)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--weight-version", default="default")
     p.add_argument("--served-model-name", default=None, help="the name /v1/models reports (default: --model)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     p.add_argument("--log-level", default="warning")
-    p.add_argument("--enable-deterministic-inference", action="store_true",
-                   help="batch-invariant generation (SGLang's flag name): a request's tokens and logprobs do not "
-                        "depend on the other requests; one forward per sequence and step (slower). "
-                        "sampling_seed is honoured either way")
+    p.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant generation (SGLang's flag name): a request's tokens and logprobs do not "
+        "depend on the other requests; one forward per sequence and step (slower). "
+        "sampling_seed is honoured either way",
+    )
     defaults = ServerLimits()
-    p.add_argument("--max-request-bytes", type=int, default=defaults.max_request_bytes,
-                   help="largest request body; larger ones are answered 400 before they are read whole")
-    p.add_argument("--max-n", type=int, default=defaults.max_n,
-                   help="most sequences one /generate may start (its n, or the prompts of a batch)")
-    p.add_argument("--weight-group-timeout-s", type=float, default=defaults.group_timeout_s,
-                   help="/init_weights_update_group answers with an error if the group has not formed by then")
-    p.add_argument("--step-trace", default=None, metavar="PATH",
-                   help="append one JSON line per prefill / decode step (batch, KV tokens, seconds) to PATH, for "
-                        "`megatron-dapo profile-engine --from-trace`; off by default")
+    p.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=defaults.max_request_bytes,
+        help="largest request body; larger ones are answered 400 before they are read whole",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=defaults.max_n,
+        help="most sequences one /generate may start (its n, or the prompts of a batch)",
+    )
+    p.add_argument(
+        "--weight-group-timeout-s",
+        type=float,
+        default=defaults.group_timeout_s,
+        help="/init_weights_update_group answers with an error if the group has not formed by then",
+    )
+    p.add_argument(
+        "--step-trace",
+        default=None,
+        metavar="PATH",
+        help="append one JSON line per prefill / decode step (batch, KV tokens, seconds) to PATH, for "
+        "`megatron-dapo profile-engine --from-trace`; off by default",
+    )
     return p
 
 
@@ -170,15 +238,29 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     model, tokenizer = load_model(args.model, args.device, args.dtype)
-    server = EmbeddedServer(model, tokenizer, model_path=args.model, api_key=args.api_key,
-                            weight_version=args.weight_version, max_batch=args.max_batch, seed=args.seed,
-                            batch_invariant=args.enable_deterministic_inference,
-                            served_model_name=args.served_model_name, limits=limits, step_trace=args.step_trace,
-                            batching=args.batching, max_total_tokens=args.max_total_tokens)
-    print(f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "
-          f"loaded in {time.time() - t0:.1f}s, listening on http://{args.host}:{args.port}", flush=True)
+    server = EmbeddedServer(
+        model,
+        tokenizer,
+        model_path=args.model,
+        api_key=args.api_key,
+        weight_version=args.weight_version,
+        max_batch=args.max_batch,
+        seed=args.seed,
+        batch_invariant=args.enable_deterministic_inference,
+        served_model_name=args.served_model_name,
+        limits=limits,
+        step_trace=args.step_trace,
+        batching=args.batching,
+        max_total_tokens=args.max_total_tokens,
+    )
+    print(
+        f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "
+        f"loaded in {time.time() - t0:.1f}s, listening on http://{args.host}:{args.port}",
+        flush=True,
+    )
     # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,
     # say) instead of waiting for it; calls that wait on a peer run in daemon threads nobody joins.
-    uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+    uvicorn.run(
+        server.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
+    )
     return 0

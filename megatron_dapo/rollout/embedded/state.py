@@ -73,9 +73,11 @@ class ServerState:
     gate: UpdateGate = field(default_factory=UpdateGate)
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     admin_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="embedded-admin"))
+        default_factory=lambda: ThreadPoolExecutor(2, thread_name_prefix="embedded-admin")
+    )
     tokenize_pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="embedded-tokenize"))
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="embedded-tokenize")
+    )
 
     def __post_init__(self):
         self.homes = FlatBucketHomes(self.loader)

@@ -42,23 +42,49 @@ class FlattenedTensorMetadata:
 
 
 _REBUILD = {
-    "torch._utils": ["_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-                     "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage",
-                     "_rebuild_device_tensor_from_cpu_tensor"],
+    "torch._utils": [
+        "_rebuild_tensor",
+        "_rebuild_tensor_v2",
+        "_rebuild_tensor_v3",
+        "_rebuild_parameter",
+        "_rebuild_parameter_with_state",
+        "_rebuild_meta_tensor_no_storage",
+        "_rebuild_device_tensor_from_cpu_tensor",
+    ],
     "torch._tensor": ["_rebuild_from_type_v2"],
     "torch.storage": ["UntypedStorage", "TypedStorage"],
     "torch.serialization": ["_get_layout"],
     "torch.nn.parameter": ["Parameter"],
-    "torch.multiprocessing.reductions": ["rebuild_tensor", "rebuild_cuda_tensor", "rebuild_meta_tensor",
-                                         "rebuild_storage_filename", "rebuild_storage_empty",
-                                         "rebuild_typed_storage", "rebuild_typed_storage_child"],
+    "torch.multiprocessing.reductions": [
+        "rebuild_tensor",
+        "rebuild_cuda_tensor",
+        "rebuild_meta_tensor",
+        "rebuild_storage_filename",
+        "rebuild_storage_empty",
+        "rebuild_typed_storage",
+        "rebuild_typed_storage_child",
+    ],
     # not bytes / bytearray: called with a size they fill that many bytes (a 30-byte payload asking for
     # 16 GiB); pickles carry byte strings as opcodes, without the class
     "builtins": ["bool", "dict", "float", "frozenset", "int", "list", "set", "slice", "str", "tuple"],
     "collections": ["OrderedDict"],
     "copyreg": ["__newobj__", "__newobj_ex__", "_reconstructor"],
-    "torch": ["Size", "device", "dtype", "Tensor", "FloatTensor", "DoubleTensor", "HalfTensor", "BFloat16Tensor",
-              "ByteTensor", "CharTensor", "ShortTensor", "IntTensor", "LongTensor", "BoolTensor"],
+    "torch": [
+        "Size",
+        "device",
+        "dtype",
+        "Tensor",
+        "FloatTensor",
+        "DoubleTensor",
+        "HalfTensor",
+        "BFloat16Tensor",
+        "ByteTensor",
+        "CharTensor",
+        "ShortTensor",
+        "IntTensor",
+        "LongTensor",
+        "BoolTensor",
+    ],
 }
 ALLOWED_GLOBALS = {(m, n) for m, names in _REBUILD.items() for n in names}
 # every dtype object (torch.float32, torch.bfloat16, ...) pickles as a global of the torch module
@@ -104,7 +130,8 @@ def load_named_tensors(raw: bytes, flattened: bool) -> list[tuple[str, torch.Ten
     payload = SafeUnpickler(io.BytesIO(raw)).load()
     if not flattened:
         if not isinstance(payload, (list, tuple)) or not all(
-                isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], torch.Tensor) for p in payload):
+            isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[1], torch.Tensor) for p in payload
+        ):
             raise ValueError("expected a list of (name, tensor) pairs")
         return [(str(n), t) for n, t in payload]
     if not isinstance(payload, dict) or not {"flattened_tensor", "metadata"} <= set(payload):
@@ -114,7 +141,8 @@ def load_named_tensors(raw: bytes, flattened: bool) -> list[tuple[str, torch.Ten
         if not isinstance(m, FlattenedTensorMetadata):
             raise ValueError(f"metadata entries must be FlattenedTensorMetadata, got {type(m).__name__}")
         if not 0 <= m.start_idx <= m.end_idx <= flat.numel():
-            raise ValueError(f"{m.name}: bytes [{m.start_idx}, {m.end_idx}) outside the flattened tensor "
-                             f"({flat.numel()} bytes)")
-        out.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)))
+            raise ValueError(
+                f"{m.name}: bytes [{m.start_idx}, {m.end_idx}) outside the flattened tensor ({flat.numel()} bytes)"
+            )
+        out.append((m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)))
     return out

@@ -31,8 +31,10 @@ def announcement_problem(names, dtypes, shapes, max_bytes: int) -> str | None:
     the next update would receive this one's bytes.
     """
     if not names or not len(names) == len(dtypes) == len(shapes):
-        return (f"names/dtypes/shapes: must be non-empty lists of equal length, got "
-                f"{len(names)}/{len(dtypes)}/{len(shapes)}")
+        return (
+            f"names/dtypes/shapes: must be non-empty lists of equal length, got "
+            f"{len(names)}/{len(dtypes)}/{len(shapes)}"
+        )
     total = 0
     for name, dtype, shape in zip(names, dtypes, shapes):
         try:
@@ -47,8 +49,9 @@ def announcement_problem(names, dtypes, shapes, max_bytes: int) -> str | None:
     return None
 
 
-def receive(pg, names, dtypes, shapes, device, flattened: bool, into=None,
-            flat_buffer=None) -> list[tuple[str, torch.Tensor]]:
+def receive(
+    pg, names, dtypes, shapes, device, flattened: bool, into=None, flat_buffer=None
+) -> list[tuple[str, torch.Tensor]]:
     """Receive the announced tensors; returns those still to be loaded.
 
     `into(name, dtype, shape)` may return the model's own tensor to receive straight into (same dtype,

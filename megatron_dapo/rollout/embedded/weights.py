@@ -58,8 +58,12 @@ class HFWeightLoader:
             dst, mem_name = self.target(name)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise WeightLoadError(f"{name}: shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-            if (dst.data_ptr(), dst.dtype, dst.stride(), dst.device) == (tensor.data_ptr(), tensor.dtype,
-                                                                        tensor.stride(), tensor.device):
+            if (dst.data_ptr(), dst.dtype, dst.stride(), dst.device) == (
+                tensor.data_ptr(),
+                tensor.dtype,
+                tensor.stride(),
+                tensor.device,
+            ):
                 touched.append(mem_name)  # received straight into the parameter: nothing to copy
                 continue
             dst.copy_(tensor.to(device=dst.device, dtype=dst.dtype))

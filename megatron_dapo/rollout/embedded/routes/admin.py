@@ -42,10 +42,12 @@ async def continue_generation(body: S.ContinueIn, request: Request, st: StateDep
 async def release_memory(body: S.MemoryIn, st: StateDep):
     eng = st.engine
     if eng.device.type == "cuda" and (body.tags is None or "weights" in body.tags):
+
         def _off():
             with eng.step_lock:
                 eng.model.to("cpu")
                 torch.cuda.empty_cache()
+
         await asyncio.to_thread(_off)
     return None  # SGLang's handler returns None: a JSON `null` body
 
@@ -54,8 +56,10 @@ async def release_memory(body: S.MemoryIn, st: StateDep):
 async def resume_memory(body: S.MemoryIn, st: StateDep):
     eng = st.engine
     if eng.device.type == "cuda" and (body.tags is None or "weights" in body.tags):
+
         def _on():
             with eng.step_lock:
                 eng.model.to(eng.device)
+
         await asyncio.to_thread(_on)
     return None  # as SGLang: a JSON `null` body

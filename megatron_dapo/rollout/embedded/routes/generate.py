@@ -84,8 +84,10 @@ def make_requests(st: ServerState, body: S.GenerateIn) -> list[GenRequest] | str
     else:
         rids = body.rid if isinstance(body.rid, list) else [f"{body.rid}_{i}" for i in range(k)]
     if len(sps) != k or len(rids) != k:
-        return (f"sampling_params / rid: {len(sps)} / {len(rids)} entries for a batch of {k} prompts "
-                "(need one each, or one sampling_params dict for all)")
+        return (
+            f"sampling_params / rid: {len(sps)} / {len(rids)} entries for a batch of {k} prompts "
+            "(need one each, or one sampling_params dict for all)"
+        )
     if k > st.limits.max_n:
         return f"input_ids: a batch of {k} prompts is above the limit of {st.limits.max_n} (server flag --max-n)"
     reqs = []
@@ -102,8 +104,9 @@ def make_requests(st: ServerState, body: S.GenerateIn) -> list[GenRequest] | str
     return reqs
 
 
-def _entry_requests(st: ServerState, body: S.GenerateIn, ids, sp_raw, rid, at: str,
-                    text=None) -> list[GenRequest] | str:
+def _entry_requests(
+    st: ServerState, body: S.GenerateIn, ids, sp_raw, rid, at: str, text=None
+) -> list[GenRequest] | str:
     """One prompt's requests (n of them); `at` ("" or "[i]") locates it in a batch for messages."""
     eng = st.engine
     if ids is None:
@@ -151,13 +154,15 @@ def _prompt_problem(eng: Engine, ids, at: str) -> str | None:
 def _gen_request(body: S.GenerateIn, sp: S.SamplingParamsIn, rid: str, ids, stop_strs, stop_regex) -> GenRequest:
     """The engine request for `rid`, SGLang's defaults where `sp` or `body` leaves a field unset."""
     return GenRequest(
-        rid=rid, prompt=list(ids),
+        rid=rid,
+        prompt=list(ids),
         max_new_tokens=128 if sp.max_new_tokens is None else sp.max_new_tokens,
         temperature=1.0 if sp.temperature is None else sp.temperature,
         top_p=1.0 if sp.top_p is None else sp.top_p,
         top_k=-1 if sp.top_k is None else sp.top_k,
         stop_token_ids=frozenset(sp.stop_token_ids or ()),
-        stop_strs=stop_strs, ignore_eos=bool(sp.ignore_eos),
+        stop_strs=stop_strs,
+        ignore_eos=bool(sp.ignore_eos),
         return_logprob=bool(body.return_logprob),
         logprob_start_len=-1 if body.logprob_start_len is None else body.logprob_start_len,
         sampling_seed=sp.sampling_seed,  # shared by the n copies, as in SGLang

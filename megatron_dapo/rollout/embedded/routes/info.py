@@ -28,14 +28,21 @@ async def model_info(st: StateDep):
     eng = st.engine
     cfg = eng.model.config
     return {
-        "model_path": st.model_path, "served_model_name": st.served_model_name,
+        "model_path": st.model_path,
+        "served_model_name": st.served_model_name,
         # SGLang's tokenizer_path defaults to the model path, tokenizer files or not
         "tokenizer_path": st.model_path,
-        "is_generation": True, "preferred_sampling_params": None,
-        "weight_version": eng.weight_version, "load_format": None,
-        "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-        "has_image_understanding": False, "has_audio_understanding": False,
-        "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": eng.weight_version,
+        "load_format": None,
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": getattr(cfg, "model_type", None),
+        "architectures": getattr(cfg, "architectures", None),
     }
 
 
@@ -46,15 +53,25 @@ async def server_info(st: StateDep):
     eng = st.engine
     load = eng.load_report()
     return {
-        "model_path": st.model_path, "tokenizer_path": st.model_path,
-        "served_model_name": st.served_model_name, "skip_tokenizer_init": eng.tokenizer is None,
-        "device": eng.device.type, "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."),
-        "context_length": _context_length(st), "tp_size": 1, "dp_size": 1, "pp_size": 1,
-        "weight_version": eng.weight_version, **st.launch_settings,
-        "max_req_input_len": eng.max_context - 1, "startup_time": st.startup_time,
-        "internal_states": [{"num_running_reqs": load.running, "num_waiting_reqs": load.waiting,
-                             "paused": eng.is_paused()}],
-        "version": SGLANG_VERSION, "frontend": "megatron-dapo embedded",
+        "model_path": st.model_path,
+        "tokenizer_path": st.model_path,
+        "served_model_name": st.served_model_name,
+        "skip_tokenizer_init": eng.tokenizer is None,
+        "device": eng.device.type,
+        "dtype": str(next(eng.model.parameters()).dtype).removeprefix("torch."),
+        "context_length": _context_length(st),
+        "tp_size": 1,
+        "dp_size": 1,
+        "pp_size": 1,
+        "weight_version": eng.weight_version,
+        **st.launch_settings,
+        "max_req_input_len": eng.max_context - 1,
+        "startup_time": st.startup_time,
+        "internal_states": [
+            {"num_running_reqs": load.running, "num_waiting_reqs": load.waiting, "paused": eng.is_paused()}
+        ],
+        "version": SGLANG_VERSION,
+        "frontend": "megatron-dapo embedded",
     }
 
 
@@ -66,9 +83,17 @@ async def list_models(st: StateDep):
 @router.get("/v1/models/{model:path}")
 async def retrieve_model(model: str, st: StateDep):
     if model != st.served_model_name:
-        return JSONResponse({"error": {"message": f"The model '{model}' does not exist",
-                                       "type": "invalid_request_error", "param": "model",
-                                       "code": "model_not_found"}}, status_code=404)
+        return JSONResponse(
+            {
+                "error": {
+                    "message": f"The model '{model}' does not exist",
+                    "type": "invalid_request_error",
+                    "param": "model",
+                    "code": "model_not_found",
+                }
+            },
+            status_code=404,
+        )
     return _model_card(st, model)
 
 
@@ -80,17 +105,29 @@ async def loads(st: StateDep, dp_rank: int | None = None, include: str | None = 
         return JSONResponse({"detail": str(e)}, status_code=400)
     rows = [] if dp_rank not in (None, 0) else [load_report.select(load_report.load_row(st.engine), sections)]
     if format == "prometheus":
-        return PlainTextResponse(load_report.prometheus_text(rows),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
-    return {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-            "version": SGLANG_VERSION, "accelerator": _accelerator(st), "num_accelerators": 1,
-            "loads": rows}
+        return PlainTextResponse(
+            load_report.prometheus_text(rows), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+    return {
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "version": SGLANG_VERSION,
+        "accelerator": _accelerator(st),
+        "num_accelerators": 1,
+        "loads": rows,
+    }
 
 
 def _model_card(st: ServerState, name: str) -> dict:
     # SGLang's ModelCard (entrypoints/openai/protocol.py)
-    return {"id": name, "object": "model", "created": int(st.startup_time), "owned_by": "sglang",
-            "root": name, "parent": None, "max_model_len": _context_length(st)}
+    return {
+        "id": name,
+        "object": "model",
+        "created": int(st.startup_time),
+        "owned_by": "sglang",
+        "root": name,
+        "parent": None,
+        "max_model_len": _context_length(st),
+    }
 
 
 def _context_length(st: ServerState) -> int | None:

@@ -37,14 +37,18 @@ from megatron_dapo.rollout.embedded.weights import WeightLoadError
 log = logging.getLogger("megatron_dapo.embedded")
 router = APIRouter()
 
-FLUSH_CACHE_TEXT = ("Cache flushed.\nPlease check backend logs for more details. "
-                    "(When there are running or waiting requests, the operation will not be performed.)\n")
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
 # SGLang 0.5.23's own messages (srt/managers/scheduler_components/weight_updater.py, http_server.py)
 NO_SESSION = "{route} must run between begin_weight_update() and end_weight_update()"
 SESSION_OPEN = "a weight-update session is already open; call end_weight_update() first"
 NO_SESSION_TO_END = "no weight-update session is open; call begin_weight_update() first"
-NOT_FLUSHED = ("Weights were updated, but the cache was not flushed because requests are still running or "
-               "queued. Retract or finish them, then call /flush_cache.")
+NOT_FLUSHED = (
+    "Weights were updated, but the cache was not flushed because requests are still running or "
+    "queued. Retract or finish them, then call /flush_cache."
+)
 FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 
 
@@ -75,6 +79,7 @@ def in_daemon_thread(fn, *args) -> asyncio.Future:
 
 # ---- routes --------------------------------------------------------------------------------------
 
+
 @router.api_route("/flush_cache", methods=["GET", "POST"])
 async def flush_cache(st: StateDep):
     # No prefix cache outlives a batch here; nothing to flush, but a busy server refuses as SGLang's
@@ -87,8 +92,9 @@ async def flush_cache(st: StateDep):
 @router.post("/init_weights_update_group")
 async def init_group(body: S.InitGroupIn, request: Request, st: StateDep):
     if body.rank_offset >= body.world_size:
-        return JSONResponse({"success": False, "message":
-                             f"rank_offset: {body.rank_offset} >= world_size {body.world_size}"}, 400)
+        return JSONResponse(
+            {"success": False, "message": f"rank_offset: {body.rank_offset} >= world_size {body.world_size}"}, 400
+        )
     if body.group_name in st.groups:
         # As SGLang does, a new group replaces one of the same name: its trainer may have died
         # (killed, then resumed) without destroying it. A peer that is gone cannot take part
@@ -96,23 +102,40 @@ async def init_group(body: S.InitGroupIn, request: Request, st: StateDep):
         log.warning("init_weights_update_group: replacing existing group %r", body.group_name)
         await _drop_group(st, body.group_name)
     timeout = st.limits.group_timeout_s
-    forming = in_daemon_thread(functools.partial(
-        wgroup.init_weight_update_group, body.master_address, body.master_port, body.rank_offset,
-        body.world_size, body.group_name, body.backend, connect_timeout_s=timeout))
+    forming = in_daemon_thread(
+        functools.partial(
+            wgroup.init_weight_update_group,
+            body.master_address,
+            body.master_port,
+            body.rank_offset,
+            body.world_size,
+            body.group_name,
+            body.backend,
+            connect_timeout_s=timeout,
+        )
+    )
 
     def destroy_late(done: asyncio.Future):  # formed after its client was answered: never used
         if not done.cancelled() and done.exception() is None:
-            log.warning("init_weights_update_group: group %r formed after its request was answered; "
-                        "destroyed", body.group_name)
-            threading.Thread(target=wgroup.destroy_weight_update_group, args=(done.result(),),
-                             daemon=True).start()
+            log.warning(
+                "init_weights_update_group: group %r formed after its request was answered; destroyed", body.group_name
+            )
+            threading.Thread(target=wgroup.destroy_weight_update_group, args=(done.result(),), daemon=True).start()
+
     try:
         pg = await asyncio.wait_for(asyncio.shield(forming), timeout)
     except asyncio.TimeoutError:
         forming.add_done_callback(destroy_late)
-        return JSONResponse({"success": False, "message": (
-            f"Failed to init group: {body.group_name!r} at {body.master_address}:{body.master_port} did "
-            f"not form within {timeout:g}s (server flag --weight-group-timeout-s)")}, 400)
+        return JSONResponse(
+            {
+                "success": False,
+                "message": (
+                    f"Failed to init group: {body.group_name!r} at {body.master_address}:{body.master_port} did "
+                    f"not form within {timeout:g}s (server flag --weight-group-timeout-s)"
+                ),
+            },
+            400,
+        )
     except asyncio.CancelledError:
         forming.add_done_callback(destroy_late)
         raise
@@ -159,15 +182,27 @@ async def update_distributed(body: S.UpdateDistributedIn, st: StateDep):
         return refused
     pg = st.groups.get(body.group_name)
     if pg is None:
-        return JSONResponse({"success": False, "message": f"group_name: no group {body.group_name!r}; "
-                             "call /init_weights_update_group first"}, 400)
+        return JSONResponse(
+            {
+                "success": False,
+                "message": f"group_name: no group {body.group_name!r}; call /init_weights_update_group first",
+            },
+            400,
+        )
     unreceivable = announcement_problem(body.names, body.dtypes, body.shapes, _max_update_bytes(st))
     if unreceivable is not None:
         # The sender broadcasts regardless; bytes left on the wire would be loaded by the next update.
         await _drop_group(st, body.group_name, pg)
-        return JSONResponse({"success": False, "message": (
-            f"Failed to update weights: {unreceivable}; its broadcast cannot be received, so group "
-            f"{body.group_name!r} was destroyed: call /init_weights_update_group again")}, 400)
+        return JSONResponse(
+            {
+                "success": False,
+                "message": (
+                    f"Failed to update weights: {unreceivable}; its broadcast cannot be received, so group "
+                    f"{body.group_name!r} was destroyed: call /init_weights_update_group again"
+                ),
+            },
+            400,
+        )
     if body.abort_all_requests:
         await asyncio.to_thread(st.engine.abort, None, True)
     problem = _check_known(st, body.names, body.shapes)
@@ -176,9 +211,16 @@ async def update_distributed(body: S.UpdateDistributedIn, st: StateDep):
     except Exception as e:
         # A receive that failed part-way leaves the group out of step with the sender.
         await _drop_group(st, body.group_name, pg)
-        return JSONResponse({"success": False, "message": (
-            f"Failed to update weights: {e}; group {body.group_name!r} was destroyed: "
-            "call /init_weights_update_group again")}, 400)
+        return JSONResponse(
+            {
+                "success": False,
+                "message": (
+                    f"Failed to update weights: {e}; group {body.group_name!r} was destroyed: "
+                    "call /init_weights_update_group again"
+                ),
+            },
+            400,
+        )
     if problem is not None:
         return JSONResponse({"success": False, "message": f"Failed to update weights: {problem}"}, 400)
     msg = "Succeeded to update parameter online."
@@ -192,18 +234,25 @@ async def update_tensor(body: S.UpdateTensorIn, st: StateDep):
     if (refused := _refused(st, "update_weights_from_tensor")) is not None:
         return refused
     if len(body.serialized_named_tensors) != 1:
-        return JSONResponse({"success": False, "message": "serialized_named_tensors: this server has one TP "
-                             f"rank, got {len(body.serialized_named_tensors)} entries"}, 400)
+        return JSONResponse(
+            {
+                "success": False,
+                "message": "serialized_named_tensors: this server has one TP "
+                f"rank, got {len(body.serialized_named_tensors)} entries",
+            },
+            400,
+        )
     if body.abort_all_requests:
         await asyncio.to_thread(st.engine.abort, None, True)
+
     def decode():  # off the event loop: a large or deeply nested payload takes a while
         raw = base64.b64decode(body.serialized_named_tensors[0], validate=True)
         return load_named_tensors(raw, flattened=body.load_format == "flattened_bucket")
+
     try:
         named = await asyncio.to_thread(decode)
     except Exception as e:
-        return JSONResponse({"success": False,
-                             "message": f"serialized_named_tensors: cannot deserialize ({e})"}, 400)
+        return JSONResponse({"success": False, "message": f"serialized_named_tensors: cannot deserialize ({e})"}, 400)
     problem = _check_known(st, [n for n, _ in named], [list(t.shape) for _, t in named])
     if problem is not None:
         return JSONResponse({"success": False, "message": f"Failed to update weights: {problem}"}, 400)
@@ -220,12 +269,17 @@ async def update_version(body: S.UpdateVersionIn, request: Request, st: StateDep
             eng.abort(None, True)
         with eng.step_lock:
             eng.set_weight_version(body.new_version)
+
     await st.admin(request, run)
-    return {"success": True, "message": f"Weight version updated to {body.new_version}",
-            "new_version": body.new_version}
+    return {
+        "success": True,
+        "message": f"Weight version updated to {body.new_version}",
+        "new_version": body.new_version,
+    }
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
 
 async def _exclusive(st: ServerState, fn, *args):
     """Run blocking `fn` in a thread, as a weight update: at once if paused, else after draining."""
@@ -247,8 +301,9 @@ async def _drop_group(st: ServerState, name: str, pg=None) -> None:
     pg = st.groups.pop(name, None)
     if pg is not None:
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(in_daemon_thread(wgroup.destroy_weight_update_group, pg)),
-                                   st.limits.group_timeout_s)
+            await asyncio.wait_for(
+                asyncio.shield(in_daemon_thread(wgroup.destroy_weight_update_group, pg)), st.limits.group_timeout_s
+            )
 
 
 def _receive_and_load(st: ServerState, body: S.UpdateDistributedIn, pg, problem: str | None) -> bool | None:
@@ -271,12 +326,20 @@ def _receive_and_load(st: ServerState, body: S.UpdateDistributedIn, pg, problem:
         received.append((layout, st.homes.buffer(layout, eng.device)))
         return received[-1][1]
 
-    named = receive(pg, body.names, body.dtypes, body.shapes, eng.device,
-                    flattened=body.load_format == "flattened_bucket",
-                    into=into if problem is None else None, flat_buffer=flat_buffer)
+    named = receive(
+        pg,
+        body.names,
+        body.dtypes,
+        body.shapes,
+        eng.device,
+        flattened=body.load_format == "flattened_bucket",
+        into=into if problem is None else None,
+        flat_buffer=flat_buffer,
+    )
     if problem is None:
-        return _load(st, named, body.weight_version, home=received[0] if received else None,
-                     flush_cache=body.flush_cache)
+        return _load(
+            st, named, body.weight_version, home=received[0] if received else None, flush_cache=body.flush_cache
+        )
     return None
 
 
@@ -287,7 +350,7 @@ def _scratch_buffer(st: ServerState, layout) -> torch.Tensor:
         return torch.empty(layout.nbytes, dtype=torch.uint8, device=st.engine.device)
     if st.recv_buffer is None or st.recv_buffer.numel() < layout.nbytes:
         st.recv_buffer = torch.empty(layout.nbytes, dtype=torch.uint8)
-    return st.recv_buffer[:layout.nbytes]
+    return st.recv_buffer[: layout.nbytes]
 
 
 def _max_update_bytes(st: ServerState) -> int:
