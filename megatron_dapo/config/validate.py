@@ -129,6 +129,14 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
                 f"algo.loss_scale_factor={a.loss_scale_factor} only applies to "
                 f"algo.loss_agg_mode=seq-mean-token-sum-norm (got {a.loss_agg_mode})"
             )
+    _check_batches(cfg, errors)
+    _check_shaping(cfg, errors)
+    _check_dp_share(cfg, errors)
+
+
+def _check_batches(cfg: DapoConfig, errors: list[str]) -> None:
+    """Batch sizes, epochs, staleness and micro-batch budget (algo.*)."""
+    a = cfg.algo
     if a.train_batch_size < 1:
         errors.append(f"algo.train_batch_size={a.train_batch_size} must be >= 1")
     if a.ppo_mini_batch_size < 1:
@@ -150,6 +158,17 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
             f"{a.train_batch_size} (or be null): a staleness buffer is one training step's batch, as in PSRL; "
             f"more groups in flight than the batch is batch-level redundancy (rollout.redundancy.extra_prompts)"
         )
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    if a.max_tokens_per_micro_batch is not None and a.max_tokens_per_micro_batch < seq:
+        errors.append(
+            f"algo.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is below one full sequence "
+            f"(data.max_prompt_length + data.max_response_length = {seq})"
+        )
+
+
+def _check_shaping(cfg: DapoConfig, errors: list[str]) -> None:
+    """KL, entropy, dynamic sampling, overlong shaping and rollout importance sampling (algo.*)."""
+    a = cfg.algo
     if a.kl_coef != 0:
         errors.append(
             f"algo.kl_coef={a.kl_coef} is not supported: DAPO removes the KL penalty (Yu et al. 2025, "
@@ -175,12 +194,11 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
             errors.append(f"algo.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
     if a.rollout_is.enable and a.rollout_is.cap < 1.0:
         errors.append(f"algo.rollout_is.cap={a.rollout_is.cap} must be >= 1")
-    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if a.max_tokens_per_micro_batch is not None and a.max_tokens_per_micro_batch < seq:
-        errors.append(
-            f"algo.max_tokens_per_micro_batch={a.max_tokens_per_micro_batch} is below one full sequence "
-            f"(data.max_prompt_length + data.max_response_length = {seq})"
-        )
+
+
+def _check_dp_share(cfg: DapoConfig, errors: list[str]) -> None:
+    """Every data-parallel rank gets at least one sequence per optimizer step (only once the rest holds)."""
+    a = cfg.algo
     if not errors:
         dp = _dp_or_none(cfg)
         samples = a.ppo_mini_batch_size * cfg.rollout.n_resp_per_prompt

@@ -238,6 +238,14 @@ def fit_errors(plan: Plan) -> list[str]:
 
 
 def format_plan(plan: Plan) -> str:
+    out = _format_layout(plan) + [""] + _format_memory(plan)
+    if plan.step is not None:
+        out += ["", _format_step(plan)]
+    return "\n".join(out)
+
+
+def _format_layout(plan: Plan) -> list[str]:
+    """The cluster, the model, the trainer's ranks and groups, the rollout servers' GPUs."""
     cfg, s, lay = plan.cfg, plan.shape, plan.layout
     p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
     out = []
@@ -273,8 +281,13 @@ def format_plan(plan: Plan) -> str:
         out.append(f"rollout: {r.num_servers} embedded servers (CPU / small models, no reserved GPUs)")
     if lay.idle_gpus:
         out.append(f"idle GPUs: {len(lay.idle_gpus)}")
+    return out
 
-    out.append("")
+
+def _format_memory(plan: Plan) -> list[str]:
+    """Per training GPU (per stage), per rollout GPU, and the host weight store."""
+    cfg, s, t, r = plan.cfg, plan.shape, plan.cfg.trainer, plan.cfg.rollout
+    out = []
     worst = max(plan.stages, key=lambda st: st.total)
     # GiB for real models, MiB for the tiny CPU ones (where GiB would print only zeros).
     unit, scale = ("GiB", GiB) if worst.total >= GiB else ("MiB", 1024**2)
@@ -316,9 +329,7 @@ def format_plan(plan: Plan) -> str:
     out.append(
         f"usable per GPU: {plan.usable_bytes / GiB:.2f} GiB; largest training GPU: {worst.total / scale:.2f} {unit}"
     )
-    if plan.step is not None:
-        out += ["", _format_step(plan)]
-    return "\n".join(out)
+    return out
 
 
 def _format_step(plan: Plan) -> str:

@@ -335,20 +335,7 @@ class MegatronActor:
             if not mb.rows:  # all padding (this rank has fewer micro-batches than others): no loss
                 return lp_pos.sum() * 0.0, {}
             lp = mb.gather(lp_pos.float())
-            shape = lp.shape
-            old_rows = torch.zeros(shape)
-            roll_rows = torch.zeros(shape)
-            mask = torch.zeros(shape)
-            for i, r in enumerate(mb.rows):
-                k = batch.response_lengths[r]
-                if k == 0:
-                    continue
-                old_rows[i, :k] = old[r] if self.is_last_stage else 0.0
-                roll_rows[i, :k] = torch.as_tensor(batch.rollout_logprobs[r], dtype=torch.float32)
-                mask[i, :k] = float(batch.response_loss_mask[r])
-            adv = batch.advantages[mb.rows].float()
-            dev = lp.device
-            old_rows, roll_rows, mask, adv = old_rows.to(dev), roll_rows.to(dev), mask.to(dev), adv.to(dev)
+            old_rows, roll_rows, mask, adv = self._loss_inputs(batch, mb, old, lp)
             # clamped like the policy log-ratio, so a far-off rollout logprob cannot overflow exp
             log_w = (old_rows - roll_rows).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
             is_weights = torch.exp(log_w) * (mask > 0) if use_is else None
@@ -369,22 +356,13 @@ class MegatronActor:
             if a.entropy_coeff:
                 loss = loss - a.entropy_coeff * ent_mean
             with torch.no_grad():
-                add = {
-                    "actor/pg_loss": float(loss),
-                    "actor/entropy": float(ent_mean),
-                    "actor/pg_clipfrac_upper": float(metrics["clipfrac_upper"]),
-                    "actor/pg_clipfrac_lower": float(metrics["clipfrac_lower"]),
-                    "actor/pg_clipfrac_dual": float(metrics["clipfrac_dual"]),
-                    "actor/approx_kl": float(metrics["approx_kl"]),
-                    "actor/ratio_mean": float(metrics["ratio_mean"]),
-                }
+                add = self._loss_metrics(loss, ent_mean, metrics)
                 if use_is:
+                    per_token = self.dp_size / max(global_tokens, 1.0)
                     w = torch.clamp(is_weights, max=a.rollout_is.cap) if a.rollout_is.cap else is_weights
-                    add["actor/rollout_is_weight_mean"] = (
-                        float((w * mask).sum()) * self.dp_size / max(global_tokens, 1.0)
-                    )
+                    add["actor/rollout_is_weight_mean"] = float((w * mask).sum()) * per_token
                     add["actor/train_rollout_logprob_abs_diff"] = (
-                        float(((old_rows - roll_rows).abs() * mask).sum()) * self.dp_size / max(global_tokens, 1.0)
+                        float(((old_rows - roll_rows).abs() * mask).sum()) * per_token
                     )
                 for k, v in add.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -405,6 +383,34 @@ class MegatronActor:
             log.warning("optimizer step skipped: loss %s, grad norm %s", metrics.get("actor/pg_loss"), grad_norm)
         metrics["actor/nonfinite_loss"] = 0.0 if loss_finite else 1.0
         return metrics, ok, grad_norm
+
+    def _loss_inputs(self, batch, mb: PackedMicroBatch, old: dict[int, torch.Tensor], lp: torch.Tensor):
+        """The micro-batch's old and rollout logprobs, loss mask and advantages, in `lp`'s [rows, tokens]
+        layout and on its device (old logprobs exist on the last pipeline stage only)."""
+        old_rows, roll_rows, mask = torch.zeros(lp.shape), torch.zeros(lp.shape), torch.zeros(lp.shape)
+        for i, r in enumerate(mb.rows):
+            k = batch.response_lengths[r]
+            if k == 0:
+                continue
+            old_rows[i, :k] = old[r] if self.is_last_stage else 0.0
+            roll_rows[i, :k] = torch.as_tensor(batch.rollout_logprobs[r], dtype=torch.float32)
+            mask[i, :k] = float(batch.response_loss_mask[r])
+        adv = batch.advantages[mb.rows].float()
+        dev = lp.device
+        return old_rows.to(dev), roll_rows.to(dev), mask.to(dev), adv.to(dev)
+
+    @staticmethod
+    def _loss_metrics(loss: torch.Tensor, ent_mean: torch.Tensor, metrics: dict) -> dict[str, float]:
+        """One micro-batch's contribution to the step's actor/* metrics (summed over micro-batches)."""
+        return {
+            "actor/pg_loss": float(loss),
+            "actor/entropy": float(ent_mean),
+            "actor/pg_clipfrac_upper": float(metrics["clipfrac_upper"]),
+            "actor/pg_clipfrac_lower": float(metrics["clipfrac_lower"]),
+            "actor/pg_clipfrac_dual": float(metrics["clipfrac_dual"]),
+            "actor/approx_kl": float(metrics["approx_kl"]),
+            "actor/ratio_mean": float(metrics["ratio_mean"]),
+        }
 
     def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
         """Metrics of the last pipeline stage, summed over micro-batches, averaged over DP, on every rank."""

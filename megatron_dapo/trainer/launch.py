@@ -24,6 +24,8 @@ from megatron_dapo.config import config_from_dict, config_to_dict
 from megatron_dapo.config.derived import trainer_world_size
 from megatron_dapo.runtime.net import free_port
 
+# ray (and torch) are imported in the functions that use them: a torchrun launch never needs ray.
+
 log = logging.getLogger(__name__)
 
 
@@ -101,99 +103,134 @@ def exit_on_sigterm() -> None:
 def run_with_ray(cfg, resume: bool = False):
     """Place servers and trainer ranks with Ray; run; return rank 0's RunResult."""
     import ray
-    import torch
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import remove_placement_group
 
     exit_on_sigterm()
-    started = False
-    if not ray.is_initialized():
-        if cfg.trainer.ray_address:
-            ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
-        else:
-            _local_ray_init()
-        started = True
-    cfg_dict = config_to_dict(cfg)
+    started = _init_ray(cfg)
     world = trainer_world_size(cfg)
-    external = list(cfg.rollout.servers)
-    n_servers = 0 if external else cfg.rollout.num_servers
-    gpu = torch.cuda.is_available() and ray.cluster_resources().get("GPU", 0) > 0
-    if gpu:
-        trainer_bundle = {"CPU": 1, "GPU": 1}
-        server_bundle = {"CPU": 1, "GPU": cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1}
-    else:
-        cpus = ray.cluster_resources().get("CPU", 1)
-        share = min(1.0, cpus / (world + n_servers))
-        trainer_bundle = server_bundle = {"CPU": share}
-    bundles = [dict(trainer_bundle) for _ in range(world)] + [dict(server_bundle) for _ in range(n_servers)]
-    pg = placement_group(bundles, strategy="PACK")
-    try:
-        ray.get(pg.ready(), timeout=120)
-    except Exception as e:
-        raise LaunchError(
-            f"Ray could not place {len(bundles)} bundles {bundles} (cluster: {ray.cluster_resources()}): {e}"
-        ) from e
-    env_common = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
-    run_dir = Path(cfg.logging.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    ServerActor = ray.remote(_ServerActor)
-    TrainerActor = ray.remote(_TrainerActor)
-
-    def strategy(i):
-        return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-
+    n_servers = 0 if cfg.rollout.servers else cfg.rollout.num_servers
+    layout = _RayLayout.for_run(cfg, world, n_servers)
+    pg = layout.place()
     servers, trainers = [], []
     try:
-        servers = [
-            ServerActor.options(
-                scheduling_strategy=strategy(world + i),
-                num_cpus=server_bundle["CPU"],
-                num_gpus=server_bundle.get("GPU", 0),
-                runtime_env={"env_vars": env_common},
-            ).remote()
-            for i in range(n_servers)
-        ]
-        urls = external + ray.get([s.start.remote(cfg_dict, i, str(run_dir / "logs")) for i, s in enumerate(servers)])
+        servers, urls = layout.start_servers(cfg, pg)
         tp_sizes = [cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1] * len(urls)
-        trainers = [
-            TrainerActor.options(
-                scheduling_strategy=strategy(r),
-                num_cpus=trainer_bundle["CPU"],
-                num_gpus=trainer_bundle.get("GPU", 0),
-                runtime_env={"env_vars": env_common},
-            ).remote()
-            for r in range(world)
-        ]
+        trainers = layout.start_trainers(pg)
         master_addr, master_port = ray.get(trainers[0].node_address.remote())
+        cfg_dict = config_to_dict(cfg)
         futures = [
-            t.run.remote(
-                cfg_dict,
-                {
-                    "RANK": r,
-                    "WORLD_SIZE": world,
-                    "LOCAL_RANK": 0 if gpu else r,
-                    "MASTER_ADDR": master_addr,
-                    "MASTER_PORT": master_port,
-                },
-                urls,
-                tp_sizes,
-                resume,
-            )
+            t.run.remote(cfg_dict, layout.rank_env(r, master_addr, master_port), urls, tp_sizes, resume)
             for r, t in enumerate(trainers)
         ]
-        results = ray.get(futures)
-        return results[0]
+        return ray.get(futures)[0]
     finally:
-        for s in servers:
-            try:
-                ray.get(s.stop.remote(), timeout=60)
-            except Exception as e:  # the process group kill below still reaps it
-                log.warning("stopping a rollout server failed: %s", e)
-        for a in servers + trainers:
-            ray.kill(a)
+        _stop_actors(servers, trainers)
         remove_placement_group(pg)
         if started:
             ray.shutdown()
+
+
+def _init_ray(cfg) -> bool:
+    """Connect to trainer.ray_address or start a local Ray; True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if cfg.trainer.ray_address:
+        ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
+    else:
+        _local_ray_init()
+    return True
+
+
+class _RayLayout:
+    """One placement-group bundle per trainer rank, then one per launched server (GPUs when Ray has
+    them, else an even share of the CPUs)."""
+
+    def __init__(self, cfg, world: int, n_servers: int, gpu: bool, trainer_bundle: dict, server_bundle: dict):
+        self.cfg, self.world, self.n_servers, self.gpu = cfg, world, n_servers, gpu
+        self.trainer_bundle, self.server_bundle = trainer_bundle, server_bundle
+        self.env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
+
+    @classmethod
+    def for_run(cls, cfg, world: int, n_servers: int) -> "_RayLayout":
+        import ray
+        import torch
+
+        gpu = torch.cuda.is_available() and ray.cluster_resources().get("GPU", 0) > 0
+        if gpu:
+            server_gpus = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
+            return cls(cfg, world, n_servers, gpu, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": server_gpus})
+        share = min(1.0, ray.cluster_resources().get("CPU", 1) / (world + n_servers))
+        return cls(cfg, world, n_servers, gpu, {"CPU": share}, {"CPU": share})
+
+    def place(self):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundles = [dict(self.trainer_bundle) for _ in range(self.world)]
+        bundles += [dict(self.server_bundle) for _ in range(self.n_servers)]
+        pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(pg.ready(), timeout=120)
+        except Exception as e:
+            raise LaunchError(
+                f"Ray could not place {len(bundles)} bundles {bundles} (cluster: {ray.cluster_resources()}): {e}"
+            ) from e
+        return pg
+
+    def _options(self, pg, index: int, bundle: dict) -> dict:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+        return dict(
+            scheduling_strategy=strategy,
+            num_cpus=bundle["CPU"],
+            num_gpus=bundle.get("GPU", 0),
+            runtime_env={"env_vars": self.env},
+        )
+
+    def start_servers(self, cfg, pg) -> tuple[list, list[str]]:
+        """The launched servers (after the trainer bundles) and every server URL, external ones first."""
+        import ray
+
+        log_dir = Path(cfg.logging.run_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        actor = ray.remote(_ServerActor)
+        servers = [
+            actor.options(**self._options(pg, self.world + i, self.server_bundle)).remote()
+            for i in range(self.n_servers)
+        ]
+        cfg_dict = config_to_dict(cfg)
+        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir)) for i, s in enumerate(servers)])
+        return servers, list(cfg.rollout.servers) + started
+
+    def start_trainers(self, pg) -> list:
+        import ray
+
+        actor = ray.remote(_TrainerActor)
+        return [actor.options(**self._options(pg, r, self.trainer_bundle)).remote() for r in range(self.world)]
+
+    def rank_env(self, rank: int, master_addr: str, master_port: int) -> dict:
+        return {
+            "RANK": rank,
+            "WORLD_SIZE": self.world,
+            "LOCAL_RANK": 0 if self.gpu else rank,
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": master_port,
+        }
+
+
+def _stop_actors(servers: list, trainers: list) -> None:
+    import ray
+
+    for s in servers:
+        try:
+            ray.get(s.stop.remote(), timeout=60)
+        except Exception as e:  # the process group kill below still reaps it
+            log.warning("stopping a rollout server failed: %s", e)
+    for a in servers + trainers:
+        ray.kill(a)
 
 
 def run_with_torchrun(cfg, resume: bool = False):
