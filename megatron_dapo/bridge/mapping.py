@@ -28,7 +28,6 @@ from typing import Callable, Sequence
 import torch
 
 from megatron_dapo.models.arch import QwenArch
-from megatron_dapo.models.provider import padded_vocab_size
 
 REPLICATED, ROW, COLUMN, VOCAB, QKV, GATE_UP = "replicated", "row", "column", "vocab", "qkv", "gate_up"
 
@@ -267,19 +266,3 @@ def hf_from_shards(unit: Unit, arch: QwenArch, shards: Sequence[torch.Tensor]) -
         q, k, v = full.split([q_per_group * hd, hd, hd], dim=1)
         return [t.reshape(-1, *rest).contiguous() for t in (q, k, v)]
     raise MappingError(f"unknown layout {layout!r}")
-
-
-def expected_local_shape(unit: Unit, arch: QwenArch, size: int) -> tuple[int, ...]:
-    """The megatron shard shape a rank should hold for `unit` with split size `size` (a sanity check)."""
-    layout = unit.rule.layout
-    shapes = [hf_shape(arch, n) for n in unit.hf_names]
-    if layout == REPLICATED:
-        return shapes[0]
-    if layout == ROW:
-        return (shapes[0][0] // size, *shapes[0][1:])
-    if layout == COLUMN:
-        return (shapes[0][0], shapes[0][1] // size)
-    if layout == VOCAB:
-        return (padded_vocab_size(arch.vocab_size, size) // size, shapes[0][1])
-    rows = sum(s[0] for s in shapes) // size
-    return (rows, *shapes[0][1:])

@@ -435,7 +435,3 @@ class Router:
         return await self._abort(chosen)
 
     # ---- fan-out control -----------------------------------------------------------------------
-    async def call_all(self, method: str, *args, healthy_only: bool = True, **kwargs) -> list:
-        """Call client method `method` on every (healthy) server concurrently; returns the answers."""
-        targets = self.healthy() if healthy_only else self.servers
-        return await asyncio.gather(*(getattr(s.client, method)(*args, **kwargs) for s in targets))
