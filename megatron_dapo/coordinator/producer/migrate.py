@@ -66,11 +66,7 @@ class Migration:
 
     async def once(self, router) -> None:
         p = self.p
-        import time as _t, sys as _s
-        _t0 = _t.monotonic()
-        _st = await self.server_statuses(router)
-        m = p.migration.choose(_st)
-        print(f"MIGDBG {_t.monotonic():.3f} dt={_t.monotonic()-_t0:.3f} v={p.version} n={len(_st)} " + " | ".join(f"{x.url[-5:]} r={x.running} w={x.waiting} kv={x.kv_cache:.2f} rt={x.routable} pr={x.protected}" for x in _st) + f" -> {m}", file=_s.stderr, flush=True)
+        m = p.migration.choose(await self.server_statuses(router))
         if m is None:
             return
         aborted = await router.migrate_from(m.source)
