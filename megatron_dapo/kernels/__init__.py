@@ -13,10 +13,12 @@ from .dispatch import (
     token_advantages,
     vocab_parallel_logprobs,
 )
+from .fused_linear import fused_linear_logprobs
 
 __all__ = [
     "dapo_policy_loss",
     "dynamic_sampling_filter",
+    "fused_linear_logprobs",
     "group_advantages",
     "resolve_backend",
     "token_advantages",
