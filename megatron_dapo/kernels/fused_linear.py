@@ -29,8 +29,9 @@ Formulas (per token; x = hidden @ weight.T / temperature over the whole vocabula
 Memory: forward and backward loop over chunks of `chunk_tokens` rows, recomputing that chunk's logits
 from hidden and weight (backward recomputes them instead of saving them). Saved for backward: hidden,
 weight, the targets and per-token statistics (m, log sum exp, E_p[x - m]) of size [T]. The peak extra
-memory is O(chunk_tokens * V_local) (a logits block and its softmax), plus an fp32 [V_local, H] dW
-accumulator and an fp32 copy of the weight when it is not fp32 -- never O(T * V).
+memory is O(chunk_tokens * V_local) (a logits block and its softmax, buffers reused by every chunk), besides
+dH and dW themselves (accumulated in fp32; for a bf16 weight that is an fp32 [V_local, H] accumulator and an
+fp32 copy of the weight) -- never O(T * V).
 
 Tensor parallel: the per-rank partials (relative to the rank's own max) are combined by
 megatron_dapo.algo.logprobs.merge_partials: one MAX and one SUM all-reduce for the whole batch, after the
@@ -87,11 +88,12 @@ def _forward_partials(hidden, w32, local_target, inside, inv_temp, with_entropy,
     return ShardPartials(m_r, s_r, tgt, ent)
 
 
-def _backward_chunks(hidden, w32, local_target, inside, stats, inv_temp, glp, gh, need_dh, need_dw, chunk):
-    """dH (this shard's contribution) and dW of the valid rows, recomputing each chunk's p; both fp32."""
+def _backward_chunks(hidden, w32, n_rows, local_target, inside, stats, inv_temp, glp, gh, need_dh, need_dw, chunk):
+    """dH (this shard's contribution) and dW [n_rows, H], recomputing each chunk's p; both fp32."""
     n_tok, n_valid = hidden.shape[0], w32.shape[0]
     dh = hidden.new_zeros(hidden.shape, dtype=torch.float32) if need_dh else None
-    dw = torch.zeros_like(w32) if need_dw else None
+    # the full-size dW, padding rows 0; accumulate into its valid rows (a contiguous view) in fp32
+    dw = hidden.new_zeros((n_rows, hidden.shape[1]), dtype=torch.float32) if need_dw else None
     if n_valid == 0:
         return dh, dw
     zbuf, pbuf = (hidden.new_empty(min(chunk, n_tok), n_valid, dtype=torch.float32) for _ in range(2))
@@ -113,7 +115,7 @@ def _backward_chunks(hidden, w32, local_target, inside, stats, inv_temp, glp, gh
         if need_dh:
             torch.matmul(g, w32, out=dh[lo:hi])
         if need_dw:
-            dw.addmm_(g.t(), hidden[lo:hi].float())
+            dw[:n_valid].addmm_(g.t(), hidden[lo:hi].float())
     return dh, dw
 
 
@@ -149,15 +151,15 @@ class _FusedLinearLogprobs(torch.autograd.Function):
             return (None,) * 9
         stats = GlobalStats(m, log_s, None, mean_z)
         w32 = weight[:n_valid].float()
-        dh, dw = _backward_chunks(hidden, w32, local_target, inside, stats, inv_temp, glp, gh, need_dh, need_dw, chunk)
+        dh, dw = _backward_chunks(
+            hidden, w32, weight.shape[0], local_target, inside, stats, inv_temp, glp, gh, need_dh, need_dw, chunk
+        )
         if need_dh:
             if reduce_dh and tp_group is not None and dist.get_world_size(tp_group) > 1:
                 dist.all_reduce(dh, op=dist.ReduceOp.SUM, group=tp_group)  # sum of every shard's contribution
             dh = dh.to(hidden.dtype)
         if need_dw:
-            full = torch.zeros_like(weight)  # padding rows get no gradient
-            full[:n_valid] = dw
-            dw = full
+            dw = dw.to(weight.dtype)
         return dh, dw, None, None, None, None, None, None, None
 
 
