@@ -406,12 +406,126 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
     assert restarted[0] == plain[0] and restarted[1] == 0 and restarted[2] > 0
 
 
+def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
+    """Bring about, at a known point, what migration acts on, and wait until the producer has migrated.
+
+    Left to timing, a server is seen starved (nothing waiting) only in a short window at the end of a
+    wave of groups, and the continuous batcher's small KV pool keeps a queue on both servers almost
+    always: a loaded machine easily goes a dozen steps without a check falling into such a window.
+    Here, with the producer at `version` - 1 and unable to reserve more (its open buffer full, nothing
+    in flight, the servers idle), each server gets two requests of ours, a long one running (KV in
+    use) and behind it one of `block` tokens that cannot start beside it (a static batch admits
+    nothing while one runs; in the continuous batcher's pool the queue's head does not fit, and
+    admission is first come first served), and is paused in place. `set_version(version)` dispatches
+    the B + extra groups of the one new buffer, each pinned whole to one server: one server (busy)
+    gets at least extra + 1 of them, so the other cannot fill the buffer without it. The busy one
+    takes its requests into its queue, behind ours, and is paused in place again; the other has ours
+    aborted, goes on, runs its groups (and the prompts that replace dropped ones) and idles: nothing
+    waiting, no KV in use, while the busy one holds KV and the producer's queued requests. Starved
+    against busy until the producer migrates (waited for with a deadline, never a number of checks);
+    then ours on the busy server are aborted and it goes on."""
+    import asyncio
+    import contextlib
+    import time
+    import uuid
+
+    from megatron_dapo.rollout.client import SGLangClient
+    from megatron_dapo.rollout.types import SamplingParams
+
+    assert len(urls) == 2 and p.s.staleness == 1 and p.s.extra_prompts > 0
+    groups, per_group = p.s.train_batch_size + p.s.extra_prompts, p.s.n + p.s.extra_samples
+    long, one = SamplingParams(max_new_tokens=400, ignore_eos=True), SamplingParams(max_new_tokens=1)
+    block = 250  # fits the continuous fixture's 256-token pool alone, never beside a running sequence
+
+    async def until(cond, what):
+        deadline = time.monotonic() + timeout_s
+        while not await cond():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not within {timeout_s}s: {what}")
+            await asyncio.sleep(0.01)
+
+    def quiesced() -> bool:
+        with p._cv:  # a consistent snapshot: the next buffer full, no reservation left to dispatch
+            return p.slots.ready() and p.in_flight == 0 and p.version + p.s.staleness == p.slots.next_buffer
+
+    def on_loop(fn):  # the producer's state and its router belong to its event loop
+        return asyncio.to_thread(p.handoff.call, fn)
+
+    async def go():
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {u: await stack.enter_async_context(SGLangClient(u)) for u in urls}
+
+            async def idle():
+                return quiesced() and all(
+                    x.running + x.waiting == 0 for x in [await c.get_loads() for c in clients.values()]
+                )
+
+            await until(idle, "the producer's open buffer full and both servers idle")
+            ours: dict[str, list[str]] = {u: [] for u in urls}
+            tasks = []
+
+            async def send(u, ids, sampling, running, waiting):
+                rid = f"ours-{uuid.uuid4().hex[:8]}"
+                ours[u].append(rid)
+                tasks.append(asyncio.ensure_future(clients[u].generate(ids, sampling, rid=rid)))
+
+                async def there():
+                    x = await clients[u].get_loads()
+                    return (x.running, x.waiting) == (running, waiting)
+
+                await until(there, f"our request on {u} (running, waiting) = {(running, waiting)}")
+
+            try:
+                for u in urls:  # ours first, each server then paused in place: ours stay as they are
+                    await send(u, prompt, long, 1, 0)
+                    await send(u, (prompt * block)[:block], one, 1, 1)
+                    await clients[u].pause_generation("in_place")
+                await asyncio.to_thread(p.set_version, version)
+
+                async def placed():  # on the paused servers' doorsteps (they take nothing in while paused)
+                    return sum(await on_loop(lambda: [router.running_on(u) for u in urls])) == groups * per_group
+
+                await until(placed, f"{groups} groups of {per_group} requests placed")
+                sent = dict(zip(urls, await on_loop(lambda: [router.running_on(u) for u in urls])))
+                busy = max(sent, key=sent.get)
+                (free,) = [u for u in urls if u != busy]
+                assert sent[busy] >= per_group * (p.s.extra_prompts + 1), sent  # free cannot fill the buffer
+                await clients[busy].continue_generation()  # they join its queue, behind ours
+
+                async def queued():
+                    return (await clients[busy].get_loads()).waiting == 1 + sent[busy]
+
+                await until(queued, f"{sent[busy]} requests queued on {busy}")
+                await clients[busy].pause_generation("in_place")
+                frozen = await clients[busy].get_loads()
+                assert (frozen.running, frozen.waiting) == (1, 1 + sent[busy]), frozen  # ours running, all queued
+                counted = await on_loop(lambda: p.counters.coordination["migrations"])  # loop-owned
+                for rid in ours[free]:
+                    await clients[free].abort_request(rid)
+                await clients[free].continue_generation()
+
+                async def migrated():  # the one brought about here (one by timing may have come before)
+                    return await on_loop(lambda: p.counters.coordination["migrations"]) > counted
+
+                await until(migrated, f"a migration off {busy} ({sent[busy]} queued) to idle {free}")
+            finally:
+                for u, c in clients.items():
+                    for rid in ours[u]:
+                        await c.abort_request(rid)
+                    await c.continue_generation()
+                await asyncio.gather(*tasks, return_exceptions=True)
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("servers", ["setup", "continuous_setup"])
 def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
     """Every rollout-coordination switch on, against two real servers (batching statically, or
     continuously as SGLang does): sample- and prompt-level
     redundancy, the proactive filter and migration (on the servers' own KV use from /v1/loads,
-    thresholds low enough that it fires whenever one server is idle). Each batch has B groups of
+    thresholds low enough that it fires whenever one server is idle; after the first step one server
+    is made idle while the other holds work, `_starve_one_server`, so a migration happens whatever the
+    timing). Each batch has B groups of
     exactly n finished samples, within the staleness bound, each token's weight version between the
     group's V_traj and the step; every prompt drawn is trained, waiting, in flight, dropped by
     dynamic sampling or aborted (counted), never twice."""
@@ -422,8 +536,8 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
 
     ds, urls = request.getfixturevalue(servers)
     _set_server_version(urls, 0)  # earlier tests leave the servers labelled with later versions
-    # at least 4 steps, and on until a migration has happened (when a server idles is a matter of timing)
-    B, n, staleness, min_steps, max_steps = 3, 4, 1, 4, 12
+    B, n, staleness, min_steps, starve_after = 3, 4, 1, 4, 0
+    routers = []
     p = _producer(
         ds,
         urls,
@@ -437,13 +551,12 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
         retry_threshold=2,
         check_interval_s=0.05,
         migration=MigrationConfig(enabled=True, indicator="kv_cache", threshold=1.0, stop_threshold=1),
+        routers=routers,
     )
     trained, counts, taken, retractions = [], Counter(), 0, 0
     p.start()
     try:
-        for step in range(max_steps):
-            if step >= min_steps and counts["migrations"] > 0:
-                break
+        for step in range(min_steps):
             info = p.take_batch(step, timeout_s=300)
             taken += 1
             counts.update(info.coordination)
@@ -459,7 +572,10 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
                     assert versions == sorted(versions) and all(g.v_traj <= v <= step for v in versions)
                 trained.append(g.draw)
             _set_server_version(urls, step + 1)
-            p.set_version(step + 1)
+            if step == starve_after:  # it sets the producer's version itself
+                _starve_one_server(p, routers[0], list(ds[0].prompt_ids), urls, step + 1)
+            else:
+                p.set_version(step + 1)
         with p._cv:  # a consistent snapshot of the running producer (stopping cancels what is in flight)
             waiting = [g.draw for g in p.buffer]
             in_flight = list(p.flight)
