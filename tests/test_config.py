@@ -203,6 +203,10 @@ def test_tp3_with_4_heads_names_parallel_tp():
         ),
         (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
         (
+            ["parallel.tp=1", "parallel.cp=2"],
+            "parallel.cp=2: context parallelism is not implemented yet",
+        ),
+        (
             ["trainer.gpus_per_node=3"],
             "parallel.tp * parallel.pp * parallel.cp = 2*1*1 = 2 does not divide the trainer world size 3",
         ),

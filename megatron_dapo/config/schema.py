@@ -48,7 +48,7 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline parallel size
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B); None = off
-    cp: int = 1  # context parallel size
+    cp: int = 1  # context parallel size; only 1 for now (> 1 is refused: sequences are not split yet)
     ep: int = 1  # expert parallel size (MoE)
     etp: Optional[int] = None  # expert tensor parallel size; None = same as tp
     dp: Optional[int] = None  # data parallel size; None = derived: trainer world size / (tp * pp * cp)

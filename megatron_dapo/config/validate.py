@@ -25,6 +25,11 @@ def _check_parallel(cfg: DapoConfig, errors: list[str]) -> None:
         value = getattr(p, name)
         if value is not None and value < 1:
             errors.append(f"parallel.{name}={value} must be >= 1 or null")
+    if p.cp > 1:  # accepted before but never applied: each CP rank processed every token
+        errors.append(
+            f"parallel.cp={p.cp}: context parallelism is not implemented yet (the actor does not split "
+            f"sequences across CP ranks, so each would repeat all the work); use parallel.cp=1"
+        )
     if p.vpp is not None and p.vpp > 1 and p.pp < 2:
         errors.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp})")
     if t.nnodes < 1 or t.gpus_per_node < 1:
