@@ -135,6 +135,11 @@ class AlgoConfig:
     gen_batch_size: Optional[int] = None
     # Token budget of one packed micro-batch per rank; None = max_prompt_length + max_response_length.
     max_tokens_per_micro_batch: Optional[int] = None
+    # Megatron actor: apply the LM head inside the logprob op, chunked over tokens
+    # (megatron_dapo.kernels.fused_linear_logprobs), so the [tokens, vocab] logits are never
+    # materialised; same numbers up to fp32 rounding. Not with parallel.sequence_parallel or
+    # trainer.backend=fsdp2 (refused).
+    fused_lm_head: bool = False
 
 
 @dataclass

@@ -29,6 +29,8 @@ so gradients equal those of the whole mini-batch as one batch on one process.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
@@ -41,10 +43,11 @@ from megatron_dapo.algo.loss import LOG_RATIO_BOUND
 from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
+from megatron_dapo.kernels.fused_linear import fused_linear_logprobs
 from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_padded_vocab_logits
 from megatron_dapo.models.specs import te_available
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
-from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
+from megatron_dapo.trainer.packing import PackedMicroBatch, _unwrap, pack, per_sequence_rope, plan_micro_batches
 from megatron_dapo.types import DPShard
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,34 @@ def dapo_loss_options(cfg) -> dict:
         token_sum_norm=token_sum_norm(cfg),
         rollout_is_cap=a.rollout_is.cap if a.rollout_is.enable else None,
     )
+
+
+@contextlib.contextmanager
+def output_layer_returns_hidden(model):
+    """Inside this block a last-stage GPTModel returns its final hidden state [b, s, h] where it would
+    return logits [b, s, v] (algo.fused_lm_head): its output layer's forward hands back its input and no
+    bias. Yields a dict that gets "weight", the output weight [V_local, h] the layer was called with
+    (the shared embedding weight when embeddings are tied, else the layer's own); empty on other stages.
+
+    The module call itself is kept (hooks still run); only the matmul is skipped. The input is not routed
+    through copy_to_tensor_model_parallel_region either, so the caller's op must all-reduce dH over TP
+    (fused_linear_logprobs does, with reduce_hidden_grad=True)."""
+    gpt = _unwrap(model)
+    layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
+    head: dict = {}
+    if layer is None:
+        yield head
+        return
+
+    def forward(input_, weight=None, runtime_gather_output=None, **_kwargs):
+        head["weight"] = layer.weight if weight is None else weight
+        return input_, None
+
+    layer.forward = forward
+    try:
+        yield head
+    finally:
+        del layer.forward
 
 
 class MegatronActor:
@@ -148,6 +179,11 @@ class MegatronActor:
         self.max_tokens = a.max_tokens_per_micro_batch or (cfg.data.max_prompt_length + cfg.data.max_response_length)
         # Sequence parallel scatters the packed row over TP ranks: its length must divide evenly.
         self.pad_multiple = p.tp if self.config.sequence_parallel else 1
+        # algo.fused_lm_head: the last stage returns hidden states; logprobs come from
+        # fused_linear_logprobs (chunked, never the [T, V] logits). Refused by config validation with SP.
+        self.fused_lm_head = bool(a.fused_lm_head)
+        if self.fused_lm_head and self.config.sequence_parallel:
+            raise ValueError("algo.fused_lm_head does not support parallel.sequence_parallel yet")
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -183,7 +219,29 @@ class MegatronActor:
         with per_sequence_rope(model, positions):
             return model(tokens, positions, mb.attention_mask().to(dev))
 
-    def _logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float, with_entropy: bool):
+    def _logprobs(
+        self,
+        logits: torch.Tensor,
+        mb: PackedMicroBatch,
+        temperature: float,
+        with_entropy: bool,
+        head_weight: torch.Tensor | None = None,
+    ):
+        """Per-position target logprobs [1, L] (and entropy) of the last stage's output. With
+        algo.fused_lm_head, `logits` is the final hidden state [1, L, h] and `head_weight` the output
+        weight [V_local, h]: the LM head is applied chunk by chunk inside fused_linear_logprobs."""
+        if head_weight is not None:
+            shape = logits.shape[:-1]
+            lp, ent = fused_linear_logprobs(
+                logits.reshape(-1, logits.shape[-1]),
+                head_weight,
+                mb.target_ids.to(logits.device).reshape(-1),
+                tp_group=self.tp_group,
+                temperature=temperature,
+                with_entropy=with_entropy,
+                vocab_size=self.arch.vocab_size,
+            )
+            return (lp.view(shape), ent.view(shape)) if with_entropy else lp.view(shape)
         logits = mask_padded_vocab_logits(logits, self.arch.vocab_size)
         out = vocab_parallel_logprobs(
             logits, mb.target_ids.to(logits.device), self.tp_group, temperature=temperature, with_entropy=with_entropy
@@ -195,8 +253,12 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            output = self._forward(model, mb)
-            return output, lambda logits: loss_fn(logits, mb)
+            if not self.fused_lm_head:
+                output = self._forward(model, mb)
+                return output, lambda logits: loss_fn(logits, mb)
+            with output_layer_returns_hidden(model) as head:
+                output = self._forward(model, mb)  # the final hidden state on the last stage
+            return output, functools.partial(loss_fn, mb=mb, head_weight=head.get("weight"))
 
         length = max(mb.length for mb in packs)
         # Interleaved (virtual) pipelining asks each model chunk for its own iterator.
@@ -219,8 +281,8 @@ class MegatronActor:
             m.eval()
         out: dict[int, torch.Tensor] = {}
 
-        def loss_fn(logits, mb):
-            lp = mb.gather(self._logprobs(logits, mb, batch.temperature, with_entropy=False).float())
+        def loss_fn(logits, mb, head_weight=None):
+            lp = mb.gather(self._logprobs(logits, mb, batch.temperature, False, head_weight).float())
             for i, r in enumerate(mb.rows):
                 out[r] = lp[i, : int(mb.target_valid[i].sum())].cpu()
             return logits.new_zeros(()), {}
@@ -330,8 +392,8 @@ class MegatronActor:
         maxima: dict[str, float] = {}
         use_is = a.rollout_is.enable
 
-        def loss_fn(logits, mb: PackedMicroBatch):
-            lp_pos, ent_pos = self._logprobs(logits, mb, batch.temperature, with_entropy=True)
+        def loss_fn(logits, mb: PackedMicroBatch, head_weight=None):
+            lp_pos, ent_pos = self._logprobs(logits, mb, batch.temperature, True, head_weight)
             if not mb.rows:  # all padding (this rank has fewer micro-batches than others): no loss
                 return lp_pos.sum() * 0.0, {}
             lp = mb.gather(lp_pos.float())
