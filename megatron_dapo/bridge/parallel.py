@@ -57,13 +57,13 @@ def local_units(model_chunks, arch, layout: RankLayout):
     num_local_experts = arch.num_experts // layout.ep_size if arch.is_moe else 0
     out = []
     for chunk in model_chunks:
-        chunk = _unwrap(chunk)
+        chunk = unwrap_model(chunk)
         for name, param in chunk.named_parameters():
             out.append((resolve(name, chunk, arch, layout.ep_rank, num_local_experts), param))
     return out
 
 
-def _unwrap(model):
+def unwrap_model(model):
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
@@ -71,7 +71,7 @@ def _unwrap(model):
 
 
 def model_arch(model_chunks):
-    arch = getattr(_unwrap(model_chunks[0]), "arch", None)
+    arch = getattr(unwrap_model(model_chunks[0]), "arch", None)
     if arch is None:
         raise ValueError("model chunks carry no `.arch`: build them with megatron_dapo.models.build_gpt_model")
     return arch

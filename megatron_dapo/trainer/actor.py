@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.loss import LOG_RATIO_BOUND
+from megatron_dapo.bridge.parallel import unwrap_model
 from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
@@ -47,7 +48,7 @@ from megatron_dapo.kernels.fused_linear import fused_linear_logprobs
 from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_padded_vocab_logits
 from megatron_dapo.models.specs import te_available
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
-from megatron_dapo.trainer.packing import PackedMicroBatch, _unwrap, pack, per_sequence_rope, plan_micro_batches
+from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
 from megatron_dapo.types import DPShard
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,7 @@ def output_layer_returns_hidden(model):
     The module call itself is kept (hooks still run); only the matmul is skipped. The input is not routed
     through copy_to_tensor_model_parallel_region either, so the caller's op must all-reduce dH over TP
     (fused_linear_logprobs does, with reduce_hidden_grad=True)."""
-    gpt = _unwrap(model)
+    gpt = unwrap_model(model)
     layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
     head: dict = {}
     if layer is None:

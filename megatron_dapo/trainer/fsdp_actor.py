@@ -154,7 +154,9 @@ class FSDPActor(MegatronActor):
         )
         return out.logits
 
-    def _logprobs(self, logits, mb, temperature: float, with_entropy: bool):
+    def _logprobs(self, logits, mb, temperature: float, with_entropy: bool, head_weight=None):
+        # head_weight is the fused LM head's (algo.fused_lm_head), which config validation refuses for fsdp2
+        assert head_weight is None, "algo.fused_lm_head is not supported by the FSDP2 actor"
         return vocab_parallel_logprobs(
             logits, mb.target_ids.to(logits.device), None, temperature=temperature, with_entropy=with_entropy
         )

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_dapo.bridge.parallel import unwrap_model
+
 IGNORE_INDEX = -100  # target id of positions that predict nothing (logprob 0, no gradient)
 
 
@@ -152,12 +154,6 @@ def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
     return (~allowed)[None, None]
 
 
-def _unwrap(model):
-    while hasattr(model, "module") and not hasattr(model, "decoder"):
-        model = model.module
-    return model
-
-
 @contextlib.contextmanager
 def per_sequence_rope(model, position_ids: torch.Tensor):
     """Inside this block the GPTModel's RoPE rotates token t by `position_ids[0, t]`.
@@ -166,7 +162,7 @@ def per_sequence_rope(model, position_ids: torch.Tensor):
     for a packed row each sequence must restart at 0 -- RoPE is relative, but the rounding of
     cos/sin at large angles is not, and per-sequence positions reproduce the unpacked numbers.
     """
-    rope = getattr(_unwrap(model), "rotary_pos_emb", None)
+    rope = getattr(unwrap_model(model), "rotary_pos_emb", None)
     if rope is None or position_ids.shape[0] != 1:
         yield
         return

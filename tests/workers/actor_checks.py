@@ -123,10 +123,11 @@ def check_logprobs(hf_dir, tp, pp, ep=1, temperatures=(1.0, 0.7)):
     packs = actor._packs(batch, actor._split(batch, rows)[actor.dp_rank])
     assert any(len(p.rows) > 1 for p in packs), [p.rows for p in packs]
     # ... and inside per_sequence_rope the model's RoPE table follows the per-sequence positions.
-    from megatron_dapo.trainer.packing import _unwrap, per_sequence_rope
+    from megatron_dapo.bridge.parallel import unwrap_model
+    from megatron_dapo.trainer.packing import per_sequence_rope
 
     mb = max(packs, key=lambda p: len(p.rows))
-    rope = _unwrap(actor.model[0]).rotary_pos_emb
+    rope = unwrap_model(actor.model[0]).rotary_pos_emb
     full = type(rope).get_emb(rope, mb.length)
     with per_sequence_rope(actor.model[0], mb.position_ids):
         table = rope(mb.length)
