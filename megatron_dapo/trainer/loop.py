@@ -55,24 +55,6 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def _save(cfg, actor, step: int, version: int, coord, next_step: int | None, rank: int) -> Path | None:
-    save_dir = Path(checkpoint_dir(cfg))
-    tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
-    dist.barrier()
-    actor.save_checkpoint(str(tmp / "model"))
-    ckpt.save_rng(tmp, rank)
-    dist.barrier()
-    final = None
-    if rank == 0:
-        # the coordinator's state with the next step's batch, taken now
-        ckpt.write_rollout_state(tmp, coord.checkpoint_state(next_step))
-        ckpt.write_trainer_state(tmp, {"step": step, "version": version, "world_size": dist.get_world_size()})
-        final = ckpt.commit_save(save_dir, step, cfg.checkpoint.keep_last)
-        log.info("checkpoint saved: %s", final)
-    dist.barrier()
-    return final
-
-
 def prepare_output_dirs(cfg) -> None:
     """Create logging.run_dir and the checkpoint directory; OSError naming the key unless both are
     writable directories (a file in the way, a read-only file system)."""
@@ -212,7 +194,23 @@ class Trainer:
         return start_step
 
     def save(self, step: int, next_step: int | None) -> Path | None:
-        return _save(self.cfg, self.actor, step, step + 1, self.coord, next_step, self.rank)
+        """A checkpoint after `step` (weights version step + 1), with the coordinator's state and, unless
+        `next_step` is None, the next step's batch, taken now. Collective."""
+        save_dir, rank = Path(checkpoint_dir(self.cfg)), self.rank
+        tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
+        dist.barrier()
+        self.actor.save_checkpoint(str(tmp / "model"))
+        ckpt.save_rng(tmp, rank)
+        dist.barrier()
+        final = None
+        if rank == 0:
+            ckpt.write_rollout_state(tmp, self.coord.checkpoint_state(next_step))
+            state = {"step": step, "version": step + 1, "world_size": dist.get_world_size()}
+            ckpt.write_trainer_state(tmp, state)
+            final = ckpt.commit_save(save_dir, step, self.cfg.checkpoint.keep_last)
+            log.info("checkpoint saved: %s", final)
+        dist.barrier()
+        return final
 
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, start_step: int, stop_after: int | None = None) -> RunResult | None:

@@ -30,8 +30,8 @@ from megatron_dapo.sync.per_server import PerServerSync, WeightStore
 class WeightSync:
     """The interface (and what both implementations share: the actor, the byte budget, the probe)."""
 
-    def __init__(self, cfg, actor, rank: int):
-        self.cfg, self.actor, self.rank = cfg, actor, rank
+    def __init__(self, cfg, actor, rank: int, coord):
+        self.cfg, self.actor, self.rank, self.coord = cfg, actor, rank, coord  # coord: rank 0's client, else None
         self.byte_budget = int(cfg.rollout.sync.bucket_mb * 1024 * 1024)
         # a fixed probe sequence: after each sync the servers' logprobs of it must equal the trainer's
         gen = torch.Generator().manual_seed(0)
@@ -63,8 +63,7 @@ class WeightSync:
 
 class AllAtOnceSync(WeightSync):
     def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
-        super().__init__(cfg, actor, rank)
-        self.coord = coord
+        super().__init__(cfg, actor, rank, coord)
         self.bridge = WeightSyncBridge(
             server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key, server_tp_sizes=server_tp_sizes
         )
@@ -99,8 +98,7 @@ class AllAtOnceSync(WeightSync):
 
 class PerServerStoreSync(WeightSync):
     def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
-        super().__init__(cfg, actor, rank)
-        self.coord = coord
+        super().__init__(cfg, actor, rank, coord)
         self.store = WeightStore()
         self.syncer = None
         if rank == 0:
