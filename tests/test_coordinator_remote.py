@@ -18,7 +18,7 @@ from megatron_dapo.coordinator.process import (
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.service import COORDINATOR_CALLS, REGISTRY_CALLS, REMOTE_CALLS, CoordinatorService
 from megatron_dapo.data.dataset import DatasetError
-from megatron_dapo.errors import CheckpointError
+from megatron_dapo.errors import CheckpointError, RemoteError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,10 +143,13 @@ def test_a_remote_exception_arrives_with_its_type_and_message(coord, error):
 
 
 def test_exceptions_that_cannot_cross_arrive_as_runtime_errors(coord):
-    with pytest.raises(RuntimeError, match=r"Unpicklable\('holds a lock'\)"):
-        coord.fail(Unpicklable())  # an unpicklable argument travels as its repr
-    with pytest.raises(RuntimeError, match=r"Unpicklable\('holds a lock'\)"):
+    """... a RemoteError (a RuntimeError) carrying the type's name, the message and the traceback."""
+    with pytest.raises(RemoteError, match=r"test_coordinator_remote\.Unpicklable: holds a lock") as e:
+        coord.fail(Unpicklable())  # an unpicklable argument travels as a RemoteError
+    assert isinstance(e.value, RuntimeError) and e.value.type_name.endswith(".Unpicklable")
+    with pytest.raises(RemoteError, match=r"test_coordinator_remote\.Unpicklable: holds a lock") as e:
         coord.validate("unpicklable")  # and so does an unpicklable exception raised there
+    assert e.value.message == "holds a lock" and "raise Unpicklable()" in e.value.traceback_text
 
 
 def test_close_stops_once():

@@ -240,3 +240,41 @@ def test_status_based_load_check_skips_a_hung_server_and_syncs_the_others(monkey
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_a_failed_sync_on_a_pool_thread_is_kept_and_raised_by_check_even_when_reporting_it_fails(caplog):
+    """A sync failing on the syncer's pool thread (here: a bridge never connected) is logged, kept and
+    raised by `check()` as a named WeightSyncError, even when reporting it (on_error, the coordinator's
+    fail) raises too: a failure in a thread nobody joins must never vanish."""
+    import threading
+    import time
+
+    from megatron_dapo.config.schema import SyncConfig
+    from megatron_dapo.sync.bridge import WeightSyncError
+    from megatron_dapo.sync.per_server import PerServerSync, WeightStore
+
+    reported = threading.Event()
+
+    def on_error(e):
+        reported.set()
+        raise ConnectionError("the coordinator is gone")
+
+    urls = ["http://127.0.0.1:9"]
+    registry, store = ServerRegistry(urls, version=0), WeightStore()
+    store.put(1, iter([("w", torch.ones(2))]))
+    syncer = PerServerSync(urls, SyncConfig(policy="greedy", check_interval_ms=20), registry, store, on_error=on_error)
+    syncer.check()
+    syncer.start()
+    try:
+        assert reported.wait(30), "the failure was never reported"
+        deadline = time.monotonic() + 30
+        while syncer._thread.is_alive():  # the policy loop stops after a failure
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+    finally:
+        syncer.close()
+    with pytest.raises(WeightSyncError, match=r"per-server weight sync failed: WeightSyncError\('sync\(\) before") as e:
+        syncer.check()
+    assert e.value.__cause__ is syncer.error
+    assert "reporting the failure failed: ConnectionError('the coordinator is gone')" in caplog.text
+    assert not registry.statuses()[0].syncing and registry.version(urls[0]) == 0  # routed to again, old version

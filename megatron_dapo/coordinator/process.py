@@ -14,8 +14,8 @@ per served object: its declared calls as methods, any other name an AttributeErr
 transport is one function, `send(target, name, args, kwargs) -> bytes`, that runs the host's `call`
 where the host lives. A result travels as plain pickle. An exception a call raises reaches the caller
 as the same type with the same message, the coordinator's traceback added as a note; one that cannot
-cross (it does not pickle) arrives as a RuntimeError of its repr, and so does an exception argument
-(`fail`) that cannot.
+cross (it does not pickle) arrives as a `RemoteError` (a RuntimeError carrying its type's name, its
+message and its traceback text), and so does an exception argument (`fail`) that cannot.
 
 torchrun: a fresh Python process (it shares nothing with the trainer's torch state) running a
 `multiprocessing` manager server of one `CoordinatorHost` over a Unix socket; each calling thread of
@@ -39,6 +39,7 @@ from collections.abc import Callable
 from multiprocessing.managers import BaseManager
 
 from megatron_dapo.coordinator.service import REMOTE_CALLS, CoordinatorService
+from megatron_dapo.errors import RemoteError
 from megatron_dapo.runtime.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -54,12 +55,17 @@ def declared(target: str, name: str) -> str:
 
 
 def portable(error: BaseException) -> BaseException:
-    """A copy of `error` through a pickle round trip (what the other side will get), or a RuntimeError
-    of its repr when it does not survive one."""
+    """A copy of `error` through a pickle round trip (what the other side will get), or a RemoteError
+    of its type name, message and traceback when it does not survive one (or comes back as another type)."""
     try:
-        return pickle.loads(pickle.dumps(error))
+        copy = pickle.loads(pickle.dumps(error))
     except Exception:
-        return RuntimeError(repr(error))
+        return RemoteError.of(error)
+    return copy if type(copy) is type(error) else RemoteError.of(error)
+
+
+def _portable_arg(value):
+    return portable(value) if isinstance(value, BaseException) else value
 
 
 def coordinator_objects(cfg, server_urls: list[str]) -> dict:
@@ -101,7 +107,8 @@ class RemoteProxy:
         send, target = self._send, self._target
 
         def call(*args, **kwargs):
-            args = tuple(portable(a) if isinstance(a, BaseException) else a for a in args)
+            args = tuple(_portable_arg(a) for a in args)
+            kwargs = {k: _portable_arg(v) for k, v in kwargs.items()}
             ok, value = pickle.loads(send(target, name, args, kwargs))
             if not ok:
                 raise value

@@ -31,6 +31,9 @@ class SGLangError(RuntimeError):
         where = f"{endpoint} answered {status}" if status is not None else endpoint
         super().__init__(f"{where}: {message}")
 
+    def __reduce__(self):  # the constructor's arguments, not the formatted message: the coordinator pickles these
+        return type(self), (self.endpoint, self.server_message, self.status), self.__dict__
+
 
 class SGLangHTTPError(SGLangError):
     """The server answered with an error status (4xx: our request is wrong; 5xx: the server failed)."""

@@ -14,6 +14,11 @@ lagging servers sync now, and syncs each on its own thread through its own `Weig
 (`ServerRegistry.begin_sync`), pause it (its requests, aborted or paused per `sync.pause_mode`,
 come back through partial rollout or go on with the new weights), load, verify against the
 snapshot's probe logprobs if `sync.verify`, publish its version, route to it again.
+
+A failure on any of these threads (a sync, the policy loop, a registry call) is never lost with a
+thread nobody joins: it is logged, kept as `error` (the policy loop then stops), reported through
+`on_error` (the coordinator's `fail`: the producer's take_batch raises it), and `check()`, which the
+trainer calls every step, raises it as a WeightSyncError naming it.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import make_sync_policy
-from megatron_dapo.sync.bridge import WeightSyncBridge, _is_sender, _LoopThread
+from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError, _is_sender, _LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +130,8 @@ class PerServerSync:
         }
         self.api_key, self.probe = api_key, list(probe) if probe is not None else None
         self.on_publish, self.on_error = on_publish, on_error
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the first failure of any of the syncer's threads
+        self._error_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.bridges)), "server-sync")
@@ -163,6 +169,11 @@ class PerServerSync:
         """A new version is in the store."""
         self._wake.set()
 
+    def check(self) -> None:
+        """Raise the first failure of the syncer's threads, if any (the trainer calls this every step)."""
+        if self.error is not None:
+            raise WeightSyncError(f"per-server weight sync failed: {self.error!r}") from self.error
+
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -182,6 +193,12 @@ class PerServerSync:
 
     # ---- the policy loop -----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # a registry call or the policy failed: a failed run, not a silent stall
+            self._fail(e)
+
+    def _loop(self) -> None:
         interval = self.cfg.check_interval_ms / 1000.0
         while not self._stop.is_set():
             self._wake.wait(interval)
@@ -191,15 +208,10 @@ class PerServerSync:
             snap = self.store.snapshot()
             if snap is None:
                 continue
-            try:
-                statuses = self._with_loads(self.registry.statuses(), snap.version)
-                chosen = self.policy.choose(statuses, snap.version)
-            except Exception as e:  # a server that cannot report its load is a failed run, not a silent stall
-                self._fail(e)
-                break
-            for url in chosen:
+            statuses = self._with_loads(self.registry.statuses(), snap.version)
+            for url in self.policy.choose(statuses, snap.version):
                 self.registry.begin_sync(url)
-                self._pool.submit(self._sync_one, url, self.store.acquire())
+                self._pool.submit(self._sync_guarded, url, self.store.acquire())
 
     def _with_loads(self, statuses, latest: int):
         """status_based: each lagging server's own load (running, waiting, throughput, KV use)."""
@@ -218,6 +230,14 @@ class PerServerSync:
                 continue
             s.running, s.waiting, s.throughput, s.kv_cache = row.running, row.waiting, row.throughput, row.token_usage
         return [s for s in statuses if s.url not in unknown]
+
+    def _sync_guarded(self, url: str, snap) -> None:
+        """`_sync_one` on a pool thread nobody joins: whatever it raises (the registry's end_sync,
+        on_publish) is kept and reported like a failed sync."""
+        try:
+            self._sync_one(url, snap)
+        except BaseException as e:
+            self._fail(e)
 
     def _sync_one(self, url: str, snap, raise_errors: bool = False) -> None:
         bridge = self.bridges[url]
@@ -240,6 +260,10 @@ class PerServerSync:
 
     def _fail(self, e: BaseException) -> None:
         log.error("per-server weight sync failed: %r", e)
-        self.error = e
-        if self.on_error is not None:
-            self.on_error(e)
+        with self._error_lock:
+            first, self.error = self.error is None, self.error or e
+        if first and self.on_error is not None:
+            try:
+                self.on_error(e)
+            except Exception as report:  # check() still raises it on the trainer's next step
+                log.error("per-server weight sync: reporting the failure failed: %r", report)

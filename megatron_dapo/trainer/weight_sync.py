@@ -133,6 +133,8 @@ class PerServerStoreSync(WeightSync):
             self.syncer.start()
 
     def after_step(self, version: int) -> dict[str, float]:
+        if self.syncer is not None:  # a server's failed sync ends the run here, named, at the latest
+            self.syncer.check()
         return self._store(version)
 
     def step_extra(self) -> dict:
