@@ -171,10 +171,16 @@ def test_resume_continues_with_same_data_and_parameters(env, run_a):
     save_b = env["root"] / "b_ckpt"
     shutil.copytree(run_dir_a / "checkpoints" / "step_000000", save_b / "step_000000")
     (save_b / "latest").write_text("step_000000\n")
+    # B's run dir holds A's rows, as if A had been stopped after step 1: the resumed run replaces the
+    # row of step 1 (written after the checkpoint) instead of repeating it
+    (env["root"] / "b").mkdir()
+    shutil.copy(run_dir_a / "metrics.jsonl", env["root"] / "b" / "metrics.jsonl")
     run_dir_b, rows_b = _run(
         env, "b", *RUN_A, f"checkpoint.save_dir={save_b}", "checkpoint.resume=true", stop_after="1"
     )
-    assert [r["step"] for r in rows_b] == [1]
+    assert [r["step"] for r in rows_b] == [0, 1]
+    assert rows_b[0] == rows_a[0] and rows_b[1]["time/step_s"] != rows_a[1]["time/step_s"]
+    rows_b = rows_b[1:]
     assert rows_b[0]["prompt_indices"] == rows_a[1]["prompt_indices"]
     assert rows_b[0]["sample_versions"] == rows_a[1]["sample_versions"]
     want = torch.load(run_dir_a / "out" / "weights_step1.pt")

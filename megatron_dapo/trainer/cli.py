@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from megatron_dapo.trainer.loop import RunSetupError
 
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides before, between or after the flags
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         cfg = load_config(args.config, args.overrides)

@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=30, help="DAPO steps")
     p.add_argument("--warm-steps", type=int, default=1000, help="supervised warm-start steps")
     p.add_argument("overrides", nargs="*", help="extra key.sub=value config overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides before, between or after the flags
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     import torch

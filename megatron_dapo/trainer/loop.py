@@ -125,7 +125,7 @@ def train_rank(
         if error is not None:
             raise RunSetupError(error)
         if rank == 0:
-            writer = MetricsWriter(Path(cfg.logging.run_dir), cfg.logging.tensorboard)
+            writer = MetricsWriter(Path(cfg.logging.run_dir), cfg.logging.tensorboard, _resume_version(found, resume))
         trainer = Trainer(cfg, rank, coord, writer, server_urls, server_tp_sizes, on_step_end)
         return trainer.fit(trainer.restore(found, resume), stop_after)
     finally:
@@ -133,6 +133,14 @@ def train_rank(
             coord.close()
         if writer is not None:
             writer.close()
+
+
+def _resume_version(found: str | None, resume: bool) -> int | None:
+    """The weight version a resumed run continues from (-1: resume found no checkpoint, so it starts
+    over and no row survives; None: no resume, rows are appended)."""
+    if not resume:
+        return None
+    return ckpt.read_trainer_state(found)["version"] if found is not None else -1
 
 
 def _start_rollout_side(cfg, server_urls, resume: bool):

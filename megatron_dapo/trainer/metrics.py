@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -27,10 +28,35 @@ def console_line(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k.split('/', 1)[1]} {metrics[k]:.4g}" for k in CONSOLE_KEYS if k in metrics)
 
 
+def row_version(row: dict) -> int:
+    """The weight version a row describes: a training row names it (`weight_version`, the version its
+    step produced); a validation row at step s evaluated version s."""
+    return int(row.get("weight_version", row["step"]))
+
+
+def truncate_after_version(path: Path, version: int) -> None:
+    """Drop the rows of `path` about weights newer than `version` (written after the checkpoint a run
+    resumes from, so the resumed run writes them again); temp file + rename, so a crash keeps one copy."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if row_version(json.loads(line)) <= version]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    """`resume_version`: the weight version of the checkpoint this run resumed from (None: not resumed);
+    the rows the interrupted run wrote after it are dropped, so each step's row appears once."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_version: int | None = None):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume_version is not None:
+            truncate_after_version(self.run_dir / "metrics.jsonl", resume_version)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self.tb = None
         if tensorboard:
