@@ -33,6 +33,7 @@ from pathlib import Path
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megatron_dapo.errors import CheckpointError
+from megatron_dapo.runtime.files import write_text_atomic
 
 LATEST = "latest"
 TRAINER_STATE_KEYS = ("step", "version", "world_size")
@@ -55,15 +56,6 @@ def begin_save(save_dir: str | Path, step: int) -> Path:
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     return tmp
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def complete_checkpoints(save_dir: str | Path) -> list[Path]:
@@ -96,7 +88,7 @@ def commit_save(save_dir: str | Path, step: int, keep_last: int = 0) -> Path:
     if final.exists():  # a re-save of the same step (e.g. after resume): replace only once complete
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _write_atomic(save_dir / LATEST, final.name + "\n")
+    write_text_atomic(save_dir / LATEST, final.name + "\n")
     if keep_last > 0:
         for old in complete_checkpoints(save_dir)[:-keep_last]:
             if old.name != final.name:
@@ -180,7 +172,7 @@ def _read_json(path: Path):
 
 
 def write_trainer_state(ckpt_dir: Path, state: dict) -> None:
-    _write_atomic(Path(ckpt_dir) / "trainer.json", json.dumps(state))
+    write_text_atomic(Path(ckpt_dir) / "trainer.json", json.dumps(state))
 
 
 def read_trainer_state(ckpt_dir: Path) -> dict:
@@ -196,7 +188,7 @@ def read_trainer_state(ckpt_dir: Path) -> dict:
 
 def write_rollout_state(ckpt_dir: Path, state: dict) -> None:
     """The rollout side's plain-data state (JSON: floats round-trip exactly)."""
-    _write_atomic(Path(ckpt_dir) / "rollout.json", json.dumps(state))
+    write_text_atomic(Path(ckpt_dir) / "rollout.json", json.dumps(state))
 
 
 def read_rollout_state(ckpt_dir: Path) -> dict:
@@ -255,7 +247,7 @@ def rng_path(ckpt_dir: Path, rank: int) -> Path:
 def save_rng(ckpt_dir: Path, rank: int) -> None:
     path = rng_path(ckpt_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(path, json.dumps(rng_state()))
+    write_text_atomic(path, json.dumps(rng_state()))
 
 
 def read_rng(ckpt_dir: Path, rank: int) -> dict:

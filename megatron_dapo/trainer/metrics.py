@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
+
+from megatron_dapo.runtime.files import write_text_atomic
 
 CONSOLE_KEYS = (
     "reward/accuracy",
@@ -43,9 +44,7 @@ def truncate_after_version(path: Path, version: int) -> None:
     kept = [line for line in lines if row_version(json.loads(line)) <= version]
     if len(kept) == len(lines):
         return
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 class MetricsWriter:
