@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import re
 import threading
 import time
 from collections import deque
@@ -45,6 +44,7 @@ from megatron_dapo.rollout.embedded.sampling import (
     sample,
     top_logprobs,
 )
+from megatron_dapo.rollout.embedded.stops import StopMatcher, trim_stop_text
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class GenRequest:
     return_text_in_logprobs: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False  # the answer text keeps the matched stop string / stop token
     created: float = field(default_factory=time.perf_counter)  # e2e_latency counts from here
     # state, owned by the engine
     output: list[int] = field(default_factory=list)
@@ -86,6 +87,7 @@ class GenRequest:
     output_top: list = field(default_factory=list)  # per output token: (values, token ids)
     input_top: list | None = None  # per input position from logprob_start_len: (values, ids), or None
     finish: dict | None = None
+    stops: StopMatcher | None = None  # built at the first check, from stop_strs and stop_regex
     abort_msg: str | None = None
     version_events: list[tuple[str, int]] = field(default_factory=list)
     num_retractions: int = 0
@@ -552,16 +554,15 @@ class Engine:
         return Penalties(r.frequency_penalty, r.presence_penalty, r.repetition_penalty, r.min_new_tokens, stop_ids)
 
     def _finish_reason(self, r: GenRequest, tok: int) -> dict | None:
-        if tok in r.stop_token_ids or (not r.ignore_eos and tok in self.eos_ids):
-            return {"type": "stop", "matched": tok}
+        # SGLang's order (Req.update_finish_state): stop strings and regexes, then stop tokens, then length
         if (r.stop_strs or r.stop_regex) and self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output)
-            for s in r.stop_strs:
-                if s in text:
-                    return {"type": "stop", "matched": s}
-            for pattern in r.stop_regex:
-                if re.search(pattern, text):
-                    return {"type": "stop", "matched": pattern}
+            if r.stops is None:
+                r.stops = StopMatcher(self.tokenizer, r.stop_strs, r.stop_regex)
+            if (matched := r.stops.matched(r.output)) is not None:
+                return {"type": "stop", "matched": matched}
+        # as in SGLang, ignore_eos ignores the request's stop_token_ids too
+        if not r.ignore_eos and (tok in r.stop_token_ids or tok in self.eos_ids):
+            return {"type": "stop", "matched": tok}
         if self._budget(r) <= 0:
             return {"type": "length", "length": r.max_new_tokens}
         return None
@@ -662,16 +663,20 @@ class Engine:
                 meta["input_top_logprobs"] = self._top_entries(r, r.input_top or [])
                 meta["output_top_logprobs"] = self._top_entries(r, r.output_top)
         meta["e2e_latency"] = time.perf_counter() - r.created
-        text = (
-            ""
-            if self.tokenizer is None
-            else self.tokenizer.decode(
-                r.output,
-                skip_special_tokens=r.skip_special_tokens,
-                spaces_between_special_tokens=r.spaces_between_special_tokens,
-            )
+        return {"text": self._answer_text(r), "output_ids": list(r.output), "meta_info": meta}
+
+    def _answer_text(self, r: GenRequest) -> str:
+        """The output's text without the stop that ended it, as SGLang's detokenizer trims it."""
+        if self.tokenizer is None:
+            return ""
+        matched = (r.finish or {}).get("matched")
+        ids = r.output[:-1] if isinstance(matched, int) and not r.no_stop_trim else r.output
+        text = self.tokenizer.decode(
+            ids,
+            skip_special_tokens=r.skip_special_tokens,
+            spaces_between_special_tokens=r.spaces_between_special_tokens,
         )
-        return {"text": text, "output_ids": list(r.output), "meta_info": meta}
+        return trim_stop_text(text, matched, r.no_stop_trim)
 
 
 def _seq_len(r: GenRequest) -> int:

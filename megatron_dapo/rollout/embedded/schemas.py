@@ -13,10 +13,11 @@ field. A field SGLang does not have is refused with 400 naming it.
 from __future__ import annotations
 
 import json
-import re
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from megatron_dapo.rollout.embedded.stops import MAX_STOP_REGEX_COUNT, compile_stop_regex
 
 
 class _Strict(BaseModel):
@@ -131,9 +132,9 @@ class SamplingParamsIn(_Strict):
     ignore_eos: Optional[bool] = False
     # SGLang's range check; honoured always here (SGLang: only with --enable-deterministic-inference)
     sampling_seed: Optional[int] = Field(None, ge=-(2**63), le=2**63 - 1)
-    # accepted and meaningless here (no detokenizer-side trimming differences to honour)
     skip_special_tokens: Optional[bool] = True
     spaces_between_special_tokens: Optional[bool] = True
+    # the answer text keeps the matched stop string or stop token (SGLang's detokenizer trims it)
     no_stop_trim: Optional[bool] = False
 
     # ---- SGLang's cheap sampling features: implemented, SGLang's ranges (verify()) ----
@@ -164,11 +165,12 @@ class SamplingParamsIn(_Strict):
     @field_validator("stop_regex")
     @classmethod
     def _stop_regex(cls, v):
-        for pattern in [v] if isinstance(v, str) else v or []:
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"invalid regular expression {pattern!r}: {e}") from e
+        # compiled here, in the request's parsing, so that the engine thread only ever runs RE2 searches
+        patterns = [v] if isinstance(v, str) else v or []
+        if len(patterns) > MAX_STOP_REGEX_COUNT:
+            raise ValueError(f"at most {MAX_STOP_REGEX_COUNT} patterns are allowed, got {len(patterns)}")
+        for pattern in patterns:
+            compile_stop_regex(pattern)
         return v
 
     @field_validator("top_k")

@@ -176,4 +176,5 @@ def _gen_request(body: S.GenerateIn, sp: S.SamplingParamsIn, rid: str, ids, stop
         return_text_in_logprobs=body.return_text_in_logprobs,
         skip_special_tokens=sp.skip_special_tokens is not False,
         spaces_between_special_tokens=sp.spaces_between_special_tokens is not False,
+        no_stop_trim=bool(sp.no_stop_trim),
     )
