@@ -17,6 +17,7 @@ cannot be installed beside torch 2.13 on CPU: see STUBBED.
 
 `POST /peer/parse` (a list of /generate bodies) answers what SGLang's
 `GenerateReqInput.normalize_batch_and_arguments` and `SamplingParams(...).normalize/verify` make of each.
+`python -m tests.sglang_peer stops` answers where SGLang's own stop checks end a given token sequence.
 """
 
 from __future__ import annotations
@@ -487,6 +488,57 @@ def parse_payloads(bodies: list[dict]) -> list[dict]:
     return out
 
 
+# ---- SGLang's stop checks -------------------------------------------------------------------------
+def finish_like_sglang(case: dict) -> dict:
+    """Where SGLang's scheduler ends a request that generates `case["tokens"]` one per decode step
+    (`Req.update_finish_state` after each), and the text its detokenizer answers for it
+    (`DetokenizerManager.trim_matched_stop` on the token ids, decode, then on the text)."""
+    from array import array
+
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(case["tokenizer"])
+    tok.additional_stop_token_ids = None  # what SGLang's get_tokenizer adds to a HF tokenizer
+    params = SamplingParams(**case["sampling_params"])
+    params.normalize(tok)
+    req = Req("r", "", array("q", case["prompt"]), params, eos_token_ids=set(case["eos_token_ids"]))
+    req.tokenizer = tok
+    for t in case["tokens"]:
+        req.output_ids.append(t)
+        req.update_finish_state()
+        if req.finished():
+            break
+    ids = list(req.output_ids_through_stop)
+    reason = req.finished_reason.to_json() if req.finished_reason else None
+    no_trim = bool(params.no_stop_trim)
+    detok = types.SimpleNamespace(is_tool_call_parser_gpt_oss=False, tool_close_token_ids=())
+    trim = DetokenizerManager.trim_matched_stop
+    skip = params.skip_special_tokens
+    text = tok.decode(trim(detok, ids, reason, no_trim), skip_special_tokens=skip)
+    return {"output_ids": ids, "finish_reason": reason, "text": trim(detok, text, reason, no_trim)}
+
+
+def stop_regex_max_len(pattern: str) -> int | str:
+    """SGLang's tail window bound for one stop_regex (`get_max_seq_length`), or the error it raises."""
+    from sglang.srt.sampling.sampling_params import get_max_seq_length
+
+    try:
+        return get_max_seq_length(pattern)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def stops(cases: dict) -> dict:
+    import_sglang()
+    return {
+        "finish": [finish_like_sglang(c) for c in cases.get("finish", [])],
+        "max_len": [stop_regex_max_len(p) for p in cases.get("patterns", [])],
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -504,9 +556,12 @@ def main(argv=None) -> int:
         help="placeholder requests in the running batch (as generation in flight would leave)",
     )
     sub.add_parser("install")
+    sub.add_parser("stops", help="stdin: {finish: [case...], patterns: [...]}; stdout: SGLang's answers (JSON)")
     args = p.parse_args(argv)
     if args.cmd == "install":
         print(ensure_installed())
+    elif args.cmd == "stops":
+        print(json.dumps(stops(json.load(sys.stdin))))
     else:
         serve(args.port, args.api_key, args.running_requests)
     return 0

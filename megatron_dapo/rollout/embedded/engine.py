@@ -147,6 +147,9 @@ class Engine:
         if eos is None and gen_cfg is not None:
             eos = gen_cfg.eos_token_id
         self.eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        # SGLang stops on the tokenizer's EOS too, even where the model's config names none
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_eos_ids = self.eos_ids | ({tok_eos} if isinstance(tok_eos, int) else set())
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
 
         self._qlock = threading.Condition()  # guards the waiting queue and the pause flag
@@ -549,8 +552,7 @@ class Engine:
     def _penalties(self, r: GenRequest) -> Penalties:
         stop_ids = frozenset()
         if r.min_new_tokens > len(r.output):  # SGLang blocks stop_token_ids, the model's and tokenizer's EOS
-            tok_eos = getattr(self.tokenizer, "eos_token_id", None)
-            stop_ids = r.stop_token_ids | self.eos_ids | ({tok_eos} if tok_eos is not None else set())
+            stop_ids = r.stop_token_ids | self.stop_eos_ids
         return Penalties(r.frequency_penalty, r.presence_penalty, r.repetition_penalty, r.min_new_tokens, stop_ids)
 
     def _finish_reason(self, r: GenRequest, tok: int) -> dict | None:
@@ -561,7 +563,7 @@ class Engine:
             if (matched := r.stops.matched(r.output)) is not None:
                 return {"type": "stop", "matched": matched}
         # as in SGLang, ignore_eos ignores the request's stop_token_ids too
-        if not r.ignore_eos and (tok in r.stop_token_ids or tok in self.eos_ids):
+        if not r.ignore_eos and (tok in r.stop_token_ids or tok in self.stop_eos_ids):
             return {"type": "stop", "matched": tok}
         if self._budget(r) <= 0:
             return {"type": "length", "length": r.max_new_tokens}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import os
 import secrets
@@ -39,6 +40,9 @@ from megatron_dapo.runtime.net import LOOPBACK
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
 SHUTDOWN_GRACE_S = 5  # SIGTERM: in-flight requests get this long, then are cancelled
+# SIGTERM: the process is gone by then even if the graceful shutdown stalls (a stuck thread, a call that
+# never returns): faulthandler's own thread dumps every thread's stack to stderr and exits, GIL or not
+EXIT_DEADLINE_S = 20
 
 
 class EmbeddedServer:
@@ -260,7 +264,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     # A SIGTERM cancels what is still running after the grace period (a receive from a dead trainer,
     # say) instead of waiting for it; calls that wait on a peer run in daemon threads nobody joins.
-    uvicorn.run(
+    config = uvicorn.Config(
         server.app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S
     )
+    _deadline_server(config).run()
     return 0
+
+
+def _deadline_server(config):
+    """A uvicorn server whose first SIGINT / SIGTERM also arms the hard exit deadline (EXIT_DEADLINE_S)."""
+    import uvicorn
+
+    class DeadlineServer(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:
+                faulthandler.dump_traceback_later(EXIT_DEADLINE_S, exit=True)
+            super().handle_exit(sig, frame)
+
+    return DeadlineServer(config)
