@@ -1,0 +1,124 @@
+"""Weight sync from every export source (rollout.sync.sources: per_stage) against the rank-0 path.
+
+A PP=2 dense and an EP=2 MoE megatron-core trainer (torchrun, gloo) sync into embedded servers twice,
+once with everything through rank 0 and once with each source broadcasting its own tensors over its own
+update group. Both must leave the servers with the same weights (identical logprobs, equal to HF's own
+model within 1e-4), and per_stage must move each tensor once: no export hop, each source broadcasting
+exactly the bytes of the HF tensors it holds, as computed here from the checkpoint files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from safetensors import safe_open
+
+from megatron_dapo.rollout.launcher import embedded_server, start_servers
+
+pytestmark = pytest.mark.slow
+KEY = "sources-secret"
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    d = tmp_path_factory.mktemp("ckpt")
+    return {
+        name: save_tiny_hf_model(fam, d / name, seed=seed)
+        for name, fam, seed in [
+            ("q3_a", "qwen3", 0),
+            ("q3_b", "qwen3", 1),
+            ("moe_a", "qwen3_moe", 0),
+            ("moe_b", "qwen3_moe", 1),
+        ]
+    }
+
+
+@pytest.fixture(scope="module")
+def servers(ckpts, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    procs = {
+        "q3": [embedded_server(str(ckpts["q3_a"]), logs / f"q3_{i}.log", api_key=KEY, seed=i) for i in range(2)],
+        "moe": [embedded_server(str(ckpts["moe_a"]), logs / "moe.log", api_key=KEY)],
+    }
+    allp = [p for ps in procs.values() for p in ps]
+    try:
+        start_servers(allp, timeout_s=180)
+        yield procs
+    finally:
+        for p in allp:
+            p.stop()
+
+
+def _hf_bytes(ckpt) -> dict[str, int]:
+    out = {}
+    for f in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                t = st.get_tensor(name)
+                out[name] = t.numel() * t.element_size()
+    return out
+
+
+def _pp_owner(name: str, num_layers: int) -> int:
+    """Global rank of the first rank of the pipeline stage holding `name` (PP=2, TP=1)."""
+    m = re.match(r"model\.layers\.(\d+)\.", name)
+    if m:
+        return int(int(m.group(1)) >= num_layers // 2)
+    return 0 if name.startswith("model.embed_tokens") else 1  # final norm and lm_head: last stage
+
+
+def _ep_owner(name: str, num_experts: int) -> int:
+    """Global rank holding `name` (EP=2, TP=1): the expert-parallel rank of its expert, dense ones rank 0."""
+    m = re.search(r"\.experts\.(\d+)\.", name)
+    return int(int(m.group(1)) >= num_experts // 2) if m else 0
+
+
+def _run(ckpt, urls, layout, sources, out):
+    from tests.dist_utils import run_torchrun
+
+    run_torchrun("sync_megatron_trainer.py", 2, out, ckpt, KEY, *urls, *layout, "--sources", sources, timeout=300)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("kind", ["pp2_dense", "ep2_moe"])
+def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(servers, ckpts, tmp_path, kind):
+    import transformers
+
+    if kind == "pp2_dense":
+        ckpt, urls, layout = ckpts["q3_b"], [s.url for s in servers["q3"]], ["--tp", "1", "--pp", "2"]
+        n = transformers.AutoConfig.from_pretrained(ckpt).num_hidden_layers
+        owner = lambda name: _pp_owner(name, n)
+    else:
+        ckpt, urls, layout = ckpts["moe_b"], [servers["moe"][0].url], ["--tp", "1", "--ep", "2"]
+        e = transformers.AutoConfig.from_pretrained(ckpt).num_experts
+        owner = lambda name: _ep_owner(name, e)
+    sizes = _hf_bytes(ckpt)
+    model_bytes = sum(sizes.values())
+    share = {r: sum(b for name, b in sizes.items() if owner(name) == r) for r in (0, 1)}
+    assert share[0] > 0 and share[1] > 0
+
+    via_rank0 = _run(ckpt, urls, layout, "rank0", tmp_path / "rank0.json")
+    per_stage = _run(ckpt, urls, layout, "per_stage", tmp_path / "per_stage.json")
+
+    assert via_rank0["sources"] == [0] and per_stage["sources"] == [0, 1]
+    for a, b in zip(via_rank0["rounds"], per_stage["rounds"], strict=True):
+        for r in (a, b):
+            assert r["server_versions"] == [r["version"]] * len(urls)
+            assert r["tensors"] == len(sizes) and r["model_bytes"] == model_bytes
+            assert r["max_diff_hf"] < 1e-4
+        # the same weights on every server, bit for bit: identical logprobs
+        assert b["server_logprobs"] == a["server_logprobs"]
+        # through rank 0: rank 1's share hops to rank 0, which then broadcasts the whole model
+        assert a["export_traffic"] == [[0, share[1]], [share[1], 0]]
+        assert a["source_bytes"] == {"0": model_bytes}
+        # per stage: no hop; each source broadcasts exactly the tensors it holds
+        assert b["export_traffic"] == [[0, 0], [0, 0]]
+        assert b["source_bytes"] == {"0": share[0], "1": share[1]}
+        busiest = max(b["source_bytes"].values())
+        if kind == "pp2_dense":  # stages of equal size: each moves about half the model
+            assert busiest <= model_bytes / 2 + per_stage["bucket_bytes"]
+        assert busiest < model_bytes + share[1]  # what rank 0 moves on the rank-0 path
