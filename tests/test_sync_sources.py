@@ -16,6 +16,8 @@ import pytest
 from safetensors import safe_open
 
 from megatron_dapo.rollout.launcher import embedded_server, start_servers
+from tests.test_loop_run import _run as _loop_run
+from tests.test_loop_run import env  # noqa: F401  (the loop tests' model, data and servers)
 
 pytestmark = pytest.mark.slow
 KEY = "sources-secret"
@@ -122,3 +124,14 @@ def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(serve
         if kind == "pp2_dense":  # stages of equal size: each moves about half the model
             assert busiest <= model_bytes / 2 + per_stage["bucket_bytes"]
         assert busiest < model_bytes + share[1]  # what rank 0 moves on the rank-0 path
+
+
+def test_training_loop_at_pp2_syncs_from_each_stage(env):
+    """The DAPO loop at TP=1 x PP=2 (rollout.sync.sources auto -> per_stage): after every step the servers'
+    probe logprobs equal the trainer's (rollout.sync.verify), and they change with every sync."""
+    _, rows = _loop_run(env, "pp2", "parallel.tp=1", "parallel.pp=2", "trainer.total_steps=2")
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["sync/verify_max_abs_diff"] < 1e-4
+        assert r["sync/sources"] == 2  # both stages broadcast
+    assert abs(rows[0]["sync/probe_logprob_mean"] - rows[1]["sync/probe_logprob_mean"]) > 1e-5

@@ -106,6 +106,9 @@ class SyncStats:
             f"{prefix}bytes": float(self.nbytes),
             f"{prefix}buckets": float(self.num_buckets),
         }
+        if self.source_bytes:
+            m[f"{prefix}sources"] = float(len(self.source_bytes))
+            m[f"{prefix}source_bytes_max"] = float(max(self.source_bytes.values()))
         if self.max_logprob_diff is not None:
             m[f"{prefix}max_logprob_diff"] = self.max_logprob_diff
         return m
