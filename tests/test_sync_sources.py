@@ -9,6 +9,7 @@ exactly the bytes of the HF tensors it holds, as computed here from the checkpoi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 
@@ -16,6 +17,7 @@ import pytest
 from safetensors import safe_open
 
 from megatron_dapo.rollout.launcher import embedded_server, start_servers
+from tests.dist_utils import run_torchrun
 from tests.test_loop_run import _run as _loop_run
 from tests.test_loop_run import env  # noqa: F401  (the loop tests' model, data and servers)
 
@@ -80,8 +82,6 @@ def _ep_owner(name: str, num_experts: int) -> int:
 
 
 def _run(ckpt, urls, layout, sources, out):
-    from tests.dist_utils import run_torchrun
-
     run_torchrun("sync_megatron_trainer.py", 2, out, ckpt, KEY, *urls, *layout, "--sources", sources, timeout=300)
     return json.loads(out.read_text())
 
@@ -124,6 +124,42 @@ def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(serve
         if kind == "pp2_dense":  # stages of equal size: each moves about half the model
             assert busiest <= model_bytes / 2 + per_stage["bucket_bytes"]
         assert busiest < model_bytes + share[1]  # what rank 0 moves on the rank-0 path
+
+
+def test_a_failing_source_ends_every_session_and_is_named_on_every_rank(ckpts, tmp_path):
+    """A server with only the first stage's layers: source rank 1's first update fails. Every rank raises
+    the same error naming source rank 1, the server and the tensors; the session is ended and the version
+    was not set."""
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.client import SGLangClient
+
+    half = save_tiny_hf_model("qwen3", tmp_path / "half", seed=0, num_hidden_layers=2)
+    server = embedded_server(str(half), tmp_path / "half.log", api_key=KEY)
+    try:
+        start_servers([server], timeout_s=180)
+
+        async def version():
+            async with SGLangClient(server.url, api_key=KEY) as c:
+                return (await c.get_model_info())["weight_version"]
+
+        before = asyncio.run(version())
+        out = tmp_path / "fail.json"
+        args = ["--tp", "1", "--pp", "2", "--sources", "per_stage", "--expect-failure"]
+        run_torchrun("sync_megatron_trainer.py", 2, out, ckpts["q3_b"], KEY, server.url, *args, timeout=300)
+        errors = json.loads(out.read_text())["errors"]
+        assert errors[0] is not None and errors == [errors[0]] * 2, errors
+        assert "source rank 1:" in errors[0] and "source rank 0" not in errors[0]
+        assert server.url in errors[0] and "model.layers.2." in errors[0]
+
+        async def session_closed():
+            async with SGLangClient(server.url, api_key=KEY) as c:
+                await c.begin_weight_update()  # refused if the failed sync had left its session open
+                await c.end_weight_update()
+                return (await c.get_model_info())["weight_version"]
+
+        assert asyncio.run(session_closed()) == before
+    finally:
+        server.stop()
 
 
 def test_training_loop_at_pp2_syncs_from_each_stage(env):

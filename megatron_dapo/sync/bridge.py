@@ -327,7 +327,8 @@ class WeightSyncBridge:
         for _ in items:  # take part in the export's collectives
             pass
         outcomes = [None] * dist.get_world_size()
-        dist.all_gather_object(outcomes, (self.rank, None if error is None else _reason(error), counts))
+        why = None if error is None else str(error) if isinstance(error, WeightSyncError) else _reason(error)
+        dist.all_gather_object(outcomes, (self.rank, why, counts))
         failures = [f"source rank {rank}: {why}" for rank, why, _ in outcomes if why is not None]
         if self.rank == 0:
             self._close(session, failed=bool(failures))

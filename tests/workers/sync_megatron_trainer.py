@@ -47,6 +47,24 @@ def hf_logprobs(hf_model, probe):
     return _token_logprobs(logits, probe)
 
 
+def expect_failure(bridge, export, version, info, out):
+    from megatron_dapo.sync.bridge import WeightSyncError
+
+    try:
+        bridge.sync(export, version=version)
+        error = None
+    except WeightSyncError as e:
+        error = str(e)
+    errors = [None] * info.world_size
+    dist.all_gather_object(errors, error)
+    bridge.close()
+    if info.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"errors": errors}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
     faulthandler.dump_traceback_later(200)  # a hung rank shows where, before the test's timeout kills it
     ap = argparse.ArgumentParser()
@@ -58,6 +76,8 @@ def main():
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
     ap.add_argument("--sources", choices=["rank0", "per_stage"], default="rank0")
+    # the servers cannot take every tensor: record each rank's WeightSyncError of the first sync, then stop
+    ap.add_argument("--expect-failure", action="store_true")
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -95,6 +115,9 @@ def main():
         ref = megatron_logprobs(chunks, probe, vocab) if own_reference else None
         traffic = Traffic()
         export = export_hf_weights(chunks, dst_rank=EACH_SOURCE if per_stage else 0, traffic=traffic)
+        if args.expect_failure:
+            expect_failure(bridge, export, version, info, args.out)
+            return
         stats = bridge.sync(export, version=version)
         moved = [None] * info.world_size
         dist.all_gather_object(moved, (traffic.sent, traffic.received))
