@@ -1,6 +1,7 @@
 """Weight sync from every export source (rollout.sync.sources: per_stage) against the rank-0 path.
 
-A PP=2 dense and an EP=2 MoE megatron-core trainer (torchrun, gloo) sync into embedded servers twice,
+A PP=2 dense, an EP=2 MoE and a TP=2 x EP=2 (expert TP 1) MoE megatron-core trainer (torchrun, gloo;
+in the last, rank 1 takes part in source 0's TP gathers before its own turn) sync into embedded servers twice,
 once with everything through rank 0 and once with each source broadcasting its own tensors over its own
 update group. Both must leave the servers with the same weights (identical logprobs, equal to HF's own
 model within 1e-4), and per_stage must move each tensor once: no export hop, each source broadcasting
@@ -76,7 +77,8 @@ def _pp_owner(name: str, num_layers: int) -> int:
 
 
 def _ep_owner(name: str, num_experts: int) -> int:
-    """Global rank holding `name` (EP=2, TP=1): the expert-parallel rank of its expert, dense ones rank 0."""
+    """Global rank rebuilding `name` (EP=2 over 2 ranks, expert TP 1): the expert-parallel rank of its
+    expert; dense ones rank 0 (the first rank of their TP group, or their only DP replica's)."""
     m = re.search(r"\.experts\.(\d+)\.", name)
     return int(int(m.group(1)) >= num_experts // 2) if m else 0
 
@@ -86,7 +88,7 @@ def _run(ckpt, urls, layout, sources, out):
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("kind", ["pp2_dense", "ep2_moe"])
+@pytest.mark.parametrize("kind", ["pp2_dense", "ep2_moe", "tp2_ep2_etp1_moe"])
 def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(servers, ckpts, tmp_path, kind):
     import transformers
 
@@ -95,7 +97,9 @@ def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(serve
         n = transformers.AutoConfig.from_pretrained(ckpt).num_hidden_layers
         owner = lambda name: _pp_owner(name, n)
     else:
-        ckpt, urls, layout = ckpts["moe_b"], [servers["moe"][0].url], ["--tp", "1", "--ep", "2"]
+        # tp2_ep2_etp1: rank 1 is a TP peer of source 0 (dense gathers) and the source of its own experts
+        layout = ["--tp", "1", "--ep", "2"] if kind == "ep2_moe" else ["--tp", "2", "--ep", "2", "--etp", "1"]
+        ckpt, urls = ckpts["moe_b"], [servers["moe"][0].url]
         e = transformers.AutoConfig.from_pretrained(ckpt).num_experts
         owner = lambda name: _ep_owner(name, e)
     sizes = _hf_bytes(ckpt)

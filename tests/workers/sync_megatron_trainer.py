@@ -1,7 +1,7 @@
 """A megatron-core trainer (gloo, CPU) that syncs its weights into embedded servers.
 
 usage (torchrun, tp * pp * ep ranks):
-    sync_megatron_trainer.py OUT_JSON HF_DIR API_KEY URL [URL ...] [--tp N] [--pp N] [--ep N]
+    sync_megatron_trainer.py OUT_JSON HF_DIR API_KEY URL [URL ...] [--tp N] [--pp N] [--ep N] [--etp N]
                              [--sources rank0|per_stage]
 Loads HF_DIR into a GPTModel of that layout, changes every weight (as a training step would), streams
 `export_hf_weights` through the bridge -- all through rank 0, or from every export source over its own
@@ -75,6 +75,7 @@ def main():
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
     ap.add_argument("--sources", choices=["rank0", "per_stage"], default="rank0")
     # the servers cannot take every tensor: record each rank's WeightSyncError of the first sync, then stop
     ap.add_argument("--expect-failure", action="store_true")
@@ -90,8 +91,8 @@ def main():
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
     info = init_distributed("gloo")
-    init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep)
-    chunks = build_gpt_model(args.hf_dir, ModelParallel(tp=args.tp, pp=args.pp, ep=args.ep))
+    init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    chunks = build_gpt_model(args.hf_dir, ModelParallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp))
     load_hf_into_megatron(chunks, args.hf_dir)
     vocab = chunks[0].arch.vocab_size
     probe = [int(x) for x in torch.randint(0, vocab, (20,), generator=torch.Generator().manual_seed(3))]
