@@ -228,6 +228,15 @@ def test_tp3_with_4_heads_names_parallel_tp():
         (["algo.max_tokens_per_micro_batch=50"], "algo.max_tokens_per_micro_batch=50 is below one full sequence"),
         (["rollout.sampling.temperature=0"], "rollout.sampling.temperature=0.0 must be > 0"),
         (["rollout.sync.check_interval_ms=0"], "rollout.sync.check_interval_ms=0.0 must be > 0"),
+        (
+            ["rollout.sync.sources=per_stage", "rollout.sync.policy=greedy"],
+            "rollout.sync.sources=per_stage needs rollout.sync.policy=all_at_once (got greedy",
+        ),
+        (
+            ["rollout.sync.sources=per_stage", "trainer.backend=fsdp2", "parallel.tp=1"],
+            "rollout.sync.sources=per_stage applies to trainer.backend=megatron",
+        ),
+        (["rollout.sync.sources=stage"], "rollout.sync.sources"),
         (["reward.num_workers=-1"], "reward.num_workers=-1 must be >= 0"),
         (["rollout.sampling.max_new_tokens=64"], "rollout.sampling.max_new_tokens=64 must be in [1, data.max_respon"),
         (["rollout.server_tp=2"], "rollout.server_tp=2: the embedded engine has no tensor parallelism"),
@@ -569,3 +578,17 @@ def test_rollout_coordination_switches_load():
     r = cfg.rollout
     assert (r.migration.enabled, r.migration.indicator, r.retry.threshold) == (True, "throughput", 2)
     assert (r.redundancy.extra_samples, r.redundancy.extra_prompts) == (2, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], "rank0"),
+        (["parallel.pp=2", "trainer.gpus_per_node=4"], "per_stage"),
+        (["parallel.pp=2", "trainer.gpus_per_node=4", "rollout.sync.policy=greedy"], "rank0"),
+        (["parallel.pp=2", "trainer.gpus_per_node=4", "rollout.sync.sources=rank0"], "rank0"),
+        (["rollout.sync.sources=per_stage"], "per_stage"),
+    ],
+)
+def test_sync_sources_auto_is_per_stage_with_stages_and_all_at_once(overrides, expected):
+    assert derived.sync_sources(load_config(TINY, overrides)) == expected

@@ -99,6 +99,29 @@ def test_bridge_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatten, pau
     assert (state["running"], state["waiting"], state["flushes"]) == expect
 
 
+@pytest.mark.parametrize("flatten", [False, True])
+def test_two_sources_sync_every_tensor_exactly_into_sglang(sglang_peer, flatten):
+    """rollout.sync.sources=per_stage against SGLang's own code: two trainer ranks (torchrun) each
+    broadcast their part over their own update group, which SGLang holds side by side; one session,
+    every tensor once with its bits, the version and the cache flush once, after the second source."""
+    from tests.dist_utils import run_torchrun
+
+    version = f"two-sources-{int(flatten)}"
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 1}).raise_for_status()
+        args = [sglang_peer.url, KEY, version, "4", *(["--flatten"] if flatten else [])]
+        out = run_torchrun("sync_two_sources_peer.py", 2, *args, timeout=180)
+        state = http.get("/peer/state").json()
+        got = load(http.get("/peer/received").content)
+    want = _weights()
+    assert "two-source sync done" in out
+    assert state["names"] == [n for n, _ in want]  # each once: rank 0's part, then rank 1's
+    for name, t in want:
+        assert got[name].dtype == t.dtype and torch.equal(got[name], t), name
+    assert state["weight_version"] == version and not state["session_open"]
+    assert (state["running"], state["waiting"], state["flushes"]) == (0, 1, 1)  # retract: one flush, at the end
+
+
 def test_bridge_closes_a_session_a_dead_trainer_left_open(sglang_peer):
     """SGLang refuses a second begin while a session is open (as a trainer killed mid-sync leaves it):
     the bridge ends that session and opens its own."""

@@ -7,7 +7,10 @@ Every rank of the job iterates `export_hf_weights` in lock step (it runs collect
    of its pipeline stage / expert gather their TP (or expert-TP) shards on the group's first rank,
    the *source*, which rebuilds the HF tensors (QKV split, gate / up split, vocab padding trimmed);
 2. the source sends them to `dst_rank` (point to point), or broadcasts them to every rank when
-   `dst_rank is None`.
+   `dst_rank is None`, or, with `dst_rank=EACH_SOURCE`, keeps them: each tensor is yielded only on the
+   rank that rebuilt it, and nothing crosses pipeline stages or expert ranks (the weight sync then
+   broadcasts from every source, `export_sources`). In that mode the stream is ordered by source rank
+   (then HF order), so that each source's tensors come as one run.
 
 Memory: the source and the destination hold one parameter's full tensors at a time, or up to
 `byte_budget` bytes of consecutive tensors from the same source, which travel in one message.
@@ -16,13 +19,29 @@ Memory: the source and the destination hold one parameter's full tensors at a ti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.bridge.mapping import MappingError, Unit, hf_from_shards, hf_names, hf_shape
 from megatron_dapo.bridge.parallel import RankLayout, local_units, model_arch
+
+
+class _EachSource:
+    def __repr__(self) -> str:
+        return "EACH_SOURCE"
+
+
+EACH_SOURCE = _EachSource()  # dst_rank: yield each tensor on the rank that rebuilds it, send nothing
+
+
+@dataclass
+class Traffic:
+    """Bytes this rank sent / received in the export beyond its TP gathers (the hops to `dst_rank`)."""
+
+    sent: int = 0
+    received: int = 0
 
 
 @dataclass
@@ -98,27 +117,49 @@ def _buckets(plans: list[_Plan], arch, byte_budget: int | None) -> list[list[_Pl
     return buckets
 
 
-@torch.no_grad()
 def export_hf_weights(
-    model_chunks, byte_budget: int | None = None, dst_rank: int | None = 0
+    model_chunks,
+    byte_budget: int | None = None,
+    dst_rank: Union[int, None, _EachSource] = 0,
+    traffic: Traffic | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | None]]:
     """Yield `(hf_name, tensor)` for every tensor of the HF checkpoint, in `hf_names(arch)` order.
 
-    Collective: every rank of the default group must iterate it to the end, with the same arguments.
+    Collective: every rank of the default group must call it at the same point (the export plan is
+    agreed here, before the first item), then iterate it to the end, with the same arguments.
     The full (unsharded, vocab-trimmed) tensor is yielded on `dst_rank` (default 0: the rank that
-    writes files / broadcasts to rollout servers) and, with `dst_rank=None`, on every rank; other
-    ranks get `None` in its place. Tensors are in the parameters' dtype, on the CPU (or the
-    parameters' device), and must be consumed (copied / written) before the next item is requested
-    only if the caller wants to bound memory -- the generator keeps no reference to them.
+    writes files / broadcasts to rollout servers), with `dst_rank=None` on every rank, with
+    `dst_rank=EACH_SOURCE` only on the rank that rebuilds it (ordered by source rank, see the module
+    docstring); other ranks get `None` in its place. Tensors are in the parameters' dtype, on the CPU
+    (or the parameters' device), and must be consumed (copied / written) before the next item is
+    requested only if the caller wants to bound memory -- the generator keeps no reference to them.
     `byte_budget`: coalesce consecutive tensors of the same source rank into messages of at most
     this many bytes (None: one message per megatron parameter).
+    `traffic`: counts the bytes this rank sends / receives beyond its TP gathers.
     """
     arch = model_arch(model_chunks)
     layout = RankLayout.current()
     units = {u.key: (u, p) for u, p in local_units(model_chunks, arch, layout) if u.export}
     plans = _plan(list(units.values()), arch, layout)
+    if dst_rank is EACH_SOURCE:
+        plans = sorted(plans, key=lambda p: p.source)  # stable: HF order within a source
+    return _stream(units, plans, arch, layout, byte_budget, dst_rank, traffic or Traffic())
+
+
+def export_sources(model_chunks) -> list[int]:
+    """The distinct ranks that rebuild HF tensors (one per pipeline stage, plus each expert-parallel rank
+    holding experts), ascending. Collective over the default group, like `export_hf_weights`."""
+    arch = model_arch(model_chunks)
+    layout = RankLayout.current()
+    units = [(u, p) for u, p in local_units(model_chunks, arch, layout) if u.export]
+    return sorted({p.source for p in _plan(units, arch, layout)})
+
+
+@torch.no_grad()
+def _stream(units, plans, arch, layout: RankLayout, byte_budget, dst_rank, traffic: Traffic):
     world = dist.get_world_size() if dist.is_initialized() else 1
     me = layout.rank
+    each_source = dst_rank is EACH_SOURCE
     for bucket in _buckets(plans, arch, byte_budget):
         fulls: list[list[torch.Tensor] | None] = []
         for p in bucket:
@@ -128,29 +169,43 @@ def export_hf_weights(
             else:
                 fulls.append(None)
         source = bucket[0].source
-        receivers = [me] if dst_rank is None else [dst_rank]
-        if world == 1 or (dst_rank is not None and source == dst_rank):
-            tensors = [t for f in fulls for t in f] if me == source else None
-        else:
-            shapes = [hf_shape(arch, n) for p in bucket for n in p.hf_names]
-            numels = [torch.Size(s).numel() for s in shapes]
-            if me == source:
-                flat = torch.cat([t.reshape(-1) for f in fulls for t in f])
-            elif me in receivers:
-                device = next(iter(units.values()))[1].device if units else "cpu"
-                flat = torch.empty(sum(numels), dtype=bucket[0].dtype, device=device)
-            else:
-                flat = None
-            if dst_rank is None:
-                dist.broadcast(flat, src=source)
-            elif me == source:
-                dist.send(flat, dst=dst_rank)
-            elif me == dst_rank:
-                dist.recv(flat, src=source)
-            tensors = None
-            if flat is not None and (me in receivers or dst_rank is None):
-                tensors = [c.view(s) for c, s in zip(flat.split(numels), shapes)]
         names = [n for p in bucket for n in p.hf_names]
-        receives = dst_rank is None or me == dst_rank
+        if each_source or world == 1 or (dst_rank is not None and source == dst_rank):
+            tensors = [t for f in fulls for t in f] if me == source else None
+            receives = me == source
+        else:
+            tensors = _move(bucket, fulls, arch, units, source, dst_rank, me, traffic)
+            receives = dst_rank is None or me == dst_rank
         for i, name in enumerate(names):
             yield name, (tensors[i] if (receives and tensors is not None) else None)
+
+
+def _move(bucket, fulls, arch, units, source: int, dst_rank, me: int, traffic: Traffic):
+    """Send one bucket's tensors from `source` to `dst_rank` (None: broadcast to all); the tensors where
+    they arrive (and on the source, when broadcasting), None elsewhere."""
+    shapes = [hf_shape(arch, n) for p in bucket for n in p.hf_names]
+    numels = [torch.Size(s).numel() for s in shapes]
+    receivers = [me] if dst_rank is None else [dst_rank]
+    if me == source:
+        flat = torch.cat([t.reshape(-1) for f in fulls for t in f])
+    elif me in receivers:
+        device = next(iter(units.values()))[1].device if units else "cpu"
+        flat = torch.empty(sum(numels), dtype=bucket[0].dtype, device=device)
+    else:
+        flat = None
+    if dst_rank is None:
+        dist.broadcast(flat, src=source)
+    elif me == source:
+        dist.send(flat, dst=dst_rank)
+    elif me == dst_rank:
+        dist.recv(flat, src=source)
+    if flat is None:
+        return None
+    nbytes = flat.numel() * flat.element_size()
+    if me == source:
+        traffic.sent += nbytes
+    else:
+        traffic.received += nbytes
+    if me in receivers or dst_rank is None:
+        return [c.view(s) for c, s in zip(flat.split(numels), shapes)]
+    return None

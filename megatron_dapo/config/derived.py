@@ -93,3 +93,12 @@ def lr_decay_steps(cfg: DapoConfig) -> int:
 def checkpoint_dir(cfg: DapoConfig) -> str:
     c = cfg.checkpoint.save_dir
     return c if c is not None else os.path.join(cfg.logging.run_dir, "checkpoints")
+
+
+def sync_sources(cfg: DapoConfig) -> str:
+    """rollout.sync.sources resolved: "rank0" or "per_stage" (auto: per_stage where it applies and helps)."""
+    s = cfg.rollout.sync
+    if s.sources != "auto":
+        return s.sources
+    applies = s.policy == "all_at_once" and cfg.trainer.backend == "megatron"
+    return "per_stage" if applies and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1) else "rank0"

@@ -172,6 +172,13 @@ class SyncConfig(SyncPolicyConfig):
     flatten_bucket: bool = False  # broadcast one flat buffer per bucket instead of one per tensor
     verify: bool = False  # after a sync, compare server and trainer logprobs on a probe sequence
     verify_tolerance: float = 1e-4  # max abs logprob difference accepted by verify
+    # Which trainer ranks broadcast the weights: rank0 = everything gathered on trainer rank 0, which sends
+    # it all; per_stage = the first rank of each pipeline stage (and each expert-parallel rank holding
+    # experts) broadcasts only its own tensors over an update group of its own; auto = per_stage when
+    # parallel.pp > 1 or parallel.ep > 1 with policy all_at_once and the megatron backend, else rank0.
+    # per_stage needs policy all_at_once (the greedy / status_based store is rank 0's copy) and
+    # trainer.backend=megatron (both refused otherwise).
+    sources: Literal["auto", "rank0", "per_stage"] = "auto"
 
 
 @dataclass

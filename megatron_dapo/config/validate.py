@@ -301,6 +301,16 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"rollout.sync.bucket_mb={r.sync.bucket_mb} must be >= 1")
     if r.sync.verify_tolerance <= 0:
         errors.append(f"rollout.sync.verify_tolerance={r.sync.verify_tolerance} must be > 0")
+    if r.sync.sources == "per_stage" and r.sync.policy != "all_at_once":
+        errors.append(
+            f"rollout.sync.sources=per_stage needs rollout.sync.policy=all_at_once (got {r.sync.policy}: its "
+            "weight store is trainer rank 0's copy); use rollout.sync.sources=rank0 or auto"
+        )
+    if r.sync.sources == "per_stage" and cfg.trainer.backend == "fsdp2":
+        errors.append(
+            "rollout.sync.sources=per_stage applies to trainer.backend=megatron (pipeline stages / expert ranks), "
+            "not fsdp2; use rollout.sync.sources=rank0 or auto"
+        )
     if r.loads.interval_ms < 0:
         errors.append(f"rollout.loads.interval_ms={r.loads.interval_ms} must be >= 0 (0 = off)")
     # the coordinator's own sections check their values when built; the loader sets fields one by one

@@ -33,6 +33,20 @@ flushed ..."). What each pause mode leaves behind decides what the bridge asks f
   finish before it loads (its model-update lock), so the scheduler is idle and the last update flushes.
 The embedded server applies the same gate and flush rule, so CPU tests catch a wrong combination.
 
+From several sources (`sources=[0, r1, ...]`, `rollout.sync.sources: per_stage`): each listed trainer rank
+(the first rank of a pipeline stage, or an expert-parallel rank holding experts: `bridge.export_sources`)
+broadcasts only the tensors it rebuilt itself (`export_hf_weights(..., dst_rank=EACH_SOURCE)`), over its
+own weight-update group `<group_name>_src<rank>`, which every server holds beside the others; nothing goes
+through rank 0. Rank 0 stays the controller: it pauses, opens every server's session, and, after the last
+source, ends the sessions and continues. The sources stream in turn (rank order, the order of the export's
+stream), handing a token over a gloo group of the sources: SGLang's scheduler serves one call at a time, so
+two sources broadcasting at once could each hold a different server in its broadcast and deadlock. A
+source waits for its turn only once the export has rebuilt its first tensor: a source that is also a TP
+peer of an earlier one takes part in that one's gathers first. A failed source hands on a "failed" token;
+the later ones skip their updates but still drain their export (their TP peers wait on its gathers). Every
+rank then exchanges the outcome and raises the same WeightSyncError naming the failed source rank. The
+last source's last bucket carries the version (and the cache flush): it is set once, after all sources.
+
     bridge = WeightSyncBridge(urls, cfg.rollout.sync)        # on every trainer rank
     bridge.connect()                                          # collective over rank 0 + servers
     stats = bridge.sync(export_hf_weights(model), version=step)
@@ -79,6 +93,7 @@ class SyncStats:
     num_buckets: int
     seconds: float
     max_logprob_diff: float | None = None
+    source_bytes: dict[int, int] | None = None  # bytes each source rank broadcast (several sources)
 
     @property
     def gbps(self) -> float:
@@ -91,6 +106,9 @@ class SyncStats:
             f"{prefix}bytes": float(self.nbytes),
             f"{prefix}buckets": float(self.num_buckets),
         }
+        if self.source_bytes:
+            m[f"{prefix}sources"] = float(len(self.source_bytes))
+            m[f"{prefix}source_bytes_max"] = float(max(self.source_bytes.values()))
         if self.max_logprob_diff is not None:
             m[f"{prefix}max_logprob_diff"] = self.max_logprob_diff
         return m
@@ -126,6 +144,14 @@ class _InFlight:
     names: list[str]
 
 
+@dataclass
+class _Session:
+    """What a sync has done to the servers so far, so that it is undone whatever fails."""
+
+    paused: bool = False
+    open: bool = False
+
+
 def _reason(e: BaseException) -> str:
     if isinstance(e, SGLangError):
         return e.server_message if e.status is not None else str(e)
@@ -149,7 +175,14 @@ class WeightSyncBridge:
         master_address: str = LOOPBACK,
         master_port: int | None = None,
         timeout_s: float = 600.0,
+        sources: Sequence[int] | None = None,  # trainer ranks that broadcast; default [0] (all through rank 0)
     ):
+        self.sources = list(sources or [0])
+        if self.sources[0] != 0 or self.sources != sorted(set(self.sources)):
+            raise ValueError(f"sources must be ascending distinct trainer ranks starting at 0, got {self.sources}")
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        if len(self.sources) > 1:
+            group_name = f"{group_name}_src{self.rank}"
         self.cfg = sync_cfg or SyncConfig()
         self.urls = [u.rstrip("/") for u in server_urls]
         self.tp_sizes = list(server_tp_sizes or [1] * len(self.urls))
@@ -167,8 +200,9 @@ class WeightSyncBridge:
         self.master_address, self.master_port = master_address, master_port
         self.timeout_s = timeout_s
         self.api_key = api_key
-        self.sender = _is_sender()
+        self.sender = self.rank in self.sources
         self.pg = None
+        self._turns = None  # the sources' gloo group, over which they hand on the token
         self._staging: list[torch.Tensor | None] = [None, None]
         self._loop: _LoopThread | None = None
         self.clients: list[SGLangClient] = []
@@ -179,9 +213,21 @@ class WeightSyncBridge:
 
     # ---- group ---------------------------------------------------------------------------------
     def connect(self) -> None:
-        """Form the weight-update group: rank 0 here, server i at rank_offset 1 + sum(tp of servers < i)."""
+        """Form the weight-update group: rank 0 here, server i at rank_offset 1 + sum(tp of servers < i).
+        With several sources: collective over every trainer rank; the sources form theirs in turn."""
+        if len(self.sources) == 1:
+            if self.sender:
+                self._connect_group()
+            return
+        self._turns = dist.new_group(self.sources, backend="gloo")  # every rank, in the same order
         if not self.sender:
             return
+        for source in self.sources:  # one at a time: a server joins one group at a time
+            if source == self.rank:
+                self._connect_group()
+            dist.barrier(group=self._turns)
+
+    def _connect_group(self) -> None:
         self._loop = _LoopThread()
         self.clients = [SGLangClient(u, api_key=self.api_key, timeout_s=self.timeout_s) for u in self.urls]
         port = self.master_port or free_port(self.master_address)
@@ -241,6 +287,8 @@ class WeightSyncBridge:
     # ---- sync ----------------------------------------------------------------------------------
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor | None]], version) -> SyncStats | None:
         """Push one full set of weights to every server; returns stats on rank 0, None elsewhere."""
+        if len(self.sources) > 1:
+            return self._sync_from_sources(named_tensors, str(version))
         if not self.sender:
             for _ in named_tensors:  # take part in the export's collectives
                 pass
@@ -248,20 +296,121 @@ class WeightSyncBridge:
         if self.pg is None:
             raise WeightSyncError("sync() before connect()")
         version = str(version)
-        bucket_bytes = int(self.cfg.bucket_mb * 1024 * 1024)
         t0 = time.perf_counter()
-        paused = in_session = False
+        session = _Session()
         failed = True  # until the last bucket is answered: then errors at the end are raised, not logged
+        try:
+            self._open(session)
+            present = ((n, t) for n, t in named_tensors if t is not None)
+            counts = self._stream(present, version, flushes_cache(self.cfg.pause_generation, self.pause_mode))
+            failed = False
+        finally:
+            self._close(session, failed)
+        return self._stats(version, *counts, time.perf_counter() - t0)
+
+    def _sync_from_sources(self, named_tensors, version: str) -> SyncStats | None:
+        """`sync` with several sources; collective over every trainer rank (see the module docstring)."""
+        if self.sender and self.pg is None:
+            raise WeightSyncError("sync() before connect()")
+        t0 = time.perf_counter()
+        items = iter(named_tensors)
+        session = _Session()
+        error: BaseException | None = None
+        counts = (0, 0, 0)
+        if self.rank == 0:
+            try:
+                self._open(session)
+            except Exception as e:  # the sources skip their updates; the outcome is exchanged below
+                error = e
+        if self.sender:
+            error, counts = self._take_turn(items, version, error)
+        for _ in items:  # take part in the export's collectives
+            pass
+        outcomes = [None] * dist.get_world_size()
+        why = None if error is None else str(error) if isinstance(error, WeightSyncError) else _reason(error)
+        dist.all_gather_object(outcomes, (self.rank, why, counts))
+        failures = [f"source rank {rank}: {why}" for rank, why, _ in outcomes if why is not None]
+        if self.rank == 0:
+            self._close(session, failed=bool(failures))
+        if failures:
+            raise WeightSyncError("weight sync failed; " + "; ".join(failures)) from error
+        if self.rank != 0:
+            return None
+        totals = [sum(c[i] for _, _, c in outcomes) for i in range(3)]
+        stats = self._stats(version, *totals, time.perf_counter() - t0)
+        stats.source_bytes = {rank: c[1] for rank, _, c in outcomes if rank in self.sources}
+        return stats
+
+    def _take_turn(self, items, version: str, error: BaseException | None):
+        """This source's part: rebuild its first tensor, wait for its turn, stream its run of tensors, hand
+        on the turn. Returns (its error or None, (tensors, bytes, buckets))."""
+        counts = (0, 0, 0)
+        first = next(((n, t) for n, t in items if t is not None), None)  # earlier sources' items are None here
+        turn = self._wait_turn()
+        run = self._own_run(first, items)
+        last = self.rank == self.sources[-1]
+        if turn and error is None:
+            try:
+                if first is None:
+                    raise WeightSyncError("the export yielded no tensor on this source (export with EACH_SOURCE)")
+                flush = last and flushes_cache(self.cfg.pause_generation, self.pause_mode)
+                counts = self._stream(run, version if last else None, flush)
+            except Exception as e:
+                error = e
+        for _ in run:  # the rest of this source's run: its TP peers wait on the gathers
+            pass
+        self._pass_turn(turn and error is None)
+        return error, counts
+
+    @staticmethod
+    def _own_run(first, items):
+        """This source's tensors: `first` and those right after it (the export yields each source's as one run)."""
+        if first is None:
+            return
+        yield first
+        for name, tensor in items:
+            if tensor is None:
+                return
+            yield name, tensor
+
+    def _wait_turn(self) -> bool:
+        """Block until the previous source hands on the turn; whether all before succeeded (rank 0: True)."""
+        i = self.sources.index(self.rank)
+        if i == 0:
+            return True
+        token = torch.zeros(1, dtype=torch.int64)
+        dist.recv(token, src=self.sources[i - 1], group=self._turns)
+        return bool(token.item())
+
+    def _pass_turn(self, ok: bool) -> None:
+        i = self.sources.index(self.rank)
+        if i + 1 < len(self.sources):
+            dist.send(torch.tensor([int(ok)], dtype=torch.int64), dst=self.sources[i + 1], group=self._turns)
+
+    def _open(self, session: "_Session") -> None:
+        """Pause (if configured), then open a weight-update session on every server."""
+        if self.cfg.pause_generation:
+            self._all("pause_generation", self.pause_mode)
+            session.paused = True
+        self._begin_sessions()
+        session.open = True
+
+    def _close(self, session: "_Session", failed: bool) -> None:
+        """End every session, then continue, also after a failure (then end's errors are only logged)."""
+        try:
+            if session.open:
+                self._each("end_weight_update", quiet=failed)
+        finally:
+            if session.paused:
+                self._all("continue_generation")
+
+    def _stream(self, present, version: str | None, flush: bool) -> tuple[int, int, int]:
+        """Broadcast `(name, tensor)` pairs bucket by bucket; the last bucket carries `version` and `flush`.
+        Returns (tensors, bytes, buckets)."""
+        bucket_bytes = int(self.cfg.bucket_mb * 1024 * 1024)
         n_tensors = n_bytes = n_buckets = 0
         inflight: _InFlight | None = None
-        flush = flushes_cache(self.cfg.pause_generation, self.pause_mode)
         try:
-            if self.cfg.pause_generation:
-                self._all("pause_generation", self.pause_mode)
-                paused = True
-            self._begin_sessions()
-            in_session = True
-            present = ((n, t) for n, t in named_tensors if t is not None)
             # Pipelined: while bucket i is on the wire, bucket i+1 is produced (the export's gathers)
             # and staged (device copy, flattening); its update is posted only once bucket i is answered,
             # so every server sees the updates in order.
@@ -270,7 +419,8 @@ class WeightSyncBridge:
                 if inflight is not None:
                     self._finish(inflight)
                 # the last bucket carries the version: a server reports it only once all of it is loaded
-                inflight = self._start(bucket, payload, version if bucket.last else None, flush and bucket.last)
+                last = bucket.last and version is not None
+                inflight = self._start(bucket, payload, version if last else None, flush and bucket.last)
                 n_tensors += len(bucket.tensors)
                 n_bytes += bucket.nbytes
                 n_buckets += 1
@@ -278,17 +428,13 @@ class WeightSyncBridge:
                 raise WeightSyncError("sync(): the weight iterator yielded no tensors")
             self._finish(inflight)
             inflight = None
-            failed = False
         finally:
             if inflight is not None and not inflight.answers.done():  # failed while a bucket was on its way
                 self._abandon(inflight)
-            try:
-                if in_session:
-                    self._each("end_weight_update", quiet=failed)
-            finally:
-                if paused:
-                    self._all("continue_generation")
-        stats = SyncStats(version, n_tensors, n_bytes, n_buckets, time.perf_counter() - t0)
+        return n_tensors, n_bytes, n_buckets
+
+    def _stats(self, version: str, n_tensors: int, n_bytes: int, n_buckets: int, seconds: float) -> SyncStats:
+        stats = SyncStats(version, n_tensors, n_bytes, n_buckets, seconds)
         log.info(
             "synced %d tensors (%.1f MB, %d buckets) to %d servers in %.2fs (%.2f GB/s), version %s",
             n_tensors,

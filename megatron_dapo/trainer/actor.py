@@ -593,8 +593,15 @@ class MegatronActor:
                 for p in group["params"]:
                     torch_opt.state[p]["step"] = torch.tensor(float(group["step"]))
 
-    def export_weights(self, byte_budget: int | None = None, dst_rank: int | None = 0) -> Iterator:
-        """`(hf_name, full tensor or None)` pairs for the weight sync (see bridge.export_hf_weights)."""
+    def export_weights(self, byte_budget: int | None = None, dst_rank=0) -> Iterator:
+        """`(hf_name, full tensor or None)` pairs for the weight sync (see bridge.export_hf_weights; its
+        plan is agreed by all ranks here, not at the first item)."""
         from megatron_dapo.bridge import export_hf_weights
 
-        yield from export_hf_weights(self.model, byte_budget=byte_budget, dst_rank=dst_rank)
+        return export_hf_weights(self.model, byte_budget=byte_budget, dst_rank=dst_rank)
+
+    def export_sources(self) -> list[int]:
+        """The ranks that rebuild HF tensors (collective; see bridge.export_sources)."""
+        from megatron_dapo.bridge import export_sources
+
+        return export_sources(self.model)

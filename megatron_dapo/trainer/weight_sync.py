@@ -3,10 +3,12 @@
 `WeightSync.start(v)` puts every server on the trainer's weights at version v (servers may hold
 anything before: another run's weights, a resumed run's older ones); `after_step(v)` hands over the
 weights of version v after an optimizer step and returns the step's sync metrics. Every trainer rank
-calls both (exporting weights is collective); only rank 0 talks to the servers and the coordinator.
+calls both (exporting weights is collective); rank 0 talks to the coordinator and controls the servers
+(with per_stage sources each pipeline-stage / expert source also broadcasts its own tensors).
 
 - `AllAtOnceSync` (`rollout.sync.policy: all_at_once`): the bridge broadcasts the weights to every
-  server inline, then the coordinator dispatches at version v.
+  server inline, then the coordinator dispatches at version v; with `rollout.sync.sources` per_stage
+  from every export source (pipeline stage / expert rank), else all through rank 0.
 - `PerServerStoreSync` (`greedy`, `status_based`): the weights go to a host-memory store on rank 0; a
   syncer thread moves each server to them when its policy says (megatron_dapo.sync.per_server), and
   the coordinator learns each server's version as it is published.
@@ -22,6 +24,8 @@ import time
 
 import torch
 
+from megatron_dapo.bridge import EACH_SOURCE
+from megatron_dapo.config import derived
 from megatron_dapo.coordinator.batch import probe_batch
 from megatron_dapo.sync.bridge import WeightSyncBridge
 from megatron_dapo.sync.per_server import PerServerSync, WeightStore
@@ -64,10 +68,21 @@ class WeightSync:
 class AllAtOnceSync(WeightSync):
     def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
         super().__init__(cfg, actor, rank, coord)
+        # per_stage: each export source broadcasts the tensors it rebuilds, none goes through rank 0
+        self.per_stage = derived.sync_sources(cfg) == "per_stage"
         self.bridge = WeightSyncBridge(
-            server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key, server_tp_sizes=server_tp_sizes
+            server_urls,
+            cfg.rollout.sync,
+            api_key=cfg.rollout.api_key,
+            server_tp_sizes=server_tp_sizes,
+            sources=actor.export_sources() if self.per_stage else None,
         )
         self.bridge.connect()
+
+    def _export(self):
+        if not self.per_stage:
+            return super()._export()
+        return self.actor.export_weights(byte_budget=self.byte_budget, dst_rank=EACH_SOURCE)
 
     def _sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()

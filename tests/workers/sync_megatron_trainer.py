@@ -1,16 +1,24 @@
-"""A TP=2 megatron-core trainer (gloo, CPU) that syncs its weights into embedded servers.
+"""A megatron-core trainer (gloo, CPU) that syncs its weights into embedded servers.
 
-usage (torchrun, 2 ranks): sync_megatron_trainer.py OUT_JSON HF_DIR API_KEY URL [URL ...]
-Loads HF_DIR into a TP=2 GPTModel, changes every weight (as a training step would), streams
-`export_hf_weights` through the bridge, and checks on rank 0 that the servers' logprobs on a probe
-equal the Megatron model's own (logits gathered over TP, float64 log-softmax), twice (versions 1, 2).
+usage (torchrun, tp * pp * ep ranks):
+    sync_megatron_trainer.py OUT_JSON HF_DIR API_KEY URL [URL ...] [--tp N] [--pp N] [--ep N] [--etp N]
+                             [--sources rank0|per_stage]
+Loads HF_DIR into a GPTModel of that layout, changes every weight (as a training step would), streams
+`export_hf_weights` through the bridge -- all through rank 0, or from every export source over its own
+update group (per_stage) -- twice (versions 1, 2). Rank 0 records each server's probe logprobs and checks
+them against an independent reference: HF transformers' own model loaded from HF_DIR with the same changes
+(and, with tp only, the Megatron model's own logits gathered over TP). It also records the bytes each rank
+moved: the export's hops beyond TP gathers (Traffic) and what each source broadcast.
 """
 
+import argparse
+import faulthandler
 import json
-import sys
 
 import torch
 import torch.distributed as dist
+
+ROUNDS = (("1", 1.1), ("2", 0.95))
 
 
 def megatron_logprobs(chunks, probe, vocab):
@@ -25,13 +33,57 @@ def megatron_logprobs(chunks, probe, vocab):
     parts = [torch.empty_like(shard) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, shard.contiguous(), group=ps.get_tensor_model_parallel_group())
     logits = torch.cat(parts, dim=-1)[0, :, :vocab].double()
-    lp = torch.log_softmax(logits[:-1], -1)
+    return _token_logprobs(logits, probe)
+
+
+def _token_logprobs(logits, probe):
+    lp = torch.log_softmax(logits[:-1].double(), -1)
     return lp.gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
 
 
+def hf_logprobs(hf_model, probe):
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([probe])).logits[0]
+    return _token_logprobs(logits, probe)
+
+
+def expect_failure(bridge, export, version, info, out):
+    from megatron_dapo.sync.bridge import WeightSyncError
+
+    try:
+        bridge.sync(export, version=version)
+        error = None
+    except WeightSyncError as e:
+        error = str(e)
+    errors = [None] * info.world_size
+    dist.all_gather_object(errors, error)
+    bridge.close()
+    if info.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"errors": errors}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main():
-    out, hf_dir, api_key, *urls = sys.argv[1:]
-    from megatron_dapo.bridge.export import export_hf_weights
+    faulthandler.dump_traceback_later(200)  # a hung rank shows where, before the test's timeout kills it
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("hf_dir")
+    ap.add_argument("api_key")
+    ap.add_argument("urls", nargs="+")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--etp", type=int, default=None)
+    ap.add_argument("--sources", choices=["rank0", "per_stage"], default="rank0")
+    # the servers cannot take every tensor: record each rank's WeightSyncError of the first sync, then stop
+    ap.add_argument("--expect-failure", action="store_true")
+    args = ap.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.bridge.export import EACH_SOURCE, Traffic, export_hf_weights, export_sources
     from megatron_dapo.bridge.load import load_hf_into_megatron
     from megatron_dapo.config.schema import SyncConfig
     from megatron_dapo.models.provider import ModelParallel, build_gpt_model
@@ -39,37 +91,60 @@ def main():
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
     info = init_distributed("gloo")
-    init_model_parallel(tp=2)
-    chunks = build_gpt_model(hf_dir, ModelParallel(tp=2))
-    load_hf_into_megatron(chunks, hf_dir)
+    init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    chunks = build_gpt_model(args.hf_dir, ModelParallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp))
+    load_hf_into_megatron(chunks, args.hf_dir)
     vocab = chunks[0].arch.vocab_size
     probe = [int(x) for x in torch.randint(0, vocab, (20,), generator=torch.Generator().manual_seed(3))]
+    hf_model = AutoModelForCausalLM.from_pretrained(args.hf_dir, dtype=torch.float32) if info.rank == 0 else None
+    own_reference = args.pp == 1 and args.ep == 1
 
-    bridge = WeightSyncBridge(urls, SyncConfig(bucket_mb=0.1, flatten_bucket=False), api_key=api_key)
+    per_stage = args.sources == "per_stage"
+    sources = export_sources(chunks) if per_stage else [0]
+    cfg = SyncConfig(bucket_mb=0.1, flatten_bucket=False)
+    bridge = WeightSyncBridge(args.urls, cfg, api_key=args.api_key, sources=sources)
     bridge.connect()
-    report = {"rounds": []}
-    for version, scale in (("1", 1.1), ("2", 0.95)):
+    report = {"sources": sources, "bucket_bytes": int(cfg.bucket_mb * 1024 * 1024), "rounds": []}
+    for version, scale in ROUNDS:
         with torch.no_grad():
-            for p in chunks[0].parameters():
-                p.mul_(scale)  # the same on every rank, so replicated parameters stay identical
-        ref = megatron_logprobs(chunks, probe, vocab)
-        stats = bridge.sync(export_hf_weights(chunks), version=version)
+            for chunk in chunks:
+                for p in chunk.parameters():
+                    p.mul_(scale)  # the same on every rank, so replicated parameters stay identical
+            if hf_model is not None:
+                for p in hf_model.parameters():
+                    p.mul_(scale)
+        ref = megatron_logprobs(chunks, probe, vocab) if own_reference else None
+        traffic = Traffic()
+        export = export_hf_weights(chunks, dst_rank=EACH_SOURCE if per_stage else 0, traffic=traffic)
+        if args.expect_failure:
+            expect_failure(bridge, export, version, info, args.out)
+            return
+        stats = bridge.sync(export, version=version)
+        moved = [None] * info.world_size
+        dist.all_gather_object(moved, (traffic.sent, traffic.received))
         if info.rank == 0:
-            diff = bridge.verify(probe, ref.tolist(), tolerance=1e-4)
-
+            served = bridge.server_logprobs(probe)
+            hf_ref = hf_logprobs(hf_model, probe)
             versions = bridge._all("get_model_info")
             report["rounds"].append(
                 {
                     "version": version,
-                    "max_diff": diff,
+                    "max_diff": bridge.verify(probe, ref.tolist(), tolerance=1e-4) if own_reference else None,
+                    "max_diff_hf": max(
+                        float((torch.tensor(s, dtype=torch.float64) - hf_ref).abs().max()) for s in served
+                    ),
+                    "server_logprobs": served,
                     "tensors": stats.num_tensors,
+                    "model_bytes": stats.nbytes,
+                    "source_bytes": {str(k): v for k, v in (stats.source_bytes or {0: stats.nbytes}).items()},
+                    "export_traffic": moved,
                     "server_versions": [v["weight_version"] for v in versions],
                 }
             )
         dist.barrier()
+    bridge.close()
     if info.rank == 0:
-        bridge.close()
-        with open(out, "w") as f:
+        with open(args.out, "w") as f:
             json.dump(report, f)
         print("megatron sync worker done", report)
     dist.barrier()
