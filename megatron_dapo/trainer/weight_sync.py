@@ -65,7 +65,11 @@ class AllAtOnceSync(WeightSync):
     def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
         super().__init__(cfg, actor, rank, coord)
         self.bridge = WeightSyncBridge(
-            server_urls, cfg.rollout.sync, api_key=cfg.rollout.api_key, server_tp_sizes=server_tp_sizes
+            server_urls,
+            cfg.rollout.sync,
+            api_key=cfg.rollout.api_key,
+            server_tp_sizes=server_tp_sizes,
+            master_address=cfg.trainer.bind_host,
         )
         self.bridge.connect()
 
@@ -109,6 +113,7 @@ class PerServerStoreSync(WeightSync):
                 self.store,
                 api_key=cfg.rollout.api_key,
                 server_tp_sizes=server_tp_sizes,
+                master_address=cfg.trainer.bind_host,
                 probe=self.probe,
                 on_publish=lambda url, v: coord.set_version(v),
                 on_error=coord.fail,
