@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.runtime.net import LOOPBACK, free_port, is_loopback
+from megatron_dapo.runtime.net import LOOPBACK, free_port, interface_of, is_loopback
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
@@ -96,8 +96,24 @@ def _listeners_under(root: psutil.Process) -> dict[tuple[str, str, int], str]:
     return found
 
 
-def _watch(proc: subprocess.Popen, timeout: float) -> dict:
-    """Sample the run's listeners until it exits (at most `timeout` s; then it is killed)."""
+def _gloo_interfaces_under(root: psutil.Process) -> dict[int, str | None]:
+    """GLOO_SOCKET_IFNAME in the environment of each Ray trainer rank under `root`."""
+    found = {}
+    try:
+        procs = root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for p in procs:
+        try:
+            if "_TrainerActor" in " ".join(p.cmdline()):
+                found[p.pid] = p.environ().get("GLOO_SOCKET_IFNAME")
+        except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _watch(proc: subprocess.Popen, timeout: float, sample=_listeners_under) -> dict:
+    """Merge `sample(process tree)` until the run exits (at most `timeout` s; then it is killed)."""
     root = psutil.Process(proc.pid)
     seen = {}
     deadline = time.monotonic() + timeout
@@ -110,7 +126,7 @@ def _watch(proc: subprocess.Popen, timeout: float) -> dict:
                     pass
             proc.wait(30)
             raise AssertionError(f"run did not end within {timeout}s:\n{proc.stdout.read()[-6000:]}")
-        seen.update(_listeners_under(root))
+        seen.update(sample(root))
         time.sleep(0.2)
     return seen
 
@@ -175,8 +191,13 @@ def test_ray_run_listens_on_loopback_only(task):
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(), cwd=ROOT, start_new_session=True
     )
-    seen = _watch(proc, timeout=300)
+    seen = _watch(proc, timeout=300, sample=lambda root: {**_listeners_under(root), **_gloo_interfaces_under(root)})
     _assert_trained(proc, run_dir)
+    # the ranks' gloo pairs are told loopback's interface (left alone they take the address the host
+    # name resolves to, which is loopback on this machine but seldom elsewhere)
+    gloo = {pid: name for pid, name in seen.items() if isinstance(pid, int)}
+    assert len(gloo) >= 2 and set(gloo.values()) == {interface_of(LOOPBACK)}, gloo
+    seen = {k: v for k, v in seen.items() if not isinstance(k, int)}
     names = {name for name, _, _ in seen}
     # the listeners of the defect were sampled: Ray's GCS and raylet, its runtime-env agent, the driver,
     # the actors (trainer ranks: core worker, stores), the embedded servers

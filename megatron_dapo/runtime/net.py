@@ -46,3 +46,22 @@ def _family(host: str) -> socket.AddressFamily:
         return socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
     except ValueError:  # a host name: resolved by bind as IPv4
         return socket.AF_INET
+
+
+def interface_of(host: str) -> str | None:
+    """The name of this machine's network interface that holds address `host`, or None."""
+    import psutil
+
+    want = ipaddress.ip_address(host)
+    for name, addrs in psutil.net_if_addrs().items():
+        for a in addrs:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and _same_ip(a.address, want):
+                return name
+    return None
+
+
+def _same_ip(address: str, want: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    try:
+        return ipaddress.ip_address(address.split("%", 1)[0]) == want  # fe80::1%eth0: scope dropped
+    except ValueError:
+        return False

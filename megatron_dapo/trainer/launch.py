@@ -23,7 +23,7 @@ from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
 from megatron_dapo.config.derived import trainer_world_size
-from megatron_dapo.runtime.net import free_port, is_loopback
+from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
 
 # ray (and torch) are imported in the functions that use them: a torchrun launch never needs ray.
 
@@ -179,6 +179,7 @@ class _RayLayout:
         self.cfg, self.world, self.n_servers, self.gpu = cfg, world, n_servers, gpu
         self.trainer_bundle, self.server_bundle = trainer_bundle, server_bundle
         self.env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
+        self.env.update(_gloo_env(cfg))
 
     @classmethod
     def for_run(cls, cfg, world: int, n_servers: int) -> "_RayLayout":
@@ -247,6 +248,16 @@ class _RayLayout:
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": master_port,
         }
+
+
+def _gloo_env(cfg) -> dict:
+    """gloo (CPU runs; megatron-core's helper groups on GPU) listens on the address the host name
+    resolves to, often the external one, unless GLOO_SOCKET_IFNAME names an interface. On a local
+    cluster bound to loopback every rank and server is on this machine: loopback's interface."""
+    if cfg.trainer.ray_address or "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(cfg.trainer.bind_host):
+        return {}
+    name = interface_of(cfg.trainer.bind_host)
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
 def _stop_actors(servers: list, trainers: list) -> None:
