@@ -10,6 +10,7 @@ sockets of every process under the run are sampled while it trains, and each mus
 import datetime
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,13 +32,23 @@ def _own_listeners(port: int) -> list[str]:
     ]
 
 
-def test_tcp_store_listens_on_its_host_alone():
+def _external_ipv4() -> list[str]:
+    """One address of this machine that is not loopback, if it has one (a bind_host for several machines)."""
+    for addrs in psutil.net_if_addrs().values():
+        for a in addrs:
+            if a.family == socket.AF_INET and not is_loopback(a.address):
+                return [a.address]
+    return []
+
+
+@pytest.mark.parametrize("host", [LOOPBACK, *_external_ipv4()])
+def test_tcp_store_listens_on_its_host_alone(host):
     from megatron_dapo.runtime.distributed import tcp_store
 
     timeout = datetime.timedelta(seconds=30)
-    master = tcp_store(LOOPBACK, 0, 1, True, timeout)  # world 1: the master does not wait for the client
-    assert _own_listeners(master.port) == [LOOPBACK]
-    client = tcp_store(LOOPBACK, master.port, 1, False, timeout)
+    master = tcp_store(host, 0, 1, True, timeout)  # world 1: the master does not wait for the client
+    assert _own_listeners(master.port) == [host]
+    client = tcp_store(host, master.port, 1, False, timeout)
     client.set("from_client", "1")
     assert master.get("from_client") == b"1"
 
@@ -62,6 +73,15 @@ def test_weight_update_group_store_listens_on_master_address():
 def test_bind_host_must_be_one_address(host):
     with pytest.raises(ConfigError, match=rf"trainer\.bind_host={host!r}|trainer\.bind_host={host} "):
         load_config(CONFIG, [f"trainer.bind_host={host}"])
+
+
+def test_local_ray_refuses_an_address_this_machine_lacks():
+    from megatron_dapo.trainer.launch import LaunchError, _init_ray
+
+    cfg = load_config(CONFIG, ["trainer.bind_host=203.0.113.7"])  # TEST-NET-3: on no interface here
+    assert interface_of("203.0.113.7") is None
+    with pytest.raises(LaunchError, match=r"trainer\.bind_host=203\.0\.113\.7 is not an address of this machine"):
+        _init_ray(cfg)
 
 
 def test_bind_host_default_is_loopback():

@@ -38,6 +38,11 @@ def _local_ray_init(bind_host: str):
     """A local Ray cluster whose node address is `bind_host`, no dashboard, all of this machine's CPUs."""
     import ray
 
+    if not is_loopback(bind_host) and interface_of(bind_host) is None:
+        raise LaunchError(
+            f"trainer.bind_host={bind_host} is not an address of this machine's interfaces: "
+            f"a local Ray cluster cannot listen there"
+        )
     with _ray_single_machine(is_loopback(bind_host)):
         ray.init(
             _node_ip_address=bind_host,
