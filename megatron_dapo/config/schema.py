@@ -295,6 +295,9 @@ class TrainerConfig:
     # (rollout.num_servers * rollout.server_tp when engine is sglang and no external servers are given).
     world_size: Optional[int] = None
     ray_address: Optional[str] = None  # None = start a local Ray cluster; "auto" = join the running one
+    # Address the trainer's listeners bind: the local Ray cluster (node IP), the trainer ranks' and the
+    # weight-sync group's TCPStores. An IP of this host; 0.0.0.0 / :: are refused (docs/security.md).
+    bind_host: str = "127.0.0.1"
     val_every: int = 0  # steps between validations (and one before the first step); 0 = off
     val: ValConfig = field(default_factory=ValConfig)  # how validation and `megatron-dapo eval` sample
 

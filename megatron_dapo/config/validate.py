@@ -14,6 +14,7 @@ from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.runtime.net import is_wildcard
 
 
 def _check_parallel(cfg: DapoConfig, errors: list[str]) -> None:
@@ -392,6 +393,7 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
     if t.val_every < 0:
         errors.append(f"trainer.val_every={t.val_every} must be >= 0")
     _check_val(cfg, errors)
+    _check_bind_host(t.bind_host, errors)
     if t.world_size is not None and t.world_size < 1:
         errors.append(f"trainer.world_size={t.world_size} must be >= 1 or null")
     if cfg.logging.log_every < 1:
@@ -401,6 +403,19 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"checkpoint.save_every={c.save_every} must be >= 0")
     if c.keep_last < 0:
         errors.append(f"checkpoint.keep_last={c.keep_last} must be >= 0")
+
+
+def _check_bind_host(host: str, errors: list[str]) -> None:
+    try:
+        wildcard = is_wildcard(host)
+    except ValueError:
+        errors.append(f"trainer.bind_host={host!r} must be an IP address of this host (e.g. 127.0.0.1)")
+        return
+    if wildcard:
+        errors.append(
+            f"trainer.bind_host={host} would listen on every interface: name one address of this host "
+            f"(127.0.0.1 for one machine, the cluster-network IP for several)"
+        )
 
 
 def _check_val(cfg: DapoConfig, errors: list[str]) -> None:

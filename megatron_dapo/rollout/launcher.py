@@ -254,12 +254,13 @@ def launch_sglang(
 def embedded_server(
     model_dir: str, log_path: str | Path, port: int | None = None, api_key: str | None = None, **kw
 ) -> ServerProcess:
-    """An embedded SGLang-compatible server process (not started) on a free loopback port by default."""
-    port = port or free_port()
+    """An embedded SGLang-compatible server process (not started) on a free port of `host` (default loopback)."""
+    host = kw.get("host", LOOPBACK)
+    port = port or free_port(host)
     env = {"OMP_NUM_THREADS": str(kw.get("threads") or 1), "TOKENIZERS_PARALLELISM": "false"}
     if api_key:
         env["MEGATRON_DAPO_API_KEY"] = api_key  # through the environment, not the command line
-    return ServerProcess(embedded_command(model_dir, port, **kw), port, LOOPBACK, log_path, env, api_key)
+    return ServerProcess(embedded_command(model_dir, port, **kw), port, host, log_path, env, api_key)
 
 
 def launch_embedded(

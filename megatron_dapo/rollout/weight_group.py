@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from megatron_dapo.runtime.distributed import tcp_store
+
 
 def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
@@ -42,10 +44,8 @@ def init_weight_update_group(
     connect_timeout = datetime.timedelta(seconds=connect_timeout_s or timeout_s)
     # What `rendezvous("tcp://...")` builds outside torchelastic: rank 0 hosts the store. Built by hand
     # because under torchrun (TORCHELASTIC_USE_AGENT_STORE) rendezvous would make every rank a client
-    # of a store nobody hosts.
-    store = dist.TCPStore(
-        master_address, int(master_port), world_size, is_master=rank == 0, timeout=connect_timeout, multi_tenant=True
-    )
+    # of a store nobody hosts, and so that rank 0's store listens on master_address alone.
+    store = tcp_store(master_address, int(master_port), world_size, rank == 0, connect_timeout)
     store = dist.PrefixStore(group_name, store)
     # The private helper is what both SGLang and torch's own new_group use to build a group from a
     # store; the public API would insist on the default group spanning these ranks.

@@ -45,8 +45,47 @@ def init_distributed(backend: str | None = None, timeout_s: float = 600.0) -> Di
             from megatron_dapo.runtime.net import LOOPBACK, free_port
 
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR=LOOPBACK, MASTER_PORT=str(free_port()))
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        _init_default_group(backend, datetime.timedelta(seconds=timeout_s))
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
+
+
+def _init_default_group(backend: str, timeout: datetime.timedelta) -> None:
+    """The default group from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, its store hosted by rank 0
+    on MASTER_ADDR alone (torch's env:// rendezvous would listen on every interface).
+
+    Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) the store is torchrun's own, listening
+    where torchrun binds it (every interface; torch offers no option): env:// is what joins it.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout)
+    dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+
+
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
+    """A TCPStore at host:port; the master's server listens on `host` alone.
+
+    `dist.TCPStore(host, ..., is_master=True)` binds its server to the wildcard address whatever `host`
+    is; a socket bound here and handed over as `master_listen_fd` keeps it on `host`. The store owns
+    that descriptor from then on (it closes it), so the Python socket lets go of it.
+    """
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
+    from megatron_dapo.runtime.net import listening_socket
+
+    sock = listening_socket(host, port)
+    bound_port = sock.getsockname()[1]
+    return dist.TCPStore(
+        host,
+        bound_port,
+        world_size,
+        is_master=True,
+        timeout=timeout,
+        multi_tenant=True,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def init_model_parallel(

@@ -36,6 +36,7 @@ import torch
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import make_sync_policy
+from megatron_dapo.runtime.net import LOOPBACK
 from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError, _is_sender, _LoopThread
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class PerServerSync:
         store: WeightStore,
         api_key: str | None = None,
         server_tp_sizes: Sequence[int] | None = None,
+        master_address: str = LOOPBACK,  # where trainer rank 0 hosts each weight-update group's store
         probe: Sequence[int] | None = None,
         on_publish: Callable[[str, int], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
@@ -124,7 +126,12 @@ class PerServerSync:
         tps = list(server_tp_sizes or [1] * len(urls))
         self.bridges = {
             u.rstrip("/"): WeightSyncBridge(
-                [u], sync_cfg, api_key=api_key, server_tp_sizes=[tp], group_name=f"megatron_dapo_weight_sync_{i}"
+                [u],
+                sync_cfg,
+                api_key=api_key,
+                server_tp_sizes=[tp],
+                group_name=f"megatron_dapo_weight_sync_{i}",
+                master_address=master_address,
             )
             for i, (u, tp) in enumerate(zip(urls, tps))
         }

@@ -96,6 +96,7 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
             str(model_dir),
             r.num_servers,
             log_dir,
+            host=r.host,
             api_key=r.api_key,
             device=device,
             deterministic_inference=r.deterministic_inference,
@@ -107,7 +108,7 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
     urls = []
     for i in range(r.num_servers):  # server i on GPUs [i * server_tp, (i + 1) * server_tp) of this node
         args = launcher.SGLangServerArgs.from_config(
-            cfg, str(model_dir), free_port(), random_seed=i, base_gpu_id=i * r.server_tp
+            cfg, str(model_dir), free_port(r.host), random_seed=i, base_gpu_id=i * r.server_tp
         )
         proc = launcher.launch_sglang(args, log_dir / f"server_{i}.log")
         stack.callback(proc.stop)
@@ -123,7 +124,9 @@ def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
     r = cfg.rollout
     reader = HFCheckpointReader(model_dir)
     tp = r.server_tp if r.engine == "sglang" else 1
-    bridge = WeightSyncBridge(urls, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(urls))
+    bridge = WeightSyncBridge(
+        urls, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(urls), master_address=cfg.trainer.bind_host
+    )
     bridge.connect()
     try:
         bridge.sync(((name, reader.read(name)) for name in sorted(reader.names())), version=version)

@@ -13,6 +13,7 @@ starts the coordinator as its subprocess.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
 from megatron_dapo.config.derived import trainer_world_size
-from megatron_dapo.runtime.net import free_port
+from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
 
 # ray (and torch) are imported in the functions that use them: a torchrun launch never needs ray.
 
@@ -33,17 +34,47 @@ class LaunchError(RuntimeError):
     pass
 
 
-def _local_ray_init():
+def _local_ray_init(bind_host: str):
+    """A local Ray cluster whose node address is `bind_host`, no dashboard, all of this machine's CPUs."""
     import ray
 
-    # Loopback only (CI machines reach nothing else), no dashboard; all of this machine's CPUs.
-    ray.init(
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=os.cpu_count() or 1,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    if not is_loopback(bind_host) and interface_of(bind_host) is None:
+        raise LaunchError(
+            f"trainer.bind_host={bind_host} is not an address of this machine's interfaces: "
+            f"a local Ray cluster cannot listen there"
+        )
+    with _ray_single_machine(is_loopback(bind_host)):
+        ray.init(
+            _node_ip_address=bind_host,
+            include_dashboard=False,
+            num_cpus=os.cpu_count() or 1,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+
+@contextlib.contextmanager
+def _ray_single_machine(on: bool):
+    """Ray's single-machine mode while a local cluster starts, when `on`.
+
+    Ray 2.60 replaces a loopback node address (`ray.init(_node_ip_address=...)`, `ray start
+    --node-ip-address`) by this machine's external one (`services.resolve_ip_for_localhost`); its GCS,
+    raylet and workers then listen on every interface, its runtime-env agent on the external address.
+    Only with its single-machine switch off does it keep 127.0.0.1, and then every one of them listens
+    on loopback. The switch's public spelling, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, is read once when
+    ray is first imported (too early for a driver that imported ray before), so the constant it sets,
+    `ray._private.ray_constants.ENABLE_RAY_CLUSTER` (private), is switched here, and only while
+    `ray.init` runs.
+    """
+    from ray._private import ray_constants
+
+    before = ray_constants.ENABLE_RAY_CLUSTER
+    if on:
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before
 
 
 class _ServerActor:
@@ -57,13 +88,15 @@ class _ServerActor:
         cfg = config_from_dict(cfg_dict)
         log_path = Path(log_dir) / f"server_{index}.log"
         if cfg.rollout.engine == "sglang":
-            args = launcher.SGLangServerArgs.from_config(cfg, cfg.model.hf_path, free_port(), random_seed=index)
+            port = free_port(cfg.rollout.host)
+            args = launcher.SGLangServerArgs.from_config(cfg, cfg.model.hf_path, port, random_seed=index)
             self.proc = launcher.launch_sglang(args, log_path)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             self.proc = launcher.launch_embedded(
                 cfg.model.hf_path,
                 log_path,
+                host=cfg.rollout.host,
                 api_key=cfg.rollout.api_key,
                 seed=index,
                 device=device,
@@ -139,7 +172,7 @@ def _init_ray(cfg) -> bool:
     if cfg.trainer.ray_address:
         ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
     else:
-        _local_ray_init()
+        _local_ray_init(cfg.trainer.bind_host)
     return True
 
 
@@ -151,6 +184,7 @@ class _RayLayout:
         self.cfg, self.world, self.n_servers, self.gpu = cfg, world, n_servers, gpu
         self.trainer_bundle, self.server_bundle = trainer_bundle, server_bundle
         self.env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
+        self.env.update(_gloo_env(cfg))
 
     @classmethod
     def for_run(cls, cfg, world: int, n_servers: int) -> "_RayLayout":
@@ -219,6 +253,16 @@ class _RayLayout:
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": master_port,
         }
+
+
+def _gloo_env(cfg) -> dict:
+    """gloo (CPU runs; megatron-core's helper groups on GPU) listens on the address the host name
+    resolves to, often the external one, unless GLOO_SOCKET_IFNAME names an interface. On a local
+    cluster bound to loopback every rank and server is on this machine: loopback's interface."""
+    if cfg.trainer.ray_address or "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(cfg.trainer.bind_host):
+        return {}
+    name = interface_of(cfg.trainer.bind_host)
+    return {"GLOO_SOCKET_IFNAME": name} if name else {}
 
 
 def _stop_actors(servers: list, trainers: list) -> None:

@@ -76,6 +76,7 @@ class AllAtOnceSync(WeightSync):
             api_key=cfg.rollout.api_key,
             server_tp_sizes=server_tp_sizes,
             sources=actor.export_sources() if self.per_stage else None,
+            master_address=cfg.trainer.bind_host,
         )
         self.bridge.connect()
 
@@ -124,6 +125,7 @@ class PerServerStoreSync(WeightSync):
                 self.store,
                 api_key=cfg.rollout.api_key,
                 server_tp_sizes=server_tp_sizes,
+                master_address=cfg.trainer.bind_host,
                 probe=self.probe,
                 on_publish=lambda url, v: coord.set_version(v),
                 on_error=coord.fail,
