@@ -120,7 +120,7 @@ def judge_group(
         accs=[r.acc for r in rewards],
         overlong=pen,
         reward_failures=sum(r.failed for r in rewards),
-        reward_failure_types=dict(Counter(r.error_type for r in rewards if r.failed)),
+        reward_failure_types=dict(Counter(r.error_type or "unknown" for r in rewards if r.failed)),
         token_versions=[token_versions(s) for s in samples],
     )
     if filter_metric is not None:
