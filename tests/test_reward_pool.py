@@ -117,3 +117,14 @@ def test_an_always_raising_reward_is_counted_and_logged_by_type(caplog):
     assert runner.failures_by_type == {"JudgeDown": 8}
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 5 and all("JudgeDown" in line and "judge unreachable" in line for line in lines)
+
+
+def test_a_slow_worker_start_is_not_the_first_calls_time():
+    from tests.workers.slow_start_reward import quick
+
+    runner = RewardRunner(default=RewardCall(quick), timeout_s=1.0, num_workers=2)
+    try:
+        out = runner.score_many([("a", "", "src", {})] * 4)  # the workers take 3 s to import `quick`
+    finally:
+        runner.close()
+    assert [r.failed for r in out] == [False] * 4 and runner.pool.restarts == 0

@@ -25,14 +25,24 @@ from multiprocessing.connection import wait
 from megatron_dapo.rewards.threads import outcome_of
 from megatron_dapo.runtime.lifetime import exit_with_parent
 
+# A fresh worker's first message: it has imported the reward functions. Its first call's time limit
+# starts then, not when the call was sent (starting an interpreter is waiting, not the reward's time);
+# the start itself may take up to STARTUP_S.
+READY = ("ready",)
+STARTUP_S = 120.0
+
 
 def _worker_main(conn, fns: bytes, parent_pid: int) -> None:
     exit_with_parent(parent_pid)
     default, by_source = pickle.loads(fns)
+    try:
+        conn.send(READY)
+    except OSError:  # the pool closed while this worker started
+        return
     while True:
         try:
             response, ground_truth, source, extra = conn.recv()
-        except EOFError:  # the pool closed
+        except (EOFError, OSError):  # the pool closed
             return
         out = outcome_of(partial(by_source.get(source, default), response, ground_truth, **(extra or {})))
         try:
@@ -45,6 +55,7 @@ def _worker_main(conn, fns: bytes, parent_pid: int) -> None:
 class _Worker:
     process: multiprocessing.Process
     conn: object  # the pool's end of the pipe
+    started: bool = False  # READY was received
 
 
 class RewardPool:
@@ -116,7 +127,12 @@ class RewardPool:
                 todo.clear()
             for conn in self._ready(busy, waiting=bool(todo)):
                 w, i, _ = busy.pop(conn)
-                out[i] = self._receive(w)
+                answer = self._receive(w)
+                if answer == READY:  # the worker is up: the call starts now
+                    w.started = True
+                    busy[conn] = (w, i, time.monotonic() + timeout_s)
+                else:
+                    out[i] = answer
             now = time.monotonic()
             for conn, (w, _, deadline) in list(busy.items()):
                 if now >= deadline:  # this call hangs: its answer stays None
@@ -125,14 +141,15 @@ class RewardPool:
         return out
 
     def _dispatch(self, items, todo: list[int], busy: dict, timeout_s: float) -> None:
-        """Send waiting items to idle workers; each call's time limit starts as its worker gets it."""
+        """Send waiting items to idle workers; each call's time limit starts as its worker gets it (a
+        fresh worker's: once it is up)."""
         while todo:
             w = self._checkout()
             if w is None:
                 return
             i = todo.pop(0)
             w.conn.send(items[i])
-            busy[w.conn] = (w, i, time.monotonic() + timeout_s)
+            busy[w.conn] = (w, i, time.monotonic() + timeout_s + (0.0 if w.started else STARTUP_S))
 
     @staticmethod
     def _ready(busy: dict, waiting: bool) -> list:
@@ -148,13 +165,15 @@ class RewardPool:
         return wait(list(busy), timeout=max(0.0, left))
 
     def _receive(self, w: _Worker) -> tuple:
+        """A busy worker's message (READY, or its answer: then it is idle again)."""
         try:
             answer = w.conn.recv()
         except (EOFError, OSError):
             w.process.join(5)
             self._replace(w)
             return ("error", "RewardWorkerDied", f"reward worker died (exit code {w.process.exitcode})")
-        self._checkin(w)
+        if answer != READY:
+            self._checkin(w)
         return answer
 
     def close(self) -> None:
