@@ -31,6 +31,7 @@ def test_pool_scores_what_the_process_scores():
         with ThreadPoolExecutor(3) as ex:
             parts = list(ex.map(pooled.score_many, [items[:4], items[4:8], items[8:]]))
     finally:
+        local.close()
         pooled.close()
     assert got == want and len({r.score for r in got}) > 3
     assert [r for part in parts for r in part] == want

@@ -12,8 +12,9 @@ from megatron_dapo.rewards.threads import MAX_HUNG, NUM_THREADS, RewardCallsHang
 from tests.workers.pool_rewards import JudgeDown, always_raises, sleeper
 
 
-def _reward_threads() -> int:
-    return sum(t.name.startswith("reward") for t in threading.enumerate())
+def _threads_of(threads: RewardThreads) -> int:
+    """Threads alive that belong to this thread set (hung ones included)."""
+    return sum(t.name == threads.thread_name for t in threading.enumerate())
 
 
 def _eventually(condition, within_s=60.0):
@@ -53,7 +54,7 @@ def test_a_call_past_its_limit_still_fails_among_queued_ones():
     finally:
         release.set()
         runner.close()
-    _eventually(lambda: _reward_threads() == 0)
+    _eventually(lambda: _threads_of(runner.threads) == 0)
 
 
 def test_a_hanging_reward_holds_a_bounded_number_of_threads():
@@ -66,23 +67,23 @@ def test_a_hanging_reward_holds_a_bounded_number_of_threads():
 
     runner = RewardRunner(default=hangs, timeout_s=0.2, num_threads=2, max_hung=3)
     try:
-        assert _reward_threads() == 2
+        assert _threads_of(runner.threads) == 2
         for _ in range(3):  # each hung call's thread is replaced: scoring goes on
             out = runner.score_many([("hang", "", "src", {}), ("ok", "", "src", {})])
             assert [r.error_type for r in out] == ["RewardTimeout", None]
-        assert runner.threads.hung == 3 and _reward_threads() == 2 + 3
+        assert runner.threads.hung == 3 and _threads_of(runner.threads) == 2 + 3
         with pytest.raises(RewardCallsHang, match=r"4 reward calls .* cap of 3 .* reward.num_workers > 0"):
             runner.score_many([("hang", "", "src", {}), ("ok", "", "src", {})])
         with pytest.raises(RewardCallsHang):  # and from then on: the run stops with it
             runner.score_many([("ok", "", "src", {})])
-        assert _reward_threads() == 2 + 3
+        assert _threads_of(runner.threads) == 2 + 3
         # hung calls that return at last free their places: their abandoned threads exit
         release.set()
-        _eventually(lambda: runner.threads.hung == 0 and _reward_threads() == 2)
+        _eventually(lambda: runner.threads.hung == 0 and _threads_of(runner.threads) == 2)
     finally:
         release.set()
         runner.close()
-    _eventually(lambda: _reward_threads() == 0)
+    _eventually(lambda: _threads_of(runner.threads) == 0)
 
 
 def test_the_fault_campaign_hang_at_default_sizes():
@@ -93,11 +94,11 @@ def test_the_fault_campaign_hang_at_default_sizes():
     try:
         with pytest.raises(RewardCallsHang):
             runner.score_many([("x", "", "src", {})] * 160)
-        assert _reward_threads() <= NUM_THREADS + MAX_HUNG
+        assert _threads_of(runner.threads) <= NUM_THREADS + MAX_HUNG
     finally:
         release.set()
         runner.close()
-    _eventually(lambda: _reward_threads() == 0)
+    _eventually(lambda: _threads_of(runner.threads) == 0)
 
 
 def test_an_always_raising_reward_is_counted_and_logged_by_type_rate_limited(caplog):
@@ -122,4 +123,4 @@ def test_closed_threads_finish_queued_calls_then_exit():
     pool.close()
     with pytest.raises(RuntimeError, match="closed"):
         pool.run([lambda: 1], timeout_s=5)
-    _eventually(lambda: _reward_threads() == 0)
+    _eventually(lambda: _threads_of(pool) == 0)

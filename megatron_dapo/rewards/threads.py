@@ -11,6 +11,7 @@ the limit counts from the moment a thread starts the call.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -36,6 +37,7 @@ class _Call:
 
 
 _STOP = None  # in the queue: one thread exits
+_numbers = itertools.count()
 
 
 def outcome_of(fn: Callable[[], object]) -> tuple:
@@ -59,12 +61,13 @@ class RewardThreads:
         self.hung = 0  # abandoned threads still running their call
         self._failed: RewardCallsHang | None = None
         self._closed = False
+        self.thread_name = f"reward-thread-{next(_numbers)}"  # all of this set's threads, hung ones too
         for _ in range(num_threads):
             self._start_thread()
 
     def _start_thread(self) -> None:
         self._serving += 1
-        threading.Thread(target=self._serve, daemon=True, name="reward-thread").start()
+        threading.Thread(target=self._serve, daemon=True, name=self.thread_name).start()
 
     def _serve(self) -> None:
         while True:
