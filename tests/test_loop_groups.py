@@ -77,3 +77,40 @@ def test_build_batch_advantages_masks_and_layout():
     want = ref([1.0, -1.0]) + ref([1.0, -1.0, -1.0])
     assert torch.allclose(b.advantages.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6)
     assert b.staleness() == [1, 1, 1, 1, 1]
+
+
+def test_reward_failures_by_type_reach_the_step_metrics_and_survive_a_checkpoint():
+    from collections import Counter
+    from types import SimpleNamespace
+
+    from megatron_dapo.coordinator.producer import BatchInfo
+    from megatron_dapo.coordinator.service import batch_info_from_state, batch_info_state, step_metrics
+    from megatron_dapo.rewards import RewardRunner
+
+    def reward(response, ground_truth, **_):
+        return {"div": lambda: 1 / 0, "nan": lambda: math.nan}.get(response, lambda: 1.0)()
+
+    runner = RewardRunner(default=reward)
+    try:
+        rewards = runner.score_many([(r, "", "src", {}) for r in ("div", "ok", "nan", "div")])
+    finally:
+        runner.close()
+    g = judge_group(0, [_sample(i, 3) for i in range(4)], rewards, max_response_length=6)
+    assert g.reward_failures == 3 and g.reward_failure_types == {"ZeroDivisionError": 2, "NonFiniteReward": 1}
+    info = BatchInfo(
+        [g],
+        kept=1,
+        dropped_all_correct=0,
+        dropped_all_wrong=0,
+        gen_batches=1,
+        reward_failures=3,
+        reward_failure_types=Counter(g.reward_failure_types),
+        reward_calls_per_s=12.5,
+        staleness=Counter({0: 1}),
+    )
+    restored = batch_info_from_state(batch_info_state(info))
+    assert restored.reward_failure_types == info.reward_failure_types and restored.reward_calls_per_s == 12.5
+    assert restored.groups[0].reward_failure_types == g.reward_failure_types
+    m = step_metrics(restored, SimpleNamespace(algo=SimpleNamespace(staleness=1)), build_batch([g], 0, 1.0))
+    assert m["reward/failures"] == 3 and m["reward/calls_per_s"] == 12.5
+    assert m["reward/failures/ZeroDivisionError"] == 2 and m["reward/failures/NonFiniteReward"] == 1

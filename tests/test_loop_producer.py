@@ -649,3 +649,46 @@ def test_router_aborts_one_group_or_every_request_of_a_server(setup):
             await asyncio.gather(*(c.aclose() for c in clients))
 
     asyncio.run(go())
+
+
+def _fails_on_even_first_char(response, ground_truth, **_):
+    """Raises JudgeDown for responses whose first character is even (or that are empty): a group is
+    informative exactly when some of its calls failed and some did not."""
+    from tests.workers.pool_rewards import JudgeDown
+
+    if not response or ord(response[0]) % 2 == 0:
+        raise JudgeDown("judge unreachable")
+    return 1.0
+
+
+def test_reward_failures_by_type_and_throughput_reach_the_batch(setup):
+    ds, urls = setup
+    p = _producer(ds, urls, _fails_on_even_first_char, staleness=0)
+    p.start()
+    try:
+        info = p.take_batch(0, timeout_s=120)
+    finally:
+        p.stop()
+    assert len(info.groups) == 3 and all(
+        g.reward_failure_types == {"JudgeDown": g.reward_failures} for g in info.groups
+    )
+    assert info.reward_failures >= 3  # each kept group holds a failed call
+    assert info.reward_failure_types == {"JudgeDown": info.reward_failures}
+    assert info.reward_calls_per_s > 0
+
+
+def test_a_raising_reward_exhausts_with_its_failures_named(setup):
+    from megatron_dapo.coordinator.producer import DynamicSamplingExhausted
+    from tests.workers.pool_rewards import always_raises
+
+    ds, urls = setup
+    p = _producer(ds, urls, always_raises, staleness=0, B=2, max_gen=2)
+    p.start()
+    try:
+        with pytest.raises(
+            DynamicSamplingExhausted,
+            match=r"4 all-wrong groups.*reward function failed in 4 of the 4 groups \(16 calls: JudgeDown 16;",
+        ):
+            p.take_batch(0, timeout_s=120)
+    finally:
+        p.stop()

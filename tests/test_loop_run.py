@@ -154,6 +154,9 @@ def test_dynamic_sampling_and_failed_rewards(env, run_a):
             assert int(gts[i]) % 2 == 1, "an all-correct (even answer) group reached the loss"
     assert sum(r["groups/dropped_all_correct"] for r in rows) > 0
     assert sum(r["reward/failures"] for r in rows) > 0  # raising reward calls were scored and counted
+    # ... by type (the worker-side RuntimeError), and the reward workers' throughput is logged
+    assert all(r["reward/failures"] == r.get("reward/failures/RuntimeError", 0) for r in rows)
+    assert any(r["reward/calls_per_s"] > 0 for r in rows)  # 0 when a batch was judged before the last one was taken
 
 
 def test_staleness_bound_from_logged_versions(run_a):

@@ -263,10 +263,13 @@ class DataConfig:
 @dataclass
 class RewardConfig:
     name: str = "dapo_math"  # registered reward function
-    timeout_s: float = 10.0  # a reward call over this time scores the sample as failed
+    # a reward call running over this time scores the sample as failed; it counts from the call's start
+    # (waiting for a free thread or worker does not)
+    timeout_s: float = 10.0
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the reward function
     # worker processes scoring rewards (a hanging call's worker is killed, a crashed one replaced);
-    # 0 = threads of the coordinator process
+    # 0 = 32 threads of the coordinator process (a hung one is replaced, up to 32 at once; then the run
+    # stops with RewardCallsHang)
     num_workers: int = 0
 
 

@@ -6,6 +6,7 @@ DAPO (task reward +-1, plus the soft overlong penalty, then group-normalised adv
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -51,6 +52,7 @@ class JudgedGroup:
     accs: list[bool]
     overlong: list[float]  # soft overlong penalty (<= 0), 0 when disabled
     reward_failures: int = 0
+    reward_failure_types: dict[str, int] = field(default_factory=dict)  # failed reward calls by type
     kept: bool = True
     token_versions: list[list[int]] = field(default_factory=list)
     draw: int = -1  # the sampler's draw number of this prompt (batches are ordered by it); -1 = unknown
@@ -118,6 +120,7 @@ def judge_group(
         accs=[r.acc for r in rewards],
         overlong=pen,
         reward_failures=sum(r.failed for r in rewards),
+        reward_failure_types=dict(Counter(r.error_type or "unknown" for r in rewards if r.failed)),
         token_versions=[token_versions(s) for s in samples],
     )
     if filter_metric is not None:

@@ -66,10 +66,12 @@ def step_metrics(info, cfg, batch) -> dict[str, float]:
             "groups/dropped_all_wrong": info.dropped_all_wrong,
             "groups/gen_batches": info.gen_batches,
             "reward/failures": info.reward_failures,
+            "reward/calls_per_s": info.reward_calls_per_s,
             # measured on the batch, not assumed: the reservation protocol keeps it at 0
             "groups/over_staleness_bound": sum(n for k, n in info.staleness.items() if k > cfg.algo.staleness),
         }
     )
+    m.update({f"reward/failures/{t}": n for t, n in sorted(info.reward_failure_types.items())})
     m.update(info.metrics())
     m.update(staleness_metrics(info.staleness, cfg.algo.staleness))
     return m
@@ -81,6 +83,7 @@ _BATCH_INFO_COUNTS = (
     "dropped_all_wrong",
     "gen_batches",
     "reward_failures",
+    "reward_calls_per_s",
     "wait_s",
     "reserved_slots",
     "occupied_slots",
@@ -94,6 +97,7 @@ def batch_info_state(info) -> dict:
         **{k: getattr(info, k) for k in _BATCH_INFO_COUNTS},
         "staleness": dict(info.staleness),
         "coordination": dict(info.coordination),
+        "reward_failure_types": dict(info.reward_failure_types),
         "groups": [g.to_state() for g in info.groups],
     }
 
@@ -108,6 +112,7 @@ def batch_info_from_state(state: dict):
         groups=[JudgedGroup.from_state(g) for g in state.pop("groups")],
         staleness=Counter({int(k): v for k, v in state.pop("staleness").items()}),
         coordination=Counter(state.pop("coordination", {})),
+        reward_failure_types=Counter(state.pop("reward_failure_types", {})),
         **state,
     )
 

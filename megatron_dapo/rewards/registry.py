@@ -6,25 +6,38 @@ Built-ins: `math_dapo` / `dapo_math` (the DAPO rule) and `math_verify` (needs th
 package). A custom function is registered with `@register_reward("name")` or
 named in the config as `"package.module:function"`.
 
-`RewardRunner` calls the function with a time limit. A call that raises, runs past the limit or
-returns a non-finite score (NaN, +-inf) scores the sample `failure_score` (the worst score) and is
-counted (`num_errors`, `num_timeouts`, `num_nonfinite`; the run's `reward/failures` metric); the
-run goes on.
-Calls run on daemon threads: a function stuck forever is abandoned (Python cannot kill a
-thread) but holds up neither the batch nor interpreter exit. With `num_workers > 0` they run in
-worker processes instead (megatron_dapo.rewards.pool): a hanging call's worker is killed, a crashed
-one replaced, both scored as failures under the same time limit.
+`RewardRunner` calls the function with a time limit that counts from the moment the call starts (a
+call waiting for a free thread or worker is not late). A call that raises, runs past the limit or
+returns a non-finite score (NaN, +-inf) scores the sample `failure_score` (the worst score), is
+counted by type (`failures_by_type`: the exception's class name, `RewardTimeout`, `NonFiniteReward`,
+`RewardWorkerDied`; the run's `reward/failures/<type>` metrics) and logged (the first few of each
+type, then every 100th); the run goes on.
+With `num_workers = 0` calls run on a bounded set of threads (megatron_dapo.rewards.threads): a
+hung call's thread is abandoned and replaced, up to a cap past which `RewardCallsHang` stops the
+run. With `num_workers > 0` they run in worker processes instead (megatron_dapo.rewards.pool): a
+hanging call's worker is killed, a crashed one replaced, both scored as failures.
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import logging
 import math
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable
+
+from megatron_dapo.rewards.threads import MAX_HUNG, NUM_THREADS, RewardThreads
+
+log = logging.getLogger(__name__)
+
+# failures logged in full: the first LOG_FIRST of each type, then every LOG_EVERY-th
+LOG_FIRST = 5
+LOG_EVERY = 100
 
 RewardFn = Callable[..., "float | dict"]
 
@@ -78,6 +91,7 @@ class RewardResult:
     failed: bool = False
     error: str | None = None
     pred: str | None = None  # the answer the function extracted (a dict's "pred"), for majority votes
+    error_type: str | None = None  # of a failure: the exception's class name, RewardTimeout, ...
 
 
 class NonFiniteReward(ValueError):
@@ -130,72 +144,81 @@ class RewardRunner:
         timeout_s: float = 10.0,
         failure_score: float = -1.0,
         num_workers: int = 0,
+        num_threads: int = NUM_THREADS,
+        max_hung: int = MAX_HUNG,
     ):
         self.default = get_reward(default) if isinstance(default, str) else default
         self.by_source = {k: get_reward(v) if isinstance(v, str) else v for k, v in (by_data_source or {}).items()}
-        self.pool = None
+        self.pool = self.threads = None
         if num_workers > 0:
             from megatron_dapo.rewards.pool import RewardPool
 
             self.pool = RewardPool(self.default, self.by_source, num_workers)
+        else:
+            self.threads = RewardThreads(num_threads, max_hung)
         self.timeout_s = timeout_s
         self.failure_score = failure_score
         self.num_scored = 0
         self.num_errors = 0
         self.num_timeouts = 0
         self.num_nonfinite = 0
+        self.failures_by_type: Counter = Counter()
         self.last_error: str | None = None
         self._lock = threading.Lock()
+        self._scoring = 0  # score_many calls in progress
+        self._busy_since = 0.0
+        self._busy_s = 0.0  # time with a score_many call in progress, before the current stretch
 
     def fn_for(self, data_source: str) -> RewardFn:
         return self.by_source.get(data_source, self.default)
 
     def score_many(self, items: list[tuple[str, str, str, dict]]) -> list[RewardResult]:
         """Score (response, ground_truth, data_source, extra) items concurrently; same order back."""
-        results = self._score_in_pool(items) if self.pool is not None else self._score_in_threads(items)
-        self._count(results)
-        return results
-
-    def _failure(self, error: str) -> RewardResult:
-        return RewardResult(self.failure_score, False, True, error)
-
-    def _score_in_pool(self, items) -> list[RewardResult]:
-        results = []
-        for answer in self.pool.score(items, time.monotonic() + self.timeout_s):
-            if answer is None:
-                results.append(self._failure(f"timed out after {self.timeout_s}s"))
-            elif answer[0] == "error":
-                results.append(self._failure(answer[1]))
+        self._begin_busy()
+        try:
+            if self.pool is not None:
+                outcomes = self.pool.score(items, self.timeout_s)
             else:
-                try:
-                    results.append(_as_result(answer[1]))
-                except Exception as e:
-                    results.append(self._failure(f"{type(e).__name__}: {e}"))
+                calls = [partial(self.fn_for(src), resp, gt, **(extra or {})) for resp, gt, src, extra in items]
+                outcomes = self.threads.run(calls, self.timeout_s)
+            results = [self._result(o) for o in outcomes]
+            self._count(results)
+        finally:
+            self._end_busy()
         return results
 
-    def _score_in_threads(self, items) -> list[RewardResult]:
-        slots: list[RewardResult | None] = [None] * len(items)
-        done = [threading.Event() for _ in items]
+    def _failure(self, error_type: str, message: str) -> RewardResult:
+        return RewardResult(self.failure_score, False, True, f"{error_type}: {message}", error_type=error_type)
 
-        def work(i, response, gt, source, extra):
-            try:
-                slots[i] = _as_result(self.fn_for(source)(response, gt, **(extra or {})))
-            except Exception as e:  # any failure of user code is a scored failure, not a crash
-                slots[i] = self._failure(f"{type(e).__name__}: {e}")
-            finally:
-                done[i].set()
+    def _result(self, outcome: tuple | None) -> RewardResult:
+        """A call's outcome (None: past the time limit) as a RewardResult."""
+        if outcome is None:
+            return self._failure("RewardTimeout", f"timed out after {self.timeout_s}s")
+        if outcome[0] == "error":
+            return self._failure(outcome[1], outcome[2])
+        try:
+            return _as_result(outcome[1])
+        except Exception as e:
+            return self._failure(type(e).__name__, str(e))
 
-        for i, item in enumerate(items):
-            threading.Thread(target=work, args=(i, *item), daemon=True, name=f"reward-{i}").start()
-        deadline = time.monotonic() + self.timeout_s
-        results = []
-        for i, event in enumerate(done):
-            finished = event.wait(max(0.0, deadline - time.monotonic()))
-            res = slots[i] if finished else None
-            if res is None:
-                res = self._failure(f"timed out after {self.timeout_s}s")
-            results.append(res)
-        return results
+    def _begin_busy(self) -> None:
+        with self._lock:
+            if self._scoring == 0:
+                self._busy_since = time.monotonic()
+            self._scoring += 1
+
+    def _end_busy(self) -> None:
+        with self._lock:
+            self._scoring -= 1
+            if self._scoring == 0:
+                self._busy_s += time.monotonic() - self._busy_since
+
+    def activity(self) -> tuple[int, float]:
+        """(calls scored, seconds with calls in hand) so far: their differences between two looks are
+        the runner's throughput (calls / s) over that stretch, queueing included."""
+        with self._lock:
+            now_busy = time.monotonic() - self._busy_since if self._scoring else 0.0
+            return self.num_scored, self._busy_s + now_busy
 
     def _count(self, results: list[RewardResult]) -> None:
         with self._lock:
@@ -203,17 +226,28 @@ class RewardRunner:
                 self.num_scored += 1
                 if res.failed:
                     self.last_error = res.error
-                    if res.error and res.error.startswith("timed out"):
+                    if res.error_type == "RewardTimeout":
                         self.num_timeouts += 1
-                    elif res.error and res.error.startswith(NonFiniteReward.__name__):
+                    elif res.error_type == NonFiniteReward.__name__:
                         self.num_nonfinite += 1
                     else:
                         self.num_errors += 1
+                    self.failures_by_type[res.error_type] += 1
+                    self._log_failure(res)
+
+    def _log_failure(self, res: RewardResult) -> None:
+        """Under the lock: the first LOG_FIRST failures of each type, then every LOG_EVERY-th."""
+        n = self.failures_by_type[res.error_type]
+        if n <= LOG_FIRST or n % LOG_EVERY == 0:
+            later = f"; from now on every {LOG_EVERY}th is logged" if n == LOG_FIRST else ""
+            log.warning("reward call failed (%s #%d%s): %s", res.error_type, n, later, res.error)
 
     def close(self) -> None:
-        """End the worker processes (num_workers > 0)."""
+        """End the worker processes (num_workers > 0) or threads."""
         if self.pool is not None:
             self.pool.close()
+        if self.threads is not None:
+            self.threads.close()
 
     def score(self, response: str, ground_truth: str, data_source: str = "math_dapo", extra: dict | None = None):
         return self.score_many([(response, ground_truth, data_source, extra or {})])[0]

@@ -2,6 +2,7 @@
 
 import os
 import threading
+import time
 
 
 def judged(response: str, ground_truth: str, **extra) -> dict:
@@ -22,3 +23,17 @@ def misbehaving(response: str, ground_truth: str, **_):
     if response == "pid":
         return float(os.getpid())
     return judged(response, ground_truth)
+
+
+def sleeper(response: str, ground_truth: str, **_) -> float:
+    """Sleeps `response` seconds (a slow but healthy reward, e.g. a remote judge), then scores 1."""
+    time.sleep(float(response))
+    return 1.0
+
+
+class JudgeDown(Exception):
+    """What an always-failing reward raises (a type of its own, so that counters and logs can be told apart)."""
+
+
+def always_raises(response: str, ground_truth: str, **_):
+    raise JudgeDown(f"judge unreachable for {response[:12]!r}")

@@ -115,6 +115,8 @@ class Batches:
             c.dropped_wrong,
             gen_batches=max(1, math.ceil(judged / p.gen_batch_size)),
             reward_failures=c.reward_failures,
+            reward_failure_types=Counter(c.reward_failure_types),
+            reward_calls_per_s=self._reward_calls_per_s(),
             staleness=Counter(step - g.min_version for g in groups),
             wait_s=p.clock() - waiting_since,
             reserved_slots=p.in_flight,
@@ -134,9 +136,32 @@ class Batches:
             f"(algo.filter_groups.max_num_gen_batches={p.s.max_num_gen_batches}, "
             f"{p.gen_batch_size} prompts each), only {p.slots.count(OCCUPIED, step)} kept; dropped "
             f"{c.dropped_correct} all-correct and {c.dropped_wrong} all-wrong groups; "
-            f"train_batch_size needs {p.s.train_batch_size}. Raise max_num_gen_batches or n_resp_per_prompt, "
-            f"or use an easier / warmer start."
+            f"train_batch_size needs {p.s.train_batch_size}. {self._exhausted_advice()}"
         )
+
+    def _exhausted_advice(self) -> str:
+        """What to change; when the reward itself failed in most groups, that comes first (its failed
+        calls score as wrong, so they make all-wrong groups)."""
+        c = self.p.counters
+        advice = "Raise max_num_gen_batches or n_resp_per_prompt, or use an easier / warmer start."
+        if 2 * c.groups_reward_failed <= c.judged:
+            return advice
+        by_type = ", ".join(f"{t} {n}" for t, n in c.reward_failure_types.most_common())
+        return (
+            f"The reward function failed in {c.groups_reward_failed} of the {c.judged} groups "
+            f"({c.reward_failures} calls: {by_type}; messages in the coordinator's log): fix the reward "
+            f"(reward.name, reward.timeout_s) first."
+        )
+
+    def _reward_calls_per_s(self) -> float:
+        """Reward calls scored per second of scoring since the last batch (0 with no scoring)."""
+        rewards, c = self.p.rewards, self.p.counters
+        if rewards is None:
+            return 0.0
+        calls, busy_s = rewards.activity()
+        calls_then, busy_then = c.rewards_taken
+        c.rewards_taken = (calls, busy_s)
+        return (calls - calls_then) / (busy_s - busy_then) if busy_s > busy_then else 0.0
 
     def _router_counts(self, counts: Counter) -> Counter:
         """`counts` plus the router's admission control since the last batch: times a request was

@@ -107,6 +107,8 @@ class Completion:
                 return False
             c.judged += 1
             c.reward_failures += group.reward_failures
+            c.reward_failure_types.update(group.reward_failure_types)
+            c.groups_reward_failed += group.reward_failures > 0
             if group.kept:
                 p.slots.occupy(draw, group)
                 self.abandon(p.slots.take_dropped(), "surplus")  # a buffer filled: its surplus goes

@@ -66,6 +66,8 @@ class BatchInfo:
     dropped_all_wrong: int
     gen_batches: int
     reward_failures: int
+    reward_failure_types: Counter = field(default_factory=Counter)  # type name -> failed reward calls
+    reward_calls_per_s: float = 0.0  # the reward runner's throughput since the last batch
     staleness: Counter = field(default_factory=Counter)  # staleness -> groups
     wait_s: float = 0.0
     reserved_slots: int = 0  # groups in flight holding a reservation, when the batch was taken
@@ -116,16 +118,20 @@ class ProducerCounters:
     dropped_correct: int = 0
     dropped_wrong: int = 0
     reward_failures: int = 0
+    reward_failure_types: Counter = field(default_factory=Counter)
+    groups_reward_failed: int = 0  # groups with a failed reward call
     resumes: int = 0  # partial-rollout continuation requests
     regenerated: int = 0  # generated tokens thrown away
     coordination: Counter = field(default_factory=_coordination)
     refusals_taken: int = 0  # the router's refusal count at the last batch (not reset)
+    rewards_taken: tuple[int, float] = (0, 0.0)  # the reward runner's activity() at the last batch (not reset)
     totals: Counter = field(default_factory=Counter)  # not reset
 
     def reset(self, judged: int) -> None:
         """A batch was taken; `judged`: groups already judged into later buffers."""
         self.judged = judged
-        self.dropped_correct = self.dropped_wrong = self.reward_failures = 0
+        self.dropped_correct = self.dropped_wrong = self.reward_failures = self.groups_reward_failed = 0
+        self.reward_failure_types = Counter()
         self.resumes = self.regenerated = 0
         self.coordination = _coordination()
 
