@@ -78,6 +78,7 @@ def test_megatron_lm_default_checkpoint_converts_bit_identically(saved, tmp_path
         ("hostile_rng", rf"__0_\d\.distcp: item '{RNG_ITEM}' is not plain data"),
         ("hostile_nested", rf"__0_\d\.distcp: item '{RNG_ITEM}' is not plain data"),
         ("hostile_args", r"iter_0000005/common.pt: is not plain data"),
+        ("hostile_extra_state", r"item 'decoder\.layers\.self_attention\.linear_qkv\._extra_state/shard_0_4' is not"),
     ],
 )
 def test_code_in_a_megatron_lm_checkpoint_is_refused_by_name(saved, tmp_path, capsys, name, refused):
@@ -101,7 +102,7 @@ def test_the_check_sets_aside_globals_others_registered(saved):
     try:
         check_dcp_metadata(work / "distributed")
         torch.serialization.add_safe_globals([os.system])
-        for name in ("hostile_rng", "hostile_nested", "hostile_args"):
+        for name in ("hostile_rng", "hostile_nested", "hostile_args", "hostile_extra_state"):
             with pytest.raises(ManifestError, match="posix.system"):
                 check_dcp_metadata(work / name)
         assert os.system in torch.serialization.get_safe_globals()

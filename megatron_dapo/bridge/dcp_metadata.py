@@ -142,17 +142,33 @@ def _nested_pickles(obj, extra_state: bool, depth: int = 0):
 _MAX_DEPTH = 64
 
 
+class _BarePickleUnpickler(pickle.Unpickler):
+    """A bare pickle (TE's `_extra_state`, written by `pickle.dumps` at protocol 4+, which torch's own
+    weights_only unpickler cannot read) resolving only the globals torch's weights_only loader admits
+    at this moment; no persistent ids (storages)."""
+
+    def find_class(self, module: str, name: str):
+        from torch import _weights_only_unpickler as weights_only
+
+        allowed = {**weights_only._get_allowed_globals(), **weights_only._get_user_allowed_globals()}
+        if f"{module}.{name}" not in allowed:
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return allowed[f"{module}.{name}"]
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("a persistent id (external storage)")
+
+
 def _check_plain(blob: bytes, extra_state: bool = False, kind: str = "torch") -> None:
     """Raise unless `blob` (torch.save format, or a bare pickle) and every pickle nested in it load
-    with the weights_only loader under `megatron_safe_globals`."""
+    with the weights_only loader's globals under `megatron_safe_globals`."""
     import torch
-    from torch import _weights_only_unpickler  # what torch.load(weights_only=True) unpickles with
 
     with megatron_safe_globals():
         if kind == "torch":
             obj = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
         else:
-            obj = _weights_only_unpickler.load(io.BytesIO(blob), encoding="ASCII")
+            obj = _BarePickleUnpickler(io.BytesIO(blob)).load()
     for nested_kind, nested in _nested_pickles(obj, extra_state):
         _check_plain(nested, extra_state, nested_kind)
 

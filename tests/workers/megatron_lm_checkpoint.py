@@ -20,8 +20,9 @@ training step through megatron-core's DistributedDataParallel and optimizer:
 
 each in CKPT/iter_0000005 with CKPT/latest_checkpointed_iteration.txt = "5". WORKDIR/<name>_expected.pt holds
 the model's HF tensors (`export_hf_weights`, in memory) for the test to compare the conversion with.
-WORKDIR/hostile_{rng,nested,args} are the distributed-optimizer checkpoint with an os.system payload in
-the RNG state's numpy entry, in a BytesIO inside the RNG state, and in `args`.
+WORKDIR/hostile_{rng,nested,args,extra_state} are the distributed-optimizer checkpoint with an os.system
+payload in the RNG state's numpy entry, in a BytesIO inside the RNG state, in `args`, and in a linear
+layer's `_extra_state` as a pickle in a byte tensor (Transformer Engine's format, read with pickle.loads).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import pickle
 import random
 import sys
 from pathlib import Path
@@ -137,7 +139,7 @@ def trained_model(hf_dir, distributed: bool):
     return model, ddp, opt, sched
 
 
-def save_like_megatron_lm(ckpt: Path, model, ddp, opt, sched, args, rng) -> None:
+def save_like_megatron_lm(ckpt: Path, model, ddp, opt, sched, args, rng, extra_state=None) -> None:
     """save_checkpoint(ITERATION, ...) of Megatron-LM with --ckpt-format torch_dist."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -159,6 +161,13 @@ def save_like_megatron_lm(ckpt: Path, model, ddp, opt, sched, args, rng) -> None
         replica_id=ps.get_data_parallel_rank(with_context_parallel=True),
     )
     state["num_floating_point_operations_so_far"] = 0
+    if extra_state is not None:  # what Transformer Engine's linear layers store (a pickle in a byte tensor)
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        for sh in nested_values(state["model"]):
+            if isinstance(sh, ShardedObject) and sh.key.endswith("linear_qkv._extra_state"):
+                sh.data = extra_state
     sub = ckpt / f"iter_{ITERATION:07d}"
     sub.mkdir(parents=True)
     dist_checkpointing.save(state, str(sub), content_metadata=metadata)
@@ -193,12 +202,14 @@ def main(argv) -> int:
     nested_rng[0]["rng_tracker_states"] = {"model-parallel-rng": nested}
     hostile_args = megatron_lm_args(True)
     hostile_args.tokenizer = RunsShell(marker)
-    for name, args, rng in (
-        ("hostile_rng", megatron_lm_args(True), hostile_rng),
-        ("hostile_nested", megatron_lm_args(True), nested_rng),
-        ("hostile_args", hostile_args, rng_state()),
+    te_pickle = torch.frombuffer(bytearray(pickle.dumps({"recipe": RunsShell(marker)})), dtype=torch.uint8)
+    for name, args, rng, extra_state in (
+        ("hostile_rng", megatron_lm_args(True), hostile_rng, None),
+        ("hostile_nested", megatron_lm_args(True), nested_rng, None),
+        ("hostile_args", hostile_args, rng_state(), None),
+        ("hostile_extra_state", megatron_lm_args(True), rng_state(), te_pickle),
     ):
-        save_like_megatron_lm(work / name, model, ddp, opt, sched, args, rng)
+        save_like_megatron_lm(work / name, model, ddp, opt, sched, args, rng, extra_state)
     assert not marker.exists()
     print("CHECK PASSED saved hostile", flush=True)
     destroy_distributed()
