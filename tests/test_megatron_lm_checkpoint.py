@@ -110,3 +110,34 @@ def test_the_check_sets_aside_globals_others_registered(saved):
     finally:
         torch.serialization.clear_safe_globals()
         torch.serialization.add_safe_globals(registered)
+
+
+class _RunsShell:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_pickles_nested_in_items_are_checked_each_once(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    shared = [1]
+    for _ in range(80):  # 2**80 paths through 81 objects: each is visited once
+        shared = [shared, shared]
+    shared = argparse.Namespace(shared=shared)  # DCP's own save would walk the lists every way
+    dcp.save({"w": torch.zeros(2), "shared": shared}, checkpoint_id=str(tmp_path / "ok"), no_dist=True)
+    check_dcp_metadata(tmp_path / "ok")
+
+    marker = tmp_path / "pwned"
+    inner = io.BytesIO()
+    torch.save({"state": _RunsShell(marker)}, inner)
+    dcp.save(
+        {"w": torch.zeros(2), "rng": argparse.Namespace(a=shared, b=inner)},
+        checkpoint_id=str(tmp_path / "bad"),
+        no_dist=True,
+    )
+    with pytest.raises(ManifestError, match=r"item 'rng' is not plain data \(.*GLOBAL posix\.system"):
+        check_dcp_metadata(tmp_path / "bad")
+    assert not marker.exists()

@@ -117,29 +117,29 @@ def _first_line(e: Exception) -> str:
     return ((refusal.group(0) if refusal else text).strip().splitlines() or [type(e).__name__])[0][:160]
 
 
-def _nested_pickles(obj, extra_state: bool, depth: int = 0):
+def _nested_pickles(obj, extra_state: bool):
     """The pickles inside a loaded object: each io.BytesIO's bytes (torch.save format) and, under a
-    TE `_extra_state` key, each non-empty uint8 tensor (a bare pickle). Yields (kind, bytes)."""
+    TE `_extra_state` key, each non-empty uint8 tensor (a bare pickle). Yields (kind, bytes). Each
+    object is visited once, so shared references (a crafted pickle can nest them) cost nothing extra."""
     import torch
 
-    if depth > _MAX_DEPTH:
-        raise ValueError(f"nested deeper than {_MAX_DEPTH} levels")
-    if isinstance(obj, io.BytesIO):
-        yield "torch", obj.getvalue()
-    elif isinstance(obj, torch.Tensor):
-        if extra_state and obj.dtype == torch.uint8 and obj.numel() > 0:
-            yield "pickle", obj.detach().cpu().numpy().tobytes()
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _nested_pickles(v, extra_state, depth + 1)
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        for v in obj:
-            yield from _nested_pickles(v, extra_state, depth + 1)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):  # Namespace, OptimizerConfig, ...
-        yield from _nested_pickles(vars(obj), extra_state, depth + 1)
-
-
-_MAX_DEPTH = 64
+    todo, seen = [obj], set()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, io.BytesIO):
+            yield "torch", obj.getvalue()
+        elif isinstance(obj, torch.Tensor):
+            if extra_state and obj.dtype == torch.uint8 and obj.numel() > 0:
+                yield "pickle", obj.detach().cpu().numpy().tobytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, type):  # Namespace, OptimizerConfig, ...
+            todo.extend(vars(obj).values())
 
 
 class _BarePickleUnpickler(pickle.Unpickler):
