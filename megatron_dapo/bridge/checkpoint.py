@@ -5,7 +5,8 @@
     CKPT/hf_config/                          config.json (+ tokenizer files) of the source HF model
 
 Keys are megatron-core's own GPTModel sharded-state-dict keys, so the checkpoint loads at any
-TP / PP / EP layout, by this package or by any megatron-core user (Megatron-LM `--load`).
+TP / PP / EP layout, by this package or by any megatron-core user (Megatron-LM `--load`), into a model
+of either layer spec (local or Transformer Engine: `spec_keys`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     from megatron.core.dist_checkpointing.validation import StrictHandling
 
     from megatron_dapo.bridge.layer_layout import sharded_state_dict_metadata
+    from megatron_dapo.bridge.spec_keys import load_model_state, read_keys_as_saved
 
     d = checkpoint_dir(ckpt)
     n = len(model_chunks)
@@ -77,6 +79,7 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
     # Training checkpoints (this package's or Megatron-LM's) also hold optimizer and RNG state: skip those,
     # but refuse model tensors missing from the checkpoint or present in it only (another model).
     saved = {sh.key for sh in load_sharded_metadata(str(d)).values()}
+    read_keys_as_saved(sharded, saved)  # saved by the other layer spec (local / Transformer Engine)
     absent = sorted({sh.key for sh in nested_values(sharded) if hasattr(sh, "key")} - saved)
     if absent:  # checked before loading: megatron-core fails obscurely on a partial load of merged tensors
         raise ValueError(f"checkpoint {d} lacks model tensors {absent[:4]}: it is a checkpoint of another model")
@@ -88,4 +91,4 @@ def load_megatron_checkpoint(model_chunks, ckpt: str | Path) -> None:
             f"checkpoint {d} holds tensors the model lacks {extra[:4]}: it is a checkpoint of another model"
         )
     for i, c in enumerate(model_chunks):
-        c.load_state_dict(state[_model_key(i, n)], strict=True)
+        load_model_state(c, state[_model_key(i, n)])

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from megatron_dapo.algo.loss import LOG_RATIO_BOUND
 from megatron_dapo.bridge.parallel import unwrap_model
+from megatron_dapo.bridge.spec_keys import load_model_state
 from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
@@ -549,7 +550,7 @@ class MegatronActor:
         meta = sharded_state_dict_metadata([m.module for m in self.model], path)
         state = dist_checkpointing.load(self._sharded_state_dict(is_loading=True, metadata=meta), path)
         for i, m in enumerate(self.model):
-            m.module.load_state_dict(state["model" if len(self.model) == 1 else f"model{i}"])
+            load_model_state(m.module, state["model" if len(self.model) == 1 else f"model{i}"])
         with torch.no_grad():  # the fp32 main params are views of the model's leaf parameters
             self.optimizer.load_state_dict(state["optimizer"])
         self._restore_adam_steps()
