@@ -170,8 +170,8 @@ def print_sources(rows: list[dict], repeats: int) -> None:
             f"{r['time_vs_rank0']:.2f} |"
         )
     print(
-        f"(2 gloo trainer ranks, 1 embedded server; s per sync: median of {repeats}, from a barrier to the "
-        "end of the sync on every rank; busiest rank moves = export hops beyond TP gathers + its broadcasts)"
+        f"(2 gloo trainer ranks, 1 embedded server; s per sync: median of {repeats} interleaved, from a barrier "
+        "to the end of the sync on every rank; busiest rank moves = export hops beyond TP gathers + its broadcasts)"
     )
 
 

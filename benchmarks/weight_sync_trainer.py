@@ -3,10 +3,11 @@
 usage (torchrun, tp * pp * ep ranks):
     weight_sync_trainer.py OUT_JSON HF_DIR URL [URL ...] [--tp N] [--pp N] [--ep N]
                            [--sources rank0 per_stage] [--repeats N]
-Loads HF_DIR into a GPTModel of that layout and, for each `--sources` mode in turn, connects a bridge
-(rank0: everything through trainer rank 0; per_stage: every export source over its own update group),
-syncs once untimed (warm-up), then `--repeats` times, each timed on rank 0 from a barrier to the end of
-`WeightSyncBridge.sync` (the export's TP gathers and hops, every broadcast and the servers' loads). Each rank
+Loads HF_DIR into a GPTModel of that layout, connects a bridge per `--sources` mode (rank0: everything
+through trainer rank 0; per_stage: every export source over its own update group), syncs once per mode
+untimed (warm-up), then `--repeats` rounds of one sync per mode (interleaved), each timed from a barrier to
+the end of `WeightSyncBridge.sync` on every rank (the export's TP gathers and hops, every broadcast and the
+servers' loads). Each rank
 records what went through it: the export's hops beyond TP gathers (`Traffic`) and what it broadcast.
 """
 
@@ -32,27 +33,34 @@ def timed_sync(bridge, chunks, per_stage: bool, version: str):
     return time.perf_counter() - t0, stats, traffic
 
 
-def measure(chunks, urls, mode: str, repeats: int) -> dict:
+def measure(chunks, urls, modes: list[str], repeats: int) -> dict:
+    """Every mode's bridge connected at once (a server holds each update group by name), then the modes'
+    syncs interleaved, so that each mode sees the same machine load."""
     from megatron_dapo.bridge.export import export_sources
     from megatron_dapo.config.schema import SyncConfig
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
-    per_stage = mode == "per_stage"
-    sources = export_sources(chunks) if per_stage else [0]
-    bridge = WeightSyncBridge(urls, SyncConfig(flatten_bucket=False), group_name=f"bench_{mode}", sources=sources)
-    bridge.connect()
+    bridges = {}
     try:
-        timed_sync(bridge, chunks, per_stage, f"{mode}-warmup")
-        seconds, through, nbytes = [], None, None
-        for i in range(repeats):
-            s, stats, traffic = timed_sync(bridge, chunks, per_stage, f"{mode}-{i}")
-            seconds.append(s)
-            if through is None:  # the same every repeat: the export plan is fixed
-                through = _bytes_through_each_rank(stats, traffic)
-                nbytes = stats.nbytes if stats is not None else None
+        for mode in modes:
+            sources = export_sources(chunks) if mode == "per_stage" else [0]
+            cfg = SyncConfig(flatten_bucket=False)
+            bridges[mode] = WeightSyncBridge(urls, cfg, group_name=f"bench_{mode}", sources=sources)
+            bridges[mode].connect()
+        results = {m: {"sources": b.sources, "seconds": []} for m, b in bridges.items()}
+        for i in range(-1, repeats):  # -1: the warm-up, untimed
+            for mode, bridge in bridges.items():
+                s, stats, traffic = timed_sync(bridge, chunks, mode == "per_stage", f"{mode}-{i}")
+                if i < 0:
+                    continue
+                results[mode]["seconds"].append(s)
+                if i == 0:  # the same every repeat: the export plan is fixed
+                    results[mode]["bytes_through"] = _bytes_through_each_rank(stats, traffic)
+                    results[mode]["model_bytes"] = stats.nbytes if stats is not None else None
     finally:
-        bridge.close()
-    return {"sources": sources, "seconds": seconds, "bytes_through": through, "model_bytes": nbytes}
+        for bridge in bridges.values():
+            bridge.close()
+    return results
 
 
 def _bytes_through_each_rank(stats, traffic) -> list[int]:
@@ -92,7 +100,7 @@ def main():
         for chunk in chunks:
             for p in chunk.parameters():
                 p.mul_(1.01)
-    results = {mode: measure(chunks, args.urls, mode, args.repeats) for mode in args.sources}
+    results = measure(chunks, args.urls, args.sources, args.repeats)
     if info.rank == 0:
         with open(args.out + ".tmp", "w") as f:
             json.dump(results, f)
