@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape
-from megatron_dapo.planner.memory import _dtype_bytes, embedding_params, layer_params, stage_layers
+from megatron_dapo.planner.memory import dtype_bytes, embedding_params, layer_params, stage_layers
 
 # Gbit/s of one GPU's link, per direction. NVLink 4 (H100 SXM): 900 GB/s both directions = 450 GB/s each.
 NVLINK_GBPS = 3600.0
@@ -85,7 +85,7 @@ def refit_estimate(cfg: DapoConfig, shape: ModelShape, link_gbps: float) -> Refi
     p = cfg.parallel
     ep = p.ep if cfg.trainer.backend == "megatron" else 1
     pp = p.pp if cfg.trainer.backend == "megatron" else 1
-    per_param = _dtype_bytes(cfg.model.dtype)
+    per_param = dtype_bytes(cfg.model.dtype)
     shares = [n * per_param for n in source_params(shape, pp, p.vpp, ep)]
     return RefitEstimate(model_bytes=sum(shares), source_bytes=shares, link_gbps=link_gbps)
 
