@@ -19,8 +19,8 @@ Sync sources (rollout.sync.sources), in the same run: a megatron-core trainer on
 (benchmarks/weight_sync_trainer.py under torchrun) at PP=2 (the dense model above) and at EP=2 (a Qwen3-MoE
 of `--moe-experts` experts) syncs into one embedded server, through rank 0 and from every export source
 (per_stage): the bytes through the busiest trainer rank (its export hops beyond TP gathers, from `Traffic`,
-plus what it broadcast) and the wall time per sync (median of `--repeats`), each against the rank0 baseline
-of the same layout.
+plus what it broadcast) and the wall time per sync (median of `--repeats`, the two modes interleaved), each
+against the rank0 baseline of the same layout.
 
     python benchmarks/weight_sync.py [--hidden 1024 --layers 8 --vocab 32000] [--servers 2] [--bucket-mb 512]
                                      [--moe-experts 8] [--parts single sources]
