@@ -375,3 +375,59 @@ def test_plan_prints_the_step_time_the_simulator_trains_at(capsys):
 def test_plan_refuses_step_time_options_that_make_no_sense(capsys, flag, value, message):
     assert main([str(CONFIGS / "qwen3_8b.yaml"), "--nodes", "4", "--gpus-per-node", "8", flag, value]) == 2
     assert f"plan error: {message}" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------- refit per step
+
+LAYER_8B = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 2 * 4096 + 2 * 128 + 3 * 4096 * 12288
+EMBED_8B = 151936 * 4096
+
+
+def test_refit_of_qwen3_30b_a3b_by_sync_source():
+    # tp=2, ep=8, pp=1, bf16; trainer on nodes 0-1, engines on nodes 2-3: 400G InfiniBand, 50 GB/s.
+    plan = make_plan(_cluster("qwen3_30b_a3b.yaml", 4))
+    dense = 48 * (2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 2048 + 2 * 128 + 2048 * 128) + 2 * 151936 * 2048 + 2048
+    expert = 48 * 128 * 3 * 2048 * 768
+    model = 2 * (dense + expert)
+    assert model == 2 * 30_532_122_624
+    # sources: rank 0 (dense tensors + EP rank 0's 16 experts), then EP ranks 1-7 (16 experts each)
+    share0, share_ep = 2 * (dense + expert // 8), 2 * expert // 8
+    r = plan.refit
+    assert r.source_bytes == [share0] + [share_ep] * 7
+    assert r.link_gbps == 400 and "inter-node" in plan.refit_link
+    assert r.rank0_bytes == model + (model - share0) == 111_798_546_432
+    assert r.per_stage_busiest_bytes == share0 == 10_329_944_064
+    assert r.rank0_s == pytest.approx(111_798_546_432 * 8 / 400e9)  # 2.24 s
+    assert r.per_stage_s == pytest.approx(model * 8 / 400e9)  # 1.22 s: the model once on the wire
+
+
+def test_refit_of_qwen3_8b_by_sync_source():
+    # pp=1, ep=1: rank 0 is the only source, both paths move the model once.
+    r = make_plan(_cluster("qwen3_8b.yaml", 4)).refit
+    model = 2 * (36 * LAYER_8B + 2 * EMBED_8B + 4096)
+    assert r.source_bytes == [model] and model == 16_381_470_720
+    assert r.rank0_bytes == r.per_stage_busiest_bytes == model
+    assert r.rank0_s == r.per_stage_s == pytest.approx(model * 8 / 400e9)  # 0.33 s
+
+    # pp=2: stage 0 holds 18 layers + the embedding, stage 1 18 layers + final norm + LM head.
+    r = make_plan(_cluster("qwen3_8b.yaml", 4, "parallel.pp=2", "parallel.tp=2")).refit
+    stage0, stage1 = 2 * (18 * LAYER_8B + EMBED_8B), 2 * (18 * LAYER_8B + 4096 + EMBED_8B)
+    assert r.source_bytes == [stage0, stage1]
+    assert r.rank0_bytes == 2 * model - stage0 == model + stage1
+    assert r.per_stage_busiest_bytes == stage1
+
+
+def test_refit_link_is_nvlink_inside_one_node_and_can_be_set(capsys):
+    one_node = _cluster("qwen3_8b.yaml", 1, "trainer.world_size=4", "rollout.num_servers=2", "rollout.server_tp=2")
+    plan = make_plan(one_node)
+    assert plan.refit.link_gbps == 3600 and "intra-node: NVLink" in plan.refit_link
+    assert plan.refit.rank0_s == pytest.approx(2 * (36 * LAYER_8B + 2 * EMBED_8B + 4096) * 8 / 3600e9)
+
+    args = [str(CONFIGS / "qwen3_30b_a3b.yaml"), "--nodes", "4", "--gpus-per-node", "8", "--link-gbps", "800"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "inter-node, --link-gbps 800" in out
+    assert f"-> {111_798_546_432 * 8 / 800e9:.2f} s" in out  # rank0
+    assert f"-> {2 * 30_532_122_624 * 8 / 800e9:.2f} s <- rollout.sync.sources" in out  # auto -> per_stage
+    assert main([*args[:-1], "0"]) == 2
+    assert "--link-gbps=0.0 must be > 0" in capsys.readouterr().err

@@ -45,7 +45,7 @@ from megatron_dapo.config.shapes import ModelShape
 GiB = 1024**3
 
 
-def _dtype_bytes(dtype: str) -> int:
+def dtype_bytes(dtype: str) -> int:
     return 4 if dtype == "fp32" else 2
 
 
@@ -179,7 +179,7 @@ def megatron_stage_memory(cfg: DapoConfig, shape: ModelShape, stage: int) -> Sta
         if not shape.tie_embeddings or pp > 1:  # tied weights need a copy on the last stage when pp > 1
             dense += embedding_params(shape, tp)
 
-    param_bytes = _dtype_bytes(cfg.model.dtype)
+    param_bytes = dtype_bytes(cfg.model.dtype)
     opt_bytes = 8 if cfg.model.dtype == "fp32" else 12
     n_params = dense + expert
     if cfg.optimizer.use_distributed_optimizer:
@@ -190,7 +190,7 @@ def megatron_stage_memory(cfg: DapoConfig, shape: ModelShape, stage: int) -> Sta
         optimizer = opt_bytes * n_params
 
     tokens = derived.max_tokens_per_micro_batch(cfg) / p.cp
-    act_bytes = _dtype_bytes(cfg.model.dtype)
+    act_bytes = dtype_bytes(cfg.model.dtype)
     per_token = [activation_elements_per_token(shape, i, cfg) for i in layers]
     inflight = micro_batches_in_flight(cfg, stage)
     none = tokens * sum(per_token) * act_bytes * inflight
@@ -299,4 +299,4 @@ def weight_store_bytes(cfg: DapoConfig, shape: ModelShape) -> int:
     newest exported weights, and the previous ones a lagging server may still be reading. 0 for all_at_once."""
     if cfg.rollout.sync.policy == "all_at_once":
         return 0
-    return 2 * total_params(shape) * _dtype_bytes(cfg.model.dtype)
+    return 2 * total_params(shape) * dtype_bytes(cfg.model.dtype)

@@ -37,6 +37,7 @@ from megatron_dapo.planner.memory import (
     training_memory,
     weight_store_bytes,
 )
+from megatron_dapo.planner.refit import IB_400G_GBPS, NVLINK_GBPS, RefitEstimate, crosses_nodes, refit_estimate
 from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, TrainerSpeed, trainer_speed
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
@@ -157,6 +158,8 @@ class Plan:
     stages: list[StageMemory]
     rollout: RolloutMemory | None
     step: StepEstimate | None = None  # None: the layout leaves no trainer GPU
+    refit: RefitEstimate | None = None
+    refit_link: str = ""  # which link the refit estimate assumes, in words
 
     @property
     def usable_bytes(self) -> int:
@@ -171,10 +174,13 @@ def make_plan(
     response_tokens: float | None = None,
     peak_tflops: float = H100_BF16_TFLOPS,
     mfu: float = DEFAULT_MFU,
+    link_gbps: float | None = None,
 ) -> Plan:
     """Layout, memory and step time of `cfg` (already validated) on GPUs of `gpu_mem_gib`; raises nothing
     on fit. Step time at mean `prompt_tokens` / `response_tokens` per sample (default response: the mean
-    of the simulator's DAPO-like length model, megatron_dapo.planner.lengths.dapo_like)."""
+    of the simulator's DAPO-like length model, megatron_dapo.planner.lengths.dapo_like). Refit time over a
+    link of `link_gbps` Gbit/s (default: NVLink when the trainer and the launched servers share one node,
+    else 400G InfiniBand)."""
     resolved = resolve_model_shape(cfg.model)
     if resolved.shape is None:
         raise ConfigError(
@@ -197,7 +203,17 @@ def make_plan(
     if derived.trainer_world_size(cfg) >= 1:
         speed = trainer_speed(cfg, resolved.shape, prompt_tokens + response_tokens, peak_tflops, mfu)
         step = StepEstimate(prompt_tokens, response_tokens, speed)
-    return Plan(cfg, resolved.shape, resolved.source, layout, gpu_mem_gib, headroom, stages, rollout, step)
+    remote = crosses_nodes(layout.trainer_gpus, layout.servers)
+    where = "inter-node" if remote else "intra-node"
+    if link_gbps is None:
+        link_gbps = IB_400G_GBPS if remote else NVLINK_GBPS
+        link = f"{where}: {'400G InfiniBand' if remote else 'NVLink'}, {link_gbps:g} Gbit/s"
+    else:
+        link = f"{where}, --link-gbps {link_gbps:g}"
+    refit = refit_estimate(cfg, resolved.shape, link_gbps)
+    plan = Plan(cfg, resolved.shape, resolved.source, layout, gpu_mem_gib, headroom, stages, rollout, step)
+    plan.refit, plan.refit_link = refit, link
+    return plan
 
 
 def fit_errors(plan: Plan) -> list[str]:
@@ -241,7 +257,23 @@ def format_plan(plan: Plan) -> str:
     out = _format_layout(plan) + [""] + _format_memory(plan)
     if plan.step is not None:
         out += ["", _format_step(plan)]
+    if plan.refit is not None:
+        out += _format_refit(plan)
     return "\n".join(out)
+
+
+def _format_refit(plan: Plan) -> list[str]:
+    r, gb = plan.refit, 1e9
+    chosen = derived.sync_sources(plan.cfg)
+    mark = {m: " <- rollout.sync.sources" if m == chosen else "" for m in ("rank0", "per_stage")}
+    return [
+        f"refit per step (estimate, {plan.refit_link}; {r.model_bytes / gb:.2f} GB of weights in "
+        f"{plan.cfg.model.dtype}, export sources: {len(r.source_bytes)}; TP gathers and HTTP not counted):",
+        f"  rank0:     {r.rank0_bytes / gb:.2f} GB through rank 0 (other sources' shares in, the model out) "
+        f"-> {r.rank0_s:.2f} s{mark['rank0']}",
+        f"  per_stage: busiest source {r.per_stage_busiest_bytes / gb:.2f} GB; the sources take turns and every "
+        f"server receives the model -> {r.per_stage_s:.2f} s{mark['per_stage']}",
+    ]
 
 
 def _format_layout(plan: Plan) -> list[str]:
@@ -383,6 +415,12 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_MFU,
         help=f"trainer model FLOPs utilisation, for the step time ({DEFAULT_MFU})",
     )
+    parser.add_argument(
+        "--link-gbps",
+        type=float,
+        help=f"Gbit/s of the trainer -> rollout server link, for the refit time (default: {NVLINK_GBPS:g}, "
+        f"NVLink, when the trainer and the servers share one node, else {IB_400G_GBPS:g}, 400G InfiniBand)",
+    )
     parser.add_argument("--prompt-len", type=float, default=256, help="mean prompt tokens, for the step time (256)")
     parser.add_argument(
         "--response-len",
@@ -402,7 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         for note in validate_config(cfg):
             print(f"note: {note}", file=sys.stderr)
         plan = make_plan(
-            cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, args.gpu_tflops, args.mfu
+            cfg,
+            args.gpu_mem_gib,
+            args.headroom,
+            args.prompt_len,
+            args.response_len,
+            args.gpu_tflops,
+            args.mfu,
+            args.link_gbps,
         )
     except (ConfigError, ValueError) as e:
         print(f"plan error: {e}", file=sys.stderr)
