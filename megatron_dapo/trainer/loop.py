@@ -203,21 +203,23 @@ class Trainer:
 
     def save(self, step: int, next_step: int | None) -> Path | None:
         """A checkpoint after `step` (weights version step + 1), with the coordinator's state and, unless
-        `next_step` is None, the next step's batch, taken now. Collective."""
-        save_dir, rank = Path(checkpoint_dir(self.cfg)), self.rank
-        tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
-        dist.barrier()
-        self.actor.save_checkpoint(str(tmp / "model"))
-        ckpt.save_rng(tmp, rank)
-        dist.barrier()
-        final = None
-        if rank == 0:
+        `next_step` is None, the next step's batch, taken now. Collective; a failed write on any rank is a
+        CheckpointError on every rank (`ckpt.save_collective`)."""
+
+        def write_rank0_files(tmp: Path) -> None:
             ckpt.write_rollout_state(tmp, self.coord.checkpoint_state(next_step))
             state = {"step": step, "version": step + 1, "world_size": dist.get_world_size()}
             ckpt.write_trainer_state(tmp, state)
-            final = ckpt.commit_save(save_dir, step, self.cfg.checkpoint.keep_last)
+
+        final = ckpt.save_collective(
+            checkpoint_dir(self.cfg),
+            step,
+            lambda tmp: self.actor.save_checkpoint(str(tmp / "model")),
+            write_rank0_files,
+            self.cfg.checkpoint.keep_last,
+        )
+        if final is not None:
             log.info("checkpoint saved: %s", final)
-        dist.barrier()
         return final
 
     # ---- the loop --------------------------------------------------------------------------------
