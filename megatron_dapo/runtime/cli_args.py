@@ -30,8 +30,9 @@ def number(
 
 
 def _range_text(low: float | None, high: float | None, low_open: bool) -> str:
+    text = lambda v: f"{v:g}" if isinstance(v, float) else str(v)  # noqa: E731
     if low is not None and high is not None:
-        return f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        return f"in {'(' if low_open else '['}{text(low)}, {text(high)}]"
     if low is not None:
-        return f"{'>' if low_open else '>='} {low:g}"
-    return "" if high is None else f"<= {high:g}"
+        return f"{'>' if low_open else '>='} {text(low)}"
+    return "" if high is None else f"<= {text(high)}"
