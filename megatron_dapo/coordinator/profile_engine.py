@@ -75,12 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="step-trace files of embedded servers (serve --step-trace): fit their decode steps",
     )
-    p.add_argument(
-        "--since", type=number(float), help="--from-trace: only steps ending at/after this time"
-    )
-    p.add_argument(
-        "--until", type=number(float), help="--from-trace: only steps ending at/before this time"
-    )
+    p.add_argument("--since", type=number(float), help="--from-trace: only steps ending at/after this time")
+    p.add_argument("--until", type=number(float), help="--from-trace: only steps ending at/before this time")
     p.add_argument("--out", default="cost_model.json", help="where to write the fitted coefficients (JSON)")
     p.add_argument("--api-key", default=None, help="Bearer key of the server")
     p.add_argument(
