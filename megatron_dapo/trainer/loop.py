@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.config import dump_yaml
+from megatron_dapo.config import config_to_dict, dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
 from megatron_dapo.coordinator.process import start_coordinator
 from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
+from megatron_dapo.coordinator.val_metrics import by_source
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
 from megatron_dapo.trainer import checkpoint as ckpt
@@ -125,7 +126,13 @@ def train_rank(
         if error is not None:
             raise RunSetupError(error)
         if rank == 0:
-            writer = MetricsWriter(Path(cfg.logging.run_dir), cfg.logging.tensorboard, _resume_version(found, resume))
+            writer = MetricsWriter(
+                Path(cfg.logging.run_dir),
+                cfg.logging.tensorboard,
+                _resume_version(found, resume),
+                wandb=cfg.logging.wandb,
+                config=config_to_dict(cfg),
+            )
         trainer = Trainer(cfg, rank, coord, writer, server_urls, server_tp_sizes, on_step_end)
         return trainer.fit(trainer.restore(found, resume), stop_after)
     finally:
@@ -282,6 +289,7 @@ class Trainer:
         res = self.coord.validate() if self.rank == 0 else None
         if res is not None:
             self.writer.log(step, res)
+            self.writer.table(step, "val/by_source", "data source", by_source(res))
             self.val.setdefault("first", (step, res))
             self.val["last"] = (step, res)
             self.val.setdefault("all", []).append((step, res))
