@@ -127,6 +127,36 @@ def save_collective(
     return final[0] if final else None
 
 
+def megatron_save(sharded_state_dict: dict, path: str | Path) -> None:
+    """megatron-core's `dist_checkpointing.save`, except that rank 0's failure to write `common.pt` is
+    raised only after the sharded save: megatron-core writes that file on rank 0 alone before its
+    collectives, so raising at once would leave the other ranks waiting in them for good. (0.16.1
+    refuses a `common_strategy` argument: the deferring one is registered as the default for the call,
+    through megatron-core's `register_default_strategy`.)"""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+
+    class DeferredCommonSave(TorchCommonSaveStrategy):
+        error: BaseException | None = None
+
+        def save_common(self, common_state_dict, checkpoint_dir):
+            try:
+                super().save_common(common_state_dict, checkpoint_dir)
+            except Exception as e:
+                self.error = e
+
+    default, deferred = get_default_save_common_strategy(), DeferredCommonSave("torch", 1)
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, deferred)
+    try:
+        dist_checkpointing.save(sharded_state_dict, str(path))
+    finally:
+        register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, default)
+    if deferred.error is not None:
+        raise deferred.error
+
+
 def _rank() -> int:
     import torch.distributed as dist
 
@@ -157,7 +187,8 @@ def _cause(error: BaseException, rank: int) -> str:
     while error.__cause__ is not None:
         error = error.__cause__
     text = str(error).splitlines()[0] if str(error) else ""
-    if _TORCH_ENFORCE.match(text):  # torch's zip writer hides the errno: say what it most often means
+    if _TORCH_ENFORCE.match(text) or "basic_ios::clear" in text:
+        # torch's C++ file writer hides the errno (zip writer / iostream): say what it most often means
         text = f"torch could not write the file ({_TORCH_ENFORCE.sub('', text)}): is the disk full?"
     return f"rank {rank}: {type(error).__name__}: {text}"
 

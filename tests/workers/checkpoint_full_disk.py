@@ -22,7 +22,6 @@ from megatron_dapo.trainer import checkpoint as ckpt
 
 def model_writer(full_file_of_rank: dict[int, str]):
     """Writes a sharded tensor with megatron-core; the named file of this rank is /dev/full."""
-    from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing import ShardedTensor
 
     def write(tmp: Path) -> None:
@@ -35,7 +34,7 @@ def model_writer(full_file_of_rank: dict[int, str]):
             os.symlink("/dev/full", model / full_file_of_rank[rank])
         dist.barrier()
         shard = torch.arange(200_000.0) + rank  # big enough that torch's writer hits the device
-        dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", shard, (0, rank, world))}, str(model))
+        ckpt.megatron_save({"w": ShardedTensor.from_rank_offsets("w", shard, (0, rank, world))}, model)
 
     return write
 
@@ -79,12 +78,15 @@ def main(save_dir: str) -> None:
     assert (final is not None) == (dist.get_rank() == 0)
     # rank 1's shard file: megatron-core's writer process fails, the coordinator rank holds the details
     expect_failure(save_dir, 2, {1: "__1_0.distcp"}, "No space left on device")
+    # rank 0's common.pt, which megatron-core writes alone before its collectives (megatron_save defers
+    # the error past them): torch.save fails with a C++ message and no errno
+    expect_failure(save_dir, 3, {0: "common.pt"}, "torch could not write the file")
     # rank 0's own trainer.json, after every rank wrote its shards
-    expect_failure(save_dir, 3, {0: "trainer.json"}, "No space left on device")
+    expect_failure(save_dir, 4, {0: "trainer.json"}, "No space left on device")
     # after the disk has room again the same step saves
-    final = ckpt.save_collective(save_dir, 3, model_writer({}), trainer_json(3))
+    final = ckpt.save_collective(save_dir, 4, model_writer({}), trainer_json(4))
     if dist.get_rank() == 0:
-        assert final.name == ckpt.step_name(3) and ckpt.latest_checkpoint(save_dir) == final
+        assert final.name == ckpt.step_name(4) and ckpt.latest_checkpoint(save_dir) == final
     print(f"rank {dist.get_rank()} OK", flush=True)
     destroy_distributed()
 
