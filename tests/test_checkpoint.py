@@ -243,3 +243,43 @@ def test_unwritable_run_and_checkpoint_dirs_are_named_at_setup(tmp_path):
     with pytest.raises(OSError, match=f"checkpoint.save_dir: cannot write to {read_only / 'ckpts'}"):
         prepare_output_dirs(cfg)
     assert blocker.read_text() == "x"
+
+
+def test_full_disk_is_one_checkpoint_error_and_removes_the_partial_save(tmp_path):
+    """torch.save onto a full disk (/dev/full) fails with "enforce fail at inline_container.cc": the save
+    becomes a CheckpointError naming the .tmp and the cause, the .tmp is removed, `latest` is kept."""
+    _save(tmp_path, 1)
+
+    def write_model(tmp):
+        (tmp / "model").mkdir()
+        (tmp / "model" / "common.pt").symlink_to("/dev/full")
+        torch.save({"w": torch.arange(200_000.0)}, tmp / "model" / "common.pt")
+
+    def write_state(tmp):
+        ck.write_trainer_state(tmp, {"step": 2, "version": 3, "world_size": 1})
+
+    tmp = ck.tmp_dir(tmp_path, 2)
+    with pytest.raises(ck.CheckpointError) as e:
+        ck.save_collective(tmp_path, 2, write_model, write_state)
+    assert f"checkpoint save into {tmp} failed (rank 0: RuntimeError: torch could not write the file" in str(e.value)
+    assert "enforce fail" in str(e.value.__cause__)  # what torch said, kept as the cause
+    assert not tmp.exists()
+    assert ck.latest_checkpoint(tmp_path).name == "step_000001"
+    # the disk has room again: the same step saves, as save_collective and in full
+    final = ck.save_collective(tmp_path, 2, lambda tmp: (tmp / "model").mkdir(), write_state)
+    assert final == ck.latest_checkpoint(tmp_path) and ck.read_trainer_state(final)["step"] == 2
+
+
+@pytest.mark.slow
+def test_full_disk_in_a_two_rank_megatron_save_fails_every_rank_alike(tmp_path):
+    from tests.dist_utils import run_torchrun
+
+    out = run_torchrun("checkpoint_full_disk.py", 2, str(tmp_path), timeout=300)
+    assert "rank 0 OK" in out and "rank 1 OK" in out, out[-4000:]
+    for step in (2, 3, 4):  # both ranks raised the same error (the free space they saw may differ)
+        lines = {
+            line.split(": ", 1)[1].split(" MiB free")[0].rsplit("(", 1)[0]
+            for line in out.splitlines()
+            if line.startswith("rank ") and f"step {step}:" in line
+        }
+        assert len(lines) == 1, lines

@@ -389,3 +389,27 @@ def test_empty_dataset_fails_fast_naming_the_file(env):
         timeout=120,
     )
     assert "RUN SETUP ERROR" in out and "empty.jsonl is empty" in out
+
+
+def test_wandb_offline_mirrors_a_training_run(env):
+    """logging.wandb in a real 2-rank run with validation: rank 0's W&B run holds the config, every
+    TensorBoard scalar at its step with its value, and the per-source validation table."""
+    pytest.importorskip("wandb")
+    import numpy as np
+
+    from megatron_dapo.trainer.plot import read_scalars
+    from tests.wandb_records import read_run
+
+    overrides = ("trainer.total_steps=2", f"data.val_files=[{env['train']}]", "trainer.val_every=1")
+    run_dir, rows = _run(env, "wandb", *overrides, "logging.wandb.mode=offline", "logging.wandb.name=loop")
+    assert [r["step"] for r in rows if "actor/pg_loss" in r] == [0, 1]
+    (run_file,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
+    config, history = read_run(run_file)
+    assert config["trainer"]["val_every"] == 1 and config["logging"]["wandb"]["name"] == "loop"
+    tb = read_scalars(run_dir / "tensorboard")
+    assert "actor/pg_loss" in tb and any(k.startswith("val/") for k in tb)
+    for key, points in tb.items():
+        mirrored = [(s, np.float32(row[key])) for s, row in sorted(history.items()) if key in row]
+        assert mirrored == [(s, np.float32(v)) for s, v in points], key
+    tables = [s for s, row in history.items() if row.get("val/by_source/_type") == "table-file"]
+    assert sorted(tables) == [0, 1, 2]  # before the first step and after each

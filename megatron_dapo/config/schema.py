@@ -306,11 +306,22 @@ class TrainerConfig:
 
 
 @dataclass
+class WandbConfig:
+    # disabled | offline (a run directory under <run_dir>/wandb, `wandb sync` uploads it later) | online
+    mode: Literal["disabled", "offline", "online"] = "disabled"
+    project: str = "megatron-dapo"
+    name: Optional[str] = None  # run name; None = the last part of logging.run_dir
+
+
+@dataclass
 class LoggingConfig:
     run_dir: str = "runs/default"  # TensorBoard logs, plots, the resolved config, server logs
     tensorboard: bool = True
     log_every: int = 1  # steps between console log lines
     progress_bar: bool = True
+    # Weights & Biases (`pip install megatron-dapo[wandb]`): mirrors every TensorBoard scalar, the
+    # resolved config and a table per validation
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

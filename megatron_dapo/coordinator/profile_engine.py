@@ -36,20 +36,33 @@ from megatron_dapo.coordinator.profile import (
     trace_points,
 )
 from megatron_dapo.rollout.client import SGLangClient, SGLangError
+from megatron_dapo.runtime.cli_args import number
 
 
 class ProfileError(RuntimeError):
     """The server cannot be profiled as asked (busy, or it did not generate what was asked)."""
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+# Input bounds: token ids are int32 in every engine; batch, prompt and output sizes past these fit no
+# server, and a grid of them would measure only its failures.
+MAX_BATCH = 1 << 16
+MAX_TOKENS = 1 << 24
+MAX_TOKEN_ID = 2**31 - 1
+
+
+def _ints(high: int):
+    one = number(int, 1, high)
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [one(v.strip()) for v in text.split(",") if v.strip()]
+        except argparse.ArgumentTypeError:
+            values = []
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers in [1, {high}], got {text!r}")
+        return values
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,32 +75,48 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="step-trace files of embedded servers (serve --step-trace): fit their decode steps",
     )
-    p.add_argument("--since", type=float, default=None, help="--from-trace: only steps ending at/after this time")
-    p.add_argument("--until", type=float, default=None, help="--from-trace: only steps ending at/before this time")
+    p.add_argument("--since", type=number(float), help="--from-trace: only steps ending at/after this time")
+    p.add_argument("--until", type=number(float), help="--from-trace: only steps ending at/before this time")
     p.add_argument("--out", default="cost_model.json", help="where to write the fitted coefficients (JSON)")
     p.add_argument("--api-key", default=None, help="Bearer key of the server")
     p.add_argument(
         "--batch-sizes",
-        type=_ints,
+        type=_ints(MAX_BATCH),
         default=[1, 2, 4, 8, 16, 32, 64],
         help="concurrent requests n of the grid (comma-separated)",
     )
     p.add_argument(
         "--prompt-lens",
-        type=_ints,
+        type=_ints(MAX_TOKENS),
         default=[128, 512, 2048],
         help="prompt lengths of the grid; resident KV tokens K grow with them (comma-separated)",
     )
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens each request generates (>= 2)")
-    p.add_argument("--repeats", type=int, default=1, help="measurements per grid point")
+    p.add_argument(
+        "--new-tokens",
+        type=number(int, 2, MAX_TOKENS),
+        default=64,
+        help="tokens each request generates (>= 2: the first comes from the prefill)",
+    )
+    p.add_argument("--repeats", type=number(int, 1, 1000), default=1, help="measurements per grid point")
     p.add_argument(
         "--max-token-id",
-        type=int,
+        type=number(int, 2, MAX_TOKEN_ID),
         default=200,
         help="prompt token ids are drawn from [1, this); keep it below the model's vocabulary",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
-    p.add_argument("--timeout-s", type=float, default=3600.0, help="per-request timeout")
+    p.add_argument("--seed", type=number(int, 0), default=0, help="seed of the random prompts")
+    p.add_argument(
+        "--timeout-s",
+        type=number(float, 0, 86400, low_open=True),
+        default=300.0,
+        help="seconds to wait for the server to be healthy, and for each request (300)",
+    )
+    p.add_argument(
+        "--max-fit-error",
+        type=number(float, 0, low_open=True),
+        default=0.5,
+        help="refuse to write a fit whose relative rms error exceeds this (0.5 = 50%%)",
+    )
     return p
 
 
@@ -147,7 +176,7 @@ async def profile(args) -> list[ProfilePoint]:
     rng = random.Random(args.seed)
     points = []
     async with SGLangClient(args.server, api_key=args.api_key, timeout_s=args.timeout_s) as client:
-        await client.wait_healthy(timeout_s=60)
+        await client.wait_healthy(timeout_s=args.timeout_s)
         await _idle_load(client)
         await _timed_batch(client, [[1, 2, 3]], 2)  # warm-up: first-call costs stay out of the points
         for n in args.batch_sizes:
@@ -211,9 +240,24 @@ def _main_trace(args) -> int:
         f"prefill: {fit['prefills']} steps, {fit['prefill_s']:.2f} s, p_k = {model.p_k:.3g} s per token"
     )
     print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
+    if not _fit_good_enough(fit["fit_rel_error"], args):
+        return 1
     model.save(Path(args.out), **{k: v for k, v in fit.items() if k not in model.to_dict()})
     print(f"wrote {args.out}")
     return 0
+
+
+def _fit_good_enough(rel_error: float, args) -> bool:
+    """False (and why, on stderr) when the fit is too poor to write: a cost model that mispredicts step
+    times by more than --max-fit-error would mislead the router and the simulator."""
+    if rel_error <= args.max_fit_error:
+        return True
+    print(
+        f"profile-engine: fit relative error {rel_error:.2%} exceeds --max-fit-error {args.max_fit_error:.2%}: "
+        f"{args.out} not written (a server busy with other work, too few or too noisy points?)",
+        file=sys.stderr,
+    )
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,10 +267,6 @@ def main(argv: list[str] | None = None) -> int:
         return _main_trace(args)
     if args.since is not None or args.until is not None:
         parser.error("--since / --until select steps of a trace: they need --from-trace")
-    if args.new_tokens < 2:
-        parser.error("--new-tokens must be >= 2 (the first token comes from the prefill)")
-    if args.repeats < 1 or args.max_token_id < 2:
-        parser.error("--repeats must be >= 1 and --max-token-id >= 2")
     print(
         f"profiling {args.server}: n in {args.batch_sizes}, prompt lengths {args.prompt_lens}, "
         f"{args.new_tokens} new tokens, {args.repeats} repeat(s)",
@@ -241,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(model, points))
     print(f"fit relative error (rms): {rel_error:.2%}")
     print("coefficients (s): " + ", ".join(f"{k}={v:.4g}" for k, v in model.to_dict().items()))
+    if not _fit_good_enough(rel_error, args):
+        return 1
     model.save(
         Path(args.out),
         fit_rel_error=rel_error,

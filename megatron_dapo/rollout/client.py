@@ -145,7 +145,10 @@ class SGLangClient:
                 # Nothing reached the server: safe to resend, even a /generate.
                 if attempt == self.retries:
                     raise SGLangConnectionError(endpoint, f"cannot connect ({e!r})") from e
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            except asyncio.TimeoutError as e:  # the server took the request and never answered
+                waited = self._timeout_s if timeout_s is None else timeout_s
+                raise SGLangConnectionError(endpoint, f"no answer within {waited:g} s (timed out)") from e
+            except aiohttp.ClientError as e:
                 raise SGLangConnectionError(endpoint, f"connection lost ({e!r})") from e
             else:
                 if status == 503 and attempt < self.retries:

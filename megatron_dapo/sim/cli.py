@@ -26,6 +26,7 @@ from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.load import load_config
 from megatron_dapo.planner.lengths import load_lengths, mean_length
 from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, trainer_speed
+from megatron_dapo.runtime.cli_args import number
 from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
 
 # The rollout-coordination switches `advanced` takes from an advanced YAML (sections of `rollout`, or
@@ -80,16 +81,38 @@ def mode_overrides(mode: str, advanced_config: str | Path = ADVANCED_CONFIG) -> 
     return advanced_overrides(advanced_config) if mode == "advanced" else list(PLAIN)
 
 
+# Upper bounds of the numeric flags: the simulated coordinator polls in virtual time, so real time grows
+# with the simulated seconds (1e5 s steps: ~30 s of real time a mode; 1e300 s: never ends).
+MAX_SECONDS = 1e4
+MAX_COUNT = 100_000
+
+
+def _staleness_list(text: str) -> list[int]:
+    one = number(int, 0, MAX_COUNT)
+    try:
+        values = [one(s.strip()) for s in text.split(",") if s.strip()]
+    except argparse.ArgumentTypeError:
+        values = []
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers in [0, {MAX_COUNT}], got {text!r}")
+    return values
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo simulate", description=__doc__.split("\n\n")[0])
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    p.add_argument("--nodes", type=int, help="nodes (sets trainer.nnodes)")
-    p.add_argument("--gpus-per-node", type=int, help="GPUs per node (sets trainer.gpus_per_node)")
-    p.add_argument("--engines", type=int, help="rollout engines (sets rollout.num_servers)")
-    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory for the engines' KV pool (80)")
+    p.add_argument("--nodes", type=number(int, 1, MAX_COUNT), help="nodes (sets trainer.nnodes)")
+    p.add_argument("--gpus-per-node", type=number(int, 1, MAX_COUNT), help="GPUs per node (sets trainer.gpus_per_node)")
+    p.add_argument("--engines", type=number(int, 1, MAX_COUNT), help="rollout engines (sets rollout.num_servers)")
+    p.add_argument(
+        "--gpu-mem-gib",
+        type=number(float, 0, MAX_COUNT, low_open=True),
+        default=80.0,
+        help="GPU memory for the engines' KV pool (80)",
+    )
     p.add_argument("--cost-model", help="engine cost model JSON (profile-engine); default PSRL's 7B fit")
-    p.add_argument("--max-running", type=int, default=1024, help="max running requests per engine (1024)")
+    p.add_argument("--max-running", type=number(int, 1), default=1024, help="max running requests per engine (1024)")
     p.add_argument(
         "--engine-admission",
         choices=["sglang", "greedy"],
@@ -97,19 +120,28 @@ def _parser() -> argparse.ArgumentParser:
         help="engines' KV budget for admitting: SGLang's (input + a decaying share of every "
         "running request's remaining output) or greedy (the input only)",
     )
-    p.add_argument("--step-time", type=float, help="trainer seconds per step; default: plan's FLOPs estimate")
+    p.add_argument(
+        "--step-time",
+        type=number(float, 0, MAX_SECONDS, low_open=True),
+        help="trainer seconds per step; default: plan's FLOPs estimate",
+    )
     p.add_argument(
         "--gpu-tflops",
-        type=float,
+        type=number(float, 0, low_open=True),
         default=H100_BF16_TFLOPS,
         help=f"peak bf16 TFLOP/s per trainer GPU ({H100_BF16_TFLOPS:g}, H100)",
     )
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"trainer model FLOPs utilisation ({DEFAULT_MFU})")
-    p.add_argument("--sync-s", type=float, default=5.0, help="seconds of one weight sync (5)")
+    p.add_argument("--sync-s", type=number(float, 0, MAX_SECONDS), default=5.0, help="seconds of one weight sync (5)")
     p.add_argument("--lengths", default="dapo", help="dapo | a run's metrics.jsonl | JSON with `lengths`")
-    p.add_argument("--prompt-len", type=int, default=256, help="prompt tokens (256)")
-    p.add_argument("--keep-prob", type=float, default=0.5, help="dynamic sampling: share of groups kept (0.5)")
-    p.add_argument("--staleness", default="0,1,2,3", help="comma list (0,1,2,3)")
+    p.add_argument("--prompt-len", type=number(int, 1), default=256, help="prompt tokens (256)")
+    p.add_argument(
+        "--keep-prob",
+        type=number(float, 0, 1, low_open=True),
+        default=0.5,
+        help="dynamic sampling: share of groups kept (0.5)",
+    )
+    p.add_argument("--staleness", type=_staleness_list, default=[0, 1, 2, 3], help="comma list (0,1,2,3)")
     p.add_argument(
         "--modes",
         default="sync,async,advanced",
@@ -120,10 +152,12 @@ def _parser() -> argparse.ArgumentParser:
         default=str(ADVANCED_CONFIG),
         help="YAML whose rollout-coordination switches `advanced` uses (configs/qwen3/advanced_qwen3_8b.yaml)",
     )
-    p.add_argument("--steps", type=int, default=6, help="measured steps (6)")
-    p.add_argument("--warmup-steps", type=int, default=2, help="steps before measuring (2)")
-    p.add_argument("--token-unit", type=int, default=0, help="tokens per simulated id (0: max_response_length / 1024)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=number(int, 1, MAX_COUNT), default=6, help="measured steps (6)")
+    p.add_argument("--warmup-steps", type=number(int, 0, MAX_COUNT), default=2, help="steps before measuring (2)")
+    p.add_argument(
+        "--token-unit", type=number(int, 0), default=0, help="tokens per simulated id (0: max_response_length / 1024)"
+    )
+    p.add_argument("--seed", type=number(int, 0), default=0)
     p.add_argument("--json", help="also write the rows to this JSON file")
     return p
 
@@ -191,7 +225,7 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
         base.append(f"rollout.num_servers={args.engines}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     changes = {m: mode_overrides(m, args.advanced_config) for m in modes}
-    staleness = [int(s) for s in args.staleness.split(",") if s.strip()]
+    staleness = args.staleness
     cfg0 = load_config(config, base, validate=False)
     world, speed = build_world(cfg0, args)
     print(

@@ -529,12 +529,12 @@ class MegatronActor:
     def save_checkpoint(self, path: str) -> None:
         """Model, optimizer and lr schedule in megatron-core dist_checkpointing (torch_dist) format.
         Collective. `path` must not hold a checkpoint; the caller renames it into place."""
-        from megatron.core import dist_checkpointing
+        from megatron_dapo.trainer.checkpoint import megatron_save
 
         if dist.get_rank() == 0:
             os.makedirs(path, exist_ok=True)
         dist.barrier()
-        dist_checkpointing.save(self._sharded_state_dict(), path)
+        megatron_save(self._sharded_state_dict(), path)
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:

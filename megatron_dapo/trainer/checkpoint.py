@@ -17,6 +17,10 @@ moment leaves `latest` naming the previous complete checkpoint. On resume the ma
 before anything is read, and nothing but JSON and megatron-core's files is deserialized; the one
 pickle among those (torch_dist's `.metadata`) is first read with an allow-list (`bridge.dcp_metadata`).
 `latest` may only name a `step_*` directory directly inside save_dir.
+
+`save_collective` runs a save on every trainer rank: a write that fails on any rank (a full disk
+gives torch's "enforce fail at inline_container.cc" or ENOSPC in a writer process) removes the
+partial `.tmp` and raises one CheckpointError, naming the `.tmp` and the cause, on every rank.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
@@ -94,6 +99,122 @@ def commit_save(save_dir: str | Path, step: int, keep_last: int = 0) -> Path:
             if old.name != final.name:
                 shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save_collective(
+    save_dir: str | Path,
+    step: int,
+    write_rank_files: Callable[[Path], None],
+    write_rank0_files: Callable[[Path], None],
+    keep_last: int = 0,
+) -> Path | None:
+    """A checkpoint of `step`, collectively over the default process group (or this process alone when
+    none is initialised): rank 0 starts the `.tmp`, every rank runs `write_rank_files(tmp)` (model
+    shards: itself collective) and saves its RNG state, then rank 0 runs `write_rank0_files(tmp)`
+    (trainer.json, ...) and publishes. Returns the final path on rank 0, None elsewhere.
+
+    After each phase the ranks compare outcomes: if any rank failed, rank 0 removes the `.tmp` and
+    every rank raises the same CheckpointError (naming the `.tmp`, the failing rank and its cause),
+    so no rank waits forever for one that gave up and no partial save is left to fill the disk."""
+    save_dir, rank, tmp = Path(save_dir), _rank(), tmp_dir(save_dir, step)
+    _agree(tmp, _attempt(lambda: begin_save(save_dir, step)) if rank == 0 else None)
+    _agree(tmp, _attempt(lambda: (write_rank_files(tmp), save_rng(tmp, rank))))
+    final: list[Path] = []
+    error = None
+    if rank == 0:
+        error = _attempt(lambda: (write_rank0_files(tmp), final.append(commit_save(save_dir, step, keep_last))))
+    _agree(tmp, error)
+    return final[0] if final else None
+
+
+def megatron_save(sharded_state_dict: dict, path: str | Path) -> None:
+    """megatron-core's `dist_checkpointing.save`, except that rank 0's failure to write `common.pt` is
+    raised only after the sharded save: megatron-core writes that file on rank 0 alone before its
+    collectives, so raising at once would leave the other ranks waiting in them for good. (0.16.1
+    refuses a `common_strategy` argument: the deferring one is registered as the default for the call,
+    through megatron-core's `register_default_strategy`.)"""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
+    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
+
+    class DeferredCommonSave(TorchCommonSaveStrategy):
+        error: BaseException | None = None
+
+        def save_common(self, common_state_dict, checkpoint_dir):
+            try:
+                super().save_common(common_state_dict, checkpoint_dir)
+            except Exception as e:
+                self.error = e
+
+    default, deferred = get_default_save_common_strategy(), DeferredCommonSave("torch", 1)
+    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, deferred)
+    try:
+        dist_checkpointing.save(sharded_state_dict, str(path))
+    finally:
+        register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, default)
+    if deferred.error is not None:
+        raise deferred.error
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _attempt(write: Callable[[], object]) -> BaseException | None:
+    """Run one save phase; the exception it raised, if any. torch's CheckpointException is a
+    BaseException (megatron-core raises it on every rank when a writer process failed)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        write()
+    except (Exception, CheckpointException) as e:
+        return e
+    return None
+
+
+_TORCH_ENFORCE = re.compile(r"\[enforce fail at [^\]]*\]\s*\.?\s*")
+
+
+def _cause(error: BaseException, rank: int) -> str:
+    """'rank N: why the write failed' ('' when this rank only learnt that another one failed)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):  # every rank's details, on megatron-core's coordinator only
+        return "; ".join(_cause(exc, r) for r, (exc, _) in sorted(error.failures.items()))
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).splitlines()[0] if str(error) else ""
+    if _TORCH_ENFORCE.match(text) or "basic_ios::clear" in text:
+        # torch's C++ file writer hides the errno (zip writer / iostream): say what it most often means
+        text = f"torch could not write the file ({_TORCH_ENFORCE.sub('', text)}): is the disk full?"
+    return f"rank {rank}: {type(error).__name__}: {text}"
+
+
+def _agree(tmp: Path, error: BaseException | None) -> None:
+    """Collective: raise the first failure of any rank, the same CheckpointError everywhere, after rank 0
+    removed the partial save."""
+    import torch.distributed as dist
+
+    mine = None if error is None else _cause(error, _rank()) or f"rank {_rank()}: failed"
+    causes: list = [mine]
+    if dist.is_available() and dist.is_initialized():
+        causes = [None] * dist.get_world_size()
+        dist.all_gather_object(causes, mine)
+    failed = [c for c in causes if c is not None]
+    if not failed:
+        return
+    cause = next((c for c in failed if not c.endswith(": failed")), failed[0])
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        (tmp.parent / (LATEST + ".tmp")).unlink(missing_ok=True)
+    free = shutil.disk_usage(tmp.parent).free / 2**20 if tmp.parent.exists() else float("nan")
+    raise CheckpointError(
+        f"checkpoint save into {tmp} failed ({cause}). The partial save was removed "
+        f"({free:.0f} MiB free on that file system); `latest` still names the previous checkpoint"
+    ) from error
 
 
 def _pointed(save_dir: Path) -> Path:

@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.config import dump_yaml
+from megatron_dapo.config import config_to_dict, dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
 from megatron_dapo.coordinator.process import start_coordinator
 from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
+from megatron_dapo.coordinator.val_metrics import by_source
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
 from megatron_dapo.trainer import checkpoint as ckpt
@@ -125,7 +126,13 @@ def train_rank(
         if error is not None:
             raise RunSetupError(error)
         if rank == 0:
-            writer = MetricsWriter(Path(cfg.logging.run_dir), cfg.logging.tensorboard, _resume_version(found, resume))
+            writer = MetricsWriter(
+                Path(cfg.logging.run_dir),
+                cfg.logging.tensorboard,
+                _resume_version(found, resume),
+                wandb=cfg.logging.wandb,
+                config=config_to_dict(cfg),
+            )
         trainer = Trainer(cfg, rank, coord, writer, server_urls, server_tp_sizes, on_step_end)
         return trainer.fit(trainer.restore(found, resume), stop_after)
     finally:
@@ -203,21 +210,23 @@ class Trainer:
 
     def save(self, step: int, next_step: int | None) -> Path | None:
         """A checkpoint after `step` (weights version step + 1), with the coordinator's state and, unless
-        `next_step` is None, the next step's batch, taken now. Collective."""
-        save_dir, rank = Path(checkpoint_dir(self.cfg)), self.rank
-        tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
-        dist.barrier()
-        self.actor.save_checkpoint(str(tmp / "model"))
-        ckpt.save_rng(tmp, rank)
-        dist.barrier()
-        final = None
-        if rank == 0:
+        `next_step` is None, the next step's batch, taken now. Collective; a failed write on any rank is a
+        CheckpointError on every rank (`ckpt.save_collective`)."""
+
+        def write_rank0_files(tmp: Path) -> None:
             ckpt.write_rollout_state(tmp, self.coord.checkpoint_state(next_step))
             state = {"step": step, "version": step + 1, "world_size": dist.get_world_size()}
             ckpt.write_trainer_state(tmp, state)
-            final = ckpt.commit_save(save_dir, step, self.cfg.checkpoint.keep_last)
+
+        final = ckpt.save_collective(
+            checkpoint_dir(self.cfg),
+            step,
+            lambda tmp: self.actor.save_checkpoint(str(tmp / "model")),
+            write_rank0_files,
+            self.cfg.checkpoint.keep_last,
+        )
+        if final is not None:
             log.info("checkpoint saved: %s", final)
-        dist.barrier()
         return final
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -280,6 +289,7 @@ class Trainer:
         res = self.coord.validate() if self.rank == 0 else None
         if res is not None:
             self.writer.log(step, res)
+            self.writer.table(step, "val/by_source", "data source", by_source(res))
             self.val.setdefault("first", (step, res))
             self.val["last"] = (step, res)
             self.val.setdefault("all", []).append((step, res))

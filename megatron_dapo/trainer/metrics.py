@@ -1,6 +1,7 @@
-"""Per-step metrics: TensorBoard scalars (and the staleness histogram) plus `metrics.jsonl`.
+"""Per-step metrics: `metrics.jsonl`, and the same scalars (and the staleness histogram) to TensorBoard
+and Weights & Biases (trainer/metric_sinks.py).
 
-The jsonl copy (one JSON object per step) is what tests and scripts read; TensorBoard is what
+The jsonl copy (one JSON object per step) is what tests and scripts read; TensorBoard / W&B are what
 people look at; `megatron-dapo plot RUN_DIR` turns the TensorBoard scalars into PNG curves.
 """
 
@@ -12,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 from megatron_dapo.runtime.files import write_text_atomic
+from megatron_dapo.trainer.metric_sinks import TensorBoardSink, WandbSink
 
 CONSOLE_KEYS = (
     "reward/accuracy",
@@ -49,19 +51,27 @@ def truncate_after_version(path: Path, version: int) -> None:
 
 class MetricsWriter:
     """`resume_version`: the weight version of the checkpoint this run resumed from (None: not resumed);
-    the rows the interrupted run wrote after it are dropped, so each step's row appears once."""
+    the rows the interrupted run wrote after it are dropped, so each step's row appears once.
+    `wandb`: a `logging.wandb` section (mode, project, name); `config`: the resolved config W&B records."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_version: int | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        tensorboard: bool = True,
+        resume_version: int | None = None,
+        wandb=None,
+        config: dict | None = None,
+    ):
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if resume_version is not None:
             truncate_after_version(self.run_dir / "metrics.jsonl", resume_version)
         self.jsonl = open(self.run_dir / "metrics.jsonl", "a")
-        self.tb = None
+        self.sinks: list = []
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+            self.sinks.append(TensorBoardSink(self.run_dir))
+        if wandb is not None and wandb.mode != "disabled":
+            self.sinks.append(WandbSink(self.run_dir, wandb.mode, wandb.project, wandb.name, config or {}))
 
     def log(self, step: int, scalars: dict[str, float], staleness: Counter | None = None, extra: dict | None = None):
         clean = {k: float(v) for k, v in scalars.items() if v is not None and math.isfinite(float(v))}
@@ -70,20 +80,19 @@ class MetricsWriter:
             record["staleness_hist"] = {str(k): v for k, v in sorted(staleness.items())}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
-        if self.tb is not None:
-            for k, v in clean.items():
-                self.tb.add_scalar(k, v, step)
-            if staleness:
-                import numpy as np
+        for sink in self.sinks:
+            sink.log(step, clean, staleness)
 
-                values = np.repeat(np.array(list(staleness.keys()), dtype=np.float64), list(staleness.values()))
-                self.tb.add_histogram("staleness/versions_behind", values, step)
-            self.tb.flush()
+    def table(self, step: int, name: str, first_column: str, rows: dict[str, dict[str, float]]) -> None:
+        """A table (e.g. validation accuracy per data source) to the sinks that show tables (W&B)."""
+        for sink in self.sinks:
+            if hasattr(sink, "table"):
+                sink.table(step, name, first_column, rows)
 
     def close(self):
         self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

@@ -24,16 +24,16 @@ def main(hf_dir: str, save_dir: str, step: int) -> None:
     cfg.parallel.tp = 2
     actor = MegatronActor(cfg)
     actor._materialize_optimizer_state()  # a fresh optimizer has no state to save before its first step
-    rank = dist.get_rank()
-    tmp = ckpt.begin_save(save_dir, step) if rank == 0 else ckpt.tmp_dir(save_dir, step)
-    dist.barrier()
-    actor.save_checkpoint(str(tmp / "model"))
-    ckpt.save_rng(tmp, rank)
-    dist.barrier()
-    if rank == 0:
-        ckpt.write_trainer_state(tmp, {"step": step, "version": step + 1, "world_size": dist.get_world_size()})
-        print("saved", ckpt.commit_save(save_dir, step), flush=True)
-    dist.barrier()
+    final = ckpt.save_collective(
+        save_dir,
+        step,
+        lambda tmp: actor.save_checkpoint(str(tmp / "model")),
+        lambda tmp: ckpt.write_trainer_state(
+            tmp, {"step": step, "version": step + 1, "world_size": dist.get_world_size()}
+        ),
+    )
+    if final is not None:
+        print("saved", final, flush=True)
     destroy_distributed()
 
 
