@@ -21,41 +21,9 @@ from megatron_dapo.rollout.launcher import embedded_server, start_servers
 from tests.dist_utils import run_torchrun
 from tests.test_loop_run import _run as _loop_run
 from tests.test_loop_run import env  # noqa: F401  (the loop tests' model, data and servers)
+from tests.test_sync import KEY, ckpts, servers  # noqa: F401  (tiny checkpoints; 2 dense servers + 1 MoE)
 
 pytestmark = pytest.mark.slow
-KEY = "sources-secret"
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory):
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-
-    d = tmp_path_factory.mktemp("ckpt")
-    return {
-        name: save_tiny_hf_model(fam, d / name, seed=seed)
-        for name, fam, seed in [
-            ("q3_a", "qwen3", 0),
-            ("q3_b", "qwen3", 1),
-            ("moe_a", "qwen3_moe", 0),
-            ("moe_b", "qwen3_moe", 1),
-        ]
-    }
-
-
-@pytest.fixture(scope="module")
-def servers(ckpts, tmp_path_factory):
-    logs = tmp_path_factory.mktemp("logs")
-    procs = {
-        "q3": [embedded_server(str(ckpts["q3_a"]), logs / f"q3_{i}.log", api_key=KEY, seed=i) for i in range(2)],
-        "moe": [embedded_server(str(ckpts["moe_a"]), logs / "moe.log", api_key=KEY)],
-    }
-    allp = [p for ps in procs.values() for p in ps]
-    try:
-        start_servers(allp, timeout_s=180)
-        yield procs
-    finally:
-        for p in allp:
-            p.stop()
 
 
 def _hf_bytes(ckpt) -> dict[str, int]:
