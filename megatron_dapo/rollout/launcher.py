@@ -44,6 +44,7 @@ class SGLangServerArgs:
     base_gpu_id: int | None = None
     enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
     enable_deterministic_inference: bool = False  # honours sampling_seed; batch-invariant kernels
+    enable_return_routed_experts: bool = False  # meta_info.routed_experts, for rollout routing replay (R3)
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     log_level: str | None = None
@@ -98,6 +99,7 @@ def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list
     for flag, on in {
         "--enable-memory-saver": args.enable_memory_saver,
         "--enable-deterministic-inference": args.enable_deterministic_inference,
+        "--enable-return-routed-experts": args.enable_return_routed_experts,
         "--trust-remote-code": args.trust_remote_code,
         "--skip-tokenizer-init": args.skip_tokenizer_init,
     }.items():
@@ -116,6 +118,7 @@ def embedded_command(
     threads: int | None = 1,
     deterministic_inference: bool = False,
     batching: str = "static",
+    return_routed_experts: bool = False,
     extra_args: list[str] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
@@ -141,6 +144,8 @@ def embedded_command(
         cmd.append("--enable-deterministic-inference")
     if batching != "static":
         cmd += ["--batching", batching]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(extra_args or [])
 
 
