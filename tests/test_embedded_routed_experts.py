@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
-from megatron_dapo.rollout.embedded.routed_experts import decode_routed_experts
+from megatron_dapo.rollout.payloads import decode_routed_experts
 
 LAYERS, TOP_K, EXPERTS = 3, 2, 8
 PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6], [8, 8, 1], [11, 12, 13, 14, 15, 16]]

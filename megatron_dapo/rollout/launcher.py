@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.config.derived import routing_shape
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
 
@@ -63,6 +64,7 @@ class SGLangServerArgs:
             api_key=r.api_key,
             extra_args=list(r.extra_args),
             enable_deterministic_inference=r.deterministic_inference,
+            enable_return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
         )
         kw.update(overrides)
         return cls(**kw)

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dapo.rollout.embedded.load_stats import LoadStats, StepTrace
-from megatron_dapo.rollout.embedded.routed_experts import RoutingCapture, encode_routed_experts
+from megatron_dapo.rollout.embedded.routed_experts import RoutingCapture
 from megatron_dapo.rollout.embedded.sampling import (
     GREEDY_EPS,
     Penalties,
@@ -46,6 +46,7 @@ from megatron_dapo.rollout.embedded.sampling import (
     top_logprobs,
 )
 from megatron_dapo.rollout.embedded.stops import StopMatcher, trim_stop_text
+from megatron_dapo.rollout.payloads import encode_routed_experts
 
 log = logging.getLogger(__name__)
 

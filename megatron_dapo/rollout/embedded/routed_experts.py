@@ -13,11 +13,9 @@ number; a layer without experts keeps zeros, as in SGLang's zero-initialised cap
 
 from __future__ import annotations
 
-import base64
-
 import torch
 
-ROUTED_DTYPE = torch.int32  # SGLang's capture buffer dtype
+from megatron_dapo.rollout.payloads import ROUTED_DTYPE
 
 
 def moe_routers(model) -> dict[int, torch.nn.Module]:
@@ -62,16 +60,3 @@ class RoutingCapture:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
-
-
-def encode_routed_experts(rows: torch.Tensor) -> str:
-    """SGLang's encoding: base64 of the int32 array's bytes (detokenizer_manager._b64_encode_per_request)."""
-    return base64.b64encode(rows.to(ROUTED_DTYPE).contiguous().numpy().tobytes()).decode("utf-8")
-
-
-def decode_routed_experts(text: str, num_layers: int, top_k: int) -> torch.Tensor:
-    """The [rows, num_layers, top_k] int32 array of an encoded answer (the inverse of the above)."""
-    flat = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=ROUTED_DTYPE)
-    if flat.numel() % (num_layers * top_k):
-        raise ValueError(f"routed_experts: {flat.numel()} ids are not a whole number of rows of {num_layers}x{top_k}")
-    return flat.view(-1, num_layers, top_k)
