@@ -186,3 +186,37 @@ def test_server_answers_routed_experts_over_http(moe_dir, model, tmp_path):
             assert info["enable_return_routed_experts"] is True
     finally:
         srv.stop()
+
+
+def test_continuation_after_a_weight_change_joins_each_piece_from_its_weights(moe_dir):
+    """Partial rollout across a weight update: the first piece's rows come from the old routers, the
+    continuation's (asked from the first position the first piece did not cover) from the new ones."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    old = copy.deepcopy(model)
+    eng = Engine(model, seed=4, return_routed_experts=True)
+    try:
+        head = GenRequest(rid="w0", prompt=PROMPTS[3], max_new_tokens=4, return_routed_experts=True)
+        first = eng.submit(head).result(timeout=300)
+        _check_against_reference(old, head, first)
+        with eng.step_lock, torch.no_grad():  # a weight update: new routers, written in place
+            torch.manual_seed(0)
+            for i in range(1, LAYERS):
+                gate = model.model.layers[i].mlp.gate.weight
+                gate.copy_(torch.randn_like(gate))
+        seq = head.prompt + first["output_ids"]
+        more = GenRequest(
+            rid="w1", prompt=seq, max_new_tokens=4, return_routed_experts=True, routed_experts_start_len=len(seq) - 1
+        )
+        tail = eng.submit(more).result(timeout=300)
+    finally:
+        eng.close()
+    full = seq + tail["output_ids"]
+    joined = torch.cat([_rows(first), _rows(tail)])
+    want = torch.cat([reference_topk(old, seq)[:-1], reference_topk(model, full)[len(seq) - 1 : -1]])
+    assert torch.equal(joined, want)
+    # the new routers do route differently: the pieces' weights matter
+    assert not torch.equal(reference_topk(old, full), reference_topk(model, full))
