@@ -142,3 +142,57 @@ def test_samples_carry_routing_from_a_server_through_partial_rollout_batch_shard
             assert torch.equal(row, reference(seq))
     want = sum(len(x) - 1 for x in batch.input_ids) * 2 * 2  # positions x MoE layers x top-k x 1 byte
     assert batch_metrics(batch)["rollout/routing_bytes"] == want
+
+
+@pytest.mark.slow
+def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
+    """The tiny MoE CPU config, routing_replay left at its MoE default: the driver's server returns routed
+    experts, two steps train, a checkpoint holds them, and rollout/routing_bytes is every sample's
+    (prompt + response - 1) x MoE layers x top-k bytes."""
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    model = tmp_path / "model"
+    build_char_tokenizer(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    save_tiny_hf_model(
+        "qwen3_moe", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
+    )
+    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model.hf_path={model}",
+        "model.hf_config=null",
+        f"data.train_files=[{train}]",
+        "data.val_files=[]",
+        "data.max_response_length=8",
+        "algo.overlong_buffer.len=2",
+        "algo.filter_groups.enable=false",  # a random model answers nothing right
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "rollout.num_servers=1",
+        "checkpoint.save_every=1",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+    ]
+    cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIGS / "tiny_qwen3_moe_cpu.yaml")]
+    proc = subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=1200, cwd=CONFIGS.parents[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    cfg = load_config(CONFIGS / "tiny_qwen3_moe_cpu.yaml", overrides)
+    per_token = len(routing_shape(cfg).moe_layers) * 2  # top-2 of 4 experts, one byte each
+    samples = cfg.algo.train_batch_size * cfg.rollout.n_resp_per_prompt
+    assert len(rows) == 2
+    for m in rows:
+        positions = samples * (m["prompt/length_mean"] + m["response/length_mean"] - 1)
+        assert m["rollout/routing_bytes"] == pytest.approx(positions * per_token, rel=1e-9)
+    saved = [json.loads(f.read_text()) for f in sorted(run_dir.glob("checkpoints/*/rollout.json"))]
+    groups = [g for st in saved for g in (st["next_batch"] or {"groups": []})["groups"] + st["buffer"]]
+    routed = [s["routed_experts"] for g in groups for s in g["samples"]]
+    assert routed and all(r["dtype"] == "uint8" and r["shape"][1:] == [3, 2] for r in routed)
