@@ -10,6 +10,7 @@ and the step's rollout metrics. The coordinator builds them (megatron_dapo.coord
 
 from __future__ import annotations
 
+import base64
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -29,6 +30,9 @@ class RolloutBatch:
     temperature: float  # sampling temperature: the trainer's logprobs use the same scaling
     step: int  # the trainer step (= weight version) this batch is consumed at
     prompt_indices: list[int]  # dataset index of each group's prompt (for logs and tests)
+    # rollout routing replay (R3): per sample the servers' expert ids, [prompt + response - 1, MoE layers,
+    # top_k] in RoutingShape.dtype (the last token is never fed to the model); None when replay is off
+    routed_experts: list[torch.Tensor] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -63,3 +67,47 @@ class StepData:
     staleness: Counter = field(default_factory=Counter)  # staleness -> groups
     extra: dict = field(default_factory=dict)  # prompt indices and sample versions, for metrics.jsonl
     tokens: int = 0  # prompt + response tokens of the whole batch
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """What the rollout servers' routed experts (R3) hold for a MoE model: SGLang answers one row per
+    position with `num_layers` (every decoder layer) x `top_k` int32 ids; samples keep the rows of the
+    MoE layers only, in the smallest unsigned dtype that holds `num_experts` ids."""
+
+    num_layers: int
+    moe_layers: tuple[int, ...]
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return routing_dtype(self.num_experts)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return len(self.moe_layers) * self.top_k * self.dtype.itemsize
+
+
+def routing_dtype(num_experts: int) -> torch.dtype:
+    """The smallest unsigned integer dtype whose values cover expert ids 0..num_experts-1."""
+    if num_experts <= 1 << 8:
+        return torch.uint8
+    if num_experts <= 1 << 16:
+        return torch.uint16
+    return torch.int32
+
+
+def routing_to_state(rows: torch.Tensor | None) -> dict | None:
+    """Plain JSON data of a sample's routing (checkpoints): dtype, shape and the base64 of its bytes."""
+    if rows is None:
+        return None
+    data = base64.b64encode(rows.contiguous().view(torch.uint8).numpy().tobytes()).decode("ascii")
+    return {"dtype": str(rows.dtype).removeprefix("torch."), "shape": list(rows.shape), "data": data}
+
+
+def routing_from_state(state: dict | None) -> torch.Tensor | None:
+    if state is None:
+        return None
+    raw = torch.frombuffer(bytearray(base64.b64decode(state["data"])), dtype=torch.uint8)
+    return raw.view(getattr(torch, state["dtype"])).view(state["shape"]).clone()

@@ -18,6 +18,8 @@ cannot be installed beside torch 2.13 on CPU: see STUBBED.
 `POST /peer/parse` (a list of /generate bodies) answers what SGLang's
 `GenerateReqInput.normalize_batch_and_arguments` and `SamplingParams(...).normalize/verify` make of each.
 `python -m tests.sglang_peer stops` answers where SGLang's own stop checks end a given token sequence.
+`python -m tests.sglang_peer routed-experts` encodes routed experts through SGLang's capturer and decodes
+an answer's `meta_info["routed_experts"]` with SGLang's function.
 """
 
 from __future__ import annotations
@@ -539,6 +541,47 @@ def stops(cases: dict) -> dict:
     }
 
 
+def routed_experts(cases: list[dict]) -> list[dict]:
+    """Per case, SGLang's own routed-expert output path and decoder (`state_capturer/`,
+    `DetokenizerManager._b64_encode_per_request`, `extract_routed_experts_from_meta_info`):
+    `encoded`: what SGLang answers for a sequence whose prefill routed as `topk` ([seqlen, layers, k])
+    with `start_len`; `decoded`: SGLang's decoding of `meta_info` (flat int32 ids)."""
+    import_sglang()
+    import numpy as np
+    import torch
+    from sglang.srt.managers.detokenizer_manager import DetokenizerManager
+    from sglang.srt.mem_cache.pool_host import common
+    from sglang.srt.state_capturer.base import BaseTopkCapturer
+    from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+
+    # host memory without cudaHostRegister (GPU-only page locking); the capturer is SGLang's otherwise
+    common.ALLOC_MEMORY_FUNCS["cpu"] = lambda dims, dtype, device, pin_memory, allocator, **kw: allocator.allocate(
+        dims, dtype=dtype, device=device
+    )
+    out = []
+    for case in cases:
+        topk = torch.tensor(case["topk"], dtype=torch.int32)
+        seqlen, layers, k = topk.shape
+        cap = BaseTopkCapturer(
+            num_tokens=seqlen,
+            max_batch_size=seqlen,
+            num_layers=layers,
+            topk_size=k,
+            device="cpu",
+            name="routed_experts",
+        )
+        for layer_id in range(layers):  # one prefill forward of the whole sequence, as the MoE layers capture
+            cap.capture(layer_id, topk[:, layer_id])
+        loc = torch.arange(seqlen)
+        cap.on_forward_end(types.SimpleNamespace(out_cache_loc=loc, out_cache_loc_virtual=None), False, None)
+        pool = types.SimpleNamespace(req_to_token=loc.unsqueeze(0))
+        rows = cap.get_topk(req_pool_idx=0, seqlen=seqlen, req_to_token_pool=pool, start_len=case["start_len"])
+        (encoded,) = DetokenizerManager._b64_encode_per_request([rows])
+        decoded = extract_routed_experts_from_meta_info({"meta_info": case["meta_info"]})
+        out.append({"encoded": encoded, "decoded": np.asarray(decoded).tolist()})
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -556,10 +599,13 @@ def main(argv=None) -> int:
         help="placeholder requests in the running batch (as generation in flight would leave)",
     )
     sub.add_parser("install")
+    sub.add_parser("routed-experts", help="stdin: [case...]; stdout: SGLang's encoding and decoding (JSON)")
     sub.add_parser("stops", help="stdin: {finish: [case...], patterns: [...]}; stdout: SGLang's answers (JSON)")
     args = p.parse_args(argv)
     if args.cmd == "install":
         print(ensure_installed())
+    elif args.cmd == "routed-experts":
+        print(json.dumps(routed_experts(json.load(sys.stdin))))
     elif args.cmd == "stops":
         print(json.dumps(stops(json.load(sys.stdin))))
     else:

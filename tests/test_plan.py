@@ -431,3 +431,16 @@ def test_refit_link_is_nvlink_inside_one_node_and_can_be_set(capsys):
     assert f"-> {2 * 30_532_122_624 * 8 / 800e9:.2f} s <- rollout.sync.sources" in out  # auto -> per_stage
     assert main([*args[:-1], "0"]) == 2
     assert "--link-gbps=0.0 must be > 0" in capsys.readouterr().err
+
+
+def test_plan_prints_the_routing_replay_bytes_per_step():
+    from megatron_dapo.planner.plan import format_plan
+
+    plan = make_plan(_cluster("qwen3_30b_a3b.yaml", 4), gpu_mem_gib=80)
+    tokens = plan.step.tokens(plan.cfg)
+    # Qwen3-30B-A3B: 48 MoE layers x top-8 ids of 128 experts, one byte each
+    line = next(x for x in format_plan(plan).splitlines() if x.startswith("routing replay"))
+    assert "48 MoE layers x top 8 x 1 B (uint8)" in line
+    assert f"= {tokens * 48 * 8 / 2**20:.1f} MiB per step" in line
+    off = make_plan(_cluster("qwen3_30b_a3b.yaml", 4, "algo.routing_replay=none"), gpu_mem_gib=80)
+    assert "routing replay" not in format_plan(off)

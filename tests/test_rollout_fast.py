@@ -63,6 +63,7 @@ def _all_client_bodies() -> dict[str, list[dict]]:
         "/generate": [
             payloads.generate_body([1, 2], sp, rid="r"),
             payloads.generate_body([1, 2], SamplingParams(max_new_tokens=0), rid="p", logprob_start_len=0),
+            payloads.generate_body([1, 2], [sp, sp], rid="b", routed_experts_start_len=1),
         ],
         "/abort_request": [payloads.abort_body("r"), payloads.abort_body(abort_all=True)],
         "/pause_generation": [payloads.pause_body(m) for m in ("abort", "retract", "in_place")],

@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import os
 
+from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
+from megatron_dapo.types import RoutingShape
 
 
 def launched_rollout_gpus(cfg: DapoConfig) -> int:
@@ -102,3 +104,21 @@ def sync_sources(cfg: DapoConfig) -> str:
         return s.sources
     applies = s.policy == "all_at_once" and cfg.trainer.backend == "megatron"
     return "per_stage" if applies and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1) else "rank0"
+
+
+def routing_shape(cfg: DapoConfig) -> RoutingShape | None:
+    """What the samples carry for rollout routing replay (algo.routing_replay): None when it is off,
+    explicitly or by default (a dense model, or a model whose shape is not known yet)."""
+    from megatron_dapo.config.shapes import resolve_model_shape
+
+    if cfg.algo.routing_replay == "none":
+        return None
+    shape = resolve_model_shape(cfg.model).shape
+    if shape is None and cfg.algo.routing_replay == "rollout":
+        raise ConfigError(
+            f"algo.routing_replay=rollout: the model's shape is unknown (model.hf_path={cfg.model.hf_path!r} "
+            "has no config.json and no model.hf_config is given)"
+        )
+    if shape is None or not shape.is_moe:
+        return None
+    return RoutingShape(shape.num_layers, shape.moe_layers, shape.moe_topk, shape.num_experts)

@@ -102,6 +102,8 @@ def _check_model(cfg: DapoConfig, shape: ModelShape, source: str, errors: list[s
         if p.tp > 1 and not p.sequence_parallel and cfg.trainer.backend == "megatron":
             errors.append(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={p.tp}")
     else:
+        if cfg.algo.routing_replay == "rollout":
+            errors.append(f"algo.routing_replay=rollout needs an MoE model; the model is dense ({source}): use none")
         if p.ep > 1:
             errors.append(f"parallel.ep={p.ep} but the model is dense ({source}); use parallel.ep=1")
         if p.etp is not None and p.etp > 1:

@@ -34,7 +34,21 @@ def build_batch(
         temperature=temperature,
         step=step,
         prompt_indices=[g.prompt_index for g in groups],
+        routed_experts=batch_routing(samples),
     )
+
+
+def batch_routing(samples) -> list[torch.Tensor] | None:
+    """Each sample's routed experts (routing replay), checked to cover every position the model was fed
+    (prompt + response - 1); None when the samples carry none."""
+    if all(s.routed_experts is None for s in samples):
+        return None
+    for s in samples:
+        want = len(s.prompt_ids) + len(s.output_ids) - 1
+        got = None if s.routed_experts is None else s.routed_experts.shape[0]
+        if got != want:
+            raise ValueError(f"sample {s.rid}: routed experts for {got} positions, expected {want}")
+    return [s.routed_experts for s in samples]
 
 
 def probe_batch(token_ids: list[int], step: int = 0) -> RolloutBatch:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_dapo.config.derived import gen_batch_size, max_new_tokens
+from megatron_dapo.config.derived import gen_batch_size, max_new_tokens, routing_shape
 from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
 from megatron_dapo.coordinator.router import Router
 from megatron_dapo.data.dataset import PromptDataset, PromptSampler
@@ -81,8 +81,11 @@ def build_producer(
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     r = cfg.rollout
 
+    # the simulator's engines model time, not routing: only HTTP servers are asked for routed experts
+    routed = routing_shape(cfg) if client_factory is None else None
+
     def router():
-        extra = {} if client_factory is None else {"client_factory": client_factory}
+        extra = {"routed_experts": routed} if client_factory is None else {"client_factory": client_factory}
         return Router(
             server_urls,
             api_key=r.api_key,

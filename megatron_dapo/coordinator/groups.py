@@ -14,6 +14,7 @@ import torch
 
 from megatron_dapo.algo import dynamic_sampling_filter, group_advantages, overlong_reward
 from megatron_dapo.rollout.types import Sample
+from megatron_dapo.types import routing_from_state, routing_to_state
 
 if TYPE_CHECKING:
     from megatron_dapo.config.schema import OverlongBufferConfig
@@ -83,7 +84,7 @@ class JudgedGroup:
         """Plain data (JSON-able) for checkpoints of the rollout buffer."""
 
         d = asdict(self)
-        d["samples"] = [asdict(s) for s in self.samples]
+        d["samples"] = [sample_to_state(s) for s in self.samples]
         return d
 
     @classmethod
@@ -91,12 +92,20 @@ class JudgedGroup:
         return cls(**{**d, "samples": [sample_from_state(s) for s in d["samples"]]})
 
 
+def sample_to_state(s: Sample) -> dict:
+    """Plain data (JSON-able) of a sample, for checkpoints: its fields, the routing as `routing_to_state`."""
+    d = asdict(s)
+    d["routed_experts"] = routing_to_state(s.routed_experts)
+    return d
+
+
 def sample_from_state(d: dict) -> Sample:
-    """A Sample from its `dataclasses.asdict` form (checkpoints)."""
+    """A Sample from its `sample_to_state` form (checkpoints)."""
     from megatron_dapo.rollout.types import WeightVersionSpan
 
     d = dict(d)
     d["weight_versions"] = [WeightVersionSpan(**w) for w in d.get("weight_versions") or []]
+    d["routed_experts"] = routing_from_state(d.get("routed_experts"))
     return Sample(**d)
 
 

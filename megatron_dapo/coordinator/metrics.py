@@ -48,7 +48,9 @@ def batch_metrics(batch) -> dict[str, float]:
     mean = sum(a * n for a, n in zip(adv, tokens)) / weight if weight else 0.0
     var = sum(n * (a - mean) ** 2 for a, n in zip(adv, tokens)) / weight if weight else 0.0
     prompts = batch.prompt_lengths
+    routing = {} if batch.routed_experts is None else {"rollout/routing_bytes": float(routing_bytes(batch))}
     return {
+        **routing,
         "advantages/mean": mean,
         "advantages/std": math.sqrt(var),
         "advantages/max": max(seen, default=0.0),
@@ -57,3 +59,8 @@ def batch_metrics(batch) -> dict[str, float]:
         "prompt/length_max": float(max(prompts, default=0)),
         "prompt/length_min": float(min(prompts, default=0)),
     }
+
+
+def routing_bytes(batch) -> int:
+    """Bytes of the routed experts (routing replay) the batch carries to the trainer."""
+    return sum(t.numel() * t.element_size() for t in batch.routed_experts or [])

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+import torch
+
 from megatron_dapo.rollout.types import Sample, SamplingParams, WeightVersionSpan
 
 
@@ -53,7 +55,18 @@ def merge_continuation(prefix: Sample, cont: Sample) -> Sample:
         group_id=prefix.group_id,
         index=prefix.index,
         num_retractions=prefix.num_retractions + cont.num_retractions,
+        routed_experts=joined_routing(prefix, cont),
     )
+
+
+def joined_routing(prefix: Sample, cont: Sample) -> torch.Tensor | None:
+    """The routed experts of `prefix` then `cont` (which the router asked from the first position the
+    prefix's rows do not cover, or from 0 when the prefix generated nothing), each from its own weights."""
+    if cont.routed_experts is None or not prefix.output_ids:
+        return cont.routed_experts
+    if prefix.routed_experts is None:
+        raise ValueError(f"sample {prefix.rid}: its continuation carries routed experts, its first piece none")
+    return torch.cat([prefix.routed_experts, cont.routed_experts])
 
 
 def continuation_ids(sample: Sample) -> list[int]:

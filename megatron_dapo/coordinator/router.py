@@ -51,6 +51,7 @@ from megatron_dapo.coordinator.dispatch import Dispatcher
 from megatron_dapo.coordinator.routing import RouteRequest, ServerView, make_routing_policy
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams
+from megatron_dapo.types import RoutingShape
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +116,14 @@ class Router:
         queue: QueueConfig | None = None,
         cost_model=None,  # a CostModel instead of routing.cost_model's file (a simulator's)
         client_factory=SGLangClient,  # (url, api_key=..., **client_kwargs) -> client; the simulator's engines
+        routed_experts: RoutingShape | None = None,  # routing replay: training samples carry their experts
     ):
         if not urls:
             raise ValueError("Router needs at least one server URL")
         kw = dict(client_kwargs or {})
         kw.setdefault("retries", 1)  # the router fails over instead of hammering a dead server
         self.servers = [ServerState(u.rstrip("/"), client_factory(u, api_key=api_key, **kw)) for u in urls]
+        self.routed_experts = routed_experts
         if max_in_flight_per_server is not None:  # rollout.concurrency
             for s in self.servers:
                 s.slots = asyncio.Semaphore(max_in_flight_per_server)
@@ -335,7 +338,9 @@ class Router:
                         server_rids(sent_rid, sampling),
                         migrated=generated is not None and self._continues_migrated(group_id),
                     )
-                    samples = await s.client.generate(input_ids, sampling, rid=sent_rid)
+                    samples = await s.client.generate(
+                        input_ids, sampling, rid=sent_rid, **self._routing_request(input_ids, generated, validation)
+                    )
                 produced = sum(len(smp.output_ids) for smp in samples)
             except (SGLangConnectionError, SGLangHTTPError) as e:
                 if isinstance(e, SGLangHTTPError) and e.status is not None and e.status < 500:
@@ -353,6 +358,15 @@ class Router:
                 smp.group_id = group_id
             return samples
         raise NoHealthyServer(f"request failed on every server tried ({sorted(tried)}): {last_err}")
+
+    def _routing_request(self, input_ids: Sequence[int], generated: int | None, validation: bool) -> dict:
+        """The routed-experts arguments of a training request: a continuation (partial rollout) asks from
+        the last position its earlier pieces did not cover, so the pieces join in token order (one that
+        continues no token asks for all: its earlier piece may never have been fed to the model)."""
+        if self.routed_experts is None or validation:
+            return {}
+        start = len(input_ids) - 1 if generated else 0
+        return {"routing": self.routed_experts, "routed_experts_start_len": start}
 
     async def generate_group(
         self, input_ids: Sequence[int], sampling: SamplingParams, group_id: str | None = None

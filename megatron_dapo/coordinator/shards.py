@@ -54,6 +54,7 @@ def select_rows(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
         temperature=batch.temperature,
         step=batch.step,
         prompt_indices=list(batch.prompt_indices),
+        routed_experts=None if batch.routed_experts is None else [batch.routed_experts[r] for r in rows],
     )
 
 

@@ -39,6 +39,7 @@ from megatron_dapo.planner.memory import (
 )
 from megatron_dapo.planner.refit import IB_400G_GBPS, NVLINK_GBPS, RefitEstimate, crosses_nodes, refit_estimate
 from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, TrainerSpeed, trainer_speed
+from megatron_dapo.types import RoutingShape
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 
@@ -257,6 +258,9 @@ def format_plan(plan: Plan) -> str:
     out = _format_layout(plan) + [""] + _format_memory(plan)
     if plan.step is not None:
         out += ["", _format_step(plan)]
+        routing = derived.routing_shape(plan.cfg)
+        if routing is not None:
+            out.append(_format_routing(plan, routing))
     if plan.refit is not None:
         out += _format_refit(plan)
     return "\n".join(out)
@@ -274,6 +278,17 @@ def _format_refit(plan: Plan) -> list[str]:
         f"  per_stage: busiest source {r.per_stage_busiest_bytes / gb:.2f} GB; the sources take turns and every "
         f"server receives the model -> {r.per_stage_s:.2f} s{mark['per_stage']}",
     ]
+
+
+def _format_routing(plan: Plan, routing: RoutingShape) -> str:
+    """The routed experts (algo.routing_replay=rollout) one step's samples carry to the trainer."""
+    tokens = plan.step.tokens(plan.cfg)
+    per_token = routing.bytes_per_token
+    return (
+        f"routing replay (algo.routing_replay=rollout): {tokens / 1e6:.2f} M tokens x {len(routing.moe_layers)} "
+        f"MoE layers x top {routing.top_k} x {routing.dtype.itemsize} B ({str(routing.dtype).removeprefix('torch.')}) "
+        f"= {tokens * per_token / 2**20:.1f} MiB per step, held by the coordinator until the step is trained"
+    )
 
 
 def _format_layout(plan: Plan) -> list[str]:

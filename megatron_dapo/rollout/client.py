@@ -19,6 +19,7 @@ import aiohttp
 
 from megatron_dapo.rollout import payloads
 from megatron_dapo.rollout.types import Sample, SamplingParams, ServerLoad
+from megatron_dapo.types import RoutingShape
 
 log = logging.getLogger(__name__)
 
@@ -171,29 +172,40 @@ class SGLangClient:
         sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         rid: str | None = None,
         return_logprob: bool = True,
+        routing: RoutingShape | None = None,
+        routed_experts_start_len: int = 0,
     ) -> list[Sample]:
         """Generate `sampling.n` samples for one prompt; returns them all when the last one finishes.
+        With `routing` (routing replay) each sample carries its routed experts from position
+        `routed_experts_start_len` on.
 
         With a list of n=1 sampling params (e.g. one sampling_seed each), one batch request samples the
         prompt once per entry, so the server takes the whole group at once; samples come back in order.
         """
         sampling = sampling or SamplingParams()
         rid = rid or uuid.uuid4().hex
+        start = None if routing is None else routed_experts_start_len
         if not isinstance(sampling, SamplingParams):
             if not sampling or any(sp.n != 1 for sp in sampling):
                 raise ValueError("generate: a list of sampling params needs n == 1 in each entry")
-            body = payloads.generate_body(input_ids, list(sampling), rid=rid, return_logprob=return_logprob)
+            body = payloads.generate_body(
+                input_ids, list(sampling), rid=rid, return_logprob=return_logprob, routed_experts_start_len=start
+            )
             answer = await self._post("/generate", body)
             if not isinstance(answer, list) or len(answer) != len(sampling):
                 raise SGLangHTTPError(
                     f"POST {self.base_url}/generate", f"a batch of {len(sampling)} answered with {answer!r:.200}"
                 )
-            return payloads.parse_generate(answer, input_ids, server=self.base_url)
+            return payloads.parse_generate(answer, input_ids, server=self.base_url, routing=routing)
         body = payloads.generate_body(
-            input_ids, sampling, rid=rid if sampling.n == 1 else None, return_logprob=return_logprob
+            input_ids,
+            sampling,
+            rid=rid if sampling.n == 1 else None,
+            return_logprob=return_logprob,
+            routed_experts_start_len=start,
         )
         answer = await self._post("/generate", body)
-        samples = payloads.parse_generate(answer, input_ids, server=self.base_url)
+        samples = payloads.parse_generate(answer, input_ids, server=self.base_url, routing=routing)
         if sampling.n == 1:
             samples[0].rid = samples[0].rid or rid
         return samples

@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_dapo.config.derived import routing_shape
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
 
@@ -44,6 +45,7 @@ class SGLangServerArgs:
     base_gpu_id: int | None = None
     enable_memory_saver: bool = False  # needed by release/resume_memory_occupation
     enable_deterministic_inference: bool = False  # honours sampling_seed; batch-invariant kernels
+    enable_return_routed_experts: bool = False  # meta_info.routed_experts, for rollout routing replay (R3)
     trust_remote_code: bool = False
     skip_tokenizer_init: bool = False  # token ids in, token ids out
     log_level: str | None = None
@@ -62,6 +64,7 @@ class SGLangServerArgs:
             api_key=r.api_key,
             extra_args=list(r.extra_args),
             enable_deterministic_inference=r.deterministic_inference,
+            enable_return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
         )
         kw.update(overrides)
         return cls(**kw)
@@ -98,6 +101,7 @@ def sglang_command(args: SGLangServerArgs, python: str = sys.executable) -> list
     for flag, on in {
         "--enable-memory-saver": args.enable_memory_saver,
         "--enable-deterministic-inference": args.enable_deterministic_inference,
+        "--enable-return-routed-experts": args.enable_return_routed_experts,
         "--trust-remote-code": args.trust_remote_code,
         "--skip-tokenizer-init": args.skip_tokenizer_init,
     }.items():
@@ -116,6 +120,7 @@ def embedded_command(
     threads: int | None = 1,
     deterministic_inference: bool = False,
     batching: str = "static",
+    return_routed_experts: bool = False,
     extra_args: list[str] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
@@ -141,6 +146,8 @@ def embedded_command(
         cmd.append("--enable-deterministic-inference")
     if batching != "static":
         cmd += ["--batching", batching]
+    if return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + list(extra_args or [])
 
 

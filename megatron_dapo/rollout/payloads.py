@@ -9,9 +9,13 @@ from __future__ import annotations
 import base64
 from collections.abc import Sequence
 
+import torch
+
 from megatron_dapo.rollout.types import FINISH_REASONS, Sample, SamplingParams, ServerLoad, WeightVersionSpan
+from megatron_dapo.types import RoutingShape
 
 DEFAULT_GROUP = "weight_update_group"  # SGLang's default group_name
+ROUTED_DTYPE = torch.int32  # SGLang's routed-experts capture buffer dtype (state_capturer/base.py)
 
 
 def generate_body(
@@ -20,6 +24,7 @@ def generate_body(
     rid: str | None = None,
     return_logprob: bool = True,
     logprob_start_len: int | None = None,
+    routed_experts_start_len: int | None = None,
 ) -> dict:
     """One prompt; with a list of sampling params, a batch of that prompt once per entry (SGLang's batch
     form: input_ids and sampling_params as lists, rid `{rid}-{i}` per entry)."""
@@ -35,6 +40,9 @@ def generate_body(
     body["return_logprob"] = bool(return_logprob)
     if logprob_start_len is not None:
         body["logprob_start_len"] = int(logprob_start_len)
+    if routed_experts_start_len is not None:  # routing replay: the rows from this position on
+        body["return_routed_experts"] = True
+        body["routed_experts_start_len"] = int(routed_experts_start_len)
     return body
 
 
@@ -163,8 +171,11 @@ def parse_finish_reason(fr) -> tuple[str, int | str | None, str | None]:
     return kind, matched, message
 
 
-def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "") -> Sample:
-    """One /generate answer (an element of the list when n > 1) -> Sample."""
+def parse_generate_item(
+    item: dict, prompt_ids: Sequence[int], server: str = "", routing: RoutingShape | None = None
+) -> Sample:
+    """One /generate answer (an element of the list when n > 1) -> Sample; with `routing`, its routed
+    experts too (required: a server launched without --enable-return-routed-experts omits them)."""
     try:
         meta = item["meta_info"]
         output_ids = [int(t) for t in item["output_ids"]]
@@ -195,12 +206,29 @@ def parse_generate_item(item: dict, prompt_ids: Sequence[int], server: str = "")
         abort_message=message if kind == "abort" else None,
         server=server,
         num_retractions=int(meta.get("num_retractions") or 0),
+        routed_experts=None if routing is None else parse_routed_experts(meta, routing, server),
     )
 
 
-def parse_generate(answer, prompt_ids: Sequence[int], server: str = "") -> list[Sample]:
+def parse_routed_experts(meta: dict, routing: RoutingShape, server: str = "") -> torch.Tensor:
+    """meta_info.routed_experts -> the MoE layers' rows in the compact dtype, [rows, MoE layers, top_k]."""
+    text = meta.get("routed_experts")
+    if not isinstance(text, str):
+        raise ValueError(
+            f"{server}/generate answer has no meta_info.routed_experts (algo.routing_replay=rollout needs servers "
+            "launched with --enable-return-routed-experts)"
+        )
+    rows = decode_routed_experts(text, routing.num_layers, routing.top_k)[:, list(routing.moe_layers)]
+    if rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < routing.num_experts:
+        raise ValueError(f"{server}/generate answer: routed_experts ids outside [0, {routing.num_experts})")
+    return rows.to(routing.dtype)
+
+
+def parse_generate(
+    answer, prompt_ids: Sequence[int], server: str = "", routing: RoutingShape | None = None
+) -> list[Sample]:
     items = answer if isinstance(answer, list) else [answer]
-    samples = [parse_generate_item(it, prompt_ids, server) for it in items]
+    samples = [parse_generate_item(it, prompt_ids, server, routing) for it in items]
     for i, s in enumerate(samples):
         s.index = i
     return samples
@@ -249,3 +277,16 @@ def parse_loads(answer, server: str = "") -> ServerLoad:
         decode_moments=tuple(map(float, moments)) if moments else None,
         timestamp=float(row.get("timestamp") or 0.0),
     )
+
+
+def encode_routed_experts(rows: torch.Tensor) -> str:
+    """SGLang's encoding: base64 of the int32 array's bytes (detokenizer_manager._b64_encode_per_request)."""
+    return base64.b64encode(rows.to(ROUTED_DTYPE).contiguous().numpy().tobytes()).decode("utf-8")
+
+
+def decode_routed_experts(text: str, num_layers: int, top_k: int) -> torch.Tensor:
+    """The [rows, num_layers, top_k] int32 array of an encoded answer (the inverse of the above)."""
+    flat = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=ROUTED_DTYPE)
+    if flat.numel() % (num_layers * top_k):
+        raise ValueError(f"routed_experts: {flat.numel()} ids are not a whole number of rows of {num_layers}x{top_k}")
+    return flat.view(-1, num_layers, top_k)

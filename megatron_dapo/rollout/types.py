@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -74,6 +76,9 @@ class Sample:
     index: int = 0  # position of this sample within its group
     server: str = ""  # base URL of the server that produced it
     num_retractions: int = 0  # times a server retracted it (KV pool full) and prefilled it again
+    # routing replay (R3): the expert ids of every position fed to the model (prompt + output - 1 rows),
+    # [rows, MoE layers, top_k] in RoutingShape.dtype; None unless asked for
+    routed_experts: torch.Tensor | None = None
 
     @property
     def aborted(self) -> bool:

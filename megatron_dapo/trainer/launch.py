@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
-from megatron_dapo.config.derived import trainer_world_size
+from megatron_dapo.config.derived import routing_shape, trainer_world_size
 from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
 
 # ray (and torch) are imported in the functions that use them: a torchrun launch never needs ray.
@@ -102,6 +102,7 @@ class _ServerActor:
                 device=device,
                 deterministic_inference=cfg.rollout.deterministic_inference,
                 batching=cfg.rollout.embedded_batching,
+                return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
             )
         return self.proc.url
 

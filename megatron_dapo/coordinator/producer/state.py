@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import TYPE_CHECKING
 
-from megatron_dapo.coordinator.groups import JudgedGroup, sample_from_state
+from megatron_dapo.coordinator.groups import JudgedGroup, sample_from_state, sample_to_state
 from megatron_dapo.coordinator.producer.settings import InFlight
 from megatron_dapo.coordinator.staleness import RESERVED, StalenessController
 
@@ -28,7 +27,9 @@ def state_dict(p: RolloutProducer) -> dict:
                 "idx": f.idx,
                 "v_traj": f.v_traj,
                 "slot": list(p.slots.where[d]),
-                "samples": None if f.samples is None else [None if s is None else asdict(s) for s in f.samples],
+                "samples": None
+                if f.samples is None
+                else [None if s is None else sample_to_state(s) for s in f.samples],
             }
             for d, f in sorted(p.flight.items())
         ],

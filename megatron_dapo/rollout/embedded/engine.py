@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_dapo.rollout.embedded.load_stats import LoadStats, StepTrace
+from megatron_dapo.rollout.embedded.routed_experts import RoutingCapture
 from megatron_dapo.rollout.embedded.sampling import (
     GREEDY_EPS,
     Penalties,
@@ -45,6 +46,7 @@ from megatron_dapo.rollout.embedded.sampling import (
     top_logprobs,
 )
 from megatron_dapo.rollout.embedded.stops import StopMatcher, trim_stop_text
+from megatron_dapo.rollout.payloads import encode_routed_experts
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,8 @@ class GenRequest:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False  # the answer text keeps the matched stop string / stop token
+    return_routed_experts: bool = False  # meta_info["routed_experts"], as SGLang (see routed_experts.py)
+    routed_experts_start_len: int = 0  # the first position returned
     created: float = field(default_factory=time.perf_counter)  # e2e_latency counts from here
     # state, owned by the engine
     output: list[int] = field(default_factory=list)
@@ -91,6 +95,9 @@ class GenRequest:
     abort_msg: str | None = None
     version_events: list[tuple[str, int]] = field(default_factory=list)
     num_retractions: int = 0
+    # with return_routed_experts: the expert ids of every position fed to the model so far, in chunks of
+    # [positions, layers, top_k]; a prefill (again, after a retraction) starts them over
+    routing: list[torch.Tensor] = field(default_factory=list)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -125,8 +132,11 @@ class Engine:
         step_trace: StepTrace | None = None,
         batching: str = "static",
         max_total_tokens: int | None = None,
+        return_routed_experts: bool = False,
     ):
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
+        # SGLang's --enable-return-routed-experts: hooks on the routers (raises for a model without experts)
+        self.routing = RoutingCapture(model) if return_routed_experts else None
         self.tokenizer = tokenizer
         self.device = next(model.parameters()).device
         self.max_batch = max_batch
@@ -402,6 +412,8 @@ class Engine:
             use_cache=True,
             logits_to_keep=logits_to_keep,
         )
+        if self.routing is not None:
+            self._routed = self.routing.take(*ids.shape)
         return out.logits.float(), out.cache
 
     def _input_logprobs(self, r: GenRequest, s: tuple, logits: torch.Tensor) -> None:
@@ -464,6 +476,7 @@ class Engine:
             )
             if want:
                 self._input_logprobs(r, s, logits[0])
+            self._keep_routing(r, 0)
             caches.append(cache)
             lasts.append(logits[0, -1])
         lengths = torch.tensor([len(r.prompt) + len(r.output) for r in reqs], device=self.device)
@@ -491,6 +504,7 @@ class Engine:
         for r, s in zip(reqs, seqs):
             if self._wants_input_logprobs(r):
                 self._input_logprobs(r, s, logits[row_of[s], L - len(s) :])
+            self._keep_routing(r, (row_of[s], slice(L - len(s), None)))
 
         index = torch.tensor([row_of[s] for s in seqs], device=self.device)
         last = logits[:, -1][index]
@@ -510,6 +524,7 @@ class Engine:
                     b.next_pos[i : i + 1].unsqueeze(-1),
                     b.cache[i],
                 )
+                self._keep_routing(b.reqs[i], 0, more=True)
                 rows.append(logits[0, -1])
             b.next_pos = b.next_pos + 1
             self._batch = self._sample_and_advance(b, torch.stack(rows))
@@ -517,8 +532,17 @@ class Engine:
         ids = b.last_tokens.unsqueeze(-1)
         b.mask = torch.cat([b.mask, torch.ones_like(b.mask[:, :1])], dim=-1)
         logits, b.cache = self._forward(ids, b.mask, b.next_pos.unsqueeze(-1), b.cache)
+        for i, r in enumerate(b.reqs):
+            self._keep_routing(r, i, more=True)
         b.next_pos = b.next_pos + 1
         self._batch = self._sample_and_advance(b, logits[:, -1])
+
+    def _keep_routing(self, r: GenRequest, index, more: bool = False) -> None:
+        """Keep the last forward's expert ids at `index` (the positions `r` just fed) if `r` asked for them:
+        after the ones kept so far (`more`, a decode step) or instead of them (a prefill recomputes them all)."""
+        if r.return_routed_experts:
+            rows = self._routed[index].clone()  # a copy: the batch's array is not kept alive by it
+            r.routing = [*r.routing, rows] if more else [rows]
 
     def _budget(self, r: GenRequest) -> int:
         return min(r.max_new_tokens - len(r.output), self.max_context - len(r.prompt) - len(r.output))
@@ -664,8 +688,18 @@ class Engine:
             if r.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = self._top_entries(r, r.input_top or [])
                 meta["output_top_logprobs"] = self._top_entries(r, r.output_top)
+        if r.return_routed_experts:
+            meta["routed_experts"] = self._routed_experts(r)
         meta["e2e_latency"] = time.perf_counter() - r.created
         return {"text": self._answer_text(r), "output_ids": list(r.output), "meta_info": meta}
+
+    def _routed_experts(self, r: GenRequest) -> str:
+        """SGLang's rows `[routed_experts_start_len, seqlen - 1)`, encoded as SGLang encodes them."""
+        seqlen = len(r.prompt) + len(r.output)
+        start = min(r.routed_experts_start_len, max(seqlen - 1, 0))
+        shape = (0, self.routing.num_layers, self.routing.top_k)
+        rows = torch.cat(r.routing) if r.routing else torch.zeros(shape, dtype=torch.int32)
+        return encode_routed_experts(rows[start : seqlen - 1])
 
     def _answer_text(self, r: GenRequest) -> str:
         """The output's text without the stop that ended it, as SGLang's detokenizer trims it."""

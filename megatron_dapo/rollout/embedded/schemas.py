@@ -76,7 +76,6 @@ GENERATE_NEUTRAL: dict[str, tuple] = {
             "return_flat_raw_output_top_logprobs",
             "return_flat_raw_top_logprobs_b64",
             "return_hidden_states",
-            "return_routed_experts",
             "return_indexer_topk",
             "background",
             "require_reasoning",
@@ -86,7 +85,6 @@ GENERATE_NEUTRAL: dict[str, tuple] = {
         ),
         (None, False),
     ),
-    "routed_experts_start_len": (None, 0),
 }
 SAMPLING_NEUTRAL: dict[str, tuple] = {
     "beam_width": (None, 1),
@@ -195,6 +193,9 @@ class GenerateIn(_Strict):
     return_text_in_logprobs: bool = False
     stream: Literal[False] = False
     log_metrics: bool = True
+    # routed experts (R3): served with --enable-return-routed-experts on a MoE model; rows from this position
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = Field(0, ge=0)
 
     # ---- SGLang fields that label or route a request: accepted, no effect here ----
     # SGLang ignores a priority unless started with --enable-priority-scheduling

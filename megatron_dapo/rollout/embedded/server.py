@@ -63,6 +63,7 @@ class EmbeddedServer:
         step_trace: str | None = None,
         batching: str = "static",
         max_total_tokens: int | None = None,
+        return_routed_experts: bool = False,
     ):
         self.engine = Engine(
             model,
@@ -74,6 +75,7 @@ class EmbeddedServer:
             batching=batching,
             max_total_tokens=max_total_tokens,
             step_trace=StepTrace(step_trace) if step_trace else None,
+            return_routed_experts=return_routed_experts,
         )
         self.state = ServerState(
             engine=self.engine,
@@ -87,6 +89,7 @@ class EmbeddedServer:
                 "max_running_requests": max_batch,
                 "max_total_tokens": max_total_tokens,
                 "enable_deterministic_inference": batch_invariant,
+                "enable_return_routed_experts": return_routed_experts,
             },
         )
         self.app = _build_app(self.state)
@@ -197,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
         "depend on the other requests; one forward per sequence and step (slower). "
         "sampling_seed is honoured either way",
     )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="SGLang's flag: a request with return_routed_experts gets the top-k expert ids of every MoE "
+        "layer for every token (meta_info.routed_experts), for rollout routing replay; MoE models only",
+    )
     defaults = ServerLimits()
     p.add_argument(
         "--max-request-bytes",
@@ -256,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         step_trace=args.step_trace,
         batching=args.batching,
         max_total_tokens=args.max_total_tokens,
+        return_routed_experts=args.enable_return_routed_experts,
     )
     print(
         f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "

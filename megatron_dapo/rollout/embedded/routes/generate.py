@@ -117,6 +117,8 @@ def _entry_requests(
         ids = eng.tokenizer.encode(text)
     if (problem := _prompt_problem(eng, ids, at)) is not None:
         return problem
+    if (problem := _routed_experts_problem(eng, body, len(ids))) is not None:
+        return problem
     try:
         sp = S.SamplingParamsIn.model_validate(sp_raw or {})
     except ValidationError as e:
@@ -151,6 +153,19 @@ def _prompt_problem(eng: Engine, ids, at: str) -> str | None:
     return None
 
 
+def _routed_experts_problem(eng: Engine, body: S.GenerateIn, prompt_len: int) -> str | None:
+    if not body.return_routed_experts:
+        return None
+    if eng.routing is None:
+        return (
+            "return_routed_experts: this server does not capture routed experts (start it with "
+            "--enable-return-routed-experts, on a model with MoE layers)"
+        )
+    if body.routed_experts_start_len > prompt_len:  # SGLang's bound (Scheduler.handle_generate_request)
+        return f"routed_experts_start_len: {body.routed_experts_start_len} is above the {prompt_len} prompt tokens"
+    return None
+
+
 def _gen_request(body: S.GenerateIn, sp: S.SamplingParamsIn, rid: str, ids, stop_strs, stop_regex) -> GenRequest:
     """The engine request for `rid`, SGLang's defaults where `sp` or `body` leaves a field unset."""
     return GenRequest(
@@ -177,4 +192,6 @@ def _gen_request(body: S.GenerateIn, sp: S.SamplingParamsIn, rid: str, ids, stop
         skip_special_tokens=sp.skip_special_tokens is not False,
         spaces_between_special_tokens=sp.spaces_between_special_tokens is not False,
         no_stop_trim=bool(sp.no_stop_trim),
+        return_routed_experts=body.return_routed_experts,
+        routed_experts_start_len=body.routed_experts_start_len,
     )
