@@ -66,6 +66,7 @@ class EngineRequest:
     future: asyncio.Future
     max_new: int = 0  # its max_new_tokens (what SGLang's KV budget reckons with); 0 = target
     held: int | None = None  # running under KVAdmission: HELD_LINEAR, or the seq of its clip-end entry
+    finish_seq: int | None = None  # seq of its entry in the finish heap from its latest admission
     generated: int = 0  # tokens generated so far (up to the last admission or retraction)
     start_step: int = 0  # engine step counter at admission
     versions: list[tuple[int, int]] = field(default_factory=list)  # (first token index, weight version)
@@ -213,10 +214,11 @@ class SimEngine:
     def _settle(self) -> None:
         """At a boundary: finish what is done, retract while the pool is full, admit what fits."""
         while self._finish and self._finish[0][0] <= self.step:
-            _, _, rid = heapq.heappop(self._finish)
-            req = self.running.pop(rid, None)
-            if req is None:
-                continue  # retracted or aborted earlier
+            _, seq, rid = heapq.heappop(self._finish)
+            req = self.running.get(rid)
+            if req is None or req.finish_seq != seq:
+                continue  # retracted or aborted earlier (and maybe running again, with a later entry)
+            del self.running[rid]
             self._leave(req)
             self._rids.discard(rid)
             req.generated = req.target
@@ -342,7 +344,8 @@ class SimEngine:
                 req.versions.append((req.generated, self.version))
             self.running[req.rid] = req
             self._kv_base += req.input_len + req.generated - self.step
-            heapq.heappush(self._finish, (self.step + req.target - req.generated, next(self._seq), req.rid))
+            req.finish_seq = next(self._seq)
+            heapq.heappush(self._finish, (self.step + req.target - req.generated, req.finish_seq, req.rid))
             if self.admission is not None:
                 self._hold(req)
         if prefill and self.cost.p_k > 0:  # one prefill batch before the next decode step
