@@ -37,3 +37,195 @@ def test_a_retracted_then_readmitted_request_decodes_all_its_tokens():
     assert engine.stats.tokens == 18 + 30  # every token it reports was decoded
     readmitted = sum(COST.step_time(1, 65 + k) for k in range(15))  # 50 input + 15 kept, 15 steps
     assert end == pytest.approx(t18 + readmitted, rel=1e-9)
+
+
+# ---- per-engine speed, transient slowdowns -------------------------------------------------------
+PREFILL = CostModel(a_b=2e-3, a_k=1e-6, o_thr=5e-3, o_b=1e-3, o_k=0.5e-3, p_k=1e-5)
+
+
+def _finish_times(speed, arrivals, slowdowns=()):
+    """Finish times on one engine of `speed` under scripted slowdowns (sim.slowdown.SlowdownDriver)."""
+    from megatron_dapo.sim.slowdown import SlowdownDriver
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(PREFILL, 10**9, 64, loop=loop, speed=speed)
+        SlowdownDriver([engine], slowdowns)
+        times = [None] * len(arrivals)
+        for i, (at, inp, target) in enumerate(arrivals):
+
+            def submit(i=i, inp=inp, target=target):
+                engine.submit(f"r{i}", inp, target).add_done_callback(lambda f: times.__setitem__(i, loop.time()))
+
+            loop.call_at(at, submit)
+        while None in times:
+            await asyncio.sleep(0.5)
+        return times, engine
+
+    return run_virtual(main())
+
+
+def test_an_engine_at_half_speed_takes_twice_as_long_for_everything():
+    arrivals = [(0.0, 30, 50), (0.0, 70, 20), (0.0, 10, 80)]
+    (fast, e1), (slow, e2) = _finish_times(1.0, arrivals), _finish_times(0.5, arrivals)
+    assert slow == pytest.approx([2 * t for t in fast], rel=1e-12)
+    assert e2.stats.busy_s == pytest.approx(2 * e1.stats.busy_s) and e2.stats.tokens == e1.stats.tokens == 150
+    assert e2.stats.prefill_s == pytest.approx(2 * e1.stats.prefill_s) and e1.stats.prefill_s > 0
+
+
+def reference_with_speed(cost, inp, target, speed_at):
+    """One request stepped token by token; a step runs at the speed in effect when it starts."""
+    t = cost.p_k * inp / speed_at(0.0)
+    for k in range(target):
+        t += cost.step_time(1, inp + k) / speed_at(t)
+    return t
+
+
+def test_a_scripted_slowdown_slows_the_steps_that_start_within_it():
+    from megatron_dapo.sim.slowdown import Slowdown
+
+    def speed_at(t):  # 0.8, times 0.25 during [0.1, 0.25) and again from 0.5 to 0.65 (every 0.4 s)
+        slowed = any(start <= t < start + 0.15 for start in (0.1 + 0.4 * k for k in range(100)))
+        return 0.8 * (0.25 if slowed else 1.0)
+
+    times, engine = _finish_times(0.8, [(0.0, 100, 150)], [Slowdown(0, 0.25, 0.1, 0.15, every=0.4)])
+    assert times[0] == pytest.approx(reference_with_speed(PREFILL, 100, 150, speed_at), rel=1e-9)
+    assert times[0] > reference_with_speed(PREFILL, 100, 150, lambda t: 0.8) * 1.2  # it did slow down
+    assert engine.speed == 0.8  # back to its own speed after the last one
+
+
+@pytest.mark.parametrize(
+    "flag,text,message",
+    [
+        ("--slowdown", "2:0.5:0:10", "ENGINE must be an engine index in [0, 2)"),
+        ("--slowdown", "0:1.5:0:10", "FACTOR must be in (0, 1]"),
+        ("--slowdown", "0:0.5:0", "expected ENGINE:FACTOR:START:DURATION:EVERY"),
+        ("--slowdown", "0:0.5:0:10:5", "EVERY must be >= DURATION"),
+        ("--random-slowdowns", "60:0.5:x", "expected numbers"),
+        ("--random-slowdowns", "0:0.5:10", "EVERY and DURATION must be > 0"),
+    ],
+)
+def test_bad_slowdowns_are_refused_naming_the_flag(flag, text, message):
+    from megatron_dapo.sim.slowdown import RandomSlowdowns, Slowdown
+
+    with pytest.raises(ValueError, match="^" + flag) as e:
+        Slowdown.parse(text, 2) if flag == "--slowdown" else RandomSlowdowns.parse(text)
+    assert message in str(e.value)
+
+
+def _world(**kw):
+    from tests.test_sim import tiny_world
+
+    return tiny_world(**kw)
+
+
+def _cfg(staleness=1, **extra):
+    from tests.test_sim import tiny_cfg
+
+    return tiny_cfg(staleness, **extra)
+
+
+def test_uneven_engines_slowdowns_and_kv_pools_change_the_run_and_are_seeded():
+    from megatron_dapo.sim.slowdown import RandomSlowdowns
+    from megatron_dapo.sim.world import simulate
+
+    cfg = _cfg(1)
+    even = simulate(cfg, _world())
+    uneven = simulate(cfg, _world(engine_speed=(1.0, 0.25)))
+    assert uneven.generated_per_s < even.generated_per_s and uneven.tokens_per_s < even.tokens_per_s
+    randomly = RandomSlowdowns(every=2.0, factor=0.2, duration=1.0)
+    slowed = [simulate(cfg, _world(random_slowdowns=randomly, seed=s)).summary() for s in (0, 0, 1)]
+    assert slowed[0] == slowed[1] and slowed[0] != slowed[2]  # the seed decides, and only the seed
+    assert slowed[0]["tokens_per_s"] < simulate(cfg, _world(seed=0)).tokens_per_s
+    assert even.retractions == 0
+    small = simulate(cfg, _world(engine_kv=(200_000, 1500), admission=None))  # a pool of few requests
+    assert small.retractions > 0
+    with pytest.raises(ValueError, match=r"a KV pool of 300 tokens cannot hold one request"):
+        simulate(cfg, _world(engine_kv=(200_000, 300)))
+    with pytest.raises(ValueError, match=r"--engine-speed: 3 values for 2 engines"):
+        simulate(cfg, _world(engine_speed=(1.0, 1.0, 1.0)))
+
+
+# ---- lengths by mean and cap share; trainer and sync from the hardware ----------------------------
+def test_lengths_by_mean_reach_the_mean_and_pile_up_at_the_cap():
+    from megatron_dapo.planner.lengths import lengths_by_mean
+
+    lengths = lengths_by_mean(10_000, 0.15, 20_480, seed=3)
+    draws = [lengths.total(i % 2000, i) for i in range(40_000)]
+    assert sum(draws) / len(draws) == pytest.approx(10_000, rel=0.03)
+    assert sum(d == 20_480 for d in draws) / len(draws) == pytest.approx(0.15, abs=0.015)
+    with pytest.raises(ValueError, match=r"--length-mean=3000 with --cap-share=0.5 .* no lognormal has both"):
+        lengths_by_mean(3000, 0.5, 20_480)
+    with pytest.raises(ValueError, match=r"--cap-share=1.2 must be in \[0, 1\)"):
+        lengths_by_mean(3000, 1.2, 20_480)
+
+
+QWEN3_8B = [
+    "configs/qwen3/qwen3_8b.yaml",
+    "--nodes",
+    "4",
+    "--gpus-per-node",
+    "8",
+    "rollout.n_resp_per_prompt=16",
+]
+
+
+def _build(*argv, seed=None):
+    from megatron_dapo.config.load import load_config
+    from megatron_dapo.sim import cli
+
+    args = cli._parser().parse_intermixed_args([*QWEN3_8B, *argv])
+    over = [*args.overrides, f"trainer.nnodes={args.nodes}", f"trainer.gpus_per_node={args.gpus_per_node}"]
+    cfg = load_config(args.config, over, validate=False)
+    return cfg, cli.build_world(cfg, args, seed)
+
+
+def test_trainer_gpu_and_link_set_the_step_and_sync_times():
+    from megatron_dapo.planner.memory import total_params
+    from megatron_dapo.sim.cluster import model_shape
+
+    cfg, (h100, speed100) = _build("--length-mean", "8000", "--cap-share", "0.1")
+    _, (h20, speed20) = _build("--length-mean", "8000", "--cap-share", "0.1", "--trainer-gpu", "h20")
+    _, (h200, _) = _build("--length-mean", "8000", "--cap-share", "0.1", "--trainer-gpu", "h200")
+    tokens = 10**7
+    assert h20.train_s(tokens) == pytest.approx(h100.train_s(tokens) * 989 / 148)  # NVIDIA's dense bf16 peaks
+    assert h200.train_s(tokens) == pytest.approx(h100.train_s(tokens))  # the H100's compute
+    assert speed100.peak_tflops == 989 and speed20.peak_tflops == 148
+    weights = total_params(model_shape(cfg)) * 2  # bf16
+    assert h100.sync_s == pytest.approx(weights / 25e9)  # the default link: 25 GB/s
+    _, (slow_link, _) = _build("--link-gb-s", "5")
+    assert slow_link.sync_s == pytest.approx(weights / 5e9)
+    _, (given, _) = _build("--sync-s", "7")
+    assert given.sync_s == 7
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--sync-s", "5", "--link-gb-s", "10"], "--sync-s and --link-gb-s: give one of them"),
+        (["--link-gb-s", "0"], "--link-gb-s=0.0 must be > 0"),
+        (["--trainer-gpu", "h20", "--gpu-tflops", "100"], "--gpu-tflops and --trainer-gpu: give one of them"),
+        (["--cap-share", "0.1"], "--cap-share needs --length-mean"),
+        (["--length-mean", "5000", "--lengths", "dapo"], "--lengths and --length-mean: give one of them"),
+        (["--engines", "2", "--engine-speed", "1,0"], "--engine-speed '1,0': every value must be a finite number > 0"),
+        (["--engine-kv", "1x,a"], "--engine-kv '1x,a': expected a comma list of numbers"),
+        (["--engine-speed", "1,1"], "--engine-speed: 2 values for 8 engines"),
+        (["--slowdown", "9:0.5:0:10"], "--slowdown '9:0.5:0:10': ENGINE must be an engine index in [0, 8)"),
+        (["--seeds", "0"], "--seeds=0 must be >= 1"),
+        (["--trainer-gpu", "h20"], "--step-time and --trainer-gpu / --gpu-tflops: give one of them"),
+    ],
+)
+def test_simulate_refuses_bad_realism_options_naming_them(capsys, argv, message):
+    from megatron_dapo.sim.cli import main
+
+    over = ["--step-time", "10", "--steps", "1", "--warmup-steps", "0", "--modes", "async", "--staleness", "1"]
+    assert main([*QWEN3_8B, *over, *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_engine_kv_takes_tokens_or_multiples_of_the_planned_pool():
+    _, (world, _) = _build(
+        "--engines", "3", "rollout.num_servers=3", "--engine-kv", "0.5x,250000,1x", "--step-time", "1"
+    )
+    pool = world.kv_capacity
+    assert world.engine_kvs(3) == [int(pool * 0.5), 250_000, pool]
