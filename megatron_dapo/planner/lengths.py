@@ -41,8 +41,8 @@ class LognormalLengths:
 
     def describe(self) -> str:
         return (
-            f"lognormal lengths: median {self.median:.0f}, sigma prompt {self.prompt_sigma} x sample "
-            f"{self.sample_sigma}, cut at {self.max_len}"
+            f"lognormal lengths: median {self.median:.0f}, sigma prompt {self.prompt_sigma:.2f} x sample "
+            f"{self.sample_sigma:.2f}, cut at {self.max_len}"
         )
 
 
