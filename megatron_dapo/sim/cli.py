@@ -344,11 +344,13 @@ def _describe(config: str, cfg, world, speed, args) -> str:
     if w.random_slowdowns:
         r = w.random_slowdowns
         slow += f"; random slowdowns to {r.factor} for {r.duration} s every ~{r.every} s per engine"
+    gpu = args.trainer_gpu or ("h100" if args.gpu_tflops is None else "GPU")
     trainer = (
         f"{args.step_time} s/step"
         if speed is None
-        else f"{speed.gpus} GPUs at {args.mfu:.0%} of {speed.peak_tflops:.0f} TFLOP/s"
+        else f"{speed.gpus} x {gpu} at {args.mfu:.0%} of {speed.peak_tflops:.0f} TFLOP/s"
     )
+    keep = f"keep {w.keep_prob}" if cfg.algo.filter_groups.enable else "dynamic-sampling filter off"
     how = (
         f"{args.sync_s} s given"
         if args.sync_s is not None
@@ -357,7 +359,7 @@ def _describe(config: str, cfg, world, speed, args) -> str:
     return (
         f"simulate {config}: {cfg.rollout.num_servers} engines x tp {cfg.rollout.server_tp}, {kv}{speeds}{slow}; "
         f"{cfg.algo.train_batch_size} prompts x {cfg.rollout.n_resp_per_prompt} per step; {w.lengths.describe()}; "
-        f"keep {w.keep_prob}; trainer {trainer}; sync {w.sync_s:.2f} s ({how}); {w.warmup_steps}+{w.steps} steps"
+        f"{keep}; trainer {trainer}; sync {w.sync_s:.2f} s ({how}); {w.warmup_steps}+{w.steps} steps"
     )
 
 
