@@ -391,3 +391,16 @@ def test_throughput_migration_moves_work_off_the_fast_engine_on_uneven_engines(m
     off_fast = [m for m in history if m.source == fast]
     assert len(history) >= 6 and len(off_fast) > len(history) / 2, [(m.source, m.starved) for m in history]
     assert all(m.starved != fast for m in off_fast)  # onto a slow engine
+
+
+def test_plan_and_simulate_share_the_named_trainer_gpu(capsys):
+    from megatron_dapo.planner.plan import main as plan_main
+
+    argv = [*QWEN3_8B, "--response-len", "6000", "--trainer-gpu", "h20"]
+    assert plan_main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("trainer step (estimate)"))
+    assert "on 16 GPUs at 35% of 148 TFLOP/s" in line
+    _, (world, speed) = _build("--trainer-gpu", "h20")
+    assert speed.peak_tflops == 148
+    assert plan_main([*argv, "--gpu-tflops", "100"]) == 2
+    assert "--gpu-tflops and --trainer-gpu: give one of them" in capsys.readouterr().err

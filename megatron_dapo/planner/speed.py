@@ -19,6 +19,17 @@ DEFAULT_MFU = 0.35
 # dense bf16 peak TFLOP/s of the trainer GPUs one may name (`simulate --trainer-gpu`): NVIDIA's data
 # sheets; the H200 has the H100's compute (more and faster memory), the H20 is the export part
 GPU_BF16_TFLOPS = {"h100": H100_BF16_TFLOPS, "h200": H100_BF16_TFLOPS, "h20": 148.0}
+
+
+def peak_tflops(trainer_gpu: str | None, gpu_tflops: float | None) -> float:
+    """The trainer GPU's peak from `--trainer-gpu` or `--gpu-tflops` (default: an H100's)."""
+    if gpu_tflops is not None and trainer_gpu is not None:
+        raise ValueError("--gpu-tflops and --trainer-gpu: give one of them")
+    if trainer_gpu is not None and trainer_gpu not in GPU_BF16_TFLOPS:
+        raise ValueError(f"--trainer-gpu={trainer_gpu!r}: one of {', '.join(sorted(GPU_BF16_TFLOPS))}")
+    return gpu_tflops if gpu_tflops is not None else GPU_BF16_TFLOPS[trainer_gpu or "h100"]
+
+
 DEFAULT_LINK_GB_S = 25.0  # GB/s a weight sync moves the weights at (trainer to engines)
 
 

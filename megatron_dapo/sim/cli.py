@@ -30,6 +30,7 @@ from megatron_dapo.planner.speed import (
     DEFAULT_LINK_GB_S,
     DEFAULT_MFU,
     GPU_BF16_TFLOPS,
+    peak_tflops,
     trainer_speed,
     weight_sync_s,
 )
@@ -178,12 +179,6 @@ def _lengths(args, max_len: int, seed: int):
     return lengths_by_mean(args.length_mean, args.cap_share or 0.0, max_len, seed)
 
 
-def _peak_tflops(args) -> float:
-    if args.gpu_tflops is not None and args.trainer_gpu is not None:
-        raise ValueError("--gpu-tflops and --trainer-gpu: give one of them")
-    return args.gpu_tflops if args.gpu_tflops is not None else GPU_BF16_TFLOPS[args.trainer_gpu or "h100"]
-
-
 def _sync_s(cfg, args) -> float:
     if args.sync_s is not None:
         if args.link_gb_s is not None:
@@ -222,7 +217,7 @@ def build_world(cfg, args, seed: int | None = None):
     max_len = cfg.data.max_response_length
     lengths = _lengths(args, max_len, seed)
     cost = CostModel.load(args.cost_model) if args.cost_model else QWEN_7B_1GPU
-    peak = _peak_tflops(args)
+    peak = peak_tflops(args.trainer_gpu, args.gpu_tflops)
     if args.step_time is not None:
         if args.trainer_gpu is not None or args.gpu_tflops is not None:
             raise ValueError("--step-time and --trainer-gpu / --gpu-tflops: give one of them")
