@@ -355,6 +355,14 @@ def test_plan_prints_the_step_time_the_simulator_trains_at(capsys):
         steps=1,
         warmup_steps=0,
         engine_admission="sglang",
+        length_mean=None,
+        cap_share=None,
+        trainer_gpu=None,
+        link_gb_s=None,
+        engine_speed=None,
+        engine_kv=None,
+        slowdown=[],
+        random_slowdowns=None,
     )
     _, sim_speed = build_world(cfg, args)
     default = make_plan(cfg, mfu=0.4)  # the default response length: the simulator's DAPO-like mean

@@ -41,8 +41,8 @@ class LognormalLengths:
 
     def describe(self) -> str:
         return (
-            f"lognormal lengths: median {self.median:.0f}, sigma prompt {self.prompt_sigma} x sample "
-            f"{self.sample_sigma}, cut at {self.max_len}"
+            f"lognormal lengths: median {self.median:.0f}, sigma prompt {self.prompt_sigma:.2f} x sample "
+            f"{self.sample_sigma:.2f}, cut at {self.max_len}"
         )
 
 
@@ -77,7 +77,7 @@ def mean_length(lengths, n: int = 4000) -> float:
 def fit_lognormal(mean: float, truncated_frac: float, max_len: int, seed: int = 0) -> LognormalLengths:
     """Median and total sigma (split as the default's) whose cut mean and cut fraction match a run's."""
     best = None
-    for sigma in [0.1 * k for k in range(1, 31)]:
+    for sigma in [0.01 * k for k in range(1, 301)]:
         if truncated_frac > 0:  # P(L > max) = frac fixes the median for this sigma
             z = _norm_ppf(1 - min(max(truncated_frac, 1e-6), 0.999))
             median = max_len / math.exp(sigma * z)
@@ -91,6 +91,24 @@ def fit_lognormal(mean: float, truncated_frac: float, max_len: int, seed: int = 
     return LognormalLengths(
         median, max_len, prompt_sigma=sigma * math.sqrt(share), sample_sigma=sigma * math.sqrt(1 - share), seed=seed
     )
+
+
+def lengths_by_mean(mean: float, cap_share: float, max_len: int, seed: int = 0) -> LognormalLengths:
+    """Lognormal lengths with mean `mean` (after the cut) of which `cap_share` reach max_len (long-CoT
+    runs pile up at the cap); ValueError naming the flags when no lognormal has both."""
+    if not 0 < mean < max_len:
+        raise ValueError(f"--length-mean={mean} must be in (0, max_response_length={max_len})")
+    if not 0 <= cap_share < 1:
+        raise ValueError(f"--cap-share={cap_share} must be in [0, 1)")
+    fit = fit_lognormal(mean, cap_share, max_len, seed)
+    sigma = math.hypot(fit.prompt_sigma, fit.sample_sigma)
+    got = _cut_mean(fit.median, sigma, max_len)
+    if abs(got - mean) > 0.02 * mean:
+        raise ValueError(
+            f"--length-mean={mean} with --cap-share={cap_share} at max_response_length={max_len}: no lognormal "
+            f"has both (the nearest has mean {got:.0f})"
+        )
+    return fit
 
 
 def _norm_ppf(p: float) -> float:

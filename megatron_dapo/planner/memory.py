@@ -299,4 +299,9 @@ def weight_store_bytes(cfg: DapoConfig, shape: ModelShape) -> int:
     newest exported weights, and the previous ones a lagging server may still be reading. 0 for all_at_once."""
     if cfg.rollout.sync.policy == "all_at_once":
         return 0
-    return 2 * total_params(shape) * dtype_bytes(cfg.model.dtype)
+    return 2 * weight_bytes(cfg, shape)
+
+
+def weight_bytes(cfg: DapoConfig, shape: ModelShape) -> int:
+    """Bytes of one copy of the model's weights in the config's dtype (what a weight sync moves)."""
+    return total_params(shape) * dtype_bytes(cfg.model.dtype)

@@ -9,8 +9,8 @@ Placement: trainer ranks take the first GPUs of the job, node-major (rank r on n
 local GPU r % G); launched SGLang servers take the following GPUs in blocks of
 rollout.server_tp, and a server never spans nodes. Rank groups come from megatron-core's own
 `RankGenerator` with its default order "tp-cp-ep-dp-pp", so they are the groups the trainer builds.
-The step-time estimate (`megatron_dapo.planner.speed`, at `--mfu` of `--gpu-tflops`) is the one the
-simulator trains at.
+The step-time estimate (`megatron_dapo.planner.speed`, at `--mfu` of the peak of `--trainer-gpu` or
+`--gpu-tflops`) is the one the simulator trains at.
 """
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ from megatron_dapo.planner.memory import (
     weight_store_bytes,
 )
 from megatron_dapo.planner.refit import IB_400G_GBPS, NVLINK_GBPS, RefitEstimate, crosses_nodes, refit_estimate
-from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, TrainerSpeed, trainer_speed
+from megatron_dapo.planner.speed import (
+    DEFAULT_MFU,
+    GPU_BF16_TFLOPS,
+    H100_BF16_TFLOPS,
+    TrainerSpeed,
+    peak_tflops,
+    trainer_speed,
+)
 from megatron_dapo.types import RoutingShape
 
 MEGATRON_ORDER = "tp-cp-ep-dp-pp"
@@ -419,10 +426,14 @@ def _parser() -> argparse.ArgumentParser:
         help="fraction of GPU memory kept free for the CUDA context, NCCL and fragmentation (0.1)",
     )
     parser.add_argument(
+        "--trainer-gpu",
+        choices=sorted(GPU_BF16_TFLOPS),
+        help="the trainer GPUs, for their peak bf16 TFLOP/s in the step time (default h100)",
+    )
+    parser.add_argument(
         "--gpu-tflops",
         type=float,
-        default=H100_BF16_TFLOPS,
-        help=f"peak bf16 TFLOP/s per trainer GPU, for the step time ({H100_BF16_TFLOPS:g}, H100)",
+        help=f"peak bf16 TFLOP/s per trainer GPU, instead of --trainer-gpu ({H100_BF16_TFLOPS:g}, H100)",
     )
     parser.add_argument(
         "--mfu",
@@ -454,15 +465,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, overrides, validate=False)
         for note in validate_config(cfg):
             print(f"note: {note}", file=sys.stderr)
+        peak = peak_tflops(args.trainer_gpu, args.gpu_tflops)
         plan = make_plan(
-            cfg,
-            args.gpu_mem_gib,
-            args.headroom,
-            args.prompt_len,
-            args.response_len,
-            args.gpu_tflops,
-            args.mfu,
-            args.link_gbps,
+            cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, peak, args.mfu, args.link_gbps
         )
     except (ConfigError, ValueError) as e:
         print(f"plan error: {e}", file=sys.stderr)

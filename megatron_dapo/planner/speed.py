@@ -1,5 +1,5 @@
 """The trainer's step time from FLOPs: `megatron-dapo plan` prints it, `megatron-dapo simulate` trains
-at it (unless given `--step-time`).
+at it (unless given `--step-time`); and a weight sync's time from the model's bytes and the link.
 
 Per trained token, an old-logprob forward, a forward + backward (3 forwards' worth), and one more
 forward with full recompute; each forward 2 * active params (top-k experts only) plus causal attention
@@ -12,10 +12,33 @@ from dataclasses import dataclass
 
 from megatron_dapo.config import derived
 from megatron_dapo.config.shapes import ModelShape
-from megatron_dapo.planner.memory import active_params
+from megatron_dapo.planner.memory import active_params, weight_bytes
 
 H100_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 / H200 SXM
 DEFAULT_MFU = 0.35
+# dense bf16 peak TFLOP/s of the trainer GPUs one may name (`simulate --trainer-gpu`): NVIDIA's data
+# sheets; the H200 has the H100's compute (more and faster memory), the H20 is the export part
+GPU_BF16_TFLOPS = {"h100": H100_BF16_TFLOPS, "h200": H100_BF16_TFLOPS, "h20": 148.0}
+
+
+def peak_tflops(trainer_gpu: str | None, gpu_tflops: float | None) -> float:
+    """The trainer GPU's peak from `--trainer-gpu` or `--gpu-tflops` (default: an H100's)."""
+    if gpu_tflops is not None and trainer_gpu is not None:
+        raise ValueError("--gpu-tflops and --trainer-gpu: give one of them")
+    if trainer_gpu is not None and trainer_gpu not in GPU_BF16_TFLOPS:
+        raise ValueError(f"--trainer-gpu={trainer_gpu!r}: one of {', '.join(sorted(GPU_BF16_TFLOPS))}")
+    return gpu_tflops if gpu_tflops is not None else GPU_BF16_TFLOPS[trainer_gpu or "h100"]
+
+
+DEFAULT_LINK_GB_S = 25.0  # GB/s a weight sync moves the weights at (trainer to engines)
+
+
+def weight_sync_s(cfg, shape: ModelShape, link_gb_s: float = DEFAULT_LINK_GB_S) -> float:
+    """Seconds of one weight sync: the model's bytes over the link (every engine receives them at once,
+    as a broadcast does)."""
+    if not link_gb_s > 0:
+        raise ValueError(f"--link-gb-s={link_gb_s} must be > 0")
+    return weight_bytes(cfg, shape) / (link_gb_s * 1e9)
 
 
 @dataclass(frozen=True)

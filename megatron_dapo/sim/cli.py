@@ -18,16 +18,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from pathlib import Path
 
 from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.load import load_config
-from megatron_dapo.planner.lengths import load_lengths, mean_length
-from megatron_dapo.planner.speed import DEFAULT_MFU, H100_BF16_TFLOPS, trainer_speed
+from megatron_dapo.planner.lengths import lengths_by_mean, load_lengths, mean_length
+from megatron_dapo.planner.speed import (
+    DEFAULT_LINK_GB_S,
+    DEFAULT_MFU,
+    GPU_BF16_TFLOPS,
+    peak_tflops,
+    trainer_speed,
+    weight_sync_s,
+)
 from megatron_dapo.runtime.cli_args import number
 from megatron_dapo.sim.cluster import kv_tokens_per_engine, model_shape
+from megatron_dapo.sim.slowdown import RandomSlowdowns, Slowdown
 
 # The rollout-coordination switches `advanced` takes from an advanced YAML (sections of `rollout`, or
 # `section.field` for single fields); everything else (model, cluster, batch, staleness) stays the
@@ -121,19 +130,62 @@ def _parser() -> argparse.ArgumentParser:
         "running request's remaining output) or greedy (the input only)",
     )
     p.add_argument(
+        "--engine-speed",
+        help="comma list, one per engine: its speed as a multiple of the cost model's (1,1,0.5,...; default all 1)",
+    )
+    p.add_argument(
+        "--engine-kv",
+        help="comma list, one per engine: its KV pool in tokens, or a multiple of plan's pool with x (200000,0.5x,...)",
+    )
+    p.add_argument(
+        "--slowdown",
+        action="append",
+        default=[],
+        metavar="ENGINE:FACTOR:START:DURATION[:EVERY]",
+        help="engine ENGINE at FACTOR of its speed from START for DURATION s (again every EVERY s); repeatable",
+    )
+    p.add_argument(
+        "--random-slowdowns",
+        metavar="EVERY:FACTOR:DURATION",
+        help="each engine slowed to FACTOR for DURATION s at random gaps of mean EVERY s (drawn from the seed)",
+    )
+    p.add_argument(
         "--step-time",
         type=number(float, 0, MAX_SECONDS, low_open=True),
         help="trainer seconds per step; default: plan's FLOPs estimate",
     )
     p.add_argument(
+        "--trainer-gpu",
+        choices=sorted(GPU_BF16_TFLOPS),
+        help="the trainer GPUs, for their peak bf16 TFLOP/s (default h100)",
+    )
+    p.add_argument(
         "--gpu-tflops",
         type=number(float, 0, low_open=True),
-        default=H100_BF16_TFLOPS,
-        help=f"peak bf16 TFLOP/s per trainer GPU ({H100_BF16_TFLOPS:g}, H100)",
+        help="peak bf16 TFLOP/s per trainer GPU (instead of --trainer-gpu)",
     )
     p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"trainer model FLOPs utilisation ({DEFAULT_MFU})")
-    p.add_argument("--sync-s", type=number(float, 0, MAX_SECONDS), default=5.0, help="seconds of one weight sync (5)")
-    p.add_argument("--lengths", default="dapo", help="dapo | a run's metrics.jsonl | JSON with `lengths`")
+    p.add_argument(
+        "--sync-s",
+        type=number(float, 0, MAX_SECONDS),
+        help="seconds of one weight sync (default: the model's bytes over --link-gb-s)",
+    )
+    p.add_argument(
+        "--link-gb-s",
+        type=number(float, 0, low_open=True),
+        help=f"GB/s a weight sync moves the model's bytes at ({DEFAULT_LINK_GB_S:g})",
+    )
+    p.add_argument("--lengths", help="dapo (default) | a run's metrics.jsonl | JSON with `lengths`")
+    p.add_argument(
+        "--length-mean",
+        type=number(float, 0, low_open=True),
+        help="lognormal response lengths of this mean (tokens, after the cap)",
+    )
+    p.add_argument(
+        "--cap-share",
+        type=number(float, 0, 1),
+        help="with --length-mean: the share of responses cut at max_response_length (0)",
+    )
     p.add_argument("--prompt-len", type=number(int, 1), default=256, help="prompt tokens (256)")
     p.add_argument(
         "--keep-prob",
@@ -158,39 +210,96 @@ def _parser() -> argparse.ArgumentParser:
         "--token-unit", type=number(int, 0), default=0, help="tokens per simulated id (0: max_response_length / 1024)"
     )
     p.add_argument("--seed", type=number(int, 0), default=0)
+    p.add_argument(
+        "--seeds",
+        type=number(int, 1, MAX_COUNT),
+        default=1,
+        help="run each row over seeds seed .. seed+K-1: mean [min-max] (1)",
+    )
     p.add_argument("--json", help="also write the rows to this JSON file")
     return p
 
 
-def build_world(cfg, args):
+def _lengths(args, max_len: int, seed: int):
+    if args.length_mean is None:
+        if args.cap_share is not None:
+            raise ValueError("--cap-share needs --length-mean")
+        return load_lengths(args.lengths or "dapo", max_len, seed)
+    if args.lengths is not None:
+        raise ValueError("--lengths and --length-mean: give one of them")
+    return lengths_by_mean(args.length_mean, args.cap_share or 0.0, max_len, seed)
+
+
+def _sync_s(cfg, args) -> float:
+    if args.sync_s is not None:
+        if args.link_gb_s is not None:
+            raise ValueError("--sync-s and --link-gb-s: give one of them")
+        if not args.sync_s >= 0:
+            raise ValueError(f"--sync-s={args.sync_s} must be >= 0")
+        return args.sync_s
+    return weight_sync_s(cfg, model_shape(cfg), DEFAULT_LINK_GB_S if args.link_gb_s is None else args.link_gb_s)
+
+
+def _per_engine(flag: str, text: str | None, parse) -> tuple | None:
+    if text is None:
+        return None
+    try:
+        values = tuple(parse(v.strip()) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected a comma list of numbers, one per engine") from None
+    if not all(0 < v < float("inf") for v in values):
+        raise ValueError(f"{flag} {text!r}: every value must be a finite number > 0")
+    return values
+
+
+def _engine_kvs(text: str | None, pool: int) -> tuple[int, ...] | None:
+    """--engine-kv: tokens, or `Fx` for F times plan's pool."""
+    kvs = _per_engine("--engine-kv", text, lambda v: pool * float(v[:-1]) if v.endswith("x") else float(v))
+    return None if kvs is None else tuple(max(1, int(k)) for k in kvs)
+
+
+def build_world(cfg, args, seed: int | None = None):
+    """The World of `cfg` and the command line's options (`seed`: instead of --seed), and the trainer's
+    speed (None with --step-time)."""
     from megatron_dapo.sim.engine import KVAdmission
     from megatron_dapo.sim.world import World
 
+    seed = args.seed if seed is None else seed
     max_len = cfg.data.max_response_length
-    lengths = load_lengths(args.lengths, max_len, args.seed)
+    lengths = _lengths(args, max_len, seed)
     cost = CostModel.load(args.cost_model) if args.cost_model else QWEN_7B_1GPU
+    peak = peak_tflops(args.trainer_gpu, args.gpu_tflops)
     if args.step_time is not None:
+        if args.trainer_gpu is not None or args.gpu_tflops is not None:
+            raise ValueError("--step-time and --trainer-gpu / --gpu-tflops: give one of them")
         train_s, speed = (lambda tokens: args.step_time), None
     else:
         mean_seq = args.prompt_len + mean_length(lengths)
-        speed = trainer_speed(cfg, model_shape(cfg), mean_seq, args.gpu_tflops, args.mfu)
+        speed = trainer_speed(cfg, model_shape(cfg), mean_seq, peak, args.mfu)
         train_s = speed.step_s
     unit = args.token_unit or max(1, max_len // 1024)
+    pool = kv_tokens_per_engine(cfg, args.gpu_mem_gib)
+    engines = cfg.rollout.num_servers
     world = World(
         cost=cost,
-        kv_capacity=kv_tokens_per_engine(cfg, args.gpu_mem_gib),
+        kv_capacity=pool,
         max_running=args.max_running,
         train_s=train_s,
-        sync_s=args.sync_s,
+        sync_s=_sync_s(cfg, args),
         keep_prob=args.keep_prob,
         lengths=lengths,
         prompt_len=args.prompt_len,
         token_unit=unit,
         steps=args.steps,
         warmup_steps=args.warmup_steps,
-        seed=args.seed,
+        seed=seed,
         admission=KVAdmission() if args.engine_admission == "sglang" else None,
+        engine_speed=_per_engine("--engine-speed", args.engine_speed, float),
+        engine_kv=_engine_kvs(args.engine_kv, pool),
+        slowdowns=tuple(Slowdown.parse(s, engines) for s in args.slowdown),
+        random_slowdowns=RandomSlowdowns.parse(args.random_slowdowns) if args.random_slowdowns else None,
     )
+    world.check(engines, max_len)
     return world, speed
 
 
@@ -211,7 +320,97 @@ def ceiling_world(world):
     return dataclasses.replace(world, train_s=lambda tokens: 0.0, sync_s=0.0, server_sync_s=None)
 
 
+HEADER = (
+    "mode",
+    "stale",
+    "tokens/s",
+    "trainer busy",
+    "rollout busy",
+    "of ceiling",
+    "x sync",
+    "step s",
+    "mean stale",
+    "migrations",
+    "aborted tok",
+    "regen tok",
+    "decoded tok/s",
+    "decode batch",
+    "refusals",
+    "retractions",
+)
+
+
+def _spread(values: list[float], fmt: str) -> str:
+    """One number, or the mean [min-max] of several (one per seed)."""
+    mean = sum(values) / len(values)
+    if len(values) == 1:
+        return format(mean, fmt)
+    return f"{mean:{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def _mean_row(runs: list[dict]) -> dict:
+    """The seeds' mean of every number (an int stays an int when all agree)."""
+    out = {}
+    for key, first in runs[0].items():
+        values = [r[key] for r in runs]
+        out[key] = first if all(v == first for v in values) else sum(values) / len(values)
+    return out
+
+
+def _format_row(mode: str, s: int, runs: list[dict], sync_tps: float | None) -> str:
+    col = lambda key, fmt: _spread([r[key] for r in runs], fmt)  # noqa: E731
+    ratio = _spread([r["tokens_per_s"] / sync_tps for r in runs], ".2f") if sync_tps else "-"
+    return " | ".join(
+        [
+            mode,
+            str(s),
+            col("tokens_per_s", ".0f"),
+            col("trainer_busy", ".2f"),
+            col("rollout_busy", ".2f"),
+            col("ceiling_share", ".2f"),
+            ratio,
+            col("step_s", ".1f"),
+            col("mean_staleness", ".2f"),
+            col("migrations", ".0f"),
+            col("aborted_tokens", ".0f"),
+            col("regenerated_tokens", ".0f"),
+            col("generated_per_s", ".0f"),
+            col("mean_decode_batch", ".1f"),
+            col("refusals", ".0f"),
+            col("retractions", ".0f"),
+        ]
+    )
+
+
+def _describe(config: str, cfg, world, speed, args) -> str:
+    w = world
+    kv = f"KV pool {w.kv_capacity} tokens each" if w.engine_kv is None else f"KV pools {list(w.engine_kv)}"
+    speeds = "" if w.engine_speed is None else f", speeds {list(w.engine_speed)}"
+    slow = f"; {len(w.slowdowns)} scripted slowdowns" if w.slowdowns else ""
+    if w.random_slowdowns:
+        r = w.random_slowdowns
+        slow += f"; random slowdowns to {r.factor} for {r.duration} s every ~{r.every} s per engine"
+    gpu = args.trainer_gpu or ("h100" if args.gpu_tflops is None else "GPU")
+    trainer = (
+        f"{args.step_time} s/step"
+        if speed is None
+        else f"{speed.gpus} x {gpu} at {args.mfu:.0%} of {speed.peak_tflops:.0f} TFLOP/s"
+    )
+    keep = f"keep {w.keep_prob}" if cfg.algo.filter_groups.enable else "dynamic-sampling filter off"
+    how = (
+        f"{args.sync_s} s given"
+        if args.sync_s is not None
+        else f"model bytes over {DEFAULT_LINK_GB_S if args.link_gb_s is None else args.link_gb_s:g} GB/s"
+    )
+    return (
+        f"simulate {config}: {cfg.rollout.num_servers} engines x tp {cfg.rollout.server_tp}, {kv}{speeds}{slow}; "
+        f"{cfg.algo.train_batch_size} prompts x {cfg.rollout.n_resp_per_prompt} per step; {w.lengths.describe()}; "
+        f"{keep}; trainer {trainer}; sync {w.sync_s:.2f} s ({how}); {w.warmup_steps}+{w.steps} steps"
+    )
+
+
 def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
+    from megatron_dapo.sim.ceiling import ceiling
     from megatron_dapo.sim.world import simulate
 
     out = out or sys.stdout  # at call time: a default bound at import would keep a replaced stdout
@@ -223,65 +422,61 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
         base.append(f"trainer.gpus_per_node={args.gpus_per_node}")
     if args.engines is not None:
         base.append(f"rollout.num_servers={args.engines}")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds={args.seeds} must be >= 1")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     changes = {m: mode_overrides(m, args.advanced_config) for m in modes}
     staleness = args.staleness
     cfg0 = load_config(config, base, validate=False)
-    world, speed = build_world(cfg0, args)
+    seeds = [args.seed + k for k in range(args.seeds)]
+    worlds = [build_world(cfg0, args, seed) for seed in seeds]
+    world, speed = worlds[0]
     print(
-        f"simulate {config}: {cfg0.rollout.num_servers} engines x tp {cfg0.rollout.server_tp}, KV pool "
-        f"{world.kv_capacity} tokens each; {cfg0.algo.train_batch_size} prompts x {cfg0.rollout.n_resp_per_prompt} "
-        f"per step; {world.lengths.describe()}; keep {world.keep_prob}; trainer "
-        + (
-            f"{args.step_time} s/step"
-            if speed is None
-            else f"{speed.gpus} GPUs at {args.mfu:.0%} of {args.gpu_tflops:.0f} TFLOP/s"
-        )
-        + f"; sync {world.sync_s} s; {world.warmup_steps}+{world.steps} steps",
+        _describe(config, cfg0, world, speed, args) + (f"; seeds {seeds[0]}..{seeds[-1]}" if len(seeds) > 1 else ""),
         file=out,
     )
-    header = (
-        "mode",
-        "stale",
-        "tokens/s",
-        "x sync",
-        "step s",
-        "rollout busy",
-        "trainer busy",
-        "mean stale",
-        "migrations",
-        "aborted tok",
-        "regen tok",
-        "decoded tok/s",
-        "decode batch",
-        "refusals",
-        "retractions",
-    )
-    print(" | ".join(header), file=out)
+    print(" | ".join(HEADER), file=out)
     rows, sync_tps = [], None
     for mode, s in settings(modes, staleness):
         # the command line's key=value last: an explicit override wins over the mode's switches
         cfg = load_config(config, [*changes[mode], *base, f"algo.staleness={s}"], validate=False)
-        r = simulate(cfg, ceiling_world(world) if mode == "ceiling" else world)
+        runs = []
+        for w, _ in worlds:
+            w = ceiling_world(w) if mode == "ceiling" else w
+            bound = ceiling(cfg, w)
+            r = simulate(cfg, w)
+            runs.append(
+                {
+                    **r.summary(),
+                    "ceiling_tokens_per_s": bound.value,
+                    "ceiling_rollout": bound.rollout,
+                    "ceiling_trainer": bound.trainer if math.isfinite(bound.trainer) else None,  # None: free
+                    "ceiling_share": r.tokens_per_s / bound.value,
+                }
+            )
         if mode == "sync":
-            sync_tps = r.tokens_per_s
-        row = {"mode": mode, "staleness": s, **r.summary()}
+            sync_tps = sum(r["tokens_per_s"] for r in runs) / len(runs)
+        print(_format_row(mode, s, runs, sync_tps), file=out, flush=True)
+        row = {"mode": mode, "staleness": s, **_mean_row(runs)}
+        if len(runs) > 1:
+            row["seeds"] = [{"seed": seed, **r} for seed, r in zip(seeds, runs)]
         rows.append(row)
-        ratio = f"{r.tokens_per_s / sync_tps:.2f}" if sync_tps else "-"
+    if rows:
         print(
-            f"{mode} | {s} | {r.tokens_per_s:.0f} | {ratio} | {r.step_s:.1f} | {r.rollout_busy:.2f} | "
-            f"{r.trainer_busy:.2f} | {r.mean_staleness:.2f} | {r.migrations} | {r.aborted_tokens} | "
-            f"{r.regenerated_tokens} | {r.generated_per_s:.0f} | {r.mean_decode_batch:.1f} | {r.refusals} | "
-            f"{r.retractions}",
+            "analytic ceiling (sim/ceiling.py), tokens/s: "
+            + ", ".join(
+                f"{r['mode']}@{r['staleness']} {r['ceiling_tokens_per_s']:.0f} (rollout {r['ceiling_rollout']:.0f}, "
+                + ("trainer free)" if r["ceiling_trainer"] is None else f"trainer {r['ceiling_trainer']:.0f})")
+                for r in rows
+            ),
             file=out,
-            flush=True,
         )
-    ceiling = next((r["tokens_per_s"] for r in rows if r["mode"] == "ceiling"), None)
-    if ceiling:
+    simulated = next((r["tokens_per_s"] for r in rows if r["mode"] == "ceiling"), None)
+    if simulated:
         print(
             "of the ceiling: "
             + ", ".join(
-                f"{r['mode']}@{r['staleness']} {r['tokens_per_s'] / ceiling:.2f}"
+                f"{r['mode']}@{r['staleness']} {r['tokens_per_s'] / simulated:.2f}"
                 for r in rows
                 if r["mode"] != "ceiling"
             ),

@@ -133,9 +133,16 @@ class SimReward:
         if not 0 < keep_prob <= 1:
             raise ValueError(f"keep probability must be in (0, 1], got {keep_prob}")
         self.keep_prob, self._rng = keep_prob, random.Random(f"reward/{seed}")
+        self.num_scored = 0
+
+    def activity(self) -> tuple[int, float]:
+        """(calls scored, seconds spent scoring): simulated scoring takes no time, so the producer's
+        reward/calls_per_s reads 0 here."""
+        return self.num_scored, 0.0
 
     def score_many(self, items) -> list[RewardResult]:
         n = len(items)
+        self.num_scored += n
         if self._rng.random() < self.keep_prob and n > 1:
             accs = [i == 0 for i in range(n)]
         else:

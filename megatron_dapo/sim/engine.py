@@ -17,6 +17,9 @@ the queue, fewest generated tokens first, keeping their tokens (SGLang's retract
 request costs a prefill of its input (prompt plus tokens generated before: a retracted or resumed
 request computes its KV again), `cost.p_k` seconds per token, during which the engine decodes nothing.
 
+An engine runs at `speed` times the cost model's pace (every step and prefill takes 1 / speed of its
+time): a slower GPU, or a transient slowdown (`set_speed`; the step in progress ends at the old pace).
+
 All lengths are in tokens; the engine knows nothing of HTTP or samples (megatron_dapo.sim.client).
 """
 
@@ -66,6 +69,7 @@ class EngineRequest:
     future: asyncio.Future
     max_new: int = 0  # its max_new_tokens (what SGLang's KV budget reckons with); 0 = target
     held: int | None = None  # running under KVAdmission: HELD_LINEAR, or the seq of its clip-end entry
+    finish_seq: int | None = None  # seq of its entry in the finish heap from its latest admission
     generated: int = 0  # tokens generated so far (up to the last admission or retraction)
     start_step: int = 0  # engine step counter at admission
     versions: list[tuple[int, int]] = field(default_factory=list)  # (first token index, weight version)
@@ -100,9 +104,12 @@ class SimEngine:
         version: int = 0,
         loop: asyncio.AbstractEventLoop | None = None,
         admission: KVAdmission | None = None,
+        speed: float = 1.0,
     ):
         if kv_capacity < 1 or max_running < 1:
             raise ValueError(f"engine: kv_capacity ({kv_capacity}) and max_running ({max_running}) must be >= 1")
+        _check_speed(speed)
+        self.speed = speed
         self.cost, self.kv_capacity, self.max_running = cost, kv_capacity, max_running
         self.admission = admission
         self.ratio = admission.init_ratio if admission else 0.0
@@ -137,7 +144,7 @@ class SimEngine:
         return self._kv_base + self.n * self.step
 
     def throughput(self) -> float:
-        return self.cost.throughput(self.n, self.kv_tokens())
+        return self.cost.throughput(self.n, self.kv_tokens()) * self.speed
 
     def load(self, now: float | None = None) -> ServerLoad:
         """Its load report, as SGLang's /v1/loads gives it (what sync policies and routing read)."""
@@ -159,16 +166,16 @@ class SimEngine:
         """Seconds of the next `j` decode steps with today's running set."""
         n, c = self.n, self.cost
         flat = c.a_b + max(c.o_thr, c.o_b + c.o_k * n)
-        return j * flat + c.a_k * (j * self.kv_tokens() + n * j * (j - 1) / 2)
+        return (j * flat + c.a_k * (j * self.kv_tokens() + n * j * (j - 1) / 2)) / self.speed
 
     def _steps_within(self, elapsed: float) -> int:
         """Steps completed `elapsed` seconds after the anchor (the largest j with c(j) <= elapsed)."""
         if elapsed <= 0 or self.n == 0:
             return 0
-        n, c = self.n, self.cost
+        n, c, cost_s = self.n, self.cost, elapsed * self.speed  # cost_s: in the cost model's seconds
         lin = c.a_b + max(c.o_thr, c.o_b + c.o_k * n) + c.a_k * (self.kv_tokens() - n / 2)
         quad = c.a_k * n / 2
-        j = elapsed / lin if quad == 0 else (-lin + math.sqrt(lin * lin + 4 * quad * elapsed)) / (2 * quad)
+        j = cost_s / lin if quad == 0 else (-lin + math.sqrt(lin * lin + 4 * quad * cost_s)) / (2 * quad)
         j = max(0, int(j))
         while j > 0 and self.steps_time(j) > elapsed:
             j -= 1
@@ -213,10 +220,11 @@ class SimEngine:
     def _settle(self) -> None:
         """At a boundary: finish what is done, retract while the pool is full, admit what fits."""
         while self._finish and self._finish[0][0] <= self.step:
-            _, _, rid = heapq.heappop(self._finish)
-            req = self.running.pop(rid, None)
-            if req is None:
-                continue  # retracted or aborted earlier
+            _, seq, rid = heapq.heappop(self._finish)
+            req = self.running.get(rid)
+            if req is None or req.finish_seq != seq:
+                continue  # retracted or aborted earlier (and maybe running again, with a later entry)
+            del self.running[rid]
             self._leave(req)
             self._rids.discard(rid)
             req.generated = req.target
@@ -342,11 +350,12 @@ class SimEngine:
                 req.versions.append((req.generated, self.version))
             self.running[req.rid] = req
             self._kv_base += req.input_len + req.generated - self.step
-            heapq.heappush(self._finish, (self.step + req.target - req.generated, next(self._seq), req.rid))
+            req.finish_seq = next(self._seq)
+            heapq.heappush(self._finish, (self.step + req.target - req.generated, req.finish_seq, req.rid))
             if self.admission is not None:
                 self._hold(req)
         if prefill and self.cost.p_k > 0:  # one prefill batch before the next decode step
-            dt = self.cost.p_k * prefill
+            dt = self.cost.p_k * prefill / self.speed
             self.anchor = max(self.anchor, self.loop.time()) + dt
             self.stats.busy_s += dt
             self.stats.prefill_s += dt
@@ -413,6 +422,13 @@ class SimEngine:
         self._settle()
         self._reschedule()
 
+    def set_speed(self, speed: float) -> None:
+        """From the next step boundary on, run at `speed` times the cost model's pace."""
+        _check_speed(speed)
+        self.catch_up()
+        self.speed = speed
+        self._reschedule()
+
     def set_version(self, version: int) -> None:
         """New weights: tokens from the next step on are of `version` (call while paused)."""
         self.catch_up()
@@ -423,3 +439,8 @@ class SimEngine:
                 req.versions[-1] = (at, version)
             else:
                 req.versions.append((at, version))
+
+
+def _check_speed(speed: float) -> None:
+    if not (isinstance(speed, (int, float)) and 0 < speed < math.inf):
+        raise ValueError(f"engine: speed must be a finite number > 0, got {speed!r}")

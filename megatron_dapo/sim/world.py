@@ -24,6 +24,7 @@ from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import make_sync_policy
 from megatron_dapo.sim.client import SimClient, SimPrompts, SimReward
 from megatron_dapo.sim.engine import KVAdmission, SimEngine
+from megatron_dapo.sim.slowdown import RandomSlowdowns, Slowdown, SlowdownDriver
 from megatron_dapo.sim.static_engine import SplitArrivalsEngine, StaticBatchEngine
 from megatron_dapo.sim.vtime import run_virtual
 
@@ -59,6 +60,34 @@ class World:
     # the cost model throughput_optimal routing believes (None: the engines' own, `cost`); to replay a real
     # run whose router loaded another fit than the one its engines were measured by
     router_cost: CostModel | None = None
+    # uneven engines: engine i runs at engine_speed[i] times the cost model's pace and holds engine_kv[i]
+    # KV tokens (None: all at 1.0 and `kv_capacity`)
+    engine_speed: tuple[float, ...] | None = None
+    engine_kv: tuple[int, ...] | None = None
+    slowdowns: tuple[Slowdown, ...] = ()  # scripted transient slowdowns
+    random_slowdowns: RandomSlowdowns | None = None  # seeded by `seed`
+
+    def engine_kvs(self, engines: int) -> list[int]:
+        return list(self.engine_kv) if self.engine_kv is not None else [self.kv_capacity] * engines
+
+    def engine_speeds(self, engines: int) -> list[float]:
+        return list(self.engine_speed) if self.engine_speed is not None else [1.0] * engines
+
+    def check(self, engines: int, max_response_length: int) -> None:
+        """ValueError naming the option whose per-engine list does not match the engine count, or a KV
+        pool that cannot hold one whole request (it would be retracted for ever)."""
+        for flag, values in (("--engine-speed", self.engine_speed), ("--engine-kv", self.engine_kv)):
+            if values is not None and len(values) != engines:
+                raise ValueError(f"{flag}: {len(values)} values for {engines} engines (rollout.num_servers)")
+        request = self.prompt_len + max_response_length + 1
+        if min(self.engine_kvs(engines)) < request:
+            raise ValueError(
+                f"--engine-kv / --gpu-mem-gib: a KV pool of {min(self.engine_kvs(engines))} tokens cannot hold one "
+                f"request ({self.prompt_len} prompt + {max_response_length} response tokens)"
+            )
+        for s in self.slowdowns:
+            if s.engine >= engines:
+                raise ValueError(f"--slowdown: engine {s.engine} of {engines} engines (rollout.num_servers)")
 
 
 @dataclass
@@ -104,10 +133,16 @@ async def _run(cfg, world: World) -> SimResult:
     engine_cls = ENGINES.get(world.batching)
     if engine_cls is None:
         raise ValueError(f"simulate: batching must be one of {sorted(ENGINES)}, got {world.batching!r}")
+    world.check(len(urls), cfg.data.max_response_length)
+    kvs, speeds = world.engine_kvs(len(urls)), world.engine_speeds(len(urls))
     engines = {
-        u: engine_cls(world.cost, world.kv_capacity, world.max_running, version=0, loop=loop, admission=world.admission)
-        for u in urls
+        u: engine_cls(
+            world.cost, kvs[i], world.max_running, version=0, loop=loop, admission=world.admission, speed=speeds[i]
+        )
+        for i, u in enumerate(urls)
     }
+    if world.slowdowns or world.random_slowdowns:
+        SlowdownDriver(list(engines.values()), world.slowdowns, world.random_slowdowns, world.seed)
     max_units = math.ceil(cfg.data.max_response_length / world.token_unit)
     if (cfg.rollout.sampling.max_new_tokens or cfg.data.max_response_length) != cfg.data.max_response_length:
         raise ValueError("simulate: rollout.sampling.max_new_tokens must be unset or equal data.max_response_length")
