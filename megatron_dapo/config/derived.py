@@ -102,3 +102,8 @@ def sync_sources(cfg: DapoConfig) -> str:
         return s.sources
     applies = s.policy == "all_at_once" and cfg.trainer.backend == "megatron"
     return "per_stage" if applies and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1) else "rank0"
+
+
+def sync_timeout_s(cfg: DapoConfig) -> float:
+    """Bound on each call of a weight sync: rollout.sync.timeout_s, else rollout.request_timeout_s."""
+    return cfg.rollout.sync.timeout_s or cfg.rollout.request_timeout_s
