@@ -47,6 +47,13 @@ the later ones skip their updates but still drain their export (their TP peers w
 rank then exchanges the outcome and raises the same WeightSyncError naming the failed source rank. The
 last source's last bucket carries the version (and the cache flush): it is set once, after all sources.
 
+A dead or stalled server (connection refused or lost, no answer within `timeout_s`, i.e.
+rollout.sync.timeout_s): the sync raises `ServersLost` naming the call and server, after leaving it out
+(`live`, `lost`, `on_lost`: the coordinator's registry), ending / continuing the others and re-forming the
+group for them; the caller syncs again with a fresh export. Below `min_live` servers a WeightSyncError
+names every lost server. A failure is what is raised: the cleanup's errors after it are only logged.
+See docs/operations.md.
+
     bridge = WeightSyncBridge(urls, cfg.rollout.sync)        # on every trainer rank
     bridge.connect()                                          # collective over rank 0 + servers
     stats = bridge.sync(export_hf_weights(model), version=step)
