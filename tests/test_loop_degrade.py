@@ -1,4 +1,4 @@
-"""A training run survives a dead rollout server (policy all_at_once): the TP=2 torchrun trainer of
+"""A training run survives a dead rollout server, under each sync policy: the TP=2 torchrun trainer of
 test_loop_run with two embedded servers of its own, one SIGKILLed once the first step is trained. The run
 finishes all its steps on the other server (left out of the weight sync and of routing), which ends at
 the trainer's final weights: its logprobs equal an HF forward with the weights the trainer dumped after
@@ -59,7 +59,9 @@ def _reference_logprobs(model_dir, weights):
     return lp.gather(-1, torch.tensor(PROBE[1:]).unsqueeze(-1)).squeeze(-1).tolist()
 
 
-@pytest.mark.parametrize("policy, pause_mode", [("all_at_once", "in_place")])
+@pytest.mark.parametrize(
+    "policy, pause_mode", [("all_at_once", "in_place"), ("greedy", "abort"), ("status_based", "retract")]
+)
 def test_a_run_finishes_all_steps_after_a_server_is_killed(env, own_servers, tmp_path, policy, pause_mode):  # noqa: F811
     urls = [s.url for s in own_servers]
     run_dir = tmp_path / "run"

@@ -202,3 +202,27 @@ def test_registry_mark_down_takes_a_server_out_of_routing_and_syncs():
     assert (m["server/0/down"], m["server/1/down"]) == (0.0, 1.0)
     router = Router(urls, registry=registry)
     assert [v.healthy for v in router._views()] == [True, False]  # the routing policy sees it down
+
+
+@pytest.mark.slow
+def test_a_server_lost_at_the_verify_probe_is_left_out_after_the_others_are_checked(servers):
+    servers, model = servers
+    from megatron_dapo.sync.bridge import ServersLost
+
+    urls = [s.url for s in servers]
+    bridge = _bridge(urls, min_live=1)
+    try:
+        w1 = _weights(model, 1)
+        bridge.sync(w1, version=1)
+        ref = _reference_logprobs(model, w1, PROBE)
+        servers[1].kill()  # after its sync, before the check: the race a run with sync.verify meets
+        with pytest.raises(ServersLost) as e:
+            bridge.verify(PROBE, ref)
+        assert e.value.urls == [urls[1]] and str(e.value).startswith("prompt_logprobs of the verify probe failed")
+        assert bridge.live == [urls[0]] and bridge.world_size == 2
+        assert bridge.verify(PROBE, ref) < 1e-4
+        # a wrong reference still fails on the server that goes on: the check is not skipped
+        with pytest.raises(Exception, match="server logprobs differ"):
+            bridge.verify(PROBE, _reference_logprobs(model, _weights(model, 2), PROBE))
+    finally:
+        bridge.close()

@@ -670,15 +670,30 @@ class WeightSyncBridge:
         return self._all("prompt_logprobs", list(probe_ids))
 
     def verify(self, probe_ids: Sequence[int], trainer_logprobs, tolerance: float | None = None) -> float:
-        """Max |server - trainer| logprob over the probe, worst server; raises past the tolerance."""
+        """Max |server - trainer| logprob over the probe, worst server; raises past the tolerance. A server
+        lost meanwhile is left out (the group re-formed for the rest), then ServersLost is raised: the
+        others' weights are verified, so the caller may go on."""
         tol = self.cfg.verify_tolerance if tolerance is None else tolerance
         ref = torch.as_tensor(trainer_logprobs, dtype=torch.float64).reshape(-1)
         worst = 0.0
-        for url, lps in zip(self.live, self.server_logprobs(probe_ids)):
+        asked = list(self.live)
+        answers = self._all("prompt_logprobs", list(probe_ids), return_exceptions=True)
+        lost = None
+        try:
+            self._check("prompt_logprobs of the verify probe", answers)
+        except ServersLost as e:
+            lost = e
+        for url, lps in zip(asked, answers):
+            if lost is not None and url in lost.reasons:
+                continue
             got = torch.tensor(lps, dtype=torch.float64)
             if got.shape != ref.shape:
                 raise WeightSyncError(f"{url}: {got.numel()} probe logprobs, trainer has {ref.numel()}")
             worst = max(worst, float((got - ref).abs().max()))
         if worst > tol:
             raise WeightSyncError(f"after sync, server logprobs differ from the trainer's by {worst:.3g} > {tol:g}")
+        if lost is not None:
+            self._leave_out(lost)
+            self._reform() if self.live else self._leave_group()
+            raise lost
         return worst
