@@ -314,6 +314,20 @@ def test_trainer_world_size_excludes_launched_sglang_gpus():
     assert derived.trainer_world_size(cfg) == 16
 
 
+def test_sync_timeout_and_min_healthy_servers_are_checked_and_resolved():
+    cfg = config_from_dict({"model": {"hf_path": "Qwen/Qwen3-8B"}, "rollout": {"num_servers": 2}})
+    assert derived.sync_timeout_s(cfg) == cfg.rollout.request_timeout_s  # unset: the request timeout
+    cfg.rollout.sync.timeout_s = 30.0
+    assert derived.sync_timeout_s(cfg) == 30.0
+    cfg.rollout.sync.timeout_s, cfg.rollout.min_healthy_servers = 0.0, 3
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg)
+    assert "rollout.sync.timeout_s=0.0 must be > 0" in _one_line(err)
+    assert "rollout.min_healthy_servers=3 must be between 1 and the 2 server(s)" in _one_line(err)
+    cfg.rollout.sync.timeout_s, cfg.rollout.min_healthy_servers = None, 2
+    assert validate_config(cfg) == []
+
+
 # --------------------------------------------------------------------------------------- model shapes
 
 

@@ -122,3 +122,8 @@ def routing_shape(cfg: DapoConfig) -> RoutingShape | None:
     if shape is None or not shape.is_moe:
         return None
     return RoutingShape(shape.num_layers, shape.moe_layers, shape.moe_topk, shape.num_experts)
+
+
+def sync_timeout_s(cfg: DapoConfig) -> float:
+    """Bound on each call of a weight sync: rollout.sync.timeout_s, else rollout.request_timeout_s."""
+    return cfg.rollout.sync.timeout_s or cfg.rollout.request_timeout_s

@@ -184,6 +184,10 @@ class SyncConfig(SyncPolicyConfig):
     # per_stage needs policy all_at_once (the greedy / status_based store is rank 0's copy) and
     # trainer.backend=megatron (both refused otherwise).
     sources: Literal["auto", "rank0", "per_stage"] = "auto"
+    # Bound on each HTTP call and broadcast of a sync (pause, update, end, continue): a server that does not
+    # answer within it is left out of the sync and of routing (see docs/operations.md). None = the value of
+    # rollout.request_timeout_s.
+    timeout_s: Optional[float] = None
 
 
 @dataclass
@@ -227,6 +231,9 @@ class RolloutConfig:
     concurrency: int = 256  # max in-flight /generate requests per server
     api_key: Optional[str] = None  # sent as Bearer token; launched servers require it
     request_timeout_s: float = 3600.0  # per /generate request
+    # Fewest servers the run goes on with: a server lost (unreachable or stalled in a sync) is left out and
+    # the run goes on with the rest; below this many it stops with an error naming the lost servers.
+    min_healthy_servers: int = 1
     host: str = "127.0.0.1"  # bind address of launched servers
     extra_args: list[str] = field(default_factory=list)  # appended to the SGLang launch command
     # Launch servers (SGLang or embedded) with --enable-deterministic-inference: seeds honoured and

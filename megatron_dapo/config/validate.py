@@ -300,6 +300,13 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
             f"rollout.sampling.max_new_tokens={s.max_new_tokens} must be in [1, data.max_response_length="
             f"{cfg.data.max_response_length}]"
         )
+    if r.sync.timeout_s is not None and r.sync.timeout_s <= 0:
+        errors.append(f"rollout.sync.timeout_s={r.sync.timeout_s} must be > 0 (or null: rollout.request_timeout_s)")
+    servers = len(r.servers) or r.num_servers
+    if not 1 <= r.min_healthy_servers <= servers:
+        errors.append(
+            f"rollout.min_healthy_servers={r.min_healthy_servers} must be between 1 and the {servers} server(s)"
+        )
     if r.sync.bucket_mb < 1:
         errors.append(f"rollout.sync.bucket_mb={r.sync.bucket_mb} must be >= 1")
     if r.sync.verify_tolerance <= 0:

@@ -189,7 +189,8 @@ class Router:
         views = []
         for s in self.servers:
             v = known.get(s.url) or ServerView(s.url)  # fresh objects: filled in place
-            v.healthy, v.outstanding, v.completed = s.healthy, s.outstanding, s.completed
+            # healthy here and not marked down by the weight sync (the registry's view)
+            v.healthy, v.outstanding, v.completed = s.healthy and v.healthy, s.outstanding, s.completed
             views.append(v)
         return views
 

@@ -46,6 +46,7 @@ class ServerRecord:
     throughput: float = 0.0  # generated tokens per second, recent
     load_time: float | None = None  # clock() when the report arrived
     load_error: str | None = None  # why the latest poll got no report (the values above are older)
+    down: str | None = None  # why the trainer's weight sync left it out (`mark_down`); None = in service
 
 
 class ServerRegistry:
@@ -82,7 +83,7 @@ class ServerRegistry:
     def routable(self, url: str, min_version: int | None) -> bool:
         with self._lock:
             r = self.records[url]
-            return not r.syncing and (min_version is None or r.version >= min_version)
+            return r.down is None and not r.syncing and (min_version is None or r.version >= min_version)
 
     def version(self, url: str) -> int:
         with self._lock:
@@ -143,10 +144,21 @@ class ServerRegistry:
                 )
         self._notify()
 
+    def mark_down(self, url: str, reason: str) -> None:
+        """The weight sync lost `url` (unreachable, or stalled past rollout.sync.timeout_s): it holds no
+        current weights from now on, so it gets no request and no sync."""
+        with self._lock:
+            r = self.records[url]
+            self._account(r)
+            r.down, r.syncing = reason, False
+        self._notify()  # requests waiting for it may go elsewhere
+
     def publish_all(self, version: int, seconds: float = 0.0) -> None:
-        """Every server loaded `version` together (all_at_once)."""
+        """Every server in service loaded `version` together (all_at_once)."""
         with self._lock:
             for r in self.records.values():
+                if r.down is not None:
+                    continue
                 self._account(r)
                 r.version, r.syncs, r.sync_s = version, r.syncs + 1, r.sync_s + seconds
         self._notify()
@@ -166,6 +178,7 @@ class ServerRegistry:
         return ServerView(
             r.url,
             version=r.version,
+            healthy=r.down is None,
             syncing=r.syncing,
             running=r.running,
             waiting=r.waiting,
@@ -187,8 +200,9 @@ class ServerRegistry:
             return [self._view(r) for r in self.records.values()]
 
     def statuses(self) -> list[ServerStatus]:
-        """The router's view of every server: running = the router's count in flight there; waiting,
-        throughput and kv_cache from its last load report (a caller with fresher reports overwrites them)."""
+        """The router's view of every server in service (one marked down syncs no more): running = the
+        router's count in flight there; waiting, throughput and kv_cache from its last load report (a caller
+        with fresher reports overwrites them)."""
         with self._lock:
             return [
                 ServerStatus(
@@ -202,6 +216,7 @@ class ServerRegistry:
                     kv_cache=r.kv_tokens / r.kv_capacity if r.kv_capacity else 0.0,
                 )
                 for r in self.records.values()
+                if r.down is None
             ]
 
     def take_events(self) -> list[dict]:
@@ -221,6 +236,7 @@ class ServerRegistry:
                         f"server/{i}/syncs": float(r.syncs),
                         f"server/{i}/sync_s": r.sync_s,
                         f"server/{i}/idle_s": r.idle_s,
+                        f"server/{i}/down": float(r.down is not None),
                     }
                 )
                 if r.load_time is not None:  # its last load report (rollout.loads)

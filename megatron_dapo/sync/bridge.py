@@ -47,6 +47,13 @@ the later ones skip their updates but still drain their export (their TP peers w
 rank then exchanges the outcome and raises the same WeightSyncError naming the failed source rank. The
 last source's last bucket carries the version (and the cache flush): it is set once, after all sources.
 
+A dead or stalled server (connection refused or lost, no answer within `timeout_s`, i.e.
+rollout.sync.timeout_s): the sync raises `ServersLost` naming the call and server, after leaving it out
+(`live`, `lost`, `on_lost`: the coordinator's registry), ending / continuing the others and re-forming the
+group for them; the caller syncs again with a fresh export. Below `min_live` servers a WeightSyncError
+names every lost server. A failure is what is raised: the cleanup's errors after it are only logged.
+See docs/operations.md.
+
     bridge = WeightSyncBridge(urls, cfg.rollout.sync)        # on every trainer rank
     bridge.connect()                                          # collective over rank 0 + servers
     stats = bridge.sync(export_hf_weights(model), version=step)
@@ -56,6 +63,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import logging
 import threading
 import time
@@ -67,7 +75,7 @@ import torch.distributed as dist
 
 from megatron_dapo.config.schema import SyncConfig
 from megatron_dapo.rollout import weight_group as wgroup
-from megatron_dapo.rollout.client import SGLangClient, SGLangError
+from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangError
 from megatron_dapo.rollout.protocol import FLATTENED_BUCKET
 from megatron_dapo.rollout.weight_buckets import Bucket, iter_buckets
 from megatron_dapo.runtime.net import LOOPBACK, free_port
@@ -75,8 +83,41 @@ from megatron_dapo.runtime.net import LOOPBACK, free_port
 log = logging.getLogger(__name__)
 
 
+DEFAULT_TIMEOUT_S = 600.0  # each call of a sync, when neither the caller nor rollout.sync.timeout_s says
+GRACE_S = 5.0  # beyond the clients' own timeout: a stalled server's call fails in its client, named
+
+
 class WeightSyncError(RuntimeError):
     pass
+
+
+class ServersLost(WeightSyncError):
+    """Servers failed a sync call (unreachable, connection lost, no answer within the timeout). The bridge
+    has left them out and re-formed its group for the rest, so the sync may be tried again with a fresh
+    export; `urls` are the servers lost, `reasons` why each was."""
+
+    def __init__(self, message: str, reasons: dict[str, str]):
+        super().__init__(message)
+        self.reasons = dict(reasons)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.reasons)
+
+    def __reduce__(self):  # the coordinator pickles errors: the constructor's arguments
+        return type(self), (str(self), self.reasons), self.__dict__
+
+
+def _outcome(answer: concurrent.futures.Future, timeout_s: float):
+    """A server's answer, or the exception it raised, or a TimeoutError if it has none yet."""
+    if not answer.done():
+        return TimeoutError(f"no answer in {timeout_s}s")
+    return answer.exception() or answer.result()
+
+
+def _is_lost(e: BaseException) -> bool:
+    """An answer saying the server is gone or stalled (not that our request was wrong)."""
+    return isinstance(e, (SGLangConnectionError, TimeoutError))
 
 
 def flushes_cache(pause_generation: bool, pause_mode: str) -> bool:
@@ -138,7 +179,7 @@ class _LoopThread:
 class _InFlight:
     """One bucket on its way: the servers' pending HTTP answers and the running broadcasts."""
 
-    answers: concurrent.futures.Future  # of the HTTP loop thread: one answer or exception per server
+    answers: list[concurrent.futures.Future]  # of the HTTP loop thread: one per live server, its answer
     works: list
     payload: list[torch.Tensor]  # kept alive until the broadcasts complete
     names: list[str]
@@ -174,8 +215,10 @@ class WeightSyncBridge:
         backend: str | None = None,
         master_address: str = LOOPBACK,
         master_port: int | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,  # each HTTP call and collective; default sync_cfg.timeout_s, else 600 s
         sources: Sequence[int] | None = None,  # trainer ranks that broadcast; default [0] (all through rank 0)
+        min_live: int = 1,  # fewer live servers than this after a loss: the sync fails (rollout.min_healthy_servers)
+        on_lost=None,  # (url, reason) -> None, for each server left out (the coordinator's registry.mark_down)
     ):
         self.sources = list(sources or [0])
         if self.sources[0] != 0 or self.sources != sorted(set(self.sources)):
@@ -198,18 +241,30 @@ class WeightSyncBridge:
             torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
         )
         self.master_address, self.master_port = master_address, master_port
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s or self.cfg.timeout_s or DEFAULT_TIMEOUT_S
         self.api_key = api_key
+        self.live = list(self.urls)  # the servers in the group; a lost one is left out (`_leave_out`)
+        self.lost: dict[str, str] = {}  # url -> why it was left out
+        self.min_live, self.on_lost = min_live, on_lost
         self.sender = self.rank in self.sources
         self.pg = None
         self._turns = None  # the sources' gloo group, over which they hand on the token
         self._staging: list[torch.Tensor | None] = [None, None]
         self._loop: _LoopThread | None = None
-        self.clients: list[SGLangClient] = []
+        self._clients: dict[str, SGLangClient] = {}
+
+    @property
+    def clients(self) -> list[SGLangClient]:
+        """The live servers' clients, in `live` order."""
+        return [self._clients[u] for u in self.live]
+
+    @property
+    def _live_tp(self) -> list[int]:
+        return [tp for u, tp in zip(self.urls, self.tp_sizes) if u in self.live]
 
     @property
     def world_size(self) -> int:
-        return 1 + sum(self.tp_sizes)
+        return 1 + sum(self._live_tp)
 
     # ---- group ---------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -228,10 +283,11 @@ class WeightSyncBridge:
             dist.barrier(group=self._turns)
 
     def _connect_group(self) -> None:
-        self._loop = _LoopThread()
-        self.clients = [SGLangClient(u, api_key=self.api_key, timeout_s=self.timeout_s) for u in self.urls]
+        if self._loop is None:
+            self._loop = _LoopThread()
+            self._clients = {u: SGLangClient(u, api_key=self.api_key, timeout_s=self.timeout_s) for u in self.urls}
         port = self.master_port or free_port(self.master_address)
-        offsets = [1 + sum(self.tp_sizes[:i]) for i in range(len(self.urls))]
+        offsets = [1 + sum(self._live_tp[:i]) for i in range(len(self.live))]
 
         async def ask_all():
             return await asyncio.gather(
@@ -253,10 +309,40 @@ class WeightSyncBridge:
                 f"weight-update group at {self.master_address}:{port} did not form: {e}; "
                 f"servers: {self._drain(answers)}"
             ) from e
-        answers.result(self.timeout_s)
+        answers.result(self.timeout_s + GRACE_S)
         log.info(
-            "weight-update group %s formed: %d servers, world size %d", self.group_name, len(self.urls), self.world_size
+            "weight-update group %s formed: %d servers, world size %d", self.group_name, len(self.live), self.world_size
         )
+
+    def _leave_group(self) -> None:
+        """Both sides leave the group (servers first, so the group name may be reused)."""
+        if self._loop is None:  # never connected
+            return
+        self._each("destroy_weights_update_group", self.group_name, quiet=True)  # a dead server cannot answer
+        if self.pg is not None:  # else torn down already (`_abort_group`)
+            wgroup.destroy_weight_update_group(self.pg)
+            self.pg = None
+
+    def _leave_out(self, lost: ServersLost) -> None:
+        """Leave the lost servers out of every later sync (and tell `on_lost`); below `min_live` live
+        servers, raise naming every server lost."""
+        for url, why in lost.reasons.items():
+            if url in self.live:
+                self.live.remove(url)
+                self.lost[url] = why
+                log.error("weight sync: %s left out (%s); %d server(s) go on", url, why, len(self.live))
+                if self.on_lost is not None:
+                    self.on_lost(url, why)
+        if len(self.live) < self.min_live:
+            raise WeightSyncError(
+                f"{len(self.live)} live rollout server(s) left, fewer than rollout.min_healthy_servers="
+                f"{self.min_live}; lost: " + "; ".join(f"{u}: {w}" for u, w in self.lost.items())
+            ) from lost
+
+    def _reform(self) -> None:
+        """A new group for the live servers (its world size changed): the old one had the lost ones in it."""
+        self._leave_group()
+        self._connect_group()
 
     @staticmethod
     def _drain(fut) -> str:
@@ -267,18 +353,12 @@ class WeightSyncBridge:
 
     def close(self) -> None:
         """Leave the group on both sides (servers first, so a later bridge may reuse the group name)."""
-        if self.pg is not None:
-            try:
-                self._all("destroy_weights_update_group", self.group_name)
-            except Exception as e:  # a dead server cannot answer; the trainer side still goes
-                log.warning("destroy_weights_update_group failed: %s", e)
-            wgroup.destroy_weight_update_group(self.pg)
-            self.pg = None
+        self._leave_group()
         self._staging = [None, None]
         if self._loop is not None:
 
             async def close_clients():
-                await asyncio.gather(*(c.aclose() for c in self.clients))
+                await asyncio.gather(*(c.aclose() for c in self._clients.values()))
 
             self._loop.run(close_clients())
             self._loop.close()
@@ -295,17 +375,31 @@ class WeightSyncBridge:
             return None
         if self.pg is None:
             raise WeightSyncError("sync() before connect()")
+        if not self.live:
+            raise WeightSyncError(
+                "no live server to sync; lost: " + "; ".join(f"{u}: {w}" for u, w in self.lost.items())
+            )
         version = str(version)
         t0 = time.perf_counter()
         session = _Session()
         failed = True  # until the last bucket is answered: then errors at the end are raised, not logged
+        lost: ServersLost | None = None
+        items = iter(named_tensors)
         try:
             self._open(session)
-            present = ((n, t) for n, t in named_tensors if t is not None)
+            present = ((n, t) for n, t in items if t is not None)
             counts = self._stream(present, version, flushes_cache(self.cfg.pause_generation, self.pause_mode))
             failed = False
+        except ServersLost as e:
+            lost = e
+            for _ in items:  # the other trainer ranks' export gathers go on to the end
+                pass
+            self._leave_out(e)  # before the cleanup: end / continue only the servers that go on
+            raise
         finally:
             self._close(session, failed)
+            if lost is not None:  # a group of the servers that go on (none: only leave the old one)
+                self._reform() if self.live else self._leave_group()
         return self._stats(version, *counts, time.perf_counter() - t0)
 
     def _sync_from_sources(self, named_tensors, version: str) -> SyncStats | None:
@@ -390,19 +484,25 @@ class WeightSyncBridge:
     def _open(self, session: "_Session") -> None:
         """Pause (if configured), then open a weight-update session on every server."""
         if self.cfg.pause_generation:
-            self._all("pause_generation", self.pause_mode)
-            session.paused = True
+            session.paused = True  # continue even the servers that paused when another failed to
+            self._check("pause_generation", self._all("pause_generation", self.pause_mode, return_exceptions=True))
         self._begin_sessions()
         session.open = True
 
     def _close(self, session: "_Session", failed: bool) -> None:
-        """End every session, then continue, also after a failure (then end's errors are only logged)."""
-        try:
-            if session.open:
+        """End every session, then continue, also after a failure. The first failure is the one raised:
+        after a failed update (or a failed end) the cleanup's own errors are only logged, so they never
+        hide the cause."""
+        end_error = None
+        if session.open:
+            try:
                 self._each("end_weight_update", quiet=failed)
-        finally:
-            if session.paused:
-                self._all("continue_generation")
+            except Exception as e:
+                end_error = e
+        if session.paused:
+            self._each("continue_generation", quiet=failed or end_error is not None)
+        if end_error is not None:
+            raise end_error
 
     def _stream(self, present, version: str | None, flush: bool) -> tuple[int, int, int]:
         """Broadcast `(name, tensor)` pairs bucket by bucket; the last bucket carries `version` and `flush`.
@@ -429,7 +529,7 @@ class WeightSyncBridge:
             self._finish(inflight)
             inflight = None
         finally:
-            if inflight is not None and not inflight.answers.done():  # failed while a bucket was on its way
+            if inflight is not None and not all(f.done() for f in inflight.answers):  # failed mid-bucket
                 self._abandon(inflight)
         return n_tensors, n_bytes, n_buckets
 
@@ -440,7 +540,7 @@ class WeightSyncBridge:
             n_tensors,
             n_bytes / 1e6,
             n_buckets,
-            len(self.urls),
+            len(self.live),
             stats.seconds,
             stats.gbps,
             version,
@@ -455,31 +555,39 @@ class WeightSyncBridge:
                 *(getattr(c, method)(*args, **kwargs) for c in self.clients), return_exceptions=return_exceptions
             )
 
-        return self._loop.run(go(), self.timeout_s)
+        return self._loop.run(go(), self.timeout_s + GRACE_S)
+
+    def _check(self, what: str, answers: list) -> None:
+        """Raise naming each live server whose answer to `what` is an error, the first as the cause: a
+        ServersLost when some of them are gone or stalled, else a WeightSyncError."""
+        failed = {url: e for url, e in zip(self.live, answers) if isinstance(e, BaseException)}
+        if not failed:
+            return
+        reasons = {url: f"{what}: {_reason(e)}" for url, e in failed.items()}
+        message = f"{what} failed on " + "; ".join(f"{url}: {_reason(e)}" for url, e in failed.items())
+        gone = {url: reasons[url] for url, e in failed.items() if _is_lost(e)}
+        raise (ServersLost(message, gone) if gone else WeightSyncError(message)) from next(iter(failed.values()))
 
     def _begin_sessions(self) -> None:
         """Open a weight-update session on every server. A session left open by a trainer that died
         mid-sync (SGLang then refuses a new one) is closed first: this bridge is the servers' only writer."""
-        for url, c, e in zip(self.urls, self.clients, self._all("begin_weight_update", return_exceptions=True)):
+        answers = self._all("begin_weight_update", return_exceptions=True)
+        for i, (url, c, e) in enumerate(zip(self.live, self.clients, answers)):
             if isinstance(e, SGLangError) and "already open" in str(e):
                 log.warning("%s: closing a weight-update session left open by an earlier sync", url)
-                self._loop.run(c.end_weight_update(), self.timeout_s)
-                self._loop.run(c.begin_weight_update(), self.timeout_s)
-            elif isinstance(e, BaseException):
-                raise WeightSyncError(f"begin_weight_update failed on {url}: {e}") from e
+                self._loop.run(c.end_weight_update(), self.timeout_s + GRACE_S)
+                answers[i] = self._loop.run(c.begin_weight_update(), self.timeout_s + GRACE_S)
+        self._check("begin_weight_update", answers)
 
-    def _each(self, method: str, quiet: bool = False) -> None:
-        """`method` on every server, even when some fail; then raise naming each server that failed
+    def _each(self, method: str, *args, quiet: bool = False) -> None:
+        """`method` on every live server, even when some fail; then raise naming each server that failed
         (or only log, with `quiet`, when an earlier error is already on its way)."""
-        errors = [
-            f"{url}: {e}"
-            for url, e in zip(self.urls, self._all(method, return_exceptions=True))
-            if isinstance(e, BaseException)
-        ]
-        if errors and quiet:
-            log.warning("%s failed after an error: %s", method, "; ".join(errors))
-        elif errors:
-            raise WeightSyncError(f"{method} failed on {len(errors)} server(s): {'; '.join(errors)}")
+        try:
+            self._check(method, self._all(method, *args, return_exceptions=True))
+        except WeightSyncError as e:
+            if not quiet:
+                raise
+            log.warning("%s (after an earlier error)", e)
 
     def _stage(self, bucket: Bucket, slot: int) -> list[torch.Tensor]:
         """What goes on the wire for `bucket`: its tensors on the broadcast device, or one flat buffer."""
@@ -492,24 +600,20 @@ class WeightSyncBridge:
     def _start(
         self, bucket: Bucket, payload: list[torch.Tensor], version: str | None, flush_cache: bool
     ) -> "_InFlight":
-        async def post_all():
-            return await asyncio.gather(
-                *(
-                    c.update_weights_from_distributed(
-                        bucket.names,
-                        bucket.dtypes,
-                        bucket.shapes,
-                        group_name=self.group_name,
-                        flush_cache=flush_cache,
-                        weight_version=version,
-                        load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None,
-                    )
-                    for c in self.clients
-                ),
-                return_exceptions=True,
+        answers = [
+            self._loop.submit(
+                c.update_weights_from_distributed(
+                    bucket.names,
+                    bucket.dtypes,
+                    bucket.shapes,
+                    group_name=self.group_name,
+                    flush_cache=flush_cache,
+                    weight_version=version,
+                    load_format=FLATTENED_BUCKET if self.cfg.flatten_bucket else None,
+                )
             )
-
-        answers = self._loop.submit(post_all())
+            for c in self.clients
+        ]
         works = [wgroup.broadcast(t, self.pg, async_op=True) for t in payload]
         return _InFlight(answers, works, payload, list(bucket.names))
 
@@ -517,33 +621,39 @@ class WeightSyncBridge:
         # A server answers only once it has received (and loaded) the whole bucket, so waiting for the
         # answers waits for the broadcasts without polling them; and a server that refused the update,
         # and so never joins the broadcast, surfaces here instead of leaving us blocked in it.
-        try:
-            answers = inflight.answers.result(self.timeout_s)
-        except concurrent.futures.TimeoutError as e:
-            raise WeightSyncError(
-                f"no answer to a weight update in {self.timeout_s}s (bucket from tensor "
-                f"{inflight.names[0]!r}, {len(inflight.names)} tensors)"
-            ) from e
-        failed = [(url, e) for url, e in zip(self.urls, answers) if isinstance(e, BaseException)]
-        if failed:
-            what = (
-                f"the update of tensor {inflight.names[0]!r}"
-                if len(inflight.names) == 1
-                else f"the update of the bucket from tensor {inflight.names[0]!r} to {inflight.names[-1]!r} "
-                f"({len(inflight.names)} tensors)"
-            )
-            raise WeightSyncError(
-                f"{what} failed on " + "; ".join(f"{url}: {_reason(e)}" for url, e in failed)
-            ) from failed[0][1]
+        what = (
+            f"update_weights_from_distributed of tensor {inflight.names[0]!r}"
+            if len(inflight.names) == 1
+            else f"update_weights_from_distributed of the bucket from tensor {inflight.names[0]!r} to "
+            f"{inflight.names[-1]!r} ({len(inflight.names)} tensors)"
+        )
+        bound = self.timeout_s + GRACE_S
+        done, waiting = concurrent.futures.wait(inflight.answers, bound, concurrent.futures.FIRST_EXCEPTION)
+        if any(f.exception() is not None and _is_lost(f.exception()) for f in done):
+            # A server is gone mid-broadcast. The others wait in a receive that cannot complete (until their
+            # own group timeout): tearing down our end of the group ends it now, so they answer and go on.
+            inflight.works.clear()  # they hold the group's connections open
+            self._abort_group()
+        concurrent.futures.wait(waiting, bound)
+        self._check(what, [_outcome(f, self.timeout_s) for f in inflight.answers])
         for w in inflight.works:
             w.wait()
 
+    def _abort_group(self) -> None:
+        """Our end of the group, torn down now: its connections close only once nothing refers to it (the
+        caller dropped the broadcasts' works), and their closing ends the other servers' receives."""
+        pg, self.pg = self.pg, None
+        if pg is not None:
+            wgroup.destroy_weight_update_group(pg)
+            del pg
+            gc.collect()
+
     @staticmethod
     def _abandon(inflight: "_InFlight") -> None:
-        try:
-            inflight.answers.result(5)
-        except Exception as e:
-            log.warning("weight update abandoned after an error: %s", e)
+        concurrent.futures.wait(inflight.answers, 5)
+        for f in inflight.answers:
+            if f.done() and f.exception() is not None:
+                log.warning("weight update abandoned after an error: %s", f.exception())
 
     def _staging_for(self, nbytes: int, slot: int) -> torch.Tensor:
         """Reused flat buffers on the broadcast device (two, so bucket i+1 is flattened while bucket i is
@@ -560,15 +670,30 @@ class WeightSyncBridge:
         return self._all("prompt_logprobs", list(probe_ids))
 
     def verify(self, probe_ids: Sequence[int], trainer_logprobs, tolerance: float | None = None) -> float:
-        """Max |server - trainer| logprob over the probe, worst server; raises past the tolerance."""
+        """Max |server - trainer| logprob over the probe, worst server; raises past the tolerance. A server
+        lost meanwhile is left out (the group re-formed for the rest), then ServersLost is raised: the
+        others' weights are verified, so the caller may go on."""
         tol = self.cfg.verify_tolerance if tolerance is None else tolerance
         ref = torch.as_tensor(trainer_logprobs, dtype=torch.float64).reshape(-1)
         worst = 0.0
-        for url, lps in zip(self.urls, self.server_logprobs(probe_ids)):
+        asked = list(self.live)
+        answers = self._all("prompt_logprobs", list(probe_ids), return_exceptions=True)
+        lost = None
+        try:
+            self._check("prompt_logprobs of the verify probe", answers)
+        except ServersLost as e:
+            lost = e
+        for url, lps in zip(asked, answers):
+            if lost is not None and url in lost.reasons:
+                continue
             got = torch.tensor(lps, dtype=torch.float64)
             if got.shape != ref.shape:
                 raise WeightSyncError(f"{url}: {got.numel()} probe logprobs, trainer has {ref.numel()}")
             worst = max(worst, float((got - ref).abs().max()))
         if worst > tol:
             raise WeightSyncError(f"after sync, server logprobs differ from the trainer's by {worst:.3g} > {tol:g}")
+        if lost is not None:
+            self._leave_out(lost)
+            self._reform() if self.live else self._leave_group()
+            raise lost
         return worst

@@ -37,7 +37,7 @@ from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import make_sync_policy
 from megatron_dapo.runtime.net import LOOPBACK
-from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError, _is_sender, _LoopThread
+from megatron_dapo.sync.bridge import ServersLost, WeightSyncBridge, WeightSyncError, _is_sender, _LoopThread
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,8 @@ class PerServerSync:
         api_key: str | None = None,
         server_tp_sizes: Sequence[int] | None = None,
         master_address: str = LOOPBACK,  # where trainer rank 0 hosts each weight-update group's store
+        timeout_s: float | None = None,  # each call of a sync (rollout.sync.timeout_s); default the bridge's
+        min_live: int = 1,  # fewer servers in service than this after a loss: the run stops (min_healthy_servers)
         probe: Sequence[int] | None = None,
         on_publish: Callable[[str, int], None] | None = None,
         on_error: Callable[[BaseException], None] | None = None,
@@ -132,10 +134,13 @@ class PerServerSync:
                 server_tp_sizes=[tp],
                 group_name=f"megatron_dapo_weight_sync_{i}",
                 master_address=master_address,
+                timeout_s=timeout_s,
+                min_live=0,  # one server each: whether the run goes on is decided here, over all of them
             )
             for i, (u, tp) in enumerate(zip(urls, tps))
         }
         self.api_key, self.probe = api_key, list(probe) if probe is not None else None
+        self.min_live = min_live
         self.on_publish, self.on_error = on_publish, on_error
         self.error: BaseException | None = None  # the first failure of any of the syncer's threads
         self._error_lock = threading.Lock()
@@ -254,6 +259,10 @@ class PerServerSync:
             if self.cfg.verify and self.probe is not None and snap.probe_logprobs is not None:
                 bridge.verify(self.probe, list(snap.probe_logprobs))
             version = snap.version
+        except ServersLost as e:
+            if raise_errors:
+                raise
+            self._lose(url, e)
         except BaseException as e:
             if raise_errors:
                 raise
@@ -264,6 +273,20 @@ class PerServerSync:
             self._wake.set()  # a server freed: the policy may choose again
         if self.on_publish is not None and version is not None:
             self.on_publish(url, version)
+
+    def _lose(self, url: str, lost: ServersLost) -> None:
+        """`url` failed its sync (gone or stalled): out of routing and of later syncs, the run goes on with
+        the others while at least `min_live` are in service."""
+        self.registry.mark_down(url, lost.reasons[url])
+        live = [u for u, b in self.bridges.items() if b.live]
+        if len(live) < self.min_live:
+            gone = "; ".join(f"{u}: {why}" for b in self.bridges.values() for u, why in b.lost.items())
+            error = WeightSyncError(
+                f"{len(live)} rollout server(s) in service, fewer than rollout.min_healthy_servers="
+                f"{self.min_live}; lost: {gone}"
+            )
+            error.__cause__ = lost
+            self._fail(error)
 
     def _fail(self, e: BaseException) -> None:
         log.error("per-server weight sync failed: %r", e)

@@ -19,16 +19,20 @@ sync; the servers' logprobs of it must equal them (all at once: checked here; pe
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.bridge import EACH_SOURCE
 from megatron_dapo.config import derived
 from megatron_dapo.coordinator.batch import probe_batch
-from megatron_dapo.sync.bridge import WeightSyncBridge
+from megatron_dapo.sync.bridge import ServersLost, WeightSyncBridge
 from megatron_dapo.sync.per_server import PerServerSync, WeightStore
+
+log = logging.getLogger(__name__)
 
 
 class WeightSync:
@@ -77,6 +81,9 @@ class AllAtOnceSync(WeightSync):
             server_tp_sizes=server_tp_sizes,
             sources=actor.export_sources() if self.per_stage else None,
             master_address=cfg.trainer.bind_host,
+            timeout_s=derived.sync_timeout_s(cfg),
+            min_live=cfg.rollout.min_healthy_servers,
+            on_lost=coord.registry.mark_down if rank == 0 else None,  # out of routing too
         )
         self.bridge.connect()
 
@@ -85,19 +92,53 @@ class AllAtOnceSync(WeightSync):
             return super()._export()
         return self.actor.export_weights(byte_budget=self.byte_budget, dst_rank=EACH_SOURCE)
 
+    def _bridge_sync(self, version: int):
+        """The bridge's sync; after it lost servers (and left them out, its group re-formed for the rest),
+        again with a fresh export: bounded, as each try has fewer servers and the bridge stops the run
+        below rollout.min_healthy_servers. With several sources a loss ends the run, named."""
+        if self.per_stage:
+            return self.bridge.sync(self._export(), version=version)
+        while True:
+            stats, lost = None, None
+            try:
+                stats = self.bridge.sync(self._export(), version=version)
+            except ServersLost as e:  # raised on rank 0 only
+                lost = e
+            if not self._again(lost is not None):
+                return stats
+            if lost is not None:
+                log.warning("weight sync of version %d lost %s; again with the other servers", version, lost.urls)
+
+    @staticmethod
+    def _again(lost: bool) -> bool:
+        """Rank 0's outcome, on every trainer rank: whether all export again for a second try."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return lost
+        flag = [lost]
+        dist.broadcast_object_list(flag, src=0)
+        return bool(flag[0])
+
     def _sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        stats = self.bridge.sync(self._export(), version=version)
+        stats = self._bridge_sync(version)
         out = stats.as_metrics() if stats is not None else {}
         out["time/sync_s"] = time.perf_counter() - t0
         if self.cfg.rollout.sync.verify:
             ref = self._probe_logprobs(version)
             if self.rank == 0:
-                out["sync/verify_max_abs_diff"] = self.bridge.verify(self.probe, ref.tolist())
+                out["sync/verify_max_abs_diff"] = self._verify(ref.tolist())
                 out["sync/probe_logprob_mean"] = float(ref.double().mean())
         if self.rank == 0:
             self.coord.registry.publish_all(version, out["time/sync_s"])
         return out
+
+    def _verify(self, ref: list[float]) -> float:
+        """The live servers' probe logprobs against the trainer's; a server lost meanwhile is left out."""
+        try:
+            return self.bridge.verify(self.probe, ref)
+        except ServersLost as e:  # the others were verified
+            log.warning("weight sync verify lost %s; the run goes on with the other servers", e.urls)
+            return self.bridge.verify(self.probe, ref)
 
     def start(self, version: int) -> None:
         self._sync(version)
@@ -126,6 +167,8 @@ class PerServerStoreSync(WeightSync):
                 api_key=cfg.rollout.api_key,
                 server_tp_sizes=server_tp_sizes,
                 master_address=cfg.trainer.bind_host,
+                timeout_s=derived.sync_timeout_s(cfg),
+                min_live=cfg.rollout.min_healthy_servers,
                 probe=self.probe,
                 on_publish=lambda url, v: coord.set_version(v),
                 on_error=coord.fail,

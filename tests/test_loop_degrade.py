@@ -1,0 +1,123 @@
+"""A training run survives a dead or stalled rollout server: the TP=2 torchrun trainer of test_loop_run
+with two embedded servers of its own, one SIGKILLed (under each sync policy) or SIGSTOPped (all_at_once,
+small rollout.sync.timeout_s) once the first step is trained. The run finishes all its steps on the other
+server (left out of the weight sync and of routing), which ends at the trainer's final weights: its
+logprobs equal an HF forward with the weights the trainer dumped after the last step. A hang or a crash
+fails the run's own bound (run_torchrun's timeout); a stopped server is continued and stopped at the end."""
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.dist_utils import run_torchrun
+from tests.test_loop_run import CONFIG, _args, _rows, env  # noqa: F401  (the module fixture: model, data)
+
+pytestmark = pytest.mark.slow
+
+STEPS = 4
+PROBE = [5, 17, 3, 29, 11, 8, 40, 2, 19]
+
+
+@pytest.fixture
+def own_servers(env, tmp_path):  # noqa: F811
+    from megatron_dapo.rollout.launcher import launch_embedded_servers
+
+    servers = launch_embedded_servers(str(env["model"]), 2, tmp_path / "logs", timeout_s=240)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            if s.alive():
+                os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server takes no SIGTERM
+            s.stop()
+
+
+def _fault_after_first_step(out, server, fault: str, stop: threading.Event):
+    """SIGKILL (kill) or SIGSTOP (stall) `server` once the trainer has dumped step 0's weights (mid-run)."""
+    while not stop.is_set():
+        if (out / "weights_step0.pt").exists():
+            server.kill() if fault == "kill" else os.killpg(server.proc.pid, signal.SIGSTOP)
+            return
+        time.sleep(0.05)
+
+
+async def _version_and_logprobs(url):
+    from megatron_dapo.rollout.client import SGLangClient
+
+    async with SGLangClient(url, retries=0) as c:
+        return (await c.get_model_info())["weight_version"], await c.prompt_logprobs(PROBE)
+
+
+@torch.no_grad()
+def _reference_logprobs(model_dir, weights):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.load_state_dict(weights)
+    lp = torch.log_softmax(model(torch.tensor([PROBE])).logits[0, :-1].double(), -1)
+    return lp.gather(-1, torch.tensor(PROBE[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+@pytest.mark.parametrize(
+    "policy, pause_mode, fault",
+    [
+        ("all_at_once", "in_place", "kill"),
+        ("greedy", "abort", "kill"),
+        ("status_based", "retract", "kill"),
+        ("all_at_once", "in_place", "stall"),
+    ],
+)
+def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_path, policy, pause_mode, fault):  # noqa: F811
+    urls = [s.url for s in own_servers]
+    run_dir = tmp_path / "run"
+    out = run_dir / "out"
+    run_env = {**env, "urls": urls}
+    args = _args(
+        run_env,
+        run_dir,
+        f"trainer.total_steps={STEPS}",
+        "algo.staleness=1",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "rollout.sync.check_interval_ms=20",
+        "rollout.sync.timeout_s=5" if fault == "stall" else "rollout.sync.timeout_s=30",
+        # a stalled server's requests fail over once they time out
+        "rollout.request_timeout_s=20" if fault == "stall" else "rollout.request_timeout_s=3600",
+        "rollout.min_healthy_servers=1",
+    )
+    stop = threading.Event()
+    killer = threading.Thread(target=_fault_after_first_step, args=(out, own_servers[1], fault, stop), daemon=True)
+    killer.start()
+    try:
+        run_torchrun("loop_run.py", 2, str(CONFIG), str(out), "-", *args, timeout=420)
+    finally:
+        stop.set()
+        killer.join(10)
+    if fault == "kill":
+        assert not own_servers[1].alive()  # the fault happened
+    else:
+        assert own_servers[1].proc is not None and _stopped(own_servers[1].proc.pid)
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert json.loads((out / "result.json").read_text())["steps_done"] == STEPS
+    # the server that went on holds the trainer's final weights (version STEPS: after step STEPS - 1)
+    version, lps = asyncio.run(_version_and_logprobs(urls[0]))
+    assert version == str(STEPS)
+    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 1}.pt"))
+    assert max(abs(a - b) for a, b in zip(lps, final)) < 1e-4
+    before = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 2}.pt"))
+    assert max(abs(a - b) for a, b in zip(final, before)) > 1e-4  # the check tells versions apart
+
+
+def _stopped(pid: int) -> bool:
+    import psutil
+
+    return psutil.Process(pid).status() == psutil.STATUS_STOPPED
