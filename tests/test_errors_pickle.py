@@ -46,6 +46,8 @@ SAMPLES = {int: 503, float: 2.5, str: "the message", bool: True}
 
 def _value(param: inspect.Parameter, i: int):
     ann = param.annotation
+    if (isinstance(ann, str) and ann.startswith("dict")) or ann is dict or getattr(ann, "__origin__", None) is dict:
+        return {f"{param.name} {i}": "a value"}
     if isinstance(ann, str):  # from __future__ import annotations: the annotation's text
         for t, v in SAMPLES.items():
             if ann.split("|")[0].strip() == t.__name__:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 from dataclasses import dataclass
 
@@ -75,7 +76,14 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: d
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout, multi_tenant=True)
     from megatron_dapo.runtime.net import listening_socket
 
-    sock = listening_socket(host, port)
+    try:
+        sock = listening_socket(host, port)
+    except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+            raise
+        # Taken: by a multi-tenant store this process already hosts there (torch hands that one back, as it
+        # does for any second master on a port), or by someone else, and then torch's own bind fails too.
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, multi_tenant=True)
     bound_port = sock.getsockname()[1]
     return dist.TCPStore(
         host,
