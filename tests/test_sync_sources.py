@@ -5,7 +5,9 @@ in the last, rank 1 takes part in source 0's TP gathers before its own turn) syn
 once with everything through rank 0 and once with each source broadcasting its own tensors over its own
 update group. Both must leave the servers with the same weights (identical logprobs, equal to HF's own
 model within 1e-4), and per_stage must move each tensor once: no export hop, each source broadcasting
-exactly the bytes of the HF tensors it holds, as computed here from the checkpoint files.
+exactly the bytes of the HF tensors the export yielded on it (sizes read here from the checkpoint files),
+every tensor from exactly one source, no source more than model bytes / sources + one bucket (under EP the
+dense tensors are spread over the expert-parallel sources, the experts stay with the rank holding them).
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(serve
 
     if kind == "pp2_dense":
         ckpt, urls, layout = ckpts["q3_b"], [s.url for s in servers["q3"]], ["--tp", "1", "--pp", "2"]
-        n = transformers.AutoConfig.from_pretrained(ckpt).num_hidden_layers
-        owner = lambda name: _pp_owner(name, n)
+        n_layers = transformers.AutoConfig.from_pretrained(ckpt).num_hidden_layers
+        owner = lambda name: _pp_owner(name, n_layers)
     else:
         # tp2_ep2_etp1: rank 1 is a TP peer of source 0 (dense gathers) and the source of its own experts
         layout = ["--tp", "1", "--ep", "2"] if kind == "ep2_moe" else ["--tp", "2", "--ep", "2", "--etp", "1"]
@@ -89,13 +91,21 @@ def test_per_stage_sources_deliver_the_rank0_weights_each_source_its_share(serve
         # through rank 0: rank 1's share hops to rank 0, which then broadcasts the whole model
         assert a["export_traffic"] == [[0, share[1]], [share[1], 0]]
         assert a["source_bytes"] == {"0": model_bytes}
-        # per stage: no hop; each source broadcasts exactly the tensors it holds
+        # per stage: no hop; each source broadcasts exactly the tensors the export yielded on it, each once
         assert b["export_traffic"] == [[0, 0], [0, 0]]
-        assert b["source_bytes"] == {"0": share[0], "1": share[1]}
+        sent = {r: names for r, names in enumerate(b["yielded"])}
+        assert sorted(n for names in sent.values() for n in names) == sorted(sizes)
+        assert b["source_bytes"] == {str(r): sum(sizes[n] for n in names) for r, names in sent.items()}
         busiest = max(b["source_bytes"].values())
-        if kind == "pp2_dense":  # stages of equal size: each moves about half the model
-            assert busiest <= model_bytes / 2 + per_stage["bucket_bytes"]
+        assert busiest <= model_bytes / 2 + per_stage["bucket_bytes"]  # the issue's bound: model / sources + one bucket
         assert busiest < model_bytes + share[1]  # what rank 0 moves on the rank-0 path
+        if kind == "pp2_dense":  # one source per stage: each broadcasts its own stage's tensors
+            assert b["source_bytes"] == {"0": share[0], "1": share[1]}
+            assert all(_pp_owner(n, n_layers) == r for r, names in sent.items() for n in names)
+        else:  # experts by the expert-parallel rank holding them; the dense part spread over both sources
+            assert all(owner(n) == r for r, names in sent.items() for n in names if ".experts." in n)
+            dense = [n for n in sizes if ".experts." not in n]
+            assert all(any(n in sent[r] for n in dense) for r in (0, 1)), sent
 
 
 def test_a_failing_source_ends_every_session_and_is_named_on_every_rank(ckpts, tmp_path):

@@ -6,6 +6,9 @@ Every rank of the job iterates `export_hf_weights` in lock step (it runs collect
 1. the ranks holding the first replica (data-parallel rank 0; for experts, expert-data-parallel rank 0)
    of its pipeline stage / expert gather their TP (or expert-TP) shards on the group's first rank,
    the *source*, which rebuilds the HF tensors (QKV split, gate / up split, vocab padding trimmed);
+   with `dst_rank=EACH_SOURCE` a stage's dense parameters are spread by bytes over the stage's sources
+   instead (under EP the other expert-parallel sources hold replicas of them), each gathered by the TP
+   group of the source it goes to;
 2. the source sends them to `dst_rank` (point to point), or broadcasts them to every rank when
    `dst_rank is None`, or, with `dst_rank=EACH_SOURCE`, keeps them: each tensor is yielded only on the
    rank that rebuilt it, and nothing crosses pipeline stages or expert ranks (the weight sync then
@@ -26,6 +29,7 @@ import torch.distributed as dist
 
 from megatron_dapo.bridge.mapping import MappingError, Unit, hf_from_shards, hf_names, hf_shape
 from megatron_dapo.bridge.parallel import RankLayout, local_units, model_arch
+from megatron_dapo.planner.spread import spread_by_bytes
 
 
 class _EachSource:
@@ -52,21 +56,26 @@ class _Plan:
     dtype: torch.dtype
 
 
-def _plan(units, arch, layout: RankLayout) -> list[_Plan]:
-    """The global export plan, agreed by all ranks: per unit, its source rank and dtype."""
+def _plan(units, arch, layout: RankLayout, spread: bool = False) -> list[_Plan]:
+    """The global export plan, agreed by all ranks: per unit, its source rank and dtype. By default a unit's
+    source is the first rank of its first replica (data-parallel rank 0, TP rank 0; for experts expert-data-
+    parallel rank 0, expert-TP rank 0). With `spread`, the dense units of each pipeline stage are spread by
+    bytes over the sources holding a replica of them (under EP, every expert-parallel source of the stage),
+    so that no source broadcasts the stage's whole dense part (`_spread_dense`)."""
     mine = {}
     for unit, param in units:
         rank, _ = layout.split(unit.rule.expert)
         if unit.export and rank == 0 and layout.is_source(unit.rule.expert):
             mine[unit.key] = (unit.hf_names, str(param.dtype).removeprefix("torch."))
+    held = sorted(u.key for u, _ in units if u.export and not u.rule.expert) if spread else []
     world = dist.get_world_size() if dist.is_initialized() else 1
     gathered = [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, (mine, held))
     else:
-        gathered = [mine]
+        gathered = [(mine, held)]
     by_key: dict[str, _Plan] = {}
-    for src, entries in enumerate(gathered):
+    for src, (entries, _) in enumerate(gathered):
         for key, (names, dtype) in entries.items():
             if key not in by_key:  # with vpp / several dp replicas the first holder wins; all agree
                 by_key[key] = _Plan(key, tuple(names), src, getattr(torch, dtype))
@@ -80,27 +89,49 @@ def _plan(units, arch, layout: RankLayout) -> list[_Plan]:
         raise MappingError(
             f"export covers the HF checkpoint incorrectly: missing {missing[:3]}, unexpected {extra[:3]}"
         )
+    if spread:
+        _spread_dense(plans, arch, {r: set(h) for r, (_, h) in enumerate(gathered)})
     return plans
 
 
-def _gather_full(unit: Unit, param: torch.Tensor, arch, layout: RankLayout) -> list[torch.Tensor] | None:
-    """Gather `param`'s TP shards on its group's rank 0 -> HF tensors there, None on the others."""
-    rank, size = layout.split(unit.rule.expert)
+def _nbytes(p: _Plan, arch) -> int:
+    return sum(torch.Size(hf_shape(arch, n)).numel() for n in p.hf_names) * p.dtype.itemsize
+
+
+def _spread_dense(plans: list[_Plan], arch, held: dict[int, set[str]]) -> None:
+    """Re-assign each dense unit to the source (a rank already rebuilding some unit) that holds a replica of
+    it and carries the fewest bytes so far, largest unit first: the experts stay where they are, the dense
+    part of a stage is spread over its expert-parallel sources. The set of sources does not change."""
+    sources = sorted({p.source for p in plans})
+    dense = [p for p in plans if p.key in held.get(p.source, ())]
+    fixed: dict[int, int] = {}
+    for p in plans:
+        if p.key not in held.get(p.source, ()):
+            fixed[p.source] = fixed.get(p.source, 0) + _nbytes(p, arch)
+    candidates = {p.key: [r for r in sources if p.key in held[r]] for p in dense}
+    chosen = spread_by_bytes({p.key: _nbytes(p, arch) for p in dense}, candidates, fixed)
+    for p in dense:
+        p.source = chosen[p.key]
+
+
+def _gather_full(unit: Unit, param: torch.Tensor, arch, layout: RankLayout, dst: int) -> list[torch.Tensor] | None:
+    """Gather `param`'s TP shards on global rank `dst` of its TP group -> HF tensors there, None on the others."""
+    _, size = layout.split(unit.rule.expert)
     local = param.detach()
     if size == 1:
         return hf_from_shards(unit, arch, [local])
     group = layout.split_group(unit.rule.expert)
-    dst = dist.get_global_rank(group, 0)
-    shards = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
+    here = layout.rank == dst
+    shards = [torch.empty_like(local) for _ in range(size)] if here else None
     dist.gather(local.contiguous(), shards, dst=dst, group=group)
-    return hf_from_shards(unit, arch, shards) if rank == 0 else None
+    return hf_from_shards(unit, arch, shards) if here else None
 
 
 def _buckets(plans: list[_Plan], arch, byte_budget: int | None) -> list[list[_Plan]]:
     buckets: list[list[_Plan]] = []
     size = 0
     for p in plans:
-        nbytes = sum(torch.Size(hf_shape(arch, n)).numel() for n in p.hf_names) * p.dtype.itemsize
+        nbytes = _nbytes(p, arch)
         last = buckets[-1] if buckets else None
         if (
             byte_budget is not None
@@ -140,7 +171,7 @@ def export_hf_weights(
     arch = model_arch(model_chunks)
     layout = RankLayout.current()
     units = {u.key: (u, p) for u, p in local_units(model_chunks, arch, layout) if u.export}
-    plans = _plan(list(units.values()), arch, layout)
+    plans = _plan(list(units.values()), arch, layout, spread=dst_rank is EACH_SOURCE)
     if dst_rank is EACH_SOURCE:
         plans = sorted(plans, key=lambda p: p.source)  # stable: HF order within a source
     return _stream(units, plans, arch, layout, byte_budget, dst_rank, traffic or Traffic())
@@ -152,7 +183,7 @@ def export_sources(model_chunks) -> list[int]:
     arch = model_arch(model_chunks)
     layout = RankLayout.current()
     units = [(u, p) for u, p in local_units(model_chunks, arch, layout) if u.export]
-    return sorted({p.source for p in _plan(units, arch, layout)})
+    return sorted({p.source for p in _plan(units, arch, layout)})  # `spread` moves units, never sources
 
 
 @torch.no_grad()
@@ -160,12 +191,13 @@ def _stream(units, plans, arch, layout: RankLayout, byte_budget, dst_rank, traff
     world = dist.get_world_size() if dist.is_initialized() else 1
     me = layout.rank
     each_source = dst_rank is EACH_SOURCE
+    peers = {expert: layout.split_ranks(expert) for expert in (False, True)}
     for bucket in _buckets(plans, arch, byte_budget):
         fulls: list[list[torch.Tensor] | None] = []
         for p in bucket:
             held = units.get(p.key)
-            if held is not None and layout.is_source(held[0].rule.expert):
-                fulls.append(_gather_full(held[0], held[1], arch, layout))
+            if held is not None and p.source in peers[held[0].rule.expert]:  # the source's TP group gathers
+                fulls.append(_gather_full(held[0], held[1], arch, layout, p.source))
             else:
                 fulls.append(None)
         source = bucket[0].source

@@ -44,6 +44,14 @@ class RankLayout:
         """Whether this rank's replica of a parameter is the one the exporter gathers."""
         return (self.edp_rank if expert else self.dp_rank) == 0
 
+    def split_ranks(self, expert: bool) -> frozenset[int]:
+        """The global ranks of the group this rank's share of a parameter is TP-split over (itself included)."""
+        if self.split(expert)[1] == 1:
+            return frozenset([self.rank])
+        import torch.distributed as dist
+
+        return frozenset(dist.get_process_group_ranks(self.split_group(expert)))
+
     def split_group(self, expert: bool):
         from megatron.core import parallel_state as ps
 

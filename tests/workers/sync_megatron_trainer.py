@@ -8,7 +8,8 @@ Loads HF_DIR into a GPTModel of that layout, changes every weight (as a training
 update group (per_stage) -- twice (versions 1, 2). Rank 0 records each server's probe logprobs and checks
 them against an independent reference: HF transformers' own model loaded from HF_DIR with the same changes
 (and, with tp only, the Megatron model's own logits gathered over TP). It also records the bytes each rank
-moved: the export's hops beyond TP gathers (Traffic) and what each source broadcast.
+moved: the export's hops beyond TP gathers (Traffic) and what each source broadcast, and the names of the
+tensors the export yielded on each rank.
 """
 
 import argparse
@@ -45,6 +46,14 @@ def hf_logprobs(hf_model, probe):
     with torch.no_grad():
         logits = hf_model(torch.tensor([probe])).logits[0]
     return _token_logprobs(logits, probe)
+
+
+def recording(export, names: list):
+    """`export`, appending to `names` the name of every tensor it yields on this rank (what this rank sends)."""
+    for name, tensor in export:
+        if tensor is not None:
+            names.append(name)
+        yield name, tensor
 
 
 def expect_failure(bridge, export, version, info, out):
@@ -115,13 +124,17 @@ def main():
                     p.mul_(scale)
         ref = megatron_logprobs(chunks, probe, vocab) if own_reference else None
         traffic = Traffic()
+        sent: list[str] = []
         export = export_hf_weights(chunks, dst_rank=EACH_SOURCE if per_stage else 0, traffic=traffic)
+        export = recording(export, sent)
         if args.expect_failure:
             expect_failure(bridge, export, version, info, args.out)
             return
         stats = bridge.sync(export, version=version)
         moved = [None] * info.world_size
         dist.all_gather_object(moved, (traffic.sent, traffic.received))
+        yielded = [None] * info.world_size
+        dist.all_gather_object(yielded, sent)
         if info.rank == 0:
             served = bridge.server_logprobs(probe)
             hf_ref = hf_logprobs(hf_model, probe)
@@ -138,6 +151,7 @@ def main():
                     "model_bytes": stats.nbytes,
                     "source_bytes": {str(k): v for k, v in (stats.source_bytes or {0: stats.nbytes}).items()},
                     "export_traffic": moved,
+                    "yielded": yielded,  # per rank: the names the export yielded there
                     "server_versions": [v["weight_version"] for v in versions],
                 }
             )
