@@ -153,3 +153,34 @@ def test_training_loop_at_pp2_syncs_from_each_stage(env):
         assert r["sync/verify_max_abs_diff"] < 1e-4
         assert r["sync/sources"] == 2  # both stages broadcast
     assert abs(rows[0]["sync/probe_logprob_mean"] - rows[1]["sync/probe_logprob_mean"]) > 1e-5
+
+
+def test_a_server_lost_mid_broadcast_is_left_out_by_every_source_and_the_rest_go_on(ckpts, tmp_path):
+    """test_sync_degrade's kill, at PP=2 from both stages: the last source SIGKILLs a server halfway through
+    its tensors. Every rank raises the same ServersLost naming that server (and the source that lost it),
+    every source leaves it out, the other server's session was ended at its old version, and the next sync
+    (a fresh export, as the trainer retries) reaches it with exactly the new weights."""
+    two = [embedded_server(str(ckpts["q3_a"]), tmp_path / f"s{i}.log", api_key=KEY, seed=i) for i in range(2)]
+    try:
+        start_servers(two, timeout_s=180)
+        urls = [s.url for s in two]
+        args = ["--tp", "1", "--pp", "2", "--sources", "per_stage", "--kill-pgid", str(two[1].proc.pid)]
+        out = tmp_path / "degrade.json"
+        run_torchrun("sync_megatron_trainer.py", 2, out, ckpts["q3_b"], KEY, *urls, *args, timeout=300)
+        first, second = json.loads(out.read_text())["rounds"]
+        assert first["server_versions"] == ["1", "1"]
+        lost = second["lost"]
+        assert lost[0] is not None and lost == [lost[0]] * 2, lost  # the same on every rank
+        assert lost[0]["urls"] == [urls[1]] and lost[0]["live"] == [urls[0]]
+        assert "source rank 1: update_weights_from_distributed of " in lost[0]["message"]
+        assert urls[1] in lost[0]["message"] and "continue_generation" not in lost[0]["message"]
+        # the server that goes on: out of its session (a new one opens), still at version 1
+        assert second["versions_after_loss"] == ["1"]
+        assert second["sessions_after_loss"] == ["opened"]
+        # the retried sync: only the live server, holding the new weights (HF's own model with them)
+        assert second["server_versions"] == ["2"] and second["max_diff_hf"] < 1e-4
+        assert second["source_bytes"].keys() == {"0", "1"}
+        assert not two[1].alive()
+    finally:
+        for s in two:
+            s.stop()

@@ -120,6 +120,17 @@ def _is_lost(e: BaseException) -> bool:
     return isinstance(e, (SGLangConnectionError, TimeoutError))
 
 
+def _lost_by_sources(outcomes, failures: list[str]) -> "ServersLost | None":
+    """The sources' outcomes `(rank, why, lost reasons, counts)` as one ServersLost naming every server lost
+    and the source that lost it, when each failure lost servers; None when none failed or one failed
+    otherwise (a WeightSyncError for all: nothing is left out)."""
+    failed = [(why, gone) for _, why, gone, _ in outcomes if why is not None]
+    if not failed or any(gone is None for _, gone in failed):
+        return None
+    reasons = {url: reason for _, gone in failed for url, reason in gone.items()}
+    return ServersLost("weight sync lost servers; " + "; ".join(failures), reasons)
+
+
 def flushes_cache(pause_generation: bool, pause_mode: str) -> bool:
     """Whether the last update of a sync may ask SGLang to flush its cache (see the module docstring):
     not after an in_place pause, where requests still run and the flush would fail the update."""
@@ -422,18 +433,36 @@ class WeightSyncBridge:
             pass
         outcomes = [None] * dist.get_world_size()
         why = None if error is None else str(error) if isinstance(error, WeightSyncError) else _reason(error)
-        dist.all_gather_object(outcomes, (self.rank, why, counts))
-        failures = [f"source rank {rank}: {why}" for rank, why, _ in outcomes if why is not None]
-        if self.rank == 0:
-            self._close(session, failed=bool(failures))
+        gone = error.reasons if isinstance(error, ServersLost) else None
+        dist.all_gather_object(outcomes, (self.rank, why, gone, counts))
+        failures = [f"source rank {rank}: {why}" for rank, why, _, _ in outcomes if why is not None]
+        lost = _lost_by_sources(outcomes, failures)
+        try:
+            if lost is not None:  # every rank leaves the same servers out, before the sessions end
+                self._leave_out(lost)
+        finally:
+            if self.rank == 0:
+                self._close(session, failed=bool(failures))
+            if lost is not None and self.sender:
+                self._reform_in_turn()
+        if lost is not None:
+            raise lost from error
         if failures:
             raise WeightSyncError("weight sync failed; " + "; ".join(failures)) from error
         if self.rank != 0:
             return None
-        totals = [sum(c[i] for _, _, c in outcomes) for i in range(3)]
+        totals = [sum(c[i] for *_, c in outcomes) for i in range(3)]
         stats = self._stats(version, *totals, time.perf_counter() - t0)
-        stats.source_bytes = {rank: c[1] for rank, _, c in outcomes if rank in self.sources}
+        stats.source_bytes = {rank: c[1] for rank, _, _, c in outcomes if rank in self.sources}
         return stats
+
+    def _reform_in_turn(self) -> None:
+        """After a loss with several sources: each source, in turn, leaves its group and forms one of the live
+        servers (none: only leaves), as `connect` formed them; a server joins one group at a time."""
+        for source in self.sources:
+            if source == self.rank:
+                self._reform() if self.live else self._leave_group()
+            dist.barrier(group=self._turns)
 
     def _take_turn(self, items, version: str, error: BaseException | None):
         """This source's part: rebuild its first tensor, wait for its turn, stream its run of tensors, hand

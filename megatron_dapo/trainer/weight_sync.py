@@ -95,14 +95,13 @@ class AllAtOnceSync(WeightSync):
     def _bridge_sync(self, version: int):
         """The bridge's sync; after it lost servers (and left them out, its group re-formed for the rest),
         again with a fresh export: bounded, as each try has fewer servers and the bridge stops the run
-        below rollout.min_healthy_servers. With several sources a loss ends the run, named."""
-        if self.per_stage:
-            return self.bridge.sync(self._export(), version=version)
+        below rollout.min_healthy_servers. With several sources every rank raises the loss (each source has
+        left the server out and re-formed its group), so every rank exports again."""
         while True:
             stats, lost = None, None
             try:
                 stats = self.bridge.sync(self._export(), version=version)
-            except ServersLost as e:  # raised on rank 0 only
+            except ServersLost as e:  # raised on rank 0 only (on every rank with several sources)
                 lost = e
             if not self._again(lost is not None):
                 return stats

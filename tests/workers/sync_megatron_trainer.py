@@ -15,6 +15,8 @@ tensors the export yielded on each rank.
 import argparse
 import faulthandler
 import json
+import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -56,6 +58,38 @@ def recording(export, names: list):
         yield name, tensor
 
 
+def killing_after(export, n: int, pgid: int):
+    """`export`, SIGKILLing process group `pgid` (a server) once this rank has yielded `n` tensors."""
+    yielded = 0
+    for name, tensor in export:
+        if tensor is not None:
+            if yielded == n:
+                os.killpg(pgid, signal.SIGKILL)
+            yielded += 1
+        yield name, tensor
+
+
+def losing_a_server(bridge, export, version, info) -> dict:
+    """A sync in which a server is lost: the ServersLost each rank raised, what the bridge left in, and
+    (rank 0) whether the others were left out of their session, at their old version, right after it."""
+    from megatron_dapo.sync.bridge import ServersLost
+
+    try:
+        bridge.sync(export, version=version)
+        seen = None
+    except ServersLost as e:
+        seen = {"message": str(e), "urls": e.urls, "live": bridge.live}
+    each = [None] * info.world_size
+    dist.all_gather_object(each, seen)
+    out = {"lost": each}
+    if info.rank == 0:
+        out["versions_after_loss"] = [v["weight_version"] for v in bridge._all("get_model_info")]
+        opened = bridge._all("begin_weight_update", return_exceptions=True)  # refused if one was left open
+        out["sessions_after_loss"] = [repr(a) if isinstance(a, BaseException) else "opened" for a in opened]
+        bridge._all("end_weight_update")
+    return out
+
+
 def expect_failure(bridge, export, version, info, out):
     from megatron_dapo.sync.bridge import WeightSyncError
 
@@ -88,6 +122,9 @@ def main():
     ap.add_argument("--sources", choices=["rank0", "per_stage"], default="rank0")
     # the servers cannot take every tensor: record each rank's WeightSyncError of the first sync, then stop
     ap.add_argument("--expect-failure", action="store_true")
+    # in round 2, the last source SIGKILLs this process group (a server) halfway through its tensors, expects
+    # ServersLost on every rank, records it, then syncs again with a fresh export (as the trainer does)
+    ap.add_argument("--kill-pgid", type=int, default=None)
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM
@@ -114,6 +151,7 @@ def main():
     bridge = WeightSyncBridge(args.urls, cfg, api_key=args.api_key, sources=sources)
     bridge.connect()
     report = {"sources": sources, "bucket_bytes": int(cfg.bucket_mb * 1024 * 1024), "rounds": []}
+    last_sent: list[str] = []  # what the export yielded on this rank in the previous round
     for version, scale in ROUNDS:
         with torch.no_grad():
             for chunk in chunks:
@@ -130,7 +168,15 @@ def main():
         if args.expect_failure:
             expect_failure(bridge, export, version, info, args.out)
             return
+        degraded = {}
+        if args.kill_pgid is not None and version == "2":
+            if info.rank == sources[-1]:
+                export = killing_after(export, len(last_sent) // 2, args.kill_pgid)
+            degraded = losing_a_server(bridge, export, version, info)
+            sent, traffic = [], Traffic()
+            export = recording(export_hf_weights(chunks, dst_rank=EACH_SOURCE, traffic=traffic), sent)
         stats = bridge.sync(export, version=version)
+        last_sent = list(sent)
         moved = [None] * info.world_size
         dist.all_gather_object(moved, (traffic.sent, traffic.received))
         yielded = [None] * info.world_size
@@ -153,6 +199,7 @@ def main():
                     "export_traffic": moved,
                     "yielded": yielded,  # per rank: the names the export yielded there
                     "server_versions": [v["weight_version"] for v in versions],
+                    **degraded,
                 }
             )
         dist.barrier()
