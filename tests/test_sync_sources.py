@@ -20,7 +20,10 @@ import pytest
 from safetensors import safe_open
 
 from megatron_dapo.rollout.launcher import embedded_server, start_servers
+from megatron_dapo.runtime.net import LOOPBACK
+from megatron_dapo.sync.addresses import NODE_ADDRESS_ENV
 from tests.dist_utils import run_torchrun
+from tests.test_bind_host import _external_ipv4
 from tests.test_loop_run import _run as _loop_run
 from tests.test_loop_run import env  # noqa: F401  (the loop tests' model, data and servers)
 from tests.test_sync import KEY, ckpts, servers  # noqa: F401  (tiny checkpoints; 2 dense servers + 1 MoE)
@@ -159,15 +162,22 @@ def test_a_server_lost_mid_broadcast_is_left_out_by_every_source_and_the_rest_go
     """test_sync_degrade's kill, at PP=2 from both stages: the last source SIGKILLs a server halfway through
     its tensors. Every rank raises the same ServersLost naming that server (and the source that lost it),
     every source leaves it out, the other server's session was ended at its old version, and the next sync
-    (a fresh export, as the trainer retries) reaches it with exactly the new weights."""
+    (a fresh export, as the trainer retries) reaches it with exactly the new weights. Source rank 1 hosts its
+    group at its own node address (MEGATRON_DAPO_NODE_ADDRESS), rank 0 at its bind host, before and after the
+    group is re-formed."""
     two = [embedded_server(str(ckpts["q3_a"]), tmp_path / f"s{i}.log", api_key=KEY, seed=i) for i in range(2)]
     try:
         start_servers(two, timeout_s=180)
         urls = [s.url for s in two]
         args = ["--tp", "1", "--pp", "2", "--sources", "per_stage", "--kill-pgid", str(two[1].proc.pid)]
         out = tmp_path / "degrade.json"
-        run_torchrun("sync_megatron_trainer.py", 2, out, ckpts["q3_b"], KEY, *urls, *args, timeout=300)
-        first, second = json.loads(out.read_text())["rounds"]
+        # source rank 1 hosts its group at its own node address (this machine's external one if it has one)
+        node = (_external_ipv4() or [LOOPBACK])[0]
+        env = {NODE_ADDRESS_ENV: node}
+        run_torchrun("sync_megatron_trainer.py", 2, out, ckpts["q3_b"], KEY, *urls, *args, timeout=300, env=env)
+        report = json.loads(out.read_text())
+        assert report["stores"] == [LOOPBACK, node]  # rank 0 at its bind host, rank 1 at its own setting
+        first, second = report["rounds"]
         assert first["server_versions"] == ["1", "1"]
         lost = second["lost"]
         assert lost[0] is not None and lost == [lost[0]] * 2, lost  # the same on every rank

@@ -8,13 +8,14 @@ Model-dependent rules use the shape resolved by `shapes.resolve_model_shape`.
 from __future__ import annotations
 
 from dataclasses import replace
+from urllib.parse import urlparse
 
 from megatron_dapo.config import derived
 from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
-from megatron_dapo.runtime.net import is_wildcard
+from megatron_dapo.runtime.net import is_loopback, is_this_host, is_wildcard
 
 
 def _check_parallel(cfg: DapoConfig, errors: list[str]) -> None:
@@ -403,6 +404,7 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"trainer.val_every={t.val_every} must be >= 0")
     _check_val(cfg, errors)
     _check_bind_host(t.bind_host, errors)
+    _check_servers_reach(cfg, errors)
     if t.world_size is not None and t.world_size < 1:
         errors.append(f"trainer.world_size={t.world_size} must be >= 1 or null")
     if cfg.logging.log_every < 1:
@@ -425,6 +427,24 @@ def _check_bind_host(host: str, errors: list[str]) -> None:
             f"trainer.bind_host={host} would listen on every interface: name one address of this host "
             f"(127.0.0.1 for one machine, the cluster-network IP for several)"
         )
+
+
+def _check_servers_reach(cfg: DapoConfig, errors: list[str]) -> None:
+    """Trainer rank 0 hosts the weight-update group's store at trainer.bind_host: a loopback one is out of
+    reach of a rollout server on another machine."""
+    try:
+        if not is_loopback(cfg.trainer.bind_host):
+            return
+    except ValueError:  # refused by _check_bind_host
+        return
+    for i, url in enumerate(cfg.rollout.servers):
+        host = urlparse(url).hostname
+        if host and not is_this_host(host):
+            errors.append(
+                f"trainer.bind_host={cfg.trainer.bind_host} is loopback, but rollout.servers[{i}]={url} is on "
+                f"another machine, which cannot join the weight-update group there: set trainer.bind_host to "
+                f"this node's cluster address"
+            )
 
 
 def _check_val(cfg: DapoConfig, errors: list[str]) -> None:

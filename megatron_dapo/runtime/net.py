@@ -65,3 +65,21 @@ def _same_ip(address: str, want: ipaddress.IPv4Address | ipaddress.IPv6Address) 
         return ipaddress.ip_address(address.split("%", 1)[0]) == want  # fe80::1%eth0: scope dropped
     except ValueError:
         return False
+
+
+def route_address(host: str) -> str:
+    """This machine's address on the route to `host` (an IP or a name): the source address its packets to
+    `host` leave from, as the kernel's routing table chooses it. Connecting a UDP socket sends nothing."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(sockaddr)
+        return s.getsockname()[0]
+
+
+def is_this_host(host: str) -> bool:
+    """Whether `host` (an IP or a name) is loopback or one of this machine's own addresses."""
+    try:
+        address = socket.getaddrinfo(host, None)[0][4][0]
+    except socket.gaierror:
+        return False
+    return is_loopback(address) or interface_of(address) is not None

@@ -24,6 +24,7 @@ from pathlib import Path
 from megatron_dapo.config import config_from_dict, config_to_dict
 from megatron_dapo.config.derived import routing_shape, trainer_world_size
 from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
+from megatron_dapo.sync.addresses import NODE_ADDRESS_ENV
 
 # ray (and torch) are imported in the functions that use them: a torchrun launch never needs ray.
 
@@ -119,7 +120,11 @@ class _TrainerActor:
         return ip, free_port(ip)
 
     def run(self, cfg_dict: dict, env: dict, urls: list[str], tp_sizes: list[int], resume: bool):
+        import ray
+
         os.environ.update({k: str(v) for k, v in env.items()})
+        # where this rank hosts a weight-update group of its own (per_stage sources): its node's Ray address
+        os.environ.setdefault(NODE_ADDRESS_ENV, ray.util.get_node_ip_address())
         from megatron_dapo.trainer.loop import train_rank
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from megatron_dapo.bridge import EACH_SOURCE
 from megatron_dapo.config import derived
 from megatron_dapo.coordinator.batch import probe_batch
+from megatron_dapo.sync.addresses import source_store_addresses
 from megatron_dapo.sync.bridge import ServersLost, WeightSyncBridge
 from megatron_dapo.sync.per_server import PerServerSync, WeightStore
 
@@ -74,13 +75,17 @@ class AllAtOnceSync(WeightSync):
         super().__init__(cfg, actor, rank, coord)
         # per_stage: each export source broadcasts the tensors it rebuilds, none goes through rank 0
         self.per_stage = derived.sync_sources(cfg) == "per_stage"
+        sources = actor.export_sources() if self.per_stage else None
+        address = cfg.trainer.bind_host  # rank 0's; each other source hosts its group on its own node
+        if sources is not None:
+            address = source_store_addresses(sources, address, server_urls).get(rank, address)
         self.bridge = WeightSyncBridge(
             server_urls,
             cfg.rollout.sync,
             api_key=cfg.rollout.api_key,
             server_tp_sizes=server_tp_sizes,
-            sources=actor.export_sources() if self.per_stage else None,
-            master_address=cfg.trainer.bind_host,
+            sources=sources,
+            master_address=address,
             timeout_s=derived.sync_timeout_s(cfg),
             min_live=cfg.rollout.min_healthy_servers,
             on_lost=coord.registry.mark_down if rank == 0 else None,  # out of routing too

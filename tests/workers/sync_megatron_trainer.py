@@ -134,6 +134,8 @@ def main():
     from megatron_dapo.config.schema import SyncConfig
     from megatron_dapo.models.provider import ModelParallel, build_gpt_model
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
+    from megatron_dapo.runtime.net import LOOPBACK
+    from megatron_dapo.sync.addresses import source_store_addresses
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
     info = init_distributed("gloo")
@@ -148,9 +150,14 @@ def main():
     per_stage = args.sources == "per_stage"
     sources = export_sources(chunks) if per_stage else [0]
     cfg = SyncConfig(bucket_mb=0.1, flatten_bucket=False)
-    bridge = WeightSyncBridge(args.urls, cfg, api_key=args.api_key, sources=sources)
+    # as the trainer does: rank 0 hosts at its bind host (loopback here), each other source at its node's
+    # address (MEGATRON_DAPO_NODE_ADDRESS when set, else its route to the servers)
+    address = source_store_addresses(sources, LOOPBACK, args.urls)[info.rank] if info.rank in sources else LOOPBACK
+    bridge = WeightSyncBridge(args.urls, cfg, api_key=args.api_key, sources=sources, master_address=address)
     bridge.connect()
-    report = {"sources": sources, "bucket_bytes": int(cfg.bucket_mb * 1024 * 1024), "rounds": []}
+    stores = [None] * info.world_size
+    dist.all_gather_object(stores, bridge.master_address)
+    report = {"sources": sources, "bucket_bytes": int(cfg.bucket_mb * 1024 * 1024), "rounds": [], "stores": stores}
     last_sent: list[str] = []  # what the export yielded on this rank in the previous round
     for version, scale in ROUNDS:
         with torch.no_grad():
