@@ -398,13 +398,16 @@ def test_refit_of_qwen3_30b_a3b_by_sync_source():
     expert = 48 * 128 * 3 * 2048 * 768
     model = 2 * (dense + expert)
     assert model == 2 * 30_532_122_624
-    # sources: rank 0 (dense tensors + EP rank 0's 16 experts), then EP ranks 1-7 (16 experts each)
+    # rank0 path: rank 0 rebuilds the dense tensors + EP rank 0's 16 experts, EP ranks 1-7 hop theirs in
     share0, share_ep = 2 * (dense + expert // 8), 2 * expert // 8
     r = plan.refit
-    assert r.source_bytes == [share0] + [share_ep] * 7
     assert r.link_gbps == 400 and "inter-node" in plan.refit_link
     assert r.rank0_bytes == model + (model - share0) == 111_798_546_432
-    assert r.per_stage_busiest_bytes == share0 == 10_329_944_064
+    # per_stage: 8 sources (EP ranks), each its 16 experts plus some of the dense tensors spread over them:
+    # the busiest at most one embedding (the largest dense tensor) above the mean
+    assert len(r.source_bytes) == 8 and sum(r.source_bytes) == model
+    assert all(b >= share_ep for b in r.source_bytes)
+    assert model / 8 <= r.per_stage_busiest_bytes <= model / 8 + 2 * 151936 * 2048 < share0
     assert r.rank0_s == pytest.approx(111_798_546_432 * 8 / 400e9)  # 2.24 s
     assert r.per_stage_s == pytest.approx(model * 8 / 400e9)  # 1.22 s: the model once on the wire
 

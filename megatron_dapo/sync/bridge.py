@@ -44,7 +44,9 @@ two sources broadcasting at once could each hold a different server in its broad
 source waits for its turn only once the export has rebuilt its first tensor: a source that is also a TP
 peer of an earlier one takes part in that one's gathers first. A failed source hands on a "failed" token;
 the later ones skip their updates but still drain their export (their TP peers wait on its gathers). Every
-rank then exchanges the outcome and raises the same WeightSyncError naming the failed source rank. The
+rank then exchanges the outcome and raises the same WeightSyncError naming the failed source rank; or, when
+each failure lost servers (below), the same ServersLost: every source leaves them out, rank 0 ends the
+others' sessions, and the sources re-form their groups in turn (`_reform_in_turn`). The
 last source's last bucket carries the version (and the cache flush): it is set once, after all sources.
 
 A dead or stalled server (connection refused or lost, no answer within `timeout_s`, i.e.
