@@ -169,12 +169,15 @@ def test_logits_and_exports_at_tp1_tp2_pp2_vpp_ep2(tmp_path):
 
 @pytest.mark.slow
 def test_logits_and_exports_at_tp2xpp2_and_tp2xep2(tmp_path):
-    """4 ranks: TP2 x PP2 for every family, TP2 x EP2 (sequence parallel) for MoE, incl. a broadcast export."""
+    """4 ranks: TP2 x PP2 for every family, TP2 x EP2 (sequence parallel) for MoE, incl. a broadcast export
+    and an export from each source (the dense tensors spread over the EP sources, each gathered by the TP
+    group of the source it goes to)."""
     out = run_torchrun("bridge_layouts.py", 4, str(tmp_path), "tp2pp2", "tp2ep2", timeout=240)
     res = _results(out)
     assert len(res) == 5 + 2, out[-3000:]
     assert max(res.values()) < 1e-5
     assert "qwen3_moe tp2ep2 broadcast-export ok" in out
+    assert "qwen3_moe tp2ep2 each-source-export ok" in out  # dense tensors spread over the EP sources
 
 
 def test_transformer_engine_parameter_names_resolve():

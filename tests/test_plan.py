@@ -455,3 +455,21 @@ def test_plan_prints_the_routing_replay_bytes_per_step():
     assert f"= {tokens * 48 * 8 / 2**20:.1f} MiB per step" in line
     off = make_plan(_cluster("qwen3_30b_a3b.yaml", 4, "algo.routing_replay=none"), gpu_mem_gib=80)
     assert "routing replay" not in format_plan(off)
+
+
+def test_spread_by_bytes_keeps_candidates_and_stays_within_one_item_of_the_mean():
+    from megatron_dapo.planner.spread import spread_by_bytes
+
+    sizes = {f"t{i}": s for i, s in enumerate([70, 5, 40, 40, 12, 33, 8, 8, 61, 2])}
+    base = {0: 100, 1: 0, 2: 30}  # what each rank carries already (its experts)
+    candidates = {k: [0, 1, 2] for k in sizes} | {"t0": [1, 2]}
+    chosen = spread_by_bytes(sizes, candidates, base)
+    assert chosen == spread_by_bytes(dict(sizes), candidates, dict(base))  # the same on every rank
+    assert all(chosen[k] in candidates[k] for k in sizes)
+    load = dict(base)
+    for k, r in chosen.items():
+        load[r] += sizes[k]
+    assert sum(load.values()) == sum(sizes.values()) + sum(base.values())
+    assert max(load.values()) <= sum(load.values()) / 3 + max(sizes.values())
+    with pytest.raises(ValueError, match="no candidate rank for 'x'"):
+        spread_by_bytes({"x": 1}, {"x": []}, {})

@@ -116,11 +116,44 @@ def main() -> int:
                         break
                 if info.rank == 0:
                     print(f"RESULT {name} {layout} broadcast-export ok", flush=True)
+                failures += each_source_failures(chunks, arch, on_disk, f"{name} {layout}", info.rank)
             del chunks
     for f in failures:
         print(f"FAIL rank {info.rank}: {f}", flush=True)
     destroy_distributed()
     return 1 if failures else 0
+
+
+def each_source_failures(chunks, arch, on_disk, what: str, rank: int) -> list[str]:
+    """dst_rank=EACH_SOURCE: every file tensor yielded, bit for bit, on exactly one source rank; the dense ones
+    spread over the expert-parallel sources (a TP group of another DP replica gathering some), so that no source
+    yields more than the model's bytes / sources + its largest tensor."""
+    from megatron_dapo.bridge import EACH_SOURCE, export_hf_weights, export_sources
+
+    sources = export_sources(chunks)
+    mine = {n: t.clone() for n, t in export_hf_weights(chunks, dst_rank=EACH_SOURCE) if t is not None}
+    each = [None] * dist.get_world_size()
+    dist.all_gather_object(each, mine)
+    if rank != 0:
+        return []
+    failures = [
+        f"{what}: rank {r} is no source but yielded {sorted(m)[:2]}"
+        for r, m in enumerate(each)
+        if m and r not in sources
+    ]
+    got = [(n, t) for m in each for n, t in m.items()]
+    if sorted(n for n, _ in got) != sorted(on_disk):
+        failures.append(f"{what}: EACH_SOURCE export names differ from the file (or repeat)")
+    failures += [f"{what}: EACH_SOURCE {n} differs from the file" for n, t in got if not torch.equal(t, on_disk[n])]
+    nbytes = {r: sum(t.numel() * t.element_size() for t in m.values()) for r, m in enumerate(each)}
+    model, largest = sum(nbytes.values()), max(t.numel() * t.element_size() for t in on_disk.values())
+    if max(nbytes.values()) > model / len(sources) + largest:
+        failures.append(f"{what}: EACH_SOURCE bytes per rank {nbytes} over model / {len(sources)} sources + {largest}")
+    if len(sources) > 1 and not all(any(".experts." not in n for n in each[r]) for r in sources):
+        failures.append(f"{what}: the dense tensors were not spread over the sources {sources}")
+    if not failures:
+        print(f"RESULT {what} each-source-export ok {nbytes}", flush=True)
+    return failures
 
 
 def _shape(arch, name):
