@@ -152,7 +152,7 @@ def main():
     cfg = SyncConfig(bucket_mb=0.1, flatten_bucket=False)
     # as the trainer does: rank 0 hosts at its bind host (loopback here), each other source at its node's
     # address (MEGATRON_DAPO_NODE_ADDRESS when set, else its route to the servers)
-    address = source_store_addresses(sources, LOOPBACK, args.urls)[info.rank] if info.rank in sources else LOOPBACK
+    address = source_store_addresses(sources, LOOPBACK, args.urls).get(info.rank, LOOPBACK)  # collective
     bridge = WeightSyncBridge(args.urls, cfg, api_key=args.api_key, sources=sources, master_address=address)
     bridge.connect()
     stores = [None] * info.world_size
