@@ -13,6 +13,7 @@ Usage: actor_checks.py CHECK[,CHECK...] TMPDIR
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -215,13 +216,35 @@ def exported(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in actor.export_weights(dst_rank=None)}
 
 
-def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, **algo):
+@contextlib.contextmanager
+def counting_replay_actions():
+    """Counts megatron-core RouterReplay top-k calls by action (a spy on the class, removed on exit)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    counts: dict = {}
+    original = RouterReplay.get_replay_topk
+
+    def spy(self, *args, **kwargs):
+        action = getattr(self.router_replay_action, "value", None)
+        counts[action] = counts.get(action, 0) + 1
+        return original(self, *args, **kwargs)
+
+    RouterReplay.get_replay_topk = spy
+    try:
+        yield counts
+    finally:
+        RouterReplay.get_replay_topk = original
+
+
+def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, **algo):
     """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor.
     With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF reference
     is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD)."""
-    init_model_parallel(ep=ep, seed=1)  # DP=2
+    init_model_parallel(ep=ep, pp=pp, seed=1)  # DP=2 (pp=1)
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
-    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo)
+    cfg = make_config(
+        hf_dir, ep=ep, pp=pp, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo
+    )
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     if recompute:
         cfg.model.recompute_granularity = "full"
@@ -242,8 +265,11 @@ def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, 
     log(f"dp rank 0 rows {rows}: micro-batches {[p.rows for p in packs]} lengths {[p.length for p in packs]}")
     assert len(packs) >= 2, "the exactness check needs several micro-batches per rank"
     before = exported(actor)
-    metrics = actor.train_step(batch)
+    with counting_replay_actions() as actions:
+        metrics = actor.train_step(batch)
     after = exported(actor)
+    if replay_seed is not None and recompute:  # the recompute in backward replayed (REPLAY_BACKWARD)
+        assert actions.get("replay_backward", 0) > 0, actions
     log(f"train step metrics: {metrics}")
     assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
     if replay_seed is not None:
@@ -373,6 +399,14 @@ def main(argv):
             # R3: random routed experts replayed in the old-logprob pass, the training forward and its
             # full-layer recompute in backward equal an HF reference forced to route the same way
             check_exact_update(moe_dir, ep=2, seed=8, replay_seed=4, recompute=True)
+        elif check == "moe_replay_pp2":
+            # R3 under PP=2 (1F1B: a stage runs forwards of later micro-batches before the recompute of an
+            # earlier one), each stage replaying its own MoE layers' rows
+            moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+            if dist.get_rank() == 0 and not moe_dir.exists():
+                save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+            dist.barrier()
+            check_exact_update(moe_dir, pp=2, seed=8, replay_seed=5, recompute=True)
         elif check == "shards":
             check_shards(hf_dir)
         elif check == "warmup":
