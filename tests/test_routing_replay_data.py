@@ -1,4 +1,4 @@
-"""Rollout routing replay (R3), items 1-2: algo.routing_replay, and the samples' routed experts from a real
+"""Rollout routing replay (R3), items 1-2 (and the actor's replay end to end): algo.routing_replay, and the samples' routed experts from a real
 embedded MoE server through the router, partial rollout, the step batch, DP shards and checkpoints."""
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def test_samples_carry_routing_from_a_server_through_partial_rollout_batch_shard
 @pytest.mark.slow
 def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     """The tiny MoE CPU config, routing_replay left at its MoE default: the driver's server returns routed
-    experts, two steps train, a checkpoint holds them, and rollout/routing_bytes is every sample's
+    experts, two steps train replaying them, a checkpoint holds them, and rollout/routing_bytes is every sample's
     (prompt + response - 1) x MoE layers x top-k bytes."""
     import subprocess
     import sys
@@ -192,6 +192,11 @@ def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     for m in rows:
         positions = samples * (m["prompt/length_mean"] + m["response/length_mean"] - 1)
         assert m["rollout/routing_bytes"] == pytest.approx(positions * per_token, rel=1e-9)
+        # the actor replays them (int64 ids to its routers, filler rows and both passes included)
+        assert m["actor/routing_replay_bytes"] >= 8 * 2 * m["rollout/routing_bytes"]
+        assert 0.0 < m["actor/routing_agreement"] <= 1.0
+    # step 0 trains on samples of its own weights: replaying the servers' routing gives their logprobs
+    assert rows[0]["actor/train_rollout_logprob_abs_diff"] < 1e-5
     saved = [json.loads(f.read_text()) for f in sorted(run_dir.glob("checkpoints/*/rollout.json"))]
     groups = [g for st in saved for g in (st["next_batch"] or {"groups": []})["groups"] + st["buffer"]]
     routed = [s["routed_experts"] for g in groups for s in g["samples"]]
