@@ -1,5 +1,6 @@
-"""Rollout routing replay (R3), items 1-2 (and the actor's replay end to end): algo.routing_replay, and the samples' routed experts from a real
-embedded MoE server through the router, partial rollout, the step batch, DP shards and checkpoints."""
+"""Rollout routing replay (R3), items 1-2 (and the actor's replay end to end): algo.routing_replay, and the
+samples' routed experts from a real embedded MoE server through the router, partial rollout, the step
+batch, DP shards and checkpoints."""
 
 from __future__ import annotations
 
