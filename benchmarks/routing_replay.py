@@ -40,24 +40,29 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     return model, train
 
 
-def run(mode: str, model: Path, train: Path, workdir: Path, steps: int) -> tuple[list[dict], float]:
-    run_dir = workdir / f"run_{mode}"
-    overrides = [
+def run_overrides(model: Path, train: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
+    """The tiny MoE config on `model` and `train`: short responses, one server, no validation (also the
+    end-to-end test's run, tests/test_routing_replay_data.py)."""
+    return [
         f"model.hf_path={model}",
         "model.hf_config=null",
         f"data.train_files=[{train}]",
         "data.val_files=[]",
         "data.max_response_length=8",
         "algo.overlong_buffer.len=2",
-        "algo.filter_groups.enable=false",
+        "algo.filter_groups.enable=false",  # a random model answers nothing right
         f"trainer.total_steps={steps}",
         "trainer.val_every=0",
         "rollout.num_servers=1",
-        "checkpoint.save_every=0",
         "logging.progress_bar=false",
         f"logging.run_dir={run_dir}",
-        f"algo.routing_replay={mode}",
+        *extra,
     ]
+
+
+def run(mode: str, model: Path, train: Path, workdir: Path, steps: int) -> tuple[list[dict], float]:
+    run_dir = workdir / f"run_{mode}"
+    overrides = run_overrides(model, train, run_dir, steps, "checkpoint.save_every=0", f"algo.routing_replay={mode}")
     start = time.time()
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIG), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)

@@ -153,35 +153,11 @@ def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     import subprocess
     import sys
 
-    from transformers import AutoTokenizer
+    from benchmarks.routing_replay import prepare, run_overrides
 
-    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
-    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-
-    model = tmp_path / "model"
-    build_char_tokenizer(model)
-    tok = AutoTokenizer.from_pretrained(model)
-    save_tiny_hf_model(
-        "qwen3_moe", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
-    )
-    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
+    model, train = prepare(tmp_path)
     run_dir = tmp_path / "run"
-    overrides = [
-        f"model.hf_path={model}",
-        "model.hf_config=null",
-        f"data.train_files=[{train}]",
-        "data.val_files=[]",
-        "data.max_response_length=8",
-        "algo.overlong_buffer.len=2",
-        "algo.filter_groups.enable=false",  # a random model answers nothing right
-        "trainer.total_steps=2",
-        "trainer.val_every=0",
-        "rollout.num_servers=1",
-        "checkpoint.save_every=1",
-        "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}",
-    ]
+    overrides = run_overrides(model, train, run_dir, 2, "checkpoint.save_every=1")
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIGS / "tiny_qwen3_moe_cpu.yaml")]
     proc = subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=1200, cwd=CONFIGS.parents[1])
     assert proc.returncode == 0, proc.stderr[-4000:]
