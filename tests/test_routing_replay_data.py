@@ -1,5 +1,6 @@
-"""Rollout routing replay (R3), items 1-2: algo.routing_replay, and the samples' routed experts from a real
-embedded MoE server through the router, partial rollout, the step batch, DP shards and checkpoints."""
+"""Rollout routing replay (R3), items 1-2 (and the actor's replay end to end): algo.routing_replay, and the
+samples' routed experts from a real embedded MoE server through the router, partial rollout, the step
+batch, DP shards and checkpoints."""
 
 from __future__ import annotations
 
@@ -147,40 +148,16 @@ def test_samples_carry_routing_from_a_server_through_partial_rollout_batch_shard
 @pytest.mark.slow
 def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     """The tiny MoE CPU config, routing_replay left at its MoE default: the driver's server returns routed
-    experts, two steps train, a checkpoint holds them, and rollout/routing_bytes is every sample's
+    experts, two steps train replaying them, a checkpoint holds them, and rollout/routing_bytes is every sample's
     (prompt + response - 1) x MoE layers x top-k bytes."""
     import subprocess
     import sys
 
-    from transformers import AutoTokenizer
+    from benchmarks.routing_replay import prepare, run_overrides
 
-    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
-    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-
-    model = tmp_path / "model"
-    build_char_tokenizer(model)
-    tok = AutoTokenizer.from_pretrained(model)
-    save_tiny_hf_model(
-        "qwen3_moe", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None
-    )
-    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
+    model, train = prepare(tmp_path)
     run_dir = tmp_path / "run"
-    overrides = [
-        f"model.hf_path={model}",
-        "model.hf_config=null",
-        f"data.train_files=[{train}]",
-        "data.val_files=[]",
-        "data.max_response_length=8",
-        "algo.overlong_buffer.len=2",
-        "algo.filter_groups.enable=false",  # a random model answers nothing right
-        "trainer.total_steps=2",
-        "trainer.val_every=0",
-        "rollout.num_servers=1",
-        "checkpoint.save_every=1",
-        "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}",
-    ]
+    overrides = run_overrides(model, train, run_dir, 2, "checkpoint.save_every=1")
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIGS / "tiny_qwen3_moe_cpu.yaml")]
     proc = subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=1200, cwd=CONFIGS.parents[1])
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -192,6 +169,11 @@ def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     for m in rows:
         positions = samples * (m["prompt/length_mean"] + m["response/length_mean"] - 1)
         assert m["rollout/routing_bytes"] == pytest.approx(positions * per_token, rel=1e-9)
+        # the actor replays them (int64 ids to its routers, filler rows and both passes included)
+        assert m["actor/routing_replay_bytes"] >= 8 * 2 * m["rollout/routing_bytes"]
+        assert 0.0 < m["actor/routing_agreement"] <= 1.0
+    # step 0 trains on samples of its own weights: replaying the servers' routing gives their logprobs
+    assert rows[0]["actor/train_rollout_logprob_abs_diff"] < 1e-5
     saved = [json.loads(f.read_text()) for f in sorted(run_dir.glob("checkpoints/*/rollout.json"))]
     groups = [g for st in saved for g in (st["next_batch"] or {"groups": []})["groups"] + st["buffer"]]
     routed = [s["routed_experts"] for g in groups for s in g["samples"]]

@@ -142,8 +142,10 @@ class AlgoConfig:
     fused_lm_head: bool = False
     # Rollout routing replay (R3, arXiv:2510.11370), MoE models only: `rollout` has the servers return the
     # experts each token was routed to (SGLang's --enable-return-routed-experts) and carries them with the
-    # samples to the trainer (metric rollout/routing_bytes). The actor does not replay them yet. `none`:
-    # off. None = rollout for an MoE model, none for a dense one; rollout on a dense model is an error.
+    # samples to the trainer (metric rollout/routing_bytes), whose Megatron actor replays them with
+    # megatron-core's RouterReplay (metrics actor/routing_agreement, actor/routing_replay_bytes).
+    # `none`: off. None = rollout for an MoE model, none for a dense one; rollout on a dense model or
+    # with trainer.backend=fsdp2 is an error.
     routing_replay: Optional[Literal["none", "rollout"]] = None
 
 

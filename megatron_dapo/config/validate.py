@@ -102,6 +102,12 @@ def _check_model(cfg: DapoConfig, shape: ModelShape, source: str, errors: list[s
             errors.append(f"parallel.ep={p.ep} does not divide num_experts={shape.num_experts} ({source})")
         if p.tp > 1 and not p.sequence_parallel and cfg.trainer.backend == "megatron":
             errors.append(f"parallel.sequence_parallel must be true for an MoE model with parallel.tp={p.tp}")
+        if cfg.trainer.backend == "fsdp2" and cfg.algo.routing_replay != "none":
+            errors.append(
+                f"trainer.backend=fsdp2 does not replay the rollout's routing; algo.routing_replay="
+                f"{cfg.algo.routing_replay or 'null (rollout for an MoE model)'} needs trainer.backend=megatron, "
+                f"or set algo.routing_replay=none ({source})"
+            )
     else:
         if cfg.algo.routing_replay == "rollout":
             errors.append(f"algo.routing_replay=rollout needs an MoE model; the model is dense ({source}): use none")

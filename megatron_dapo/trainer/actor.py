@@ -50,6 +50,7 @@ from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_
 from megatron_dapo.models.specs import te_available
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
 from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
+from megatron_dapo.trainer.routing_replay import RoutingReplay, routing_shape_of
 from megatron_dapo.types import DPShard
 
 log = logging.getLogger(__name__)
@@ -138,6 +139,10 @@ class MegatronActor:
                 overrides.update(recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
         if m.moe_aux_loss_coeff is not None:
             overrides["moe_aux_loss_coeff"] = m.moe_aux_loss_coeff
+        # algo.routing_replay: null means rollout for an MoE model (R3, trainer/routing_replay.py)
+        replay = arch.is_moe and a.routing_replay != "none"
+        if replay:
+            overrides["moe_enable_routing_replay"] = True
         chunks = build_gpt_model(arch, par, use_te=self.use_te, config_overrides=overrides)
         if hf_dir:
             from megatron_dapo.bridge import load_hf_into_megatron
@@ -188,6 +193,17 @@ class MegatronActor:
             raise ValueError("algo.fused_lm_head does not support parallel.sequence_parallel yet")
         self.optimizer_steps = 0
         self.skipped_steps = 0
+        self.replay = (
+            RoutingReplay(
+                self.model,
+                routing_shape_of(self.arch),
+                ps.get_tensor_model_parallel_rank(),
+                ps.get_tensor_model_parallel_world_size(),
+                bool(self.config.sequence_parallel),
+            )
+            if replay
+            else None
+        )
 
     # ---------------------------------------------------------------- forward machinery
     def _packs(self, batch, rows: list[int]) -> list[PackedMicroBatch]:
@@ -250,35 +266,48 @@ class MegatronActor:
         )
         return out
 
-    def _run(self, packs, forward_only: bool, loss_fn):
+    def _run(self, packs, forward_only: bool, loss_fn, batch=None):
+        """Run the pipeline schedule over `packs`; with `batch` carrying routed experts (R3) every
+        micro-batch's forward (and its recompute in backward) replays the rollout's routing."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        replay = self.replay if batch is not None and batch.routed_experts is not None else None
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            if replay is not None:
+                replay.feed(model, batch, mb)
+            with output_layer_returns_hidden(model) if self.fused_lm_head else contextlib.nullcontext({}) as head:
+                output = self._forward(model, mb)  # the final hidden state on the last stage if fused
+            if replay is not None:
+                replay.after_forward(model)
             if not self.fused_lm_head:
-                output = self._forward(model, mb)
                 return output, lambda logits: loss_fn(logits, mb)
-            with output_layer_returns_hidden(model) as head:
-                output = self._forward(model, mb)  # the final hidden state on the last stage
             return output, functools.partial(loss_fn, mb=mb, head_weight=head.get("weight"))
 
         length = max(mb.length for mb in packs)
         # Interleaved (virtual) pipelining asks each model chunk for its own iterator.
         data = iter(packs) if len(self.model) == 1 else [iter(list(packs)) for _ in self.model]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=data,
-            model=self.model,
-            num_microbatches=len(packs),
-            seq_length=length,
-            micro_batch_size=1,
-            forward_only=forward_only,
-        )
+        try:
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=data,
+                model=self.model,
+                num_microbatches=len(packs),
+                seq_length=length,
+                micro_batch_size=1,
+                forward_only=forward_only,
+            )
+        finally:
+            if self.replay is not None:
+                self.replay.clear()
 
     # ---------------------------------------------------------------- logprobs
     @torch.no_grad()
-    def _local_logprobs(self, batch, rows: list[int]) -> dict[int, torch.Tensor]:
-        """{row: [response_len] fp32 logprobs} for `rows` (filled on the last pipeline stage only)."""
+    def _local_logprobs(self, batch, rows: list[int], measure_routing: bool = False) -> dict[int, torch.Tensor]:
+        """{row: [response_len] fp32 logprobs} for `rows` (filled on the last pipeline stage only). A batch
+        carrying routed experts is replayed (R3); `measure_routing` also counts where the trainer's own
+        router agrees with them (actor/routing_agreement)."""
         for m in self.model:
             m.eval()
         out: dict[int, torch.Tensor] = {}
@@ -289,14 +318,18 @@ class MegatronActor:
                 out[r] = lp[i, : int(mb.target_valid[i].sum())].cpu()
             return logits.new_zeros(()), {}
 
-        self._run(self._packs(batch, rows), forward_only=True, loss_fn=loss_fn)
+        measure = measure_routing and self.replay is not None and batch.routed_experts is not None
+        with self.replay.measuring_agreement() if measure else contextlib.nullcontext():
+            self._run(self._packs(batch, rows), forward_only=True, loss_fn=loss_fn, batch=batch)
         for m in self.model:
             m.train()
         return out
 
     def compute_logprobs(self, batch, rows: list[int] | None = None) -> list[torch.Tensor]:
         """Logprobs of every response token under the current weights (temperature-scaled as
-        `batch.temperature`), for `rows` (default: all), returned on every rank. Collective."""
+        `batch.temperature`), for `rows` (default: all), returned on every rank. Collective. With
+        routing replay on, a batch that carries routed experts is routed as they say; one that carries
+        none (the weight-sync probe) is routed by the trainer's own routers."""
         rows = list(range(batch.num_samples)) if rows is None else list(rows)
         mine = self._split(batch, rows)[self.dp_rank]
         local = self._local_logprobs(batch, mine)
@@ -332,7 +365,7 @@ class MegatronActor:
         batch = shard.batch
         self._check_batch(batch)
         # the old policy's logprobs for all of this rank's rows, before any update
-        old = self._local_logprobs(batch, list(range(batch.num_samples)))
+        old = self._local_logprobs(batch, list(range(batch.num_samples)), measure_routing=True)
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         n_steps = skipped = 0
@@ -356,7 +389,22 @@ class MegatronActor:
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["actor/optimizer_steps"] = float(n_steps - skipped)
         out["actor/skipped_steps"] = float(skipped)
+        out.update(self._replay_metrics())
         self.skipped_steps += skipped
+        return out
+
+    def _replay_metrics(self) -> dict[str, float]:
+        """actor/routing_agreement (share of rollout token-layer top-k sets the trainer's own router
+        chose too, measured in the old-logprob pass) and actor/routing_replay_bytes (the int64 expert
+        ids handed to the routers this step, all ranks and passes). Collective; empty without replay."""
+        if self.replay is None:
+            return {}
+        m = self.replay.take_metrics()
+        vec = torch.tensor([m["bytes"], m["agree"], m["compared"]], dtype=torch.float64)
+        dist.all_reduce(vec)
+        out = {"actor/routing_replay_bytes": float(vec[0])}
+        if vec[2] > 0:
+            out["actor/routing_agreement"] = float(vec[1] / vec[2])
         return out
 
     def _current_lr(self) -> float:
@@ -369,6 +417,13 @@ class MegatronActor:
                 raise ValueError(f"RolloutBatch.{name} has {len(getattr(batch, name))} entries for {n} samples")
         if batch.advantages.shape != (n,) or batch.group_index.shape != (n,):
             raise ValueError(f"RolloutBatch.advantages / group_index must have shape ({n},)")
+        if self.replay is not None and (batch.routed_experts is None or len(batch.routed_experts) != n):
+            got = "none" if batch.routed_experts is None else f"{len(batch.routed_experts)} entries"
+            raise ValueError(
+                f"RolloutBatch.routed_experts has {got} for {n} samples: algo.routing_replay=rollout (the default "
+                "for an MoE model) trains on the servers' routed experts; set algo.routing_replay=none to route "
+                "with the trainer's own routers"
+            )
         for r in range(n):
             resp = len(batch.input_ids[r]) - batch.prompt_lengths[r]
             if resp != batch.response_lengths[r]:
@@ -421,13 +476,14 @@ class MegatronActor:
                 loss = loss - a.entropy_coeff * ent_mean
             with torch.no_grad():
                 add = self._loss_metrics(loss, ent_mean, metrics)
+                per_token = self.dp_size / max(global_tokens, 1.0)
+                # with routing replay on and off alike: how far the trainer's old logprobs are from the rollout's
+                add["actor/train_rollout_logprob_abs_diff"] = (
+                    float(((old_rows - roll_rows).abs() * mask).sum()) * per_token
+                )
                 if use_is:
-                    per_token = self.dp_size / max(global_tokens, 1.0)
                     w = torch.clamp(is_weights, max=a.rollout_is.cap) if a.rollout_is.cap else is_weights
                     add["actor/rollout_is_weight_mean"] = float((w * mask).sum()) * per_token
-                    add["actor/train_rollout_logprob_abs_diff"] = (
-                        float(((old_rows - roll_rows).abs() * mask).sum()) * per_token
-                    )
                 for k, v in add.items():
                     sums[k] = sums.get(k, 0.0) + v
                 ratio_max = float(metrics["ratio_max"]) if metrics["num_tokens"] > 0 else 0.0
@@ -439,7 +495,7 @@ class MegatronActor:
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._run(packs, forward_only=False, loss_fn=loss_fn)
+        self._run(packs, forward_only=False, loss_fn=loss_fn, batch=batch)
         metrics = self._reduce_metrics(sums, maxima)
         loss_finite = math.isfinite(metrics.get("actor/pg_loss", 0.0))
         ok, grad_norm = self._optimizer_step(loss_finite)

@@ -101,11 +101,17 @@ class FSDPActor(MegatronActor):
         ]
         if bad:
             raise ValueError(f"trainer.backend=fsdp2 shards over data parallel only; set {', '.join(bad)} to 1")
+        self.arch = QwenArch.from_hf(hf_dir)
+        if self.arch.is_moe and a.routing_replay != "none":
+            raise ValueError(
+                "trainer.backend=fsdp2 does not replay the rollout's routing (algo.routing_replay=rollout, the "
+                "default for an MoE model): use trainer.backend=megatron, or set algo.routing_replay=none"
+            )
+        self.replay = None
         if not dist.is_initialized():
             raise RuntimeError("FSDPActor needs torch.distributed initialised (runtime.distributed.init_distributed)")
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.arch = QwenArch.from_hf(hf_dir)
         # fp32 master weights; with bf16 / fp16 the forward and backward run in that dtype and
         # gradients are reduced in fp32 (FSDP2's mixed precision).
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).to(self.device)
@@ -161,7 +167,7 @@ class FSDPActor(MegatronActor):
             logits, mb.target_ids.to(logits.device), None, temperature=temperature, with_entropy=with_entropy
         )
 
-    def _run(self, packs, forward_only: bool, loss_fn):
+    def _run(self, packs, forward_only: bool, loss_fn, batch=None):
         """Forward (and backward) of each micro-batch in turn; gradients accumulate in the shards.
 
         `loss_fn` returns the micro-batch loss times the number of micro-batches (the pipeline

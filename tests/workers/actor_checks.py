@@ -13,6 +13,7 @@ Usage: actor_checks.py CHECK[,CHECK...] TMPDIR
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from forced_routing import forced_routing, random_routing
 
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.models.tiny import save_tiny_hf_model
@@ -79,14 +81,19 @@ def make_batch(seed: int, n_groups: int = 3, group_size: int = 2, temperature: f
     )
 
 
-def hf_logprobs(hf_model, batch: RolloutBatch) -> list[torch.Tensor]:
-    """Each sequence alone through the HF model, float64 log-softmax of logits / temperature."""
+def hf_logprobs(hf_model, batch: RolloutBatch, agreement: list | None = None) -> list[torch.Tensor]:
+    """Each sequence alone through the HF model, float64 log-softmax of logits / temperature (routed as
+    the batch's routed experts say, if it carries them; `agreement` then gets the share of their
+    token-layer top-k sets HF's own gates choose too)."""
     out = []
-    with torch.no_grad():
-        for seq, p in zip(batch.input_ids, batch.prompt_lengths):
+    with torch.no_grad(), forced_routing(hf_model, batch) as route:
+        for i, (seq, p) in enumerate(zip(batch.input_ids, batch.prompt_lengths)):
+            route.use(i)
             logits = hf_model(torch.tensor([seq])).logits[0].double() / batch.temperature
             lp = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
             out.append(lp.float())
+    if agreement is not None and route.compared:
+        agreement.append(route.agree / route.compared)
     return out
 
 
@@ -136,7 +143,7 @@ def check_logprobs(hf_dir, tp, pp, ep=1, temperatures=(1.0, 0.7)):
 
 
 # ------------------------------------------------------------------------------- training
-def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
+def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig, agreement: list | None = None):
     """One optimizer step on the whole batch on one process: HF model, the DAPO loss, torch AdamW."""
     from transformers import AutoModelForCausalLM
 
@@ -144,13 +151,15 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
 
     a = cfg.algo
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    old = hf_logprobs(model.eval(), batch)
+    old = hf_logprobs(model.eval(), batch, agreement)
     n, width = batch.num_samples, max(batch.response_lengths)
     lp = []
-    for seq, p in zip(batch.input_ids, batch.prompt_lengths):
-        logits = model(torch.tensor([seq])).logits[0] / batch.temperature
-        row = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
-        lp.append(torch.nn.functional.pad(row, (0, width - row.numel())))
+    with forced_routing(model, batch) as route:
+        for i, (seq, p) in enumerate(zip(batch.input_ids, batch.prompt_lengths)):
+            route.use(i)
+            logits = model(torch.tensor([seq])).logits[0] / batch.temperature
+            row = torch.log_softmax(logits, -1)[p - 1 : -1].gather(-1, torch.tensor(seq[p:])[:, None])[:, 0]
+            lp.append(torch.nn.functional.pad(row, (0, width - row.numel())))
     lp = torch.stack(lp)
     old_rows, roll, mask = torch.zeros(n, width), torch.zeros(n, width), torch.zeros(n, width)
     for i in range(n):
@@ -207,29 +216,66 @@ def exported(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in actor.export_weights(dst_rank=None)}
 
 
-def check_exact_update(hf_dir, ep=1, seed=5, **algo):
-    """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor."""
-    init_model_parallel(ep=ep, seed=1)  # DP=2
+@contextlib.contextmanager
+def counting_replay_actions():
+    """Counts megatron-core RouterReplay top-k calls by action (a spy on the class, removed on exit)."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    counts: dict = {}
+    original = RouterReplay.get_replay_topk
+
+    def spy(self, *args, **kwargs):
+        action = getattr(self.router_replay_action, "value", None)
+        counts[action] = counts.get(action, 0) + 1
+        return original(self, *args, **kwargs)
+
+    RouterReplay.get_replay_topk = spy
+    try:
+        yield counts
+    finally:
+        RouterReplay.get_replay_topk = original
+
+
+def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, **algo):
+    """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor.
+    With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF reference
+    is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD)."""
+    init_model_parallel(ep=ep, pp=pp, seed=1)  # DP=2 (pp=1)
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
-    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo)
+    cfg = make_config(
+        hf_dir, ep=ep, pp=pp, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo
+    )
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
+    if recompute:
+        cfg.model.recompute_granularity = "full"
     batch = make_batch(seed=seed)
     g = torch.Generator().manual_seed(9)
     actor = MegatronActor(cfg)
+    if replay_seed is not None:
+        shape = actor.replay.shape
+        batch.routed_experts = random_routing(batch, len(shape.moe_layers), shape.num_experts, shape.top_k, replay_seed)
     old = actor.compute_logprobs(batch)
     # Rollout logprobs a little off the trainer's: the truncated IS weights enter the loss.
     batch.rollout_logprobs = [(o + 0.3 * torch.randn(o.shape, generator=g)).tolist() for o in old]
-    ref_loss, ref_norm, ref_params, ref_old = reference_update(hf_dir, batch, cfg)
+    agreement: list = []
+    ref_loss, ref_norm, ref_params, ref_old = reference_update(hf_dir, batch, cfg, agreement)
     assert max_err(old, ref_old) < 1e-5
     rows = actor._split(batch, list(range(batch.num_samples)))[actor.dp_rank]
     packs = actor._packs(batch, rows)
     log(f"dp rank 0 rows {rows}: micro-batches {[p.rows for p in packs]} lengths {[p.length for p in packs]}")
     assert len(packs) >= 2, "the exactness check needs several micro-batches per rank"
     before = exported(actor)
-    metrics = actor.train_step(batch)
+    with counting_replay_actions() as actions:
+        metrics = actor.train_step(batch)
     after = exported(actor)
+    if replay_seed is not None and recompute:  # the recompute in backward replayed (REPLAY_BACKWARD)
+        assert actions.get("replay_backward", 0) > 0, actions
     log(f"train step metrics: {metrics}")
     assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
+    if replay_seed is not None:
+        # the trainer's own routers, at the replayed inputs, choose what HF's own gates choose there
+        assert math.isclose(metrics["actor/routing_agreement"], agreement[0], abs_tol=1e-9), (metrics, agreement)
+        assert 0 < agreement[0] < 1 and metrics["actor/routing_replay_bytes"] > 0, (agreement, metrics)
     assert math.isclose(metrics["actor/pg_loss"], ref_loss, rel_tol=1e-5, abs_tol=1e-7), (metrics, ref_loss)
     assert math.isclose(metrics["actor/grad_norm"], ref_norm, rel_tol=1e-5), (metrics["actor/grad_norm"], ref_norm)
     worst, worst_rel = 0.0, 0.0
@@ -349,7 +395,18 @@ def main(argv):
                 save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
             dist.barrier()
             check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
-            check_exact_update(moe_dir, ep=2, seed=8)
+            check_exact_update(moe_dir, ep=2, seed=8, routing_replay="none")  # the trainer's own routing
+            # R3: random routed experts replayed in the old-logprob pass, the training forward and its
+            # full-layer recompute in backward equal an HF reference forced to route the same way
+            check_exact_update(moe_dir, ep=2, seed=8, replay_seed=4, recompute=True)
+        elif check == "moe_replay_pp2":
+            # R3 under PP=2 (1F1B: a stage runs forwards of later micro-batches before the recompute of an
+            # earlier one), each stage replaying its own MoE layers' rows
+            moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+            if dist.get_rank() == 0 and not moe_dir.exists():
+                save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+            dist.barrier()
+            check_exact_update(moe_dir, pp=2, seed=8, replay_seed=5, recompute=True)
         elif check == "shards":
             check_shards(hf_dir)
         elif check == "warmup":

@@ -244,6 +244,12 @@ def check_moe(hf_dir):
         on_disk.update(load_file(f))
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=40, ppo_mini_batch_size=3, train_batch_size=3)
     cfg.model.recompute_granularity = "full"
+    try:  # routing replay (the MoE default) is the Megatron actor's only: refused by name
+        FSDPActor(cfg)
+        raise AssertionError("FSDPActor accepted algo.routing_replay=rollout")
+    except ValueError as e:
+        assert "algo.routing_replay" in str(e), e
+    cfg.algo.routing_replay = "none"
     actor = FSDPActor(cfg)
     got = exported(actor)
     assert set(got) == set(on_disk), sorted(set(got) ^ set(on_disk))

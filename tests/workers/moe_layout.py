@@ -205,7 +205,10 @@ def check_actor_resume(hf_dir, workdir):
     from megatron_dapo.models import build_gpt_model
     from megatron_dapo.trainer.actor import MegatronActor
 
-    cfg = make_config(hf_dir, max_tokens_per_micro_batch=64, ppo_mini_batch_size=3, train_batch_size=3)
+    # the batches carry no routed experts: route with the trainer's own routers (replay is checked elsewhere)
+    cfg = make_config(
+        hf_dir, max_tokens_per_micro_batch=64, ppo_mini_batch_size=3, train_batch_size=3, routing_replay="none"
+    )
     batch, batch2 = make_batch(seed=5), make_batch(seed=6)
     stacked = provider.moe_layer_freq
     for layout in ("stacked", "per-layer"):
