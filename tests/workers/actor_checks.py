@@ -35,12 +35,12 @@ def log(msg):
         print(msg, flush=True)
 
 
-def make_config(hf_dir, tp=1, pp=1, ep=1, **algo) -> DapoConfig:
+def make_config(hf_dir, tp=1, pp=1, ep=1, cp=1, **algo) -> DapoConfig:
     cfg = DapoConfig()
     cfg.model.hf_path = str(hf_dir)
     cfg.model.dtype = "fp32"
     cfg.model.transformer_impl = "local"
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = tp, pp, ep
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp = tp, pp, ep, cp
     cfg.optimizer.lr = LR
     cfg.optimizer.adam_eps = EPS  # see tests/workers/runtime_parallel.py: keeps Adam sensitive to grad scale
     cfg.optimizer.clip_grad = CLIP
@@ -207,11 +207,13 @@ def exported(actor) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in actor.export_weights(dst_rank=None)}
 
 
-def check_exact_update(hf_dir, ep=1, seed=5, **algo):
-    """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor."""
-    init_model_parallel(ep=ep, seed=1)  # DP=2
+def check_exact_update(hf_dir, ep=1, seed=5, cp=1, **algo):
+    """DP=2 (EP=ep; or CP=cp) x uneven packed micro-batches == one big batch on one process. Returns the actor."""
+    init_model_parallel(ep=ep, cp=cp, seed=1)  # DP=2, or DP=1 x CP=2
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
-    cfg = make_config(hf_dir, ep=ep, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo)
+    cfg = make_config(
+        hf_dir, ep=ep, cp=cp, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo
+    )
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     batch = make_batch(seed=seed)
     g = torch.Generator().manual_seed(9)
@@ -243,7 +245,7 @@ def check_exact_update(hf_dir, ep=1, seed=5, **algo):
         assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
     log(
-        f"DP=2 (EP={ep}) packed update vs one-process HF reference: "
+        f"DP={actor.dp_size} (EP={ep}, CP={cp}) packed update vs one-process HF reference: "
         f"loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
         f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
         f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})"
