@@ -47,3 +47,38 @@ def test_cp2_logprobs_match_hf_decoder_sees_its_share_and_step_equals_one_proces
 def test_cp2_tp2_logprobs_match_hf_at_4_ranks(tmp_path):
     out = run_torchrun("cp_checks.py", 4, "logprobs_cp2_tp2", str(tmp_path), timeout=420)
     assert "CHECK PASSED logprobs_cp2_tp2" in out, out[-4000:]
+
+
+def test_cp_config_is_accepted_and_cp_comm_type_refused_where_it_would_be_ignored():
+    from megatron_dapo.config import ConfigError, load_config
+    from tests.test_config import TINY
+
+    cfg = load_config(TINY, ["parallel.tp=1", "parallel.cp=2"])
+    assert cfg.parallel.cp == 2 and cfg.parallel.cp_comm_type is None
+    assert load_config(TINY, ["parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=all_gather"])
+    refusals = [
+        (["parallel.cp_comm_type=p2p"], "parallel.cp_comm_type=p2p applies to parallel.cp > 1 only"),
+        (["parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=a2a"], "needs model.transformer_impl"),
+        (["trainer.backend=fsdp2", "parallel.tp=1", "parallel.cp=2"], "set parallel.cp=2 to 1"),
+        (["parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=ring"], "parallel.cp_comm_type"),
+    ]
+    for overrides, expected in refusals:
+        with pytest.raises(ConfigError) as err:
+            load_config(TINY, overrides)
+        assert expected in str(err.value), str(err.value)
+
+
+def test_plan_divides_a_rank_s_activations_along_the_sequence_by_cp():
+    from megatron_dapo.config import load_config
+    from megatron_dapo.config.shapes import resolve_model_shape
+    from megatron_dapo.planner.memory import training_memory
+    from tests.test_config import TINY
+
+    def memory(cp):
+        cfg = load_config(TINY, ["parallel.tp=1", f"parallel.cp={cp}", "trainer.gpus_per_node=4"])
+        return training_memory(cfg, resolve_model_shape(cfg.model).shape)[0]
+
+    one, two = memory(1), memory(2)
+    assert two.activations * 2 == pytest.approx(one.activations, rel=1e-6) and two.activations > 0
+    assert two.logits * 2 == pytest.approx(one.logits, rel=1e-6)
+    assert two.params == one.params  # CP replicates the weights
