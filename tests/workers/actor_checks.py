@@ -331,39 +331,43 @@ def check_shards(hf_dir):
     assert m_whole == m_shard, (m_whole, m_shard)
 
 
-def main(argv):
-    checks, tmpdir = argv[0].split(","), argv[1]
+def check_moe(hf_dir, tmpdir):
+    moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+    if dist.get_rank() == 0:
+        save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+    dist.barrier()
+    check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
+    check_exact_update(moe_dir, ep=2, seed=8)
+
+
+CHECKS = {
+    "logprobs_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, pp=1),
+    "logprobs_pp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, pp=2),
+    "train_dp2": check_train,
+    "moe_ep2": check_moe,
+    "shards": lambda hf_dir, tmpdir: check_shards(hf_dir),
+    "warmup": lambda hf_dir, tmpdir: check_warmup(hf_dir),
+    "sum_norm": lambda hf_dir, tmpdir: check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm"),
+}
+
+
+def run_checks(argv, checks: dict) -> None:
+    """Run the comma-separated checks of argv[0] (each `fn(hf_dir, tmpdir)`, a tiny Qwen3 in argv[1])."""
+    names, tmpdir = argv[0].split(","), argv[1]
+    unknown = [c for c in names if c not in checks]
+    if unknown:
+        raise SystemExit(f"unknown checks {unknown}")
     init_distributed()
     hf_dir = Path(tmpdir) / "tiny_qwen3"
     if dist.get_rank() == 0:
         save_tiny_hf_model("qwen3", hf_dir, seed=0)
     dist.barrier()
-    for check in checks:
-        if check == "logprobs_tp2":
-            check_logprobs(hf_dir, tp=2, pp=1)
-        elif check == "logprobs_pp2":
-            check_logprobs(hf_dir, tp=1, pp=2)
-        elif check == "train_dp2":
-            check_train(hf_dir, tmpdir)
-        elif check == "moe_ep2":
-            moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
-            if dist.get_rank() == 0:
-                save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
-            dist.barrier()
-            check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
-            check_exact_update(moe_dir, ep=2, seed=8)
-        elif check == "shards":
-            check_shards(hf_dir)
-        elif check == "warmup":
-            check_warmup(hf_dir)
-        elif check == "sum_norm":
-            check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm")
-        else:
-            raise SystemExit(f"unknown check {check!r}")
+    for name in names:
+        checks[name](hf_dir, tmpdir)
         dist.barrier()
-        log(f"CHECK PASSED {check}")
+        log(f"CHECK PASSED {name}")
     destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(sys.argv[1:], CHECKS)

@@ -12,16 +12,22 @@ Usage: cp_checks.py CHECK[,CHECK...] TMPDIR
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.bridge.parallel import unwrap_model
-from megatron_dapo.models.tiny import save_tiny_hf_model
-from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.runtime.distributed import init_model_parallel
 from megatron_dapo.trainer.actor import MegatronActor
-from tests.workers.actor_checks import check_exact_update, hf_logprobs, log, make_batch, make_config, max_err
+from tests.workers.actor_checks import (
+    check_exact_update,
+    hf_logprobs,
+    log,
+    make_batch,
+    make_config,
+    max_err,
+    run_checks,
+)
 
 
 def decoder_token_counts(actor, batch) -> tuple[list[int], list[int]]:
@@ -68,26 +74,12 @@ def check_train(hf_dir, cp: int):
         dist.barrier()
 
 
-def main(argv):
-    checks, tmpdir = argv[0].split(","), argv[1]
-    init_distributed()
-    hf_dir = Path(tmpdir) / "tiny_qwen3"
-    if dist.get_rank() == 0:
-        save_tiny_hf_model("qwen3", hf_dir, seed=0)
-    dist.barrier()
-    for check in checks:
-        if check == "logprobs_cp2":
-            check_logprobs(hf_dir, tp=1, cp=2, fused_too=True)
-        elif check == "logprobs_cp2_tp2":
-            check_logprobs(hf_dir, tp=2, cp=2, fused_too=False)
-        elif check == "train_cp2":
-            check_train(hf_dir, cp=2)
-        else:
-            raise SystemExit(f"unknown check {check!r}")
-        dist.barrier()
-        log(f"CHECK PASSED {check}")
-    destroy_distributed()
+CHECKS = {
+    "logprobs_cp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, cp=2, fused_too=True),
+    "logprobs_cp2_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, cp=2, fused_too=False),
+    "train_cp2": lambda hf_dir, tmpdir: check_train(hf_dir, cp=2),
+}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(sys.argv[1:], CHECKS)
