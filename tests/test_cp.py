@@ -37,7 +37,7 @@ def test_split_micro_batch_mask_is_the_packed_block_causal_mask_in_gathered_orde
 
 @pytest.mark.slow
 def test_cp2_logprobs_match_hf_decoder_sees_its_share_and_step_equals_one_process(tmp_path):
-    checks = ["logprobs_cp2", "train_cp2"]
+    checks = ["logprobs_cp2", "train_cp2", "moe_cp2_ep2"]
     out = run_torchrun("cp_checks.py", 2, ",".join(checks), str(tmp_path), timeout=420)
     for check in checks:
         assert f"CHECK PASSED {check}" in out, out[-4000:]

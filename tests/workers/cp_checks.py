@@ -7,6 +7,7 @@ Usage: cp_checks.py CHECK[,CHECK...] TMPDIR
   logprobs_cp2_tp2:  CP=2 x TP=2 (4 ranks): compute_logprobs equals HF (< 1e-5).
   train_cp2:         CP=2 (2 ranks): one train step (several packed micro-batches) equals one step on the
                      whole batch on one process (HF model + the DAPO loss + torch AdamW), unfused and fused.
+  moe_cp2_ep2:       Qwen3-MoE at CP=2 x EP=2 (2 ranks): compute_logprobs equals HF (< 1e-5).
 """
 
 from __future__ import annotations
@@ -46,18 +47,19 @@ def decoder_token_counts(actor, batch) -> tuple[list[int], list[int]]:
     return seen, [mb.length for mb in actor._packs(batch, rows)]
 
 
-def check_logprobs(hf_dir, tp: int, cp: int, fused_too: bool):
+def check_logprobs(hf_dir, tp: int, cp: int, fused_too: bool, ep: int = 1):
     from transformers import AutoModelForCausalLM
 
-    init_model_parallel(tp=tp, cp=cp, seed=1)
+    init_model_parallel(tp=tp, cp=cp, ep=ep, seed=1)
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     for fused in (False, True) if fused_too else (False,):
-        actor = MegatronActor(make_config(hf_dir, tp=tp, cp=cp, max_tokens_per_micro_batch=64, fused_lm_head=fused))
+        cfg = make_config(hf_dir, tp=tp, cp=cp, ep=ep, max_tokens_per_micro_batch=64, fused_lm_head=fused)
+        actor = MegatronActor(cfg)
         assert actor.cp_size == cp
         for temperature in (1.0, 0.7):
             batch = make_batch(seed=3, temperature=temperature)
             err = max_err(actor.compute_logprobs(batch), hf_logprobs(hf, batch))
-            log(f"tp={tp} cp={cp} fused={fused} T={temperature}: actor vs HF logprobs max abs err {err:.2e}")
+            log(f"tp={tp} cp={cp} ep={ep} fused={fused} T={temperature}: actor vs HF logprobs max abs err {err:.2e}")
             assert err < 1e-5, err
     actor.max_tokens = 24  # several micro-batches
     seen, lengths = decoder_token_counts(actor, batch)
@@ -74,10 +76,24 @@ def check_train(hf_dir, cp: int):
         dist.barrier()
 
 
+def check_moe(tmpdir, cp: int):
+    """Qwen3-MoE with CP x EP (the experts split over the CP ranks' tokens): logprobs equal HF."""
+    from pathlib import Path
+
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+    if dist.get_rank() == 0:
+        save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+    dist.barrier()
+    check_logprobs(moe_dir, tp=1, cp=cp, ep=2, fused_too=False)
+
+
 CHECKS = {
     "logprobs_cp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, cp=2, fused_too=True),
     "logprobs_cp2_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, cp=2, fused_too=False),
     "train_cp2": lambda hf_dir, tmpdir: check_train(hf_dir, cp=2),
+    "moe_cp2_ep2": lambda hf_dir, tmpdir: check_moe(tmpdir, cp=2),
 }
 
 
