@@ -154,6 +154,11 @@ class MegatronActor:
             overrides["moe_aux_loss_coeff"] = m.moe_aux_loss_coeff
         if p.cp > 1 and self.use_te:  # Transformer Engine's CP attention; the local spec's gathers K/V
             overrides["cp_comm_type"] = p.cp_comm_type or "p2p"
+        elif p.cp > 1 and p.cp_comm_type not in (None, "all_gather"):
+            raise ValueError(
+                f"parallel.cp_comm_type={p.cp_comm_type} needs Transformer Engine on a GPU; this rank runs the "
+                f"local spec, whose context-parallel attention all-gathers K/V (set it to all_gather or null)"
+            )
         chunks = build_gpt_model(arch, par, use_te=self.use_te, config_overrides=overrides)
         if hf_dir:
             from megatron_dapo.bridge import load_hf_into_megatron
