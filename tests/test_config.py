@@ -203,8 +203,8 @@ def test_tp3_with_4_heads_names_parallel_tp():
         ),
         (["parallel.vpp=2"], "parallel.vpp=2 needs parallel.pp >= 2"),
         (
-            ["parallel.tp=1", "parallel.cp=2"],
-            "parallel.cp=2: context parallelism is not implemented yet",
+            ["parallel.tp=1", "parallel.cp=2", "parallel.cp_comm_type=p2p"],
+            "parallel.cp_comm_type=p2p needs model.transformer_impl=transformer_engine",
         ),
         (
             ["trainer.gpus_per_node=3"],

@@ -413,3 +413,18 @@ def test_wandb_offline_mirrors_a_training_run(env):
         assert mirrored == [(s, np.float32(v)) for s, v in points], key
     tables = [s for s, row in history.items() if row.get("val/by_source/_type") == "table-file"]
     assert sorted(tables) == [0, 1, 2]  # before the first step and after each
+
+
+def test_context_parallel_run_trains_checkpoints_and_syncs(env):
+    """parallel.cp=2 (tp=1, fused LM head) end to end on the tiny config: it trains, checkpoints and syncs,
+    and the verify probe holds the servers' logprobs of the synced weights to the CP trainer's. (Exactness of
+    a CP step against a one-process step: tests/test_cp.py.)"""
+    overrides = ("trainer.total_steps=2", "parallel.tp=1", "parallel.cp=2", "algo.fused_lm_head=true")
+    run_dir, rows = _run(env, "cp2", *SYNC_RUN, *overrides)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert torch.isfinite(torch.tensor([r["actor/pg_loss"], r["actor/grad_norm"]])).all()
+        assert r["actor/optimizer_steps"] == 2 and r["actor/skipped_steps"] == 0
+        assert r["sync/verify_max_abs_diff"] < 1e-4
+        assert r["actor/train_rollout_logprob_abs_diff"] < 1e-4  # staleness 0: the CP trainer's = the servers'
+    assert (run_dir / "checkpoints" / "step_000001" / "model").is_dir()

@@ -48,7 +48,11 @@ class ParallelConfig:
     tp: int = 1  # tensor parallel size
     pp: int = 1  # pipeline parallel size
     vpp: Optional[int] = None  # virtual pipeline stages per rank (interleaved 1F1B); None = off
-    cp: int = 1  # context parallel size; only 1 for now (> 1 is refused: sequences are not split yet)
+    # context parallel size: each packed sequence is cut into 2*cp chunks, CP rank r keeps chunks r and 2cp-1-r
+    cp: int = 1
+    # Transformer Engine's CP attention exchange: p2p (ring), all_gather (K/V) or a2a (heads); null = p2p
+    # with TE, all_gather on the local spec (the only one it has; the others are refused there)
+    cp_comm_type: Optional[Literal["p2p", "all_gather", "a2a"]] = None
     ep: int = 1  # expert parallel size (MoE)
     etp: Optional[int] = None  # expert tensor parallel size; None = same as tp
     dp: Optional[int] = None  # data parallel size; None = derived: trainer world size / (tp * pp * cp)

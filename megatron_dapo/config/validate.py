@@ -27,10 +27,12 @@ def _check_parallel(cfg: DapoConfig, errors: list[str]) -> None:
         value = getattr(p, name)
         if value is not None and value < 1:
             errors.append(f"parallel.{name}={value} must be >= 1 or null")
-    if p.cp > 1:  # accepted before but never applied: each CP rank processed every token
+    if p.cp_comm_type is not None and p.cp == 1:
+        errors.append(f"parallel.cp_comm_type={p.cp_comm_type} applies to parallel.cp > 1 only (cp=1)")
+    if p.cp > 1 and cfg.model.transformer_impl == "local" and p.cp_comm_type not in (None, "all_gather"):
         errors.append(
-            f"parallel.cp={p.cp}: context parallelism is not implemented yet (the actor does not split "
-            f"sequences across CP ranks, so each would repeat all the work); use parallel.cp=1"
+            f"parallel.cp_comm_type={p.cp_comm_type} needs model.transformer_impl=transformer_engine; the local "
+            f"spec's context-parallel attention all-gathers K/V (cp_comm_type=all_gather or null)"
         )
     if p.vpp is not None and p.vpp > 1 and p.pp < 2:
         errors.append(f"parallel.vpp={p.vpp} needs parallel.pp >= 2 (got {p.pp})")

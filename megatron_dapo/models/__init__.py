@@ -3,7 +3,7 @@
 Public API:
     QwenArch.from_hf(cfg)                -> the architecture facts of an HF config
     hf_config_family(cfg)                -> 'qwen3' | 'qwen3_moe' | 'qwen2' (errors on others)
-    ModelParallel(tp, pp, vpp, ep, etp, sequence_parallel, dtype)
+    ModelParallel(tp, pp, vpp, ep, etp, cp, sequence_parallel, dtype)
     transformer_config(arch, parallel, **overrides) -> megatron TransformerConfig
     build_gpt_model(hf_config_or_dir, parallel=None, *, use_te=None, config_overrides=None,
                     parallel_output=True) -> list[GPTModel]   (one per virtual pipeline chunk)

@@ -50,6 +50,7 @@ class ModelParallel:
     vpp: int | None = None  # virtual pipeline chunks per stage (None = 1)
     ep: int = 1
     etp: int | None = None  # expert tensor parallel size (None = tp, megatron-core's default)
+    cp: int = 1  # context parallel size: each rank holds 1/cp of every sequence (see trainer.cp_split)
     sequence_parallel: bool = False
     dtype: Any = "float32"  # params dtype: torch dtype or "float32" / "bfloat16" / "float16"
 
@@ -77,6 +78,7 @@ class ModelParallel:
             vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
             ep=ep,
             etp=ps.get_expert_tensor_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(),
             sequence_parallel=sequence_parallel,
             dtype=dtype,
         )
@@ -164,6 +166,7 @@ def transformer_config(arch: QwenArch, par: ModelParallel, use_te: bool | None =
         virtual_pipeline_model_parallel_size=par.vpp if (par.vpp or 1) > 1 else None,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.expert_tp,
+        context_parallel_size=par.cp,
         sequence_parallel=par.sequence_parallel,
         use_cpu_initialization=on_cpu,
         # Fusions need CUDA kernels (apex / TE); all are off by default in TransformerConfig and
@@ -261,7 +264,7 @@ def _check_matches_parallel_state(par: ModelParallel) -> None:
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("megatron-core parallel state is not initialised: call init_model_parallel first")
     have = ModelParallel.from_parallel_state()
-    for name in ("tp", "pp", "ep", "etp"):
+    for name in ("tp", "pp", "cp", "ep", "etp"):
         want = par.expert_tp if name == "etp" else getattr(par, name)
         if getattr(have, name) != want:
             raise ValueError(

@@ -1,8 +1,9 @@
 """Layer specs: Transformer Engine modules when TE imports, megatron-core's local modules otherwise.
 
 Both come from megatron-core's own spec builders; the local one has its norms replaced by the
-project's sequence-parallel-capable `RMSNorm`. Parameter names (and hence the bridge's tables and
-dist_checkpointing keys) are megatron-core's.
+project's sequence-parallel-capable `RMSNorm` and, with context parallelism, its core attention by
+`ContextParallelDotProductAttention` (megatron-core's local attention refuses CP). Parameter names
+(and hence the bridge's tables and dist_checkpointing keys) are megatron-core's.
 """
 
 from __future__ import annotations
@@ -23,21 +24,37 @@ def te_available() -> bool:
     return True
 
 
-def _replace_norms(spec):
-    """A copy of a (nested) ModuleSpec with megatron's torch norm swapped for RMSNorm."""
+def _replace_modules(spec, swaps: dict):
+    """A copy of a (nested) ModuleSpec with each module class in `swaps` replaced by its value."""
     from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    if spec is WrappedTorchNorm:
-        return RMSNorm
+    if isinstance(spec, type) and spec in swaps:
+        return swaps[spec]
     if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=_replace_norms(spec.module), submodules=_replace_norms(spec.submodules))
+        return dataclasses.replace(
+            spec, module=_replace_modules(spec.module, swaps), submodules=_replace_modules(spec.submodules, swaps)
+        )
     if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        changes = {f.name: _replace_norms(getattr(spec, f.name)) for f in dataclasses.fields(spec)}
+        changes = {f.name: _replace_modules(getattr(spec, f.name), swaps) for f in dataclasses.fields(spec)}
         return dataclasses.replace(spec, **changes)
     if isinstance(spec, list):
-        return [_replace_norms(s) for s in spec]
+        return [_replace_modules(s, swaps) for s in spec]
     return spec
+
+
+def _local_swaps(config) -> dict:
+    """The local spec's module replacements: the SP-capable RMSNorm, and with CP the project's
+    context-parallel core attention (megatron-core's local attention refuses CP)."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    swaps = {WrappedTorchNorm: RMSNorm}
+    if getattr(config, "context_parallel_size", 1) > 1:
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        from megatron_dapo.models.cp_attention import ContextParallelDotProductAttention
+
+        swaps[DotProductAttention] = ContextParallelDotProductAttention
+    return swaps
 
 
 def decoder_block_spec(config, use_te: bool, vp_stage: int | None):
@@ -49,6 +66,6 @@ def decoder_block_spec(config, use_te: bool, vp_stage: int | None):
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
     if not use_te:
-        spec = _replace_norms(spec)
+        spec = _replace_modules(spec, _local_swaps(config))
         spec.layer_norm = RMSNorm
     return spec

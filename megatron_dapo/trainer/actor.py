@@ -48,8 +48,15 @@ from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logp
 from megatron_dapo.kernels.fused_linear import fused_linear_logprobs
 from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_padded_vocab_logits
 from megatron_dapo.models.specs import te_available
+from megatron_dapo.trainer.cp_split import ContextParallelSlice, gather_token_order, split_micro_batch
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
-from megatron_dapo.trainer.packing import PackedMicroBatch, pack, per_sequence_rope, plan_micro_batches
+from megatron_dapo.trainer.packing import (
+    PackedMicroBatch,
+    pack,
+    padded_length,
+    per_sequence_rope,
+    plan_micro_batches,
+)
 from megatron_dapo.trainer.routing_replay import RoutingReplay, routing_shape_of
 from megatron_dapo.types import DPShard
 
@@ -122,7 +129,14 @@ class MegatronActor:
         self.use_te = m.transformer_impl == "transformer_engine" and te_available() and torch.cuda.is_available()
         arch = QwenArch.from_hf(source)
         par = ModelParallel(
-            tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, dtype=m.dtype, sequence_parallel=p.sequence_parallel
+            tp=p.tp,
+            pp=p.pp,
+            vpp=p.vpp,
+            ep=p.ep,
+            etp=p.etp,
+            cp=p.cp,
+            dtype=m.dtype,
+            sequence_parallel=p.sequence_parallel,
         )
         # grouped GEMM of the experts exists only with Transformer Engine (TEGroupedMLP)
         overrides = (
@@ -143,6 +157,13 @@ class MegatronActor:
         replay = arch.is_moe and a.routing_replay != "none"
         if replay:
             overrides["moe_enable_routing_replay"] = True
+        if p.cp > 1 and self.use_te:  # Transformer Engine's CP attention; the local spec's gathers K/V
+            overrides["cp_comm_type"] = p.cp_comm_type or "p2p"
+        elif p.cp > 1 and p.cp_comm_type not in (None, "all_gather"):
+            raise ValueError(
+                f"parallel.cp_comm_type={p.cp_comm_type} needs Transformer Engine on a GPU; this rank runs the "
+                f"local spec, whose context-parallel attention all-gathers K/V (set it to all_gather or null)"
+            )
         chunks = build_gpt_model(arch, par, use_te=self.use_te, config_overrides=overrides)
         if hf_dir:
             from megatron_dapo.bridge import load_hf_into_megatron
@@ -183,9 +204,14 @@ class MegatronActor:
         self.dp_rank = ps.get_data_parallel_rank()
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.is_last_stage = ps.is_pipeline_last_stage()
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_group = ps.get_context_parallel_group()
         self.max_tokens = a.max_tokens_per_micro_batch or (cfg.data.max_prompt_length + cfg.data.max_response_length)
-        # Sequence parallel scatters the packed row over TP ranks: its length must divide evenly.
-        self.pad_multiple = p.tp if self.config.sequence_parallel else 1
+        # Context parallelism cuts every packed sequence into 2*cp chunks; sequence parallel then scatters
+        # each CP rank's row over TP ranks: lengths must divide evenly.
+        self.seq_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
+        self.pad_multiple = self.seq_multiple * (p.tp if self.config.sequence_parallel else 1)
         # algo.fused_lm_head: the last stage returns hidden states; logprobs come from
         # fused_linear_logprobs (chunked, never the [T, V] logits). Refused by config validation with SP.
         self.fused_lm_head = bool(a.fused_lm_head)
@@ -208,7 +234,7 @@ class MegatronActor:
     # ---------------------------------------------------------------- forward machinery
     def _packs(self, batch, rows: list[int]) -> list[PackedMicroBatch]:
         """Rows packed by the token budget; the same micro-batch count on every DP rank."""
-        lengths = [len(batch.input_ids[r]) for r in rows]
+        lengths = [padded_length(len(batch.input_ids[r]), self.seq_multiple) for r in rows]
         plan = plan_micro_batches(lengths, self.max_tokens)
         count = torch.tensor([len(plan)], dtype=torch.long)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.dp_group)
@@ -223,19 +249,36 @@ class MegatronActor:
             dist.all_reduce(longest, op=dist.ReduceOp.MAX, group=self.dp_group)
             length = -(-int(longest) // self.pad_multiple) * self.pad_multiple
         return [
-            pack(batch.input_ids, batch.prompt_lengths, [rows[i] for i in b], length, self.pad_multiple) for b in plan
+            pack(
+                batch.input_ids,
+                batch.prompt_lengths,
+                [rows[i] for i in b],
+                length,
+                self.pad_multiple,
+                seq_multiple=self.seq_multiple,
+            )
+            for b in plan
         ]
 
-    def _forward(self, model, mb: PackedMicroBatch):
+    def _cp_slice(self, mb: PackedMicroBatch) -> ContextParallelSlice | None:
+        return split_micro_batch(mb, self.cp_size, self.cp_rank) if self.cp_size > 1 else None
+
+    def _forward(self, model, mb: PackedMicroBatch, part: ContextParallelSlice | None):
         dev = self.device
-        tokens, positions = mb.tokens.to(dev), mb.position_ids.to(dev)
+        src = part or mb
+        tokens, positions = src.tokens.to(dev), src.position_ids.to(dev)
         if self.use_te:
+            # THD: with CP, Transformer Engine takes the whole row's (2*cp-padded) cu_seqlens and this
+            # rank's load-balanced tokens, as Megatron-LM feeds it.
             params = mb.packed_seq_params()
             for name in ("cu_seqlens_q", "cu_seqlens_kv"):
                 setattr(params, name, getattr(params, name).to(dev))
+            if part is not None:
+                params.cu_seqlens_q_padded, params.cu_seqlens_kv_padded = params.cu_seqlens_q, params.cu_seqlens_kv
             return model(tokens, positions, None, packed_seq_params=params)
-        with per_sequence_rope(model, positions):
-            return model(tokens, positions, mb.attention_mask().to(dev))
+        mask = part.attention_mask() if part is not None else mb.attention_mask()
+        with per_sequence_rope(model, positions, cp=self.cp_size):
+            return model(tokens, positions, mask.to(dev))
 
     def _logprobs(
         self,
@@ -244,16 +287,29 @@ class MegatronActor:
         temperature: float,
         with_entropy: bool,
         head_weight: torch.Tensor | None = None,
+        part: ContextParallelSlice | None = None,
     ):
         """Per-position target logprobs [1, L] (and entropy) of the last stage's output. With
         algo.fused_lm_head, `logits` is the final hidden state [1, L, h] and `head_weight` the output
-        weight [V_local, h]: the LM head is applied chunk by chunk inside fused_linear_logprobs."""
+        weight [V_local, h]: the LM head is applied chunk by chunk inside fused_linear_logprobs.
+        With context parallelism the output covers this rank's tokens only: their values are gathered
+        over the CP group back into packed order."""
+        local = self._local_position_logprobs(
+            logits, part.target_ids if part else mb.target_ids, temperature, with_entropy, head_weight
+        )
+        if part is None:
+            return local
+        if with_entropy:
+            return tuple(gather_token_order(x, part, self.cp_group) for x in local)
+        return gather_token_order(local, part, self.cp_group)
+
+    def _local_position_logprobs(self, logits, target_ids, temperature, with_entropy, head_weight):
         if head_weight is not None:
             shape = logits.shape[:-1]
             lp, ent = fused_linear_logprobs(
                 logits.reshape(-1, logits.shape[-1]),
                 head_weight,
-                mb.target_ids.to(logits.device).reshape(-1),
+                target_ids.to(logits.device).reshape(-1),
                 tp_group=self.tp_group,
                 temperature=temperature,
                 with_entropy=with_entropy,
@@ -262,7 +318,7 @@ class MegatronActor:
             return (lp.view(shape), ent.view(shape)) if with_entropy else lp.view(shape)
         logits = mask_padded_vocab_logits(logits, self.arch.vocab_size)
         out = vocab_parallel_logprobs(
-            logits, mb.target_ids.to(logits.device), self.tp_group, temperature=temperature, with_entropy=with_entropy
+            logits, target_ids.to(logits.device), self.tp_group, temperature=temperature, with_entropy=with_entropy
         )
         return out
 
@@ -275,15 +331,16 @@ class MegatronActor:
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
+            part = self._cp_slice(mb)
             if replay is not None:
-                replay.feed(model, batch, mb)
+                replay.feed(model, batch, mb, part)
             with output_layer_returns_hidden(model) if self.fused_lm_head else contextlib.nullcontext({}) as head:
-                output = self._forward(model, mb)  # the final hidden state on the last stage if fused
+                output = self._forward(model, mb, part)  # the final hidden state on the last stage if fused
             if replay is not None:
                 replay.after_forward(model)
             if not self.fused_lm_head:
-                return output, lambda logits: loss_fn(logits, mb)
-            return output, functools.partial(loss_fn, mb=mb, head_weight=head.get("weight"))
+                return output, functools.partial(loss_fn, mb=mb, part=part)
+            return output, functools.partial(loss_fn, mb=mb, head_weight=head.get("weight"), part=part)
 
         length = max(mb.length for mb in packs)
         # Interleaved (virtual) pipelining asks each model chunk for its own iterator.
@@ -312,8 +369,8 @@ class MegatronActor:
             m.eval()
         out: dict[int, torch.Tensor] = {}
 
-        def loss_fn(logits, mb, head_weight=None):
-            lp = mb.gather(self._logprobs(logits, mb, batch.temperature, False, head_weight).float())
+        def loss_fn(logits, mb, head_weight=None, part=None):
+            lp = mb.gather(self._logprobs(logits, mb, batch.temperature, False, head_weight, part).float())
             for i, r in enumerate(mb.rows):
                 out[r] = lp[i, : int(mb.target_valid[i].sum())].cpu()
             return logits.new_zeros(()), {}
@@ -449,8 +506,8 @@ class MegatronActor:
         maxima: dict[str, float] = {}
         use_is = a.rollout_is.enable
 
-        def loss_fn(logits, mb: PackedMicroBatch, head_weight=None):
-            lp_pos, ent_pos = self._logprobs(logits, mb, batch.temperature, True, head_weight)
+        def loss_fn(logits, mb: PackedMicroBatch, head_weight=None, part=None):
+            lp_pos, ent_pos = self._logprobs(logits, mb, batch.temperature, True, head_weight, part)
             if not mb.rows:  # all padding (this rank has fewer micro-batches than others): no loss
                 return lp_pos.sum() * 0.0, {}
             lp = mb.gather(lp_pos.float())
@@ -489,7 +546,8 @@ class MegatronActor:
                 ratio_max = float(metrics["ratio_max"]) if metrics["num_tokens"] > 0 else 0.0
                 maxima["actor/ratio_max"] = max(maxima.get("actor/ratio_max", 0.0), ratio_max)
             # The schedule divides by the number of micro-batches; the loss is already this
-            # micro-batch's exact share of the mini-batch loss.
+            # micro-batch's exact share of the mini-batch loss. (With CP the schedule also multiplies by
+            # cp: DDP averages gradients over DP x CP, and the CP ranks' gradients are parts of one sum.)
             return loss * num_mb, {}
 
         for m in self.model:

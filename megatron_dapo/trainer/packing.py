@@ -42,7 +42,7 @@ class PackedMicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Real (non-padding) tokens."""
+        """Tokens of the packed sequences (with their padding to `seq_multiple`, none by default)."""
         return int(self.cu_seqlens[len(self.rows)])
 
     def attention_mask(self) -> torch.Tensor:
@@ -107,15 +107,21 @@ def pack(
     length: int | None = None,
     pad_multiple: int = 1,
     pad_id: int = 0,
+    seq_multiple: int = 1,
 ) -> PackedMicroBatch:
     """Pack `sequences[r]` for r in `rows` into one micro-batch of `length` tokens (None: as short as
-    possible, rounded up to `pad_multiple`). An empty `rows` gives an all-padding micro-batch."""
-    total = sum(len(sequences[r]) for r in rows)
+    possible, rounded up to `pad_multiple`). An empty `rows` gives an all-padding micro-batch.
+
+    `seq_multiple` pads every sequence (inside its own segment, after its last token, so causal attention
+    keeps it from the real tokens) to a multiple of it: context parallelism cuts each into 2*cp chunks."""
+    total = sum(padded_length(len(sequences[r]), seq_multiple) for r in rows)
     if length is None:
         length = max(1, total)
         length = -(-length // pad_multiple) * pad_multiple
     if total > length:
         raise ValueError(f"{total} tokens do not fit in a packed micro-batch of {length}")
+    if (length - total) % seq_multiple:
+        raise ValueError(f"packed length {length} leaves a padding segment that is not a multiple of {seq_multiple}")
     tokens = torch.full((1, length), pad_id, dtype=torch.long)
     positions = torch.zeros((1, length), dtype=torch.long)
     targets = torch.full((1, length), IGNORE_INDEX, dtype=torch.long)
@@ -139,11 +145,18 @@ def pack(
             targets[0, at] = tokens[0, o + p : o + n]
             index[i, :k] = at
             valid[i, :k] = True
-        cu.append(o + n)
+        end = o + padded_length(n, seq_multiple)
+        positions[0, o + n : end] = torch.arange(n, end - o)
+        cu.append(end)
     if cu[-1] < length:  # trailing padding: its own segment, so real tokens never attend to it
         positions[0, cu[-1] :] = torch.arange(length - cu[-1])
         cu.append(length)
     return PackedMicroBatch(list(rows), tokens, positions, targets, torch.tensor(cu, dtype=torch.int32), index, valid)
+
+
+def padded_length(n: int, multiple: int) -> int:
+    """`n` rounded up to a multiple of `multiple`."""
+    return -(-n // multiple) * multiple
 
 
 def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
@@ -155,8 +168,11 @@ def block_causal_mask(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def per_sequence_rope(model, position_ids: torch.Tensor):
+def per_sequence_rope(model, position_ids: torch.Tensor, cp: int = 1):
     """Inside this block the GPTModel's RoPE rotates token t by `position_ids[0, t]`.
+
+    With context parallelism `position_ids` are this rank's tokens' (GPTModel asks for a table of
+    cp times the local length, then would cut its own share: the positions already are that share).
 
     megatron-core's RotaryEmbedding returns the table for positions 0..S-1 of the (packed) row;
     for a packed row each sequence must restart at 0 -- RoPE is relative, but the rounding of
@@ -169,8 +185,10 @@ def per_sequence_rope(model, position_ids: torch.Tensor):
     pos = position_ids[0]
 
     def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        if max_seq_len != pos.numel():
-            raise RuntimeError(f"rotary table for {max_seq_len} positions requested, packed row has {pos.numel()}")
+        if max_seq_len != pos.numel() * cp:
+            raise RuntimeError(
+                f"rotary table for {max_seq_len} positions requested, packed row has {pos.numel()} x cp={cp}"
+            )
         table = type(rope).get_emb(rope, int(pos.max()) + 1, offset)  # [P, 1, 1, D]
         return table[pos.to(table.device)]
 

@@ -95,12 +95,15 @@ class RoutingReplay:
             out.append(_Router(module, self.shape.moe_layers.index(layer)))
         return out
 
-    def feed(self, chunk, batch, mb) -> None:
-        """Give the chunk's routers this micro-batch's rows (this rank's tokens) and replay them."""
+    def feed(self, chunk, batch, mb, part=None) -> None:
+        """Give the chunk's routers this micro-batch's rows (this rank's tokens: its context-parallel
+        `part`, then its sequence-parallel slice) and replay them."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         rows, from_rollout = packed_routing(batch, mb, self.shape)
-        cut = local_slice(mb.length, self.tp_rank, self.tp_size, self.sequence_parallel)
+        if part is not None:  # the load-balanced CP layout: this rank's packed positions, in its order
+            rows, from_rollout = rows[part.index], from_rollout[part.index]
+        cut = local_slice(rows.shape[0], self.tp_rank, self.tp_size, self.sequence_parallel)
         rows, self._scored = rows[cut], from_rollout[cut]
         for r in self.routers[id(chunk)]:
             ids = rows[:, r.moe_index].contiguous()

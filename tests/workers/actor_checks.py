@@ -37,12 +37,12 @@ def log(msg):
         print(msg, flush=True)
 
 
-def make_config(hf_dir, tp=1, pp=1, ep=1, **algo) -> DapoConfig:
+def make_config(hf_dir, tp=1, pp=1, ep=1, cp=1, **algo) -> DapoConfig:
     cfg = DapoConfig()
     cfg.model.hf_path = str(hf_dir)
     cfg.model.dtype = "fp32"
     cfg.model.transformer_impl = "local"
-    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep = tp, pp, ep
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp = tp, pp, ep, cp
     cfg.optimizer.lr = LR
     cfg.optimizer.adam_eps = EPS  # see tests/workers/runtime_parallel.py: keeps Adam sensitive to grad scale
     cfg.optimizer.clip_grad = CLIP
@@ -236,14 +236,14 @@ def counting_replay_actions():
         RouterReplay.get_replay_topk = original
 
 
-def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, **algo):
-    """DP=2 (EP=ep) x uneven packed micro-batches == one big batch on one process. Returns the actor.
+def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, cp=1, **algo):
+    """DP=2 (EP=ep; or CP=cp) x uneven packed micro-batches == one big batch on one process. Returns the actor.
     With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF reference
     is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD)."""
-    init_model_parallel(ep=ep, pp=pp, seed=1)  # DP=2 (pp=1)
+    init_model_parallel(ep=ep, pp=pp, cp=cp, seed=1)  # DP=2 (pp=1), or DP=1 x CP=2
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
     cfg = make_config(
-        hf_dir, ep=ep, pp=pp, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo
+        hf_dir, ep=ep, pp=pp, cp=cp, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo
     )
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     if recompute:
@@ -289,7 +289,7 @@ def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, 
         assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
     log(
-        f"DP=2 (EP={ep}) packed update vs one-process HF reference: "
+        f"DP={actor.dp_size} (EP={ep}, CP={cp}) packed update vs one-process HF reference: "
         f"loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
         f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
         f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})"
@@ -375,50 +375,58 @@ def check_shards(hf_dir):
     assert m_whole == m_shard, (m_whole, m_shard)
 
 
-def main(argv):
-    checks, tmpdir = argv[0].split(","), argv[1]
+def tiny_moe_dir(tmpdir) -> Path:
+    moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
+    if dist.get_rank() == 0 and not moe_dir.exists():
+        save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+    dist.barrier()
+    return moe_dir
+
+
+def check_moe(hf_dir, tmpdir):
+    moe_dir = tiny_moe_dir(tmpdir)
+    check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
+    check_exact_update(moe_dir, ep=2, seed=8, routing_replay="none")  # the trainer's own routing
+    # R3: random routed experts replayed in the old-logprob pass, the training forward and its
+    # full-layer recompute in backward equal an HF reference forced to route the same way
+    check_exact_update(moe_dir, ep=2, seed=8, replay_seed=4, recompute=True)
+
+
+def check_moe_replay_pp2(hf_dir, tmpdir):
+    """R3 under PP=2 (1F1B: a stage runs forwards of later micro-batches before the recompute of an
+    earlier one), each stage replaying its own MoE layers' rows."""
+    check_exact_update(tiny_moe_dir(tmpdir), pp=2, seed=8, replay_seed=5, recompute=True)
+
+
+CHECKS = {
+    "logprobs_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, pp=1),
+    "logprobs_pp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, pp=2),
+    "train_dp2": check_train,
+    "moe_ep2": check_moe,
+    "moe_replay_pp2": check_moe_replay_pp2,
+    "shards": lambda hf_dir, tmpdir: check_shards(hf_dir),
+    "warmup": lambda hf_dir, tmpdir: check_warmup(hf_dir),
+    "sum_norm": lambda hf_dir, tmpdir: check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm"),
+}
+
+
+def run_checks(argv, checks: dict) -> None:
+    """Run the comma-separated checks of argv[0] (each `fn(hf_dir, tmpdir)`, a tiny Qwen3 in argv[1])."""
+    names, tmpdir = argv[0].split(","), argv[1]
+    unknown = [c for c in names if c not in checks]
+    if unknown:
+        raise SystemExit(f"unknown checks {unknown}")
     init_distributed()
     hf_dir = Path(tmpdir) / "tiny_qwen3"
     if dist.get_rank() == 0:
         save_tiny_hf_model("qwen3", hf_dir, seed=0)
     dist.barrier()
-    for check in checks:
-        if check == "logprobs_tp2":
-            check_logprobs(hf_dir, tp=2, pp=1)
-        elif check == "logprobs_pp2":
-            check_logprobs(hf_dir, tp=1, pp=2)
-        elif check == "train_dp2":
-            check_train(hf_dir, tmpdir)
-        elif check == "moe_ep2":
-            moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
-            if dist.get_rank() == 0:
-                save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
-            dist.barrier()
-            check_logprobs(moe_dir, tp=1, pp=1, ep=2, temperatures=(1.0,))
-            check_exact_update(moe_dir, ep=2, seed=8, routing_replay="none")  # the trainer's own routing
-            # R3: random routed experts replayed in the old-logprob pass, the training forward and its
-            # full-layer recompute in backward equal an HF reference forced to route the same way
-            check_exact_update(moe_dir, ep=2, seed=8, replay_seed=4, recompute=True)
-        elif check == "moe_replay_pp2":
-            # R3 under PP=2 (1F1B: a stage runs forwards of later micro-batches before the recompute of an
-            # earlier one), each stage replaying its own MoE layers' rows
-            moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
-            if dist.get_rank() == 0 and not moe_dir.exists():
-                save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
-            dist.barrier()
-            check_exact_update(moe_dir, pp=2, seed=8, replay_seed=5, recompute=True)
-        elif check == "shards":
-            check_shards(hf_dir)
-        elif check == "warmup":
-            check_warmup(hf_dir)
-        elif check == "sum_norm":
-            check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm")
-        else:
-            raise SystemExit(f"unknown check {check!r}")
+    for name in names:
+        checks[name](hf_dir, tmpdir)
         dist.barrier()
-        log(f"CHECK PASSED {check}")
+        log(f"CHECK PASSED {name}")
     destroy_distributed()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(sys.argv[1:], CHECKS)
