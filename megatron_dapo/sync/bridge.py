@@ -85,6 +85,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0  # each call of a sync, when neither the caller nor rollout.sync.timeout_s says
 GRACE_S = 5.0  # beyond the clients' own timeout: a stalled server's call fails in its client, named
+READMIT_HEALTH_S = 2.0  # a lost server's /health, asked at each sync point: it must answer within this
 
 
 class WeightSyncError(RuntimeError):
@@ -338,6 +339,35 @@ class WeightSyncBridge:
                 f"{len(self.live)} live rollout server(s) left, fewer than rollout.min_healthy_servers="
                 f"{self.min_live}; lost: " + "; ".join(f"{u}: {w}" for u, w in self.lost.items())
             ) from lost
+
+    def readmit(self) -> list[str]:
+        """Lost servers that answer /health again (restarted, relaunched, or no longer stalled) rejoin: the
+        group is re-formed with them (in their original places), so the next sync gives them the current
+        weights; the caller verifies them and routes to them again. Returns those re-admitted. With several
+        sources a lost server has stopped the run already: nothing to re-admit."""
+        if not self.lost or not self.sender or len(self.sources) > 1:
+            return []
+        back = self._answering(list(self.lost))
+        if not back:
+            return []
+        for url in back:
+            log.warning("weight sync: %s answers again (was lost: %s); re-admitting it", url, self.lost.pop(url))
+        self.live = [u for u in self.urls if u in self.live or u in back]
+        try:
+            self._reform()  # its leave step also destroys a group a stalled server may still hold
+        except WeightSyncError as e:  # a server back only briefly: the others go on without it
+            self._leave_out(ServersLost(f"re-admission failed: {e}", {u: f"re-admission: {e}" for u in back}))
+            self._reform() if self.live else self._leave_group()
+            return []
+        return back
+
+    def _answering(self, urls: list[str]) -> list[str]:
+        """Those of `urls` whose /health answers 200 within READMIT_HEALTH_S (a stalled one costs that)."""
+
+        async def ask():
+            return await asyncio.gather(*(self._clients[u].health(READMIT_HEALTH_S) for u in urls))
+
+        return [u for u, ok in zip(urls, self._loop.run(ask(), READMIT_HEALTH_S + GRACE_S)) if ok]
 
     def _reform(self) -> None:
         """A new group for the live servers (its world size changed): the old one had the lost ones in it."""
