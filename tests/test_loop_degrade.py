@@ -121,3 +121,84 @@ def _stopped(pid: int) -> bool:
     import psutil
 
     return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+
+
+def _kill_then_release_once_relaunched(out, server, stop: threading.Event):
+    """SIGKILL `server` once step 0's weights are dumped; once the supervisor has it healthy again, let the run
+    go on past step 1 (loop_run's LOOP_RUN_HOLD), so the syncs after steps 2 and 3 re-admit and update it."""
+    while not stop.is_set() and not (out / "weights_step0.pt").exists():
+        time.sleep(0.05)
+    if stop.is_set():
+        return
+    first = server.proc.pid
+    server.kill()
+    while not stop.is_set() and not (server.alive() and server.proc.pid != first and _answers(server.url)):
+        time.sleep(0.1)
+    (out / "relaunched").touch()
+
+
+def _answers(url) -> bool:
+    from megatron_dapo.rollout.client import SGLangClient
+
+    async def ask():
+        async with SGLangClient(url, retries=0) as c:
+            return await c.health(2.0)
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize("policy, pause_mode", [("all_at_once", "in_place"), ("greedy", "abort")])
+def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(env, own_servers, tmp_path, policy, pause_mode):  # noqa: F811
+    """The Done-when of issue 26: one of two servers SIGKILLed mid-run, relaunched by the supervisor the Ray
+    driver runs (here the test is the driver of its own servers), re-admitted by the trainer's weight sync:
+    the run finishes all its steps and the relaunched server holds the trainer's final weights."""
+    from megatron_dapo.rollout.supervisor import ServerSupervisor
+
+    urls = [s.url for s in own_servers]
+    run_dir = tmp_path / "run"
+    out = run_dir / "out"
+    out.mkdir(parents=True)
+    args = _args(
+        {**env, "urls": urls},
+        run_dir,
+        f"trainer.total_steps={STEPS}",
+        "algo.staleness=1",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "rollout.sync.check_interval_ms=20",
+        "rollout.sync.timeout_s=30",
+        "rollout.min_healthy_servers=1",
+    )
+    supervisor = ServerSupervisor(own_servers, max_relaunches=1, check_interval_s=0.2, backoff_s=0.2).start()
+    stop = threading.Event()
+    fault = threading.Thread(target=_kill_then_release_once_relaunched, args=(out, own_servers[1], stop), daemon=True)
+    fault.start()
+    try:
+        log = run_torchrun(
+            "loop_run.py",
+            2,
+            str(CONFIG),
+            str(out),
+            "-",
+            *args,
+            timeout=420,
+            env={"LOOP_RUN_HOLD": f"1:{out / 'relaunched'}"},
+        )
+    finally:
+        stop.set()
+        fault.join(10)
+        supervisor.stop()
+    assert supervisor.relaunches == [0, 1] and (out / "relaunched").exists()
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert json.loads((out / "result.json").read_text())["steps_done"] == STEPS
+    assert f"rollout server {urls[1]} re-admitted at weight version" in log
+    # back in routing by the end, and both servers hold the trainer's final weights (version STEPS)
+    assert rows[-1]["server/1/down"] == 0.0 and rows[-1]["server/0/down"] == 0.0
+    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 1}.pt"))
+    for url in urls:
+        version, lps = asyncio.run(_version_and_logprobs(url))
+        assert version == str(STEPS), url
+        assert max(abs(a - b) for a, b in zip(lps, final)) < 1e-4, url

@@ -281,6 +281,9 @@ class PerServerSync:
         bridge = self.bridges[url]
         version = None
         try:
+            bridge.readmit()  # restarted since its last sync (it holds no group): a new group first
+            if not bridge.live:
+                raise ServersLost(f"{url}: {bridge.lost[url]}", dict(bridge.lost))
             bridge.sync(iter(snap.tensors), version=snap.version)
             if self.cfg.verify and self.probe is not None and snap.probe_logprobs is not None:
                 bridge.verify(self.probe, list(snap.probe_logprobs))
