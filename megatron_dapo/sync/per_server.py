@@ -224,8 +224,9 @@ class PerServerSync:
             snap = self.store.snapshot()
             if snap is None:
                 continue
-            self._readmit_lost()
-            statuses = self._with_loads(self.registry.statuses(), snap.version)
+            statuses = self.registry.statuses()  # the servers in service
+            self._readmit_down(set(self.bridges) - {s.url for s in statuses})
+            statuses = self._with_loads(statuses, snap.version)
             for url in self.policy.choose(statuses, snap.version):
                 self.registry.begin_sync(url)
                 self._pool.submit(self._sync_guarded, url, self.store.acquire())
@@ -248,20 +249,23 @@ class PerServerSync:
             s.running, s.waiting, s.throughput, s.kv_cache = row.running, row.waiting, row.throughput, row.token_usage
         return [s for s in statuses if s.url not in unknown]
 
-    def _readmit_lost(self) -> None:
-        """Each lost server, at most every READMIT_EVERY_S, on a pool thread: if it answers again, re-admit it."""
+    def _readmit_down(self, down: set[str]) -> None:
+        """Each server out of service (lost by its sync, or found restarted by the router), at most every
+        READMIT_EVERY_S, on a pool thread: re-admitted if it answers."""
         now = time.monotonic()
-        for url, bridge in self.bridges.items():
-            if bridge.lost and url not in self._readmitting and now >= self._next_readmit.get(url, 0.0):
+        for url in down:
+            if url not in self._readmitting and now >= self._next_readmit.get(url, 0.0):
                 self._readmitting.add(url)
                 self._next_readmit[url] = now + READMIT_EVERY_S
                 self._pool.submit(self._readmit_guarded, url)
 
     def _readmit_guarded(self, url: str) -> None:
-        """A lost server that answers again: its group re-formed, the current weights, the logprob check (with
-        sync.verify), then routing (`mark_up`); a failure is reported like a failed sync."""
+        """A server out of service that answers again: its group re-formed, the current weights, the logprob
+        check (with sync.verify), then routing (`mark_up`); a failure is reported like a failed sync."""
         try:
-            if self.bridges[url].readmit():
+            bridge = self.bridges[url]
+            bridge.readmit()
+            if bridge.live:  # answering (a lost one that does not stays out, asked again later)
                 self.registry.begin_sync(url)
                 self._sync_one(url, self.store.acquire(), readmitting=True)
         except BaseException as e:
