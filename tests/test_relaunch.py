@@ -1,6 +1,7 @@
 """Heal after a lost rollout server: the supervisor relaunches a SIGKILLed server on its port (bounded: a
-server that keeps dying is given up, named), and the bridge re-admits a lost server that answers again
-(restarted, or continued after a stall) in order: its update group re-formed, the current weights, the
+server that keeps dying is given up, named); the router and the bridge find a server restarted between two
+syncs (its weight version); the bridge re-admits a lost server that answers again (relaunched, or
+continued after a stall) in order: its update group re-formed, the current weights, the
 logprob check, then routing. Two real embedded servers on loopback, the real bridge over a real gloo group;
 the test process is trainer rank 0 (and the driver watching the servers)."""
 
@@ -49,16 +50,19 @@ def test_a_lost_server_is_re_admitted_stalled_or_relaunched_with_the_current_wei
         assert _bounded(lambda: bridge.sync(w2, version=2)).get("value") is not None
         assert bridge.verify(PROBE, _reference_logprobs(model, w2, PROBE)) < 1e-4
         assert asyncio.run(_info_and_logprobs(urls[1], PROBE))[0] == "2"
-        # SIGKILL: left out, relaunched by the supervisor
+        registry.mark_up(urls[1], 2)
+        registry.publish_all(2)
+        # SIGKILL between two syncs, relaunched by the supervisor before the next: a new process, same port
         first_pid = servers[1].proc.pid
         servers[1].kill()
-        assert isinstance(_bounded(lambda: bridge.sync(_weights(model, 3), version=3)).get("error"), ServersLost)
-        assert bridge.live == [urls[0]] and not registry.routable(urls[1], None)
-        # relaunched by the supervisor: a new process, on the same port (the same URL)
         _wait(lambda: servers[1].alive() and servers[1].proc.pid != first_pid, "relaunch")
         _wait(lambda: _healthy(urls[1]), "relaunched server healthy")
         assert f"rollout server {urls[1]} exited; relaunching it" in caplog.text
-        # re-admitted at the next sync point: the group re-formed with it in its place ...
+        # the router, seeing it answer again, finds it restarted (its initial weights): out of routing
+        assert asyncio.run(_router_check(urls, registry)) is None
+        assert registry.records[urls[1]].down == "restarted: holds weight version default, not 2"
+        assert not registry.routable(urls[1], None) and registry.routable(urls[0], 2)
+        # the bridge finds it restarted too, and re-admits it at the next sync point: the group re-formed ...
         assert bridge.readmit() == [urls[1]]
         assert bridge.live == urls and bridge.world_size == 3 and not bridge.lost
         assert not registry.routable(urls[1], None)  # ... but no request before it holds and passed the check
@@ -77,14 +81,27 @@ def test_a_lost_server_is_re_admitted_stalled_or_relaunched_with_the_current_wei
         assert f"rollout server {urls[1]} given up: it exited again after 1 relaunch(es)" in caplog.text
         time.sleep(0.5)
         assert not servers[1].alive() and supervisor.relaunches == [0, 1]
-        # the next sync leaves it out again and reaches the other; a dead server is not re-admitted
+        # the next sync leaves it out and reaches the other; a dead server is not re-admitted
         assert isinstance(_bounded(lambda: bridge.sync(_weights(model, 4), version=4)).get("error"), ServersLost)
+        assert bridge.live == [urls[0]] and not registry.routable(urls[1], None)
         assert bridge.readmit() == [] and bridge.live == [urls[0]]
     finally:
         supervisor.stop()
         if servers[1].alive():
             os.killpg(servers[1].proc.pid, signal.SIGCONT)
         bridge.close()
+
+
+async def _router_check(urls, registry):
+    """The router's check of server 1 as its health loop makes it when the server answers again."""
+    from megatron_dapo.coordinator.router import Router
+
+    router = Router(urls, registry=registry)
+    try:
+        return await router._check_restarted(router.servers[1])
+    finally:
+        for s in router.servers:
+            await s.client.aclose()
 
 
 def _healthy(url: str) -> bool:
