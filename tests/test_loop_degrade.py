@@ -17,6 +17,7 @@ import torch
 
 from tests.dist_utils import run_torchrun
 from tests.test_loop_run import CONFIG, _args, _rows, env  # noqa: F401  (the module fixture: model, data)
+from tests.test_relaunch import _healthy
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,23 @@ def own_servers(env, tmp_path):  # noqa: F811
             if s.alive():
                 os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server takes no SIGTERM
             s.stop()
+
+
+def _run_args(env, urls, run_dir, policy, pause_mode, *overrides):  # noqa: F811  (env: the fixture's value)
+    """The loop's arguments for a STEPS-step run against `urls` under one sync policy."""
+    return _args(
+        {**env, "urls": urls},
+        run_dir,
+        f"trainer.total_steps={STEPS}",
+        "algo.staleness=1",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "rollout.sync.check_interval_ms=20",
+        "rollout.min_healthy_servers=1",
+        *overrides,
+    )
 
 
 def _fault_after_first_step(out, server, fault: str, stop: threading.Event):
@@ -77,21 +95,15 @@ def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_p
     urls = [s.url for s in own_servers]
     run_dir = tmp_path / "run"
     out = run_dir / "out"
-    run_env = {**env, "urls": urls}
-    args = _args(
-        run_env,
+    args = _run_args(
+        env,
+        urls,
         run_dir,
-        f"trainer.total_steps={STEPS}",
-        "algo.staleness=1",
-        "checkpoint.save_every=0",
-        "checkpoint.keep_last=0",
-        f"rollout.sync.policy={policy}",
-        f"rollout.sync.pause_mode={pause_mode}",
-        "rollout.sync.check_interval_ms=20",
+        policy,
+        pause_mode,
         "rollout.sync.timeout_s=5" if fault == "stall" else "rollout.sync.timeout_s=30",
         # a stalled server's requests fail over once they time out
         "rollout.request_timeout_s=20" if fault == "stall" else "rollout.request_timeout_s=3600",
-        "rollout.min_healthy_servers=1",
     )
     stop = threading.Event()
     killer = threading.Thread(target=_fault_after_first_step, args=(out, own_servers[1], fault, stop), daemon=True)
@@ -132,19 +144,9 @@ def _kill_then_release_once_relaunched(out, server, stop: threading.Event):
         return
     first = server.proc.pid
     server.kill()
-    while not stop.is_set() and not (server.alive() and server.proc.pid != first and _answers(server.url)):
+    while not stop.is_set() and not (server.alive() and server.proc.pid != first and _healthy(server.url)):
         time.sleep(0.1)
     (out / "relaunched").touch()
-
-
-def _answers(url) -> bool:
-    from megatron_dapo.rollout.client import SGLangClient
-
-    async def ask():
-        async with SGLangClient(url, retries=0) as c:
-            return await c.health(2.0)
-
-    return asyncio.run(ask())
 
 
 @pytest.mark.parametrize("policy, pause_mode", [("all_at_once", "in_place"), ("greedy", "abort")])
@@ -158,19 +160,7 @@ def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(env, own_se
     run_dir = tmp_path / "run"
     out = run_dir / "out"
     out.mkdir(parents=True)
-    args = _args(
-        {**env, "urls": urls},
-        run_dir,
-        f"trainer.total_steps={STEPS}",
-        "algo.staleness=1",
-        "checkpoint.save_every=0",
-        "checkpoint.keep_last=0",
-        f"rollout.sync.policy={policy}",
-        f"rollout.sync.pause_mode={pause_mode}",
-        "rollout.sync.check_interval_ms=20",
-        "rollout.sync.timeout_s=30",
-        "rollout.min_healthy_servers=1",
-    )
+    args = _run_args(env, urls, run_dir, policy, pause_mode, "rollout.sync.timeout_s=30")
     supervisor = ServerSupervisor(own_servers, max_relaunches=1, check_interval_s=0.2, backoff_s=0.2).start()
     stop = threading.Event()
     fault = threading.Thread(target=_kill_then_release_once_relaunched, args=(out, own_servers[1], stop), daemon=True)
