@@ -16,8 +16,6 @@ import pytest
 from megatron_dapo.coordinator.servers import ServerRegistry
 from tests.test_sync_degrade import PROBE, _bounded, _bridge, _info_and_logprobs, _reference_logprobs, _weights, servers  # noqa: F401
 
-pytestmark = pytest.mark.slow
-
 
 def _wait(cond, what: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
@@ -26,6 +24,7 @@ def _wait(cond, what: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_lost_server_is_re_admitted_stalled_or_relaunched_with_the_current_weights_then_given_up(servers, caplog):  # noqa: F811
     from megatron_dapo.rollout.supervisor import ServerSupervisor
     from megatron_dapo.sync.bridge import ServersLost
@@ -112,3 +111,23 @@ def _healthy(url: str) -> bool:
             return await c.health(2.0)
 
     return asyncio.run(ask())
+
+
+def test_relaunch_keys_are_checked_and_decide_what_the_driver_supervises(caplog):
+    """rollout.relaunch_max below 1 is refused, named; the driver supervises only the servers it launched,
+    and says so when there are none (external servers: re-admitted, never relaunched), never silently."""
+    from megatron_dapo.config import ConfigError, load_config
+    from megatron_dapo.trainer.launch import EXTERNAL_ONLY, _supervise
+    from tests.test_config import TINY
+
+    with pytest.raises(ConfigError, match=r"rollout.relaunch_max=0 must be >= 1"):
+        load_config(TINY, ["rollout.relaunch_max=0"])
+    cfg = load_config(TINY, ["rollout.relaunch_max=2"])
+    assert cfg.rollout.relaunch is True
+    caplog.set_level(logging.INFO)
+    assert _supervise(cfg, []) is None and EXTERNAL_ONLY in caplog.text
+    launched = [object()]  # never asked: the supervisor is stopped before its first check
+    assert _supervise(load_config(TINY, ["rollout.relaunch=false"]), launched) is None
+    supervisor = _supervise(cfg, launched)
+    supervisor.stop()
+    assert supervisor.servers == launched and supervisor.max_relaunches == 2
