@@ -17,6 +17,7 @@ import torch
 
 from tests.dist_utils import run_torchrun
 from tests.test_loop_run import CONFIG, _args, _rows, env  # noqa: F401  (the module fixture: model, data)
+from tests.test_relaunch import _healthy
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +37,23 @@ def own_servers(env, tmp_path):  # noqa: F811
             if s.alive():
                 os.killpg(s.proc.pid, signal.SIGCONT)  # a stopped server takes no SIGTERM
             s.stop()
+
+
+def _run_args(env, urls, run_dir, policy, pause_mode, *overrides):  # noqa: F811  (env: the fixture's value)
+    """The loop's arguments for a STEPS-step run against `urls` under one sync policy."""
+    return _args(
+        {**env, "urls": urls},
+        run_dir,
+        f"trainer.total_steps={STEPS}",
+        "algo.staleness=1",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "rollout.sync.check_interval_ms=20",
+        "rollout.min_healthy_servers=1",
+        *overrides,
+    )
 
 
 def _fault_after_first_step(out, server, fault: str, stop: threading.Event):
@@ -77,21 +95,15 @@ def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_p
     urls = [s.url for s in own_servers]
     run_dir = tmp_path / "run"
     out = run_dir / "out"
-    run_env = {**env, "urls": urls}
-    args = _args(
-        run_env,
+    args = _run_args(
+        env,
+        urls,
         run_dir,
-        f"trainer.total_steps={STEPS}",
-        "algo.staleness=1",
-        "checkpoint.save_every=0",
-        "checkpoint.keep_last=0",
-        f"rollout.sync.policy={policy}",
-        f"rollout.sync.pause_mode={pause_mode}",
-        "rollout.sync.check_interval_ms=20",
+        policy,
+        pause_mode,
         "rollout.sync.timeout_s=5" if fault == "stall" else "rollout.sync.timeout_s=30",
         # a stalled server's requests fail over once they time out
         "rollout.request_timeout_s=20" if fault == "stall" else "rollout.request_timeout_s=3600",
-        "rollout.min_healthy_servers=1",
     )
     stop = threading.Event()
     killer = threading.Thread(target=_fault_after_first_step, args=(out, own_servers[1], fault, stop), daemon=True)
@@ -121,3 +133,62 @@ def _stopped(pid: int) -> bool:
     import psutil
 
     return psutil.Process(pid).status() == psutil.STATUS_STOPPED
+
+
+def _kill_then_release_once_relaunched(out, server, stop: threading.Event):
+    """SIGKILL `server` once step 0's weights are dumped; once the supervisor has it healthy again, let the run
+    go on past step 1 (loop_run's LOOP_RUN_HOLD), so the syncs after steps 2 and 3 re-admit and update it."""
+    while not stop.is_set() and not (out / "weights_step0.pt").exists():
+        time.sleep(0.05)
+    if stop.is_set():
+        return
+    first = server.proc.pid
+    server.kill()
+    while not stop.is_set() and not (server.alive() and server.proc.pid != first and _healthy(server.url)):
+        time.sleep(0.1)
+    (out / "relaunched").touch()
+
+
+@pytest.mark.parametrize("policy, pause_mode", [("all_at_once", "in_place"), ("greedy", "abort")])
+def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(env, own_servers, tmp_path, policy, pause_mode):  # noqa: F811
+    """The Done-when of issue 26: one of two servers SIGKILLed mid-run, relaunched by the supervisor the Ray
+    driver runs (here the test is the driver of its own servers), re-admitted by the trainer's weight sync:
+    the run finishes all its steps and the relaunched server holds the trainer's final weights."""
+    from megatron_dapo.rollout.supervisor import ServerSupervisor
+
+    urls = [s.url for s in own_servers]
+    run_dir = tmp_path / "run"
+    out = run_dir / "out"
+    out.mkdir(parents=True)
+    args = _run_args(env, urls, run_dir, policy, pause_mode, "rollout.sync.timeout_s=30")
+    supervisor = ServerSupervisor(own_servers, max_relaunches=1, check_interval_s=0.2, backoff_s=0.2).start()
+    stop = threading.Event()
+    fault = threading.Thread(target=_kill_then_release_once_relaunched, args=(out, own_servers[1], stop), daemon=True)
+    fault.start()
+    try:
+        log = run_torchrun(
+            "loop_run.py",
+            2,
+            str(CONFIG),
+            str(out),
+            "-",
+            *args,
+            timeout=420,
+            env={"LOOP_RUN_HOLD": f"1:{out / 'relaunched'}"},
+        )
+    finally:
+        stop.set()
+        fault.join(10)
+        supervisor.stop()
+    assert supervisor.relaunches == [0, 1] and (out / "relaunched").exists()
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert json.loads((out / "result.json").read_text())["steps_done"] == STEPS
+    assert f"rollout server {urls[1]} re-admitted at weight version" in log
+    # back in routing by the end, and both servers hold the trainer's final weights (version STEPS)
+    assert rows[-1]["server/1/down"] == 0.0 and rows[-1]["server/0/down"] == 0.0
+    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 1}.pt"))
+    for url in urls:
+        version, lps = asyncio.run(_version_and_logprobs(url))
+        assert version == str(STEPS), url
+        assert max(abs(a - b) for a, b in zip(lps, final)) < 1e-4, url

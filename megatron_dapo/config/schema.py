@@ -240,6 +240,12 @@ class RolloutConfig:
     # Fewest servers the run goes on with: a server lost (unreachable or stalled in a sync) is left out and
     # the run goes on with the rest; below this many it stops with an error naming the lost servers.
     min_healthy_servers: int = 1
+    # Relaunch a server this run launched (rollout.num_servers, Ray launcher) when its process exits, on its
+    # port, at most relaunch_max times per server (then it is given up, logged); once healthy, the trainer's
+    # next sync re-admits it (current weights, logprob check with sync.verify, routing). External servers
+    # (rollout.servers) are never relaunched, but are re-admitted the same way when they answer /health again.
+    relaunch: bool = True
+    relaunch_max: int = 3  # relaunches per launched server over the run; one more exit and it is given up
     host: str = "127.0.0.1"  # bind address of launched servers
     extra_args: list[str] = field(default_factory=list)  # appended to the SGLang launch command
     # Launch servers (SGLang or embedded) with --enable-deterministic-inference: seeds honoured and

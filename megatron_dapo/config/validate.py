@@ -316,6 +316,8 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(
             f"rollout.min_healthy_servers={r.min_healthy_servers} must be between 1 and the {servers} server(s)"
         )
+    if r.relaunch_max < 1:
+        errors.append(f"rollout.relaunch_max={r.relaunch_max} must be >= 1 (rollout.relaunch=false: never relaunch)")
     if r.sync.bucket_mb < 1:
         errors.append(f"rollout.sync.bucket_mb={r.sync.bucket_mb} must be >= 1")
     if r.sync.verify_tolerance <= 0:

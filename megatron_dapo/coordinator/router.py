@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 
 from megatron_dapo.config.coordination import QueueConfig, RoutingConfig
 from megatron_dapo.coordinator.dispatch import Dispatcher
+from megatron_dapo.coordinator.groups import version_number
 from megatron_dapo.coordinator.routing import RouteRequest, ServerView, make_routing_policy
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams
@@ -279,10 +280,32 @@ class Router:
                     if s.health_passes >= self.recover_after:
                         s.healthy, s.failures = True, 0
                         log.warning("server %s healthy again", s.url)
+                        await self._check_restarted(s)
                         self._healthy_event.set()
                         self._dispatch()
                 else:
                     s.health_passes = 0
+
+    async def _check_restarted(self, s: ServerState) -> None:
+        """A server back after failures may have been restarted (relaunched): then it holds the weights it
+        started with, not the registry's version, and no update group. Out of routing (`mark_down`) until the
+        trainer's weight sync re-admits it with the current weights (docs/operations.md)."""
+        view = None if self.registry is None else self.registry.route_view(s.url)
+        if view is None or not view.healthy or view.syncing:  # a sync under way changes its version anyway
+            return
+        try:
+            held = (await s.client.get_model_info()).get("weight_version")
+        except Exception:  # failing again: the next requests tell
+            return
+        expected = self.registry.version(s.url)
+        if held is not None and version_number(held) != expected:
+            self.registry.mark_down(s.url, f"restarted: holds weight version {held}, not {expected}")
+            log.warning(
+                "server %s was restarted (weight version %s, not %s): out of routing until re-admitted",
+                s.url,
+                held,
+                expected,
+            )
 
     async def _wait_any_healthy(self) -> None:
         if self.healthy():

@@ -153,6 +153,15 @@ class ServerRegistry:
             r.down, r.syncing = reason, False
         self._notify()  # requests waiting for it may go elsewhere
 
+    def mark_up(self, url: str, version: int) -> None:
+        """`url`, marked down before, came back and holds `version` now (the trainer's sync re-admitted it,
+        its logprobs checked): it gets requests and syncs again."""
+        with self._lock:
+            r = self.records[url]
+            self._account(r)
+            r.down, r.version = None, version
+        self._notify()  # requests waiting for a routable server may go there
+
     def publish_all(self, version: int, seconds: float = 0.0) -> None:
         """Every server in service loaded `version` together (all_at_once)."""
         with self._lock:

@@ -49,7 +49,7 @@ COORDINATOR_CALLS = (
     "checkpoint_state",
     "validate",
 )
-REGISTRY_CALLS = ("begin_sync", "end_sync", "mark_down", "publish_all", "statuses", "metrics", "take_events")
+REGISTRY_CALLS = ("begin_sync", "end_sync", "mark_down", "mark_up", "publish_all", "statuses", "metrics", "take_events")
 REMOTE_CALLS = {"coordinator": COORDINATOR_CALLS, "registry": REGISTRY_CALLS}
 
 

@@ -208,6 +208,11 @@ class ServerProcess:
                 )
             time.sleep(0.2)
 
+    def restart(self, timeout_s: float = 600.0) -> None:
+        """Start it again, on its port (the same URL), after it exited; return once healthy (else raise)."""
+        self.stop()
+        self.start(timeout_s)
+
     def move_to_port(self, port: int) -> None:
         """Re-point a stopped server's command line at another port (its --port flag)."""
         i = self.cmd.index("--port")

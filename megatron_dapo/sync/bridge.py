@@ -87,6 +87,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 600.0  # each call of a sync, when neither the caller nor rollout.sync.timeout_s says
 GRACE_S = 5.0  # beyond the clients' own timeout: a stalled server's call fails in its client, named
+READMIT_HEALTH_S = 2.0  # a lost server's /health, asked at each sync point: it must answer within this
 
 
 class WeightSyncError(RuntimeError):
@@ -258,6 +259,7 @@ class WeightSyncBridge:
         self.api_key = api_key
         self.live = list(self.urls)  # the servers in the group; a lost one is left out (`_leave_out`)
         self.lost: dict[str, str] = {}  # url -> why it was left out
+        self._loaded: dict[str, str] = {}  # url -> the weight version its last sync loaded
         self.min_live, self.on_lost = min_live, on_lost
         self.sender = self.rank in self.sources
         self.pg = None
@@ -341,16 +343,72 @@ class WeightSyncBridge:
         servers, raise naming every server lost."""
         for url, why in lost.reasons.items():
             if url in self.live:
-                self.live.remove(url)
-                self.lost[url] = why
-                log.error("weight sync: %s left out (%s); %d server(s) go on", url, why, len(self.live))
-                if self.on_lost is not None:
-                    self.on_lost(url, why)
+                self._mark_lost(url, why)
         if len(self.live) < self.min_live:
             raise WeightSyncError(
                 f"{len(self.live)} live rollout server(s) left, fewer than rollout.min_healthy_servers="
                 f"{self.min_live}; lost: " + "; ".join(f"{u}: {w}" for u, w in self.lost.items())
             ) from lost
+
+    def readmit(self) -> list[str]:
+        """Lost servers that answer /health again (restarted, relaunched, or no longer stalled) rejoin: the
+        group is re-formed with them (in their original places), so the next sync gives them the current
+        weights; the caller verifies them and routes to them again. Returns those re-admitted. With several
+        sources a lost server has stopped the run already: nothing to re-admit."""
+        if not self.sender or len(self.sources) > 1 or self._loop is None:
+            return []
+        for url, why in self._restarted().items():
+            self._mark_lost(url, why)
+        if not self.lost:
+            return []
+        back = self._answering(list(self.lost))
+        if not back:
+            return []
+        for url in back:
+            log.warning("weight sync: %s answers again (was lost: %s); re-admitting it", url, self.lost.pop(url))
+        self.live = [u for u in self.urls if u in self.live or u in back]
+        try:
+            self._reform()  # its leave step also destroys a group a stalled server may still hold
+        except WeightSyncError as e:  # a server back only briefly: the others go on without it
+            self._leave_out(ServersLost(f"re-admission failed: {e}", {u: f"re-admission: {e}" for u in back}))
+            self._reform() if self.live else self._leave_group()
+            return []
+        return back
+
+    def _restarted(self) -> dict[str, str]:
+        """Live servers restarted since the last sync (relaunched between two syncs, unnoticed): they report
+        another weight version than the one they loaded, and hold no update group. A server that does not
+        answer here is left to the sync (and its timeout)."""
+        urls = [u for u in self.live if u in self._loaded]
+
+        async def ask():
+            return await asyncio.gather(
+                *(asyncio.wait_for(self._clients[u].get_model_info(), READMIT_HEALTH_S) for u in urls),
+                return_exceptions=True,
+            )
+
+        out = {}
+        for url, info in zip(urls, self._loop.run(ask(), READMIT_HEALTH_S + GRACE_S)):
+            held = info.get("weight_version") if isinstance(info, dict) else None  # None: cannot tell
+            if held is not None and str(held) != self._loaded[url]:
+                out[url] = f"restarted: holds weight version {held}, not {self._loaded[url]}"
+        return out
+
+    def _answering(self, urls: list[str]) -> list[str]:
+        """Those of `urls` whose /health answers 200 within READMIT_HEALTH_S (a stalled one costs that)."""
+
+        async def ask():
+            return await asyncio.gather(*(self._clients[u].health(READMIT_HEALTH_S) for u in urls))
+
+        return [u for u, ok in zip(urls, self._loop.run(ask(), READMIT_HEALTH_S + GRACE_S)) if ok]
+
+    def _mark_lost(self, url: str, why: str) -> None:
+        self.live.remove(url)
+        self.lost[url] = why
+        self._loaded.pop(url, None)
+        log.error("weight sync: %s left out (%s); %d server(s) go on", url, why, len(self.live))
+        if self.on_lost is not None:
+            self.on_lost(url, why)
 
     def _reform(self) -> None:
         """A new group for the live servers (its world size changed): the old one had the lost ones in it."""
@@ -413,6 +471,7 @@ class WeightSyncBridge:
             self._close(session, failed)
             if lost is not None:  # a group of the servers that go on (none: only leave the old one)
                 self._reform() if self.live else self._leave_group()
+        self._loaded = {u: version for u in self.live}
         return self._stats(version, *counts, time.perf_counter() - t0)
 
     def _sync_from_sources(self, named_tensors, version: str) -> SyncStats | None:

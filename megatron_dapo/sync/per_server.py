@@ -41,6 +41,8 @@ from megatron_dapo.sync.bridge import ServersLost, WeightSyncBridge, WeightSyncE
 
 log = logging.getLogger(__name__)
 
+READMIT_EVERY_S = 1.0  # how often a lost server is asked whether it answers again
+
 
 @dataclass(frozen=True)
 class WeightSnapshot:
@@ -149,6 +151,8 @@ class PerServerSync:
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.bridges)), "server-sync")
         self._http: _LoopThread | None = None
         self._clients = {}
+        self._readmitting: set[str] = set()  # lost servers being asked (or re-admitted) now
+        self._next_readmit: dict[str, float] = {}  # url -> monotonic time it may be asked again
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def connect(self) -> None:
@@ -220,7 +224,9 @@ class PerServerSync:
             snap = self.store.snapshot()
             if snap is None:
                 continue
-            statuses = self._with_loads(self.registry.statuses(), snap.version)
+            statuses = self.registry.statuses()  # the servers in service
+            self._readmit_down(set(self.bridges) - {s.url for s in statuses})
+            statuses = self._with_loads(statuses, snap.version)
             for url in self.policy.choose(statuses, snap.version):
                 self.registry.begin_sync(url)
                 self._pool.submit(self._sync_guarded, url, self.store.acquire())
@@ -243,6 +249,30 @@ class PerServerSync:
             s.running, s.waiting, s.throughput, s.kv_cache = row.running, row.waiting, row.throughput, row.token_usage
         return [s for s in statuses if s.url not in unknown]
 
+    def _readmit_down(self, down: set[str]) -> None:
+        """Each server out of service (lost by its sync, or found restarted by the router), at most every
+        READMIT_EVERY_S, on a pool thread: re-admitted if it answers."""
+        now = time.monotonic()
+        for url in down:
+            if url not in self._readmitting and now >= self._next_readmit.get(url, 0.0):
+                self._readmitting.add(url)
+                self._next_readmit[url] = now + READMIT_EVERY_S
+                self._pool.submit(self._readmit_guarded, url)
+
+    def _readmit_guarded(self, url: str) -> None:
+        """A server out of service that answers again: its group re-formed, the current weights, the logprob
+        check (with sync.verify), then routing (`mark_up`); a failure is reported like a failed sync."""
+        try:
+            bridge = self.bridges[url]
+            bridge.readmit()
+            if bridge.live:  # answering (a lost one that does not stays out, asked again later)
+                self.registry.begin_sync(url)
+                self._sync_one(url, self.store.acquire(), readmitting=True)
+        except BaseException as e:
+            self._fail(e)
+        finally:
+            self._readmitting.discard(url)
+
     def _sync_guarded(self, url: str, snap) -> None:
         """`_sync_one` on a pool thread nobody joins: whatever it raises (the registry's end_sync,
         on_publish) is kept and reported like a failed sync."""
@@ -251,10 +281,13 @@ class PerServerSync:
         except BaseException as e:
             self._fail(e)
 
-    def _sync_one(self, url: str, snap, raise_errors: bool = False) -> None:
+    def _sync_one(self, url: str, snap, raise_errors: bool = False, readmitting: bool = False) -> None:
         bridge = self.bridges[url]
         version = None
         try:
+            bridge.readmit()  # restarted since its last sync (it holds no group): a new group first
+            if not bridge.live:
+                raise ServersLost(f"{url}: {bridge.lost[url]}", dict(bridge.lost))
             bridge.sync(iter(snap.tensors), version=snap.version)
             if self.cfg.verify and self.probe is not None and snap.probe_logprobs is not None:
                 bridge.verify(self.probe, list(snap.probe_logprobs))
@@ -270,6 +303,9 @@ class PerServerSync:
         finally:
             self.store.release(snap)
             self.registry.end_sync(url, version)
+            if readmitting and version is not None:  # checked: routed to again
+                self.registry.mark_up(url, version)
+                log.warning("rollout server %s re-admitted at weight version %d", url, version)
             self._wake.set()  # a server freed: the policy may choose again
         if self.on_publish is not None and version is not None:
             self.on_publish(url, version)

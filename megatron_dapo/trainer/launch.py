@@ -9,6 +9,10 @@ never asks for more CPUs than exist (Ray would wait forever).
 
 torchrun: the ranks already exist; servers are the external `rollout.servers` of the config; rank 0
 starts the coordinator as its subprocess.
+
+`rollout.relaunch`: under Ray a supervisor thread of the driver relaunches a launched server whose
+process exited (megatron_dapo.rollout.supervisor); external servers, the only ones under torchrun, are
+never relaunched here (a log line says so), but are re-admitted once they answer again.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
 from megatron_dapo.config.derived import routing_shape, trainer_world_size
+from megatron_dapo.rollout.supervisor import ServerSupervisor
 from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
 from megatron_dapo.sync.addresses import NODE_ADDRESS_ENV
 
@@ -105,11 +110,36 @@ class _ServerActor:
                 batching=cfg.rollout.embedded_batching,
                 return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
             )
+        self.start_timeout_s = 1200.0 if cfg.rollout.engine == "sglang" else 300.0
         return self.proc.url
+
+    def alive(self) -> bool:
+        return self.proc.alive()
+
+    def restart(self) -> None:
+        """Its process again, on its port (rollout.relaunch); returns once healthy."""
+        self.proc.restart(self.start_timeout_s)
 
     def stop(self) -> None:
         if getattr(self, "proc", None) is not None:
             self.proc.stop()
+
+
+class _RayServerHandle:
+    """A launched server as the supervisor (megatron_dapo.rollout.supervisor) watches it: through its actor."""
+
+    def __init__(self, actor, url: str):
+        self.actor, self.url = actor, url
+
+    def alive(self) -> bool:
+        import ray
+
+        return ray.get(self.actor.alive.remote(), timeout=60)
+
+    def restart(self) -> None:
+        import ray
+
+        ray.get(self.actor.restart.remote())
 
 
 class _TrainerActor:
@@ -150,9 +180,11 @@ def run_with_ray(cfg, resume: bool = False):
     n_servers = 0 if cfg.rollout.servers else cfg.rollout.num_servers
     layout = _RayLayout.for_run(cfg, world, n_servers)
     pg = layout.place()
-    servers, trainers = [], []
+    servers, trainers, supervisor = [], [], None
     try:
         servers, urls = layout.start_servers(cfg, pg)
+        launched_urls = urls[len(cfg.rollout.servers) :]  # external ones first
+        supervisor = _supervise(cfg, [_RayServerHandle(s, u) for s, u in zip(servers, launched_urls)])
         tp_sizes = [cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1] * len(urls)
         trainers = layout.start_trainers(pg)
         master_addr, master_port = ray.get(trainers[0].node_address.remote())
@@ -163,10 +195,28 @@ def run_with_ray(cfg, resume: bool = False):
         ]
         return ray.get(futures)[0]
     finally:
+        if supervisor is not None:  # first: it would relaunch the servers stopped next
+            supervisor.stop()
         _stop_actors(servers, trainers)
         remove_placement_group(pg)
         if started:
             ray.shutdown()
+
+
+EXTERNAL_ONLY = (
+    "rollout.relaunch: this run launched no rollout server (rollout.servers are external), so none is "
+    "relaunched here; a lost one that answers /health again at its URL is re-admitted at the next weight sync"
+)
+
+
+def _supervise(cfg, launched: list) -> ServerSupervisor | None:
+    """Started: the supervisor relaunching the servers this run launched (rollout.relaunch); else None."""
+    if not cfg.rollout.relaunch:
+        return None
+    if not launched:
+        log.info(EXTERNAL_ONLY)
+        return None
+    return ServerSupervisor(launched, cfg.rollout.relaunch_max).start()
 
 
 def _init_ray(cfg) -> bool:
@@ -293,5 +343,7 @@ def run_with_torchrun(cfg, resume: bool = False):
             "(start them with `megatron-dapo serve` or SGLang), e.g. "
             "rollout.servers='[\"http://127.0.0.1:30000\"]'"
         )
+    if cfg.rollout.relaunch:
+        log.info(EXTERNAL_ONLY)
     tp = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
     return train_rank(cfg, list(cfg.rollout.servers), [tp] * len(cfg.rollout.servers), resume=resume)

@@ -124,6 +124,8 @@ class AllAtOnceSync(WeightSync):
 
     def _sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
+        # rank 0 alone talks to servers: the others' part of a re-formed group is the same export
+        back = self.bridge.readmit() if self.rank == 0 else []
         stats = self._bridge_sync(version)
         out = stats.as_metrics() if stats is not None else {}
         out["time/sync_s"] = time.perf_counter() - t0
@@ -133,8 +135,21 @@ class AllAtOnceSync(WeightSync):
                 out["sync/verify_max_abs_diff"] = self._verify(ref.tolist())
                 out["sync/probe_logprob_mean"] = float(ref.double().mean())
         if self.rank == 0:
+            self._route_again(back, version)
             self.coord.registry.publish_all(version, out["time/sync_s"])
         return out
+
+    def _route_again(self, back: list[str], version: int) -> None:
+        """The re-admitted servers still live after this sync (and its check) hold `version`: route to them."""
+        for url in back:
+            if url in self.bridge.live:
+                self.coord.registry.mark_up(url, version)
+                log.warning(
+                    "rollout server %s re-admitted at weight version %d (%d in service)",
+                    url,
+                    version,
+                    len(self.bridge.live),
+                )
 
     def _verify(self, ref: list[float]) -> float:
         """The live servers' probe logprobs against the trainer's; a server lost meanwhile is left out."""

@@ -6,10 +6,14 @@ step rank 0 writes the full HF-named weights to OUT_DIR/weights_step{N}.pt (the 
 runs through them), the rows of the step's batch rank 0 trained (its DP shard: the whole batch at
 DP=1, as in the loop tests; tokens, rollout logprobs, token versions) to
 OUT_DIR/batch_step{N}.pt, and the rank-0 result to OUT_DIR/result.json.
+With LOOP_RUN_HOLD=N:FILE in the environment every rank waits after step N until FILE exists (a test's
+fault, such as a relaunched server, lands between two given steps).
 """
 
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +26,16 @@ def main():
     from megatron_dapo.trainer.loop import RunSetupError, train_rank
 
     cfg = load_config(config, overrides)
+
+    hold = os.environ.get("LOOP_RUN_HOLD")
+    hold_step, hold_file = (int(hold.split(":", 1)[0]), Path(hold.split(":", 1)[1])) if hold else (None, None)
+
+    def hold_after(step):
+        deadline = time.monotonic() + 300
+        while step == hold_step and not hold_file.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"LOOP_RUN_HOLD: {hold_file} not there after 300 s")
+            time.sleep(0.1)
 
     def dump_weights(step, actor, batch):
         weights = {name: t.clone() for name, t in actor.export_weights() if t is not None}
@@ -42,6 +56,7 @@ def main():
                 },
                 out / f"batch_step{step}.pt",
             )
+        hold_after(step)
 
     try:
         result = train_rank(
