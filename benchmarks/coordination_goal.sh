@@ -8,8 +8,12 @@
 #   OUT=/tmp/goal SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh
 #   COST_MODEL=cost.json bash benchmarks/coordination_goal.sh   # a profile-engine fit instead of PSRL's 7B one
 #   SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh ablation [VARIANT ...]
+#   bash benchmarks/coordination_goal.sh ablation-table   # only the table of the rows under OUT
 #       # issue 25 item 5: the PSRL-like setting at staleness 2, plain async, the advanced set and the advanced
-#       # set with each switch off in turn (VARIANTs: the names below, default all), then the ablation table
+#       # set with each switch off in turn (VARIANTs: the names below, default all), then the ablation table;
+#       # CHECK_MS (default 1000) sets the advanced rows' sync / migration check and load poll intervals: at
+#       # the YAMLs' 100 / 200 ms, reading 32 engines' loads ten times a simulated second costs ~20 s of CPU
+#       # per simulated step; a second is still small beside this setting's ~9-minute steps
 #
 # Settings (benchmarks/sim/*.yaml, their comments say where each number comes from):
 #   psrl_14b_8x8     R1-Distill-Qwen-14B, 32 trainer H100s + 32 TP-1 engines, 128 x 16, lengths mean 10K with
@@ -39,8 +43,8 @@ run() {  # name config flags...
 
 PSRL=(benchmarks/sim/psrl_r1_distill_qwen_14b_8x8.yaml --length-mean 10000 --cap-share 0.15 --trainer-gpu h100)
 
-if [ "${1:-}" = ablation ]; then
-  shift
+if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
+  [ "$1" = ablation-table ] && names=(none) || names=("${@:2}")
   # name: the overrides on top of the advanced YAML's switches (the simulator applies them last)
   declare -A VARIANTS=(
     [advanced]=""
@@ -55,16 +59,19 @@ if [ "${1:-}" = ablation ]; then
     [retry_1]="rollout.retry.threshold=1"
     [scaled]="rollout.redundancy.extra_prompts=8 rollout.retry.threshold=1"
   )
-  names=("$@")
   [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue no_status_sync no_migration no_retry no_redundancy)
   common=(--staleness "${STALENESS%%,*}" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
+  check_ms=${CHECK_MS:-1000}
+  checks=("rollout.sync.check_interval_ms=$check_ms" "rollout.loads.interval_ms=$check_ms")
   [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")
   for name in "${names[@]}"; do
-    if [ "$name" = async ]; then
+    if [ "$name" = none ]; then
+      continue
+    elif [ "$name" = async ]; then
       run "ablation_$name" "${PSRL[@]}" --modes async
     else
       # shellcheck disable=SC2086  # the overrides are words
-      run "ablation_$name" "${PSRL[@]}" --modes advanced ${VARIANTS[$name]?unknown variant $name}
+      run "ablation_$name" "${PSRL[@]}" --modes advanced "${checks[@]}" ${VARIANTS[$name]?unknown variant $name}
     fi
   done
   exec "$PY" - "$OUT" <<'PYTHON'
@@ -85,10 +92,10 @@ def ratio(row, base):
     return f"{row['tokens_per_s'] / rows[base]['tokens_per_s']:.2f}" if base in rows else "-"
 
 
-print("variant | tokens/s [seed range] | x advanced | x async | trainer busy | rollout busy | step s | migrations | aborted tok | decode batch | refusals")
+print("variant | tokens/s [seed range] | x advanced | x async | of analytic ceiling | trainer busy | rollout busy | step s | migrations | aborted tok | decode batch | refusals")
 for name, r in rows.items():
     cells = [spread(r, "tokens_per_s", ".0f"), ratio(r, "advanced"), ratio(r, "async")]
-    cells += [spread(r, k, f) for k, f in (("trainer_busy", ".2f"), ("rollout_busy", ".2f"), ("step_s", ".0f"))]
+    cells += [spread(r, k, f) for k, f in (("ceiling_share", ".2f"), ("trainer_busy", ".2f"), ("rollout_busy", ".2f"), ("step_s", ".0f"))]
     cells += [f"{r[k]:.0f}" for k in ("migrations", "aborted_tokens")] + [f"{r['mean_decode_batch']:.1f}", f"{r['refusals']:.0f}"]
     print(" | ".join([name, *cells]))
 PYTHON
