@@ -359,6 +359,8 @@ def read_json(path: Path) -> tuple[dict, list[Result]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_dapo.runtime.cli_args import number
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--measure", type=int, default=3, help="measured steps per setting, after the warm-up")
     ap.add_argument(
@@ -383,6 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=None,
         help="the embedded servers' --max-total-tokens (KV pool per server; default: unbounded)",
+    )
+    ap.add_argument(
+        "--server-slowdown",
+        type=number(float, 0.0, 1.0, low_open=True),
+        nargs="+",
+        default=None,
+        metavar="F",
+        help="each server's serve --slowdown, one per server (e.g. 1 0.5: the second at half pace); the "
+        "--step-trace cost fit then reads only the servers at 1",
     )
     ap.add_argument("--repeats", type=int, default=1, help="rounds over all settings; the table shows medians")
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2, 3])
@@ -427,6 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None, help="model, data and run dirs (default: a temp dir)")
     ap.add_argument("--report", type=Path, default=None, help="print the table of a saved --out file; run nothing")
     args = ap.parse_args(argv)
+    if args.server_slowdown is not None and len(args.server_slowdown) != args.servers:
+        ap.error(f"--server-slowdown: {len(args.server_slowdown)} values for {args.servers} servers")
     if args.report is not None:
         saved, results = read_json(args.report)
         print(table(results, saved.get("baseline", args.baseline)))
@@ -462,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=i,
             extra_args=["--batching", args.server_batching]
             + (["--max-total-tokens", str(args.server_kv_tokens)] if args.server_kv_tokens else [])
-            + (["--step-trace", str(traces[i])] if traces else []),
+            + (["--step-trace", str(traces[i])] if traces else [])
+            + (["--slowdown", str(args.server_slowdown[i])] if args.server_slowdown else []),
         )
         for i in range(args.servers)
     ]
@@ -482,8 +496,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{repeat}] {setting.label}: skipped ({e})", file=sys.stderr, flush=True)
                     continue
                 res.repeat = repeat
-                if traces:
-                    res.cost_fit = fit_window(res, traces)
+                if traces:  # the engines' own pace: a slowed server's steps are stretched
+                    speeds = args.server_slowdown or [1.0] * len(traces)
+                    res.cost_fit = fit_window(res, [t for t, f in zip(traces, speeds) if f == 1.0])
                 results.append(res)
                 m = res.summary()
                 print(

@@ -7,6 +7,13 @@
 #   bash benchmarks/coordination_goal.sh                     # from the repository root; CPU only
 #   OUT=/tmp/goal SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh
 #   COST_MODEL=cost.json bash benchmarks/coordination_goal.sh   # a profile-engine fit instead of PSRL's 7B one
+#   SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh ablation [VARIANT ...]
+#   bash benchmarks/coordination_goal.sh ablation-table   # only the table of the rows under OUT
+#       # issue 25 item 5: the PSRL-like setting at staleness 2, plain async, the advanced set and the advanced
+#       # set with each switch off in turn (VARIANTs: the names below, default all), then the ablation table;
+#       # CHECK_MS (default 1000) sets the advanced rows' sync / migration check and load poll intervals: at
+#       # the YAMLs' 100 / 200 ms, reading 32 engines' loads ten times a simulated second costs ~20 s of CPU
+#       # per simulated step; a second is still small beside this setting's ~9-minute steps
 #
 # Settings (benchmarks/sim/*.yaml, their comments say where each number comes from):
 #   psrl_14b_8x8     R1-Distill-Qwen-14B, 32 trainer H100s + 32 TP-1 engines, 128 x 16, lengths mean 10K with
@@ -34,7 +41,67 @@ run() {  # name config flags...
   "$PY" -m megatron_dapo.cli simulate "$config" "$@" "${common[@]}" --json "$OUT/$name.json" | tee "$OUT/$name.txt" >&2
 }
 
-run psrl_14b_8x8 benchmarks/sim/psrl_r1_distill_qwen_14b_8x8.yaml --length-mean 10000 --cap-share 0.15 --trainer-gpu h100
+PSRL=(benchmarks/sim/psrl_r1_distill_qwen_14b_8x8.yaml --length-mean 10000 --cap-share 0.15 --trainer-gpu h100)
+
+if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
+  [ "$1" = ablation-table ] && names=(none) || names=("${@:2}")
+  # name: the overrides on top of the advanced YAML's switches (the simulator applies them last)
+  declare -A VARIANTS=(
+    [advanced]=""
+    [no_routing]="rollout.routing.method=least_outstanding"
+    [no_queue]="rollout.queue.policy=fifo"
+    [no_status_sync]="rollout.sync.policy=all_at_once"
+    [no_migration]="rollout.migration.enabled=false"
+    [no_retry]="rollout.retry.enabled=false"
+    [no_redundancy]="rollout.redundancy.extra_prompts=0"
+    # scaled to the 128-prompt batch (the YAMLs' values are for 512): 1/16 of it, and retry's 4 / 512
+    [redundancy_8]="rollout.redundancy.extra_prompts=8"
+    [retry_1]="rollout.retry.threshold=1"
+    [scaled]="rollout.redundancy.extra_prompts=8 rollout.retry.threshold=1"
+  )
+  [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue no_status_sync no_migration no_retry no_redundancy)
+  common=(--staleness "${STALENESS%%,*}" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
+  check_ms=${CHECK_MS:-1000}
+  checks=("rollout.sync.check_interval_ms=$check_ms" "rollout.loads.interval_ms=$check_ms")
+  [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")
+  for name in "${names[@]}"; do
+    if [ "$name" = none ]; then
+      continue
+    elif [ "$name" = async ]; then
+      run "ablation_$name" "${PSRL[@]}" --modes async
+    else
+      # shellcheck disable=SC2086  # the overrides are words
+      run "ablation_$name" "${PSRL[@]}" --modes advanced "${checks[@]}" ${VARIANTS[$name]?unknown variant $name}
+    fi
+  done
+  exec "$PY" - "$OUT" <<'PYTHON'
+import json
+import sys
+from pathlib import Path
+
+out = Path(sys.argv[1])
+rows = {p.stem.removeprefix("ablation_"): json.loads(p.read_text())[0] for p in sorted(out.glob("ablation_*.json"))}
+
+
+def spread(row, key, fmt):
+    values = [s[key] for s in row.get("seeds", [row])]
+    return f"{sum(values) / len(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+def ratio(row, base):
+    return f"{row['tokens_per_s'] / rows[base]['tokens_per_s']:.2f}" if base in rows else "-"
+
+
+print("variant | tokens/s [seed range] | x advanced | x async | of analytic ceiling | trainer busy | rollout busy | step s | migrations | aborted tok | decode batch | refusals")
+for name, r in rows.items():
+    cells = [spread(r, "tokens_per_s", ".0f"), ratio(r, "advanced"), ratio(r, "async")]
+    cells += [spread(r, k, f) for k, f in (("ceiling_share", ".2f"), ("trainer_busy", ".2f"), ("rollout_busy", ".2f"), ("step_s", ".0f"))]
+    cells += [f"{r[k]:.0f}" for k in ("migrations", "aborted_tokens")] + [f"{r['mean_decode_batch']:.1f}", f"{r['refusals']:.0f}"]
+    print(" | ".join([name, *cells]))
+PYTHON
+fi
+
+run psrl_14b_8x8 "${PSRL[@]}"
 run a3b_2+6 benchmarks/sim/qwen3_30b_a3b_2+6_64x16_40k.yaml --length-mean 16000 --cap-share 0.1 --trainer-gpu h100
 run a3b_3+5 benchmarks/sim/qwen3_30b_a3b_3+5_64x16_40k.yaml --length-mean 16000 --cap-share 0.1 --trainer-gpu h100
 run qwen2.5_7b_2x8 benchmarks/sim/qwen2.5_7b_2x8.yaml --trainer-gpu h100

@@ -109,7 +109,15 @@ def trace_usage(traces: list[str], since: float, until: float) -> dict:
     }
 
 
-def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batching: str = "static", seed: int = 0):
+def simulate_result(
+    result: dict,
+    cost,
+    max_running: int,
+    kv_capacity: int,
+    batching: str = "static",
+    seed: int = 0,
+    engine_speed: tuple[float, ...] | None = None,
+):
     from megatron_dapo.config.cost_model import CostModel
     from megatron_dapo.config.load import config_from_dict, config_to_dict, load_config
     from megatron_dapo.planner.lengths import EmpiricalLengths
@@ -146,6 +154,7 @@ def simulate_result(result: dict, cost, max_running: int, kv_capacity: int, batc
         # the real router's model (throughput_optimal): the file the run loaded, not the engines' fit
         router_cost=CostModel.load(cfg.rollout.routing.cost_model) if cfg.rollout.routing.cost_model else None,
         admission=None,
+        engine_speed=engine_speed,  # the run's serve --slowdown per server
     )  # the embedded server admits up to --max-batch, with no KV budget
     return m, simulate(cfg, world)
 
@@ -200,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     traces = saved.get("traces")
     batching = args.batching or saved.get("server_batching", "static")  # runs before the flag batched statically
     kv_capacity = args.kv_capacity or saved.get("server_kv_tokens") or 0
+    speeds = tuple(saved["server_slowdown"]) if saved.get("server_slowdown") else None
     if traces and not all(Path(t).is_file() for t in traces):
         traces = None  # the run's step traces are not on this machine: no decode-share column
     print(
@@ -219,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         runs, failed = [], []
         for seed in range(args.seeds):
             try:
-                runs.append(simulate_result(result, cost, args.max_running, kv_capacity, batching, seed))
+                runs.append(simulate_result(result, cost, args.max_running, kv_capacity, batching, seed, speeds))
             except RuntimeError as e:  # e.g. the coordinator's stall guard: a sample aborted again and again
                 failed.append(f"seed {seed}: {e}")
         if not runs:

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from megatron_dapo.config.coordination import MigrationConfig
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.coordinator.migration import MigrationPolicy
 from megatron_dapo.coordinator.retry import ProactiveRetry
 from megatron_dapo.coordinator.router import Router, server_rids
@@ -96,7 +97,7 @@ def test_retry_needs_a_waiting_trainer_a_small_gap_and_enough_completed_groups_l
         ProactiveRetry(threshold=0)
 
 
-def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routable=0, syncing=False):
+def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routable=0, syncing=False, kv_tokens=0):
     return ServerStatus(
         url,
         version,
@@ -106,6 +107,7 @@ def _server(url, version=0, running=0, waiting=0, throughput=0.0, kv=0.0, routab
         kv_cache=kv,
         routable=routable,
         syncing=syncing,
+        kv_tokens=kv_tokens,
     )
 
 
@@ -152,6 +154,50 @@ def test_migration_indicators_throughput_and_kv_cache():
     assert MigrationConfig(indicator="kv_cache").needs_loads and not MigrationConfig().needs_loads
     with pytest.raises(ValueError, match="rollout.migration.stop_indicator"):
         MigrationConfig(stop_indicator="tokens")
+
+
+def test_migration_on_uneven_engines_takes_work_off_the_slow_engine_not_the_fast_one():
+    """Issue 25's defect: by throughput ratio every busy server's ratio to an idle one is infinite and
+    the first listed (here the fast engine, which decodes most tokens/s because it is fast) was chosen.
+    Now, with a cost model, a server is no source for a destination last seen at under 0.8 of its speed
+    (model step time over reported step time), and equal ratios go to the slowest-stepping source."""
+    model = CostModel(a_b=0.0, a_k=1e-7, o_thr=0.005, o_b=0.001, o_k=1e-4)
+    cfg = MigrationConfig(indicator="throughput", threshold=5.0, stop_threshold=10)
+
+    def engine(url, speed, running, kv_tokens, waiting=0):  # what an engine at `speed` x the model reports
+        return _server(
+            url,
+            running=running,
+            waiting=waiting,
+            kv_tokens=kv_tokens,
+            throughput=speed * model.throughput(running, kv_tokens),
+        )
+
+    fast = engine("f", 1.0, 40, 80_000)  # 0.013 s a step
+    slow = engine("s", 0.25, 30, 60_000)  # 0.044 s a step
+    idle = _server("d")
+    # d, seen at a quarter of the model's speed with 4 requests: f's requests would progress slower there
+    p = MigrationPolicy(cfg, cost_model=model)
+    assert p.choose([fast, engine("d", 0.25, 4, 8000, waiting=1)]) is None  # busy: no destination
+    assert p.choose([fast, idle]) is None
+    m = p.choose([fast, slow, idle])
+    assert (m.source, m.starved) == ("s", "d") and math.isinf(m.ratio)  # as fast as s: it may take s's work
+    # d as fast as f, or only a little slower (fit noise): f may move
+    for v in (1.0, 0.85):
+        q = MigrationPolicy(cfg, cost_model=model)
+        assert q.choose([fast, engine("d", v, 4, 8000, waiting=1)]) is None
+        assert q.choose([fast, idle]).source == "f", v
+    # among equal (infinite) ratios the slowest-stepping source goes first, whatever the order; with or
+    # without a cost model
+    for m in (model, None):
+        assert MigrationPolicy(cfg, cost_model=m).choose([fast, slow, idle]).source == "s"
+    # without a cost model the speeds are unknown: f may go to d (PSRL's rule)
+    r = MigrationPolicy(cfg)
+    assert r.choose([fast, engine("d", 0.25, 4, 8000, waiting=1)]) is None
+    assert r.choose([fast, idle]).source == "f"
+    # request counts without load reports (no throughput): no step time, PSRL's rule unchanged
+    r = MigrationPolicy(MigrationConfig(threshold=5.0, stop_threshold=10))
+    assert r.choose([_server("a", running=40), _server("b", running=2), _server("c", running=30)]).source == "a"
 
 
 def test_migration_waits_until_starvation_has_lasted_min_starved_ms():

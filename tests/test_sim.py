@@ -574,6 +574,30 @@ def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
     assert mode_overrides("ceiling") == mode_overrides("async")
 
 
+@pytest.mark.parametrize("batch,extra,retry", [(512, 32, 4), (128, 8, 1), (64, 4, None), (1024, 64, 8)])
+def test_advanced_mode_scales_the_yamls_group_counts_to_the_simulated_batch(batch, extra, retry):
+    """The advanced YAMLs size redundancy (32 spare prompts) and the proactive filter (4 groups) for their
+    512-prompt batch; simulated at another batch, advanced takes the same shares of it (retry off where
+    its threshold rounds to 0), and a command-line override still wins."""
+    from megatron_dapo.config.load import load_config
+    from megatron_dapo.sim.cli import mode_overrides
+
+    yaml = load_config("configs/qwen3/advanced_qwen3_8b.yaml", [], validate=False)
+    assert (yaml.algo.train_batch_size, yaml.rollout.redundancy.extra_prompts, yaml.rollout.retry.threshold) == (
+        512,
+        32,
+        4,
+    )
+    over = mode_overrides("advanced", batch=batch)
+    got = load_config("configs/qwen3/qwen3_8b.yaml", [*over, f"algo.train_batch_size={batch}"], validate=False)
+    assert got.rollout.redundancy.extra_prompts == extra
+    assert got.rollout.retry.enabled == (retry is not None)
+    if retry is not None:
+        assert got.rollout.retry.threshold == retry
+    mine = load_config("configs/qwen3/qwen3_8b.yaml", [*over, "rollout.redundancy.extra_prompts=0"], validate=False)
+    assert mine.rollout.redundancy.extra_prompts == 0
+
+
 def test_engine_retraction_order_and_rids_in_flight():
     async def main():
         engine = SimEngine(COST, kv_capacity=330, max_running=8, loop=asyncio.get_running_loop())

@@ -139,3 +139,38 @@ def test_from_trace_with_too_few_steps_is_a_clear_error(tmp_path, capsys):
     path.write_text('{"t":1.0,"kind":"decode","n":2,"kv":10,"s":0.01}\n')
     assert cli_main(["profile-engine", "--from-trace", str(path), "--out", str(tmp_path / "c.json")]) == 1
     assert "1 decode steps" in capsys.readouterr().err and not (tmp_path / "c.json").exists()
+
+
+def test_a_slowed_engine_stretches_every_step_to_one_over_its_speed(tmp_path, monkeypatch):
+    """serve --slowdown F: each prefill and decode step sleeps until it has taken 1/F of its own time, and
+    the trace and the load counters see the stretched step (as from a slower engine). The engine's sleep
+    is recorded instead of slept, so each step's sleep is checked against its traced seconds exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_dapo.models.tiny import tiny_hf_config
+    from megatron_dapo.rollout.embedded import engine as engine_module
+    from megatron_dapo.rollout.embedded.load_stats import StepTrace
+    from megatron_dapo.rollout.embedded.server import build_parser
+
+    slept = []
+    monkeypatch.setattr(engine_module.time, "sleep", slept.append)  # the module's `time` is the stdlib's
+    path = tmp_path / "slow.jsonl"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_hf_config("qwen3"), dtype=torch.float32)
+    eng = engine_module.Engine(model, max_batch=8, step_trace=StepTrace(path), speed=0.25)
+    try:
+        _run(eng, 3, prompt_len=10, new_tokens=6)
+        moments = eng.stats.decode_moments()
+    finally:
+        eng.close()
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    assert [r["kind"] for r in rows] == ["prefill"] + ["decode"] * 5 and len(slept) == 6
+    for row, sleep in zip(rows, slept):  # slept = traced - computed, traced = computed / 0.25
+        assert sleep > 0 and sleep == pytest.approx(0.75 * row["s"], rel=1e-6, abs=2e-6)
+    assert moments[2] / 1e6 == pytest.approx(sum(r["s"] for r in rows[1:]), abs=1e-5)  # decode µs counted stretched
+    with pytest.raises(ValueError, match=r"speed must be in \(0, 1\], got 1.5"):
+        engine_module.Engine(model, speed=1.5)
+    for bad in ("0", "1.5", "nan", "x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--model", "m", "--slowdown", bad])
+    assert build_parser().parse_args(["--model", "m"]).slowdown == 1.0

@@ -32,6 +32,16 @@ model"; the real CPU benchmark, "the advanced set against plain async"):
   token, and partial rollout's stall guard would stop the run after a few aborts without progress.
   A server's `protected` count (those requests) is left out of what its migration would move: a server
   running only such requests is no source, and `stop_threshold` applies to the rest.
+- Engines of uneven speed (issue 25): a throughput ratio mixes load with speed, so PSRL's rule picks the
+  FAST engine as source (it decodes most tokens/s because it is fast) and its requests continue on slow
+  ones. Two rules use each server's decode step time, running / throughput from its load report (T = n / L):
+  with a cost model (throughput_optimal routing's), a server's speed is the model's step time for its
+  running requests and KV tokens over its reported one, and a server is no source for a destination last
+  seen at under SLOWER of its own speed (the requests would progress slower there: another GPU, or an
+  engine slowed for a while); and among equal ratios (every busy server's ratio to an idle one is
+  infinite) the source is the server whose requests progress slowest (longest step), not the first
+  listed. Without load reports (request_num alone) neither rule applies; without a cost model only the
+  second does (a step time alone mixes speed with batch size and context length).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from megatron_dapo.config.coordination import MigrationConfig
+from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.coordinator.sync_policy import ServerStatus
 
 
@@ -62,6 +73,24 @@ def starved(s: ServerStatus) -> bool:
     return not s.syncing and s.waiting == 0 and s.routable == 0
 
 
+def step_time(s: ServerStatus) -> float | None:
+    """Seconds per decode step by its load report (throughput T = n / L(n)), None without a report: how
+    slowly each of its running requests progresses."""
+    return s.running / s.throughput if s.running > 0 and s.throughput > 0 else None
+
+
+# A destination estimated under this share of the source's speed is the slower engine; above it, speed
+# estimates differ by about what a cost-model fit's error does, not by hardware.
+SLOWER = 0.8
+
+
+def speed(s: ServerStatus, model: CostModel) -> float | None:
+    """Its decode speed as a multiple of the cost model's engine (its steps take model / speed seconds),
+    None without a load report."""
+    step = step_time(s)
+    return None if step is None else model.step_time(s.running, s.kv_tokens) / step
+
+
 def movable(s: ServerStatus, stop_indicator: str) -> float:
     """`stop_indicator` of what a migration off `s` would move: with request_num, its requests less those
     continuing an earlier migration (the router keeps them where they are)."""
@@ -74,13 +103,31 @@ class MigrationPolicy:
     """Decides at each check (`choose`), keeping per server when it was first seen starved and when it
     last took part in a migration (as source or destination)."""
 
-    def __init__(self, cfg: MigrationConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, cfg: MigrationConfig, clock: Callable[[], float] = time.monotonic, cost_model: CostModel | None = None
+    ):
         self.cfg, self.clock = replace(cfg), clock  # a checked copy, as make_sync_policy's
+        self.cost_model = cost_model  # routing's, when it has one (set by the producer once its router exists)
         self.history: list[Migration] = []
         self._checks = 0
         self._starved_since: dict[str, float] = {}  # url -> first check of its current starvation
         self._source_at: dict[str, tuple[int, float]] = {}  # url -> (check, time) it was last migrated off
         self._dest_at: dict[str, tuple[int, float]] = {}  # url -> (check, time) it last received work
+        self._speed: dict[str, float] = {}  # url -> its speed when it last reported running requests
+
+    def _observe(self, servers: Sequence[ServerStatus]) -> None:
+        if self.cost_model is None:
+            return
+        for s in servers:
+            v = speed(s, self.cost_model)
+            if v is not None:
+                self._speed[s.url] = v
+
+    def _slower(self, dst: ServerStatus, src: ServerStatus) -> bool:
+        """`dst` was last seen decoding at under SLOWER of `src`'s speed now: src's requests would progress
+        slower there than where they are."""
+        mine, theirs = self._speed.get(src.url), self._speed.get(dst.url)
+        return mine is not None and theirs is not None and step_time(src) is not None and theirs < SLOWER * mine
 
     def _recent(self, at: dict[str, tuple[int, float]], url: str, now: float) -> bool:
         """A migration at this check, the previous one, or within min_starved_ms, involved `url` so."""
@@ -105,7 +152,9 @@ class MigrationPolicy:
         """The server to migrate off now, or None."""
         now = self.clock()
         self._checks += 1
+        self._observe(servers)
         best: Migration | None = None
+        best_key = (0.0, 0.0)
         for dst in self._destinations(servers, now):
             for src in servers:
                 if (
@@ -114,11 +163,13 @@ class MigrationPolicy:
                     or src.version > dst.version
                     or self._recent(self._dest_at, src.url, now)
                     or not movable(src, self.cfg.stop_indicator)
+                    or self._slower(dst, src)
                 ):
                     continue
                 r = _ratio(src.indicator(self.cfg.indicator), dst.indicator(self.cfg.indicator))
-                if r > self.cfg.threshold and (best is None or r > best.ratio):
-                    best = Migration(src.url, dst.url, r, now)
+                key = (r, step_time(src) or 0.0)  # equal ratios: the slowest-progressing source
+                if r > self.cfg.threshold and (best is None or key > best_key):
+                    best, best_key = Migration(src.url, dst.url, r, now), key
         if best is None:
             return None
         src = next(s for s in servers if s.url == best.source)

@@ -223,6 +223,7 @@ class ServerRegistry:
                     waiting=r.waiting,
                     throughput=r.throughput,
                     kv_cache=r.kv_tokens / r.kv_capacity if r.kv_capacity else 0.0,
+                    kv_tokens=r.kv_tokens,
                 )
                 for r in self.records.values()
                 if r.down is None

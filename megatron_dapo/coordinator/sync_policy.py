@@ -33,6 +33,7 @@ class ServerStatus:
     waiting: int = 0
     throughput: float = 0.0  # generated tokens per second, recent
     kv_cache: float = 0.0  # fraction of the KV cache in use
+    kv_tokens: int = 0  # KV tokens of its running requests (its load report)
     syncing: bool = False
     routable: int = 0  # requests queued at the router that this server may serve at its version
     protected: int = 0  # of its requests, those a migration may not abort (continuing an earlier migration)

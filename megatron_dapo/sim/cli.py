@@ -59,12 +59,14 @@ ADVANCED_KEYS = (
 PLAIN = ["rollout.sync.policy=all_at_once"]
 
 
-def advanced_overrides(path: str | Path = ADVANCED_CONFIG) -> list[str]:
-    """`key=value` overrides that set ADVANCED_KEYS of `rollout` to the advanced YAML's values."""
+def advanced_overrides(path: str | Path = ADVANCED_CONFIG, batch: int | None = None) -> list[str]:
+    """`key=value` overrides that set ADVANCED_KEYS of `rollout` to the advanced YAML's values; with
+    `batch` (the simulated train_batch_size), its group counts scaled to that batch (batch_scaled)."""
 
     if not Path(path).is_file():
         raise ValueError(f"--advanced-config: {path} not found")
-    rollout = load_config(str(path), [], validate=False).rollout
+    yaml_cfg = load_config(str(path), [], validate=False)
+    rollout = yaml_cfg.rollout
     out = []
     for key in ADVANCED_KEYS:
         value = rollout
@@ -76,18 +78,31 @@ def advanced_overrides(path: str | Path = ADVANCED_CONFIG) -> list[str]:
                 continue  # the simulated engines' cost model (--cost-model) is the router's
             dotted = f"rollout.{key}" + (f".{name}" if name else "")
             out.append(f"{dotted}={v if isinstance(v, str) else json.dumps(v)}")  # a str field keeps the text
+    return out if batch is None else out + batch_scaled(yaml_cfg, batch)
+
+
+def batch_scaled(yaml_cfg, batch: int) -> list[str]:
+    """`rollout.redundancy.extra_prompts` and `rollout.retry.threshold` count groups, sized for the YAML's
+    own batch (32 and 4 of 512): the same shares of `batch`, rounded (a threshold rounding to 0 turns
+    retry off). Unscaled, 32 spare prompts at 128 abort a quarter of the work (RESULTS.md, issue 25)."""
+    share = batch / yaml_cfg.algo.train_batch_size
+    r = yaml_cfg.rollout
+    out = [f"rollout.redundancy.extra_prompts={round(r.redundancy.extra_prompts * share)}"]
+    if r.retry.enabled:
+        threshold = round(r.retry.threshold * share)
+        out.append(f"rollout.retry.threshold={threshold}" if threshold >= 1 else "rollout.retry.enabled=false")
     return out
 
 
 MODES = ("sync", "async", "advanced", "ceiling")
 
 
-def mode_overrides(mode: str, advanced_config: str | Path = ADVANCED_CONFIG) -> list[str]:
+def mode_overrides(mode: str, advanced_config: str | Path = ADVANCED_CONFIG, batch: int | None = None) -> list[str]:
     """What a mode changes in the config: sync / async / ceiling = all_at_once sync; advanced = the
-    advanced YAML's."""
+    advanced YAML's (scaled to `batch`, the simulated train_batch_size, when given)."""
     if mode not in MODES:
         raise ValueError(f"--modes: unknown {mode!r} (one of {', '.join(MODES)})")
-    return advanced_overrides(advanced_config) if mode == "advanced" else list(PLAIN)
+    return advanced_overrides(advanced_config, batch) if mode == "advanced" else list(PLAIN)
 
 
 # Upper bounds of the numeric flags: the simulated coordinator polls in virtual time, so real time grows
@@ -425,9 +440,9 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
     if args.seeds < 1:
         raise ValueError(f"--seeds={args.seeds} must be >= 1")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    changes = {m: mode_overrides(m, args.advanced_config) for m in modes}
     staleness = args.staleness
     cfg0 = load_config(config, base, validate=False)
+    changes = {m: mode_overrides(m, args.advanced_config, cfg0.algo.train_batch_size) for m in modes}
     seeds = [args.seed + k for k in range(args.seeds)]
     worlds = [build_world(cfg0, args, seed) for seed in seeds]
     world, speed = worlds[0]

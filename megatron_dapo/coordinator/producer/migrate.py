@@ -50,6 +50,7 @@ class Migration:
                 continue
             st.running, st.waiting, st.throughput = load.running, load.waiting, load.throughput
             st.kv_cache = load.kv_tokens / load.kv_capacity if load.kv_capacity else 0.0  # unrounded
+            st.kv_tokens = load.kv_tokens
             known.append(st)
         return known
 
@@ -66,6 +67,8 @@ class Migration:
 
     async def once(self, router) -> None:
         p = self.p
+        if p.migration.cost_model is None:  # routing's engine model (throughput_optimal*), to judge speeds
+            p.migration.cost_model = getattr(router.policy, "model", None)
         m = p.migration.choose(await self.server_statuses(router))
         if m is None:
             return

@@ -133,7 +133,12 @@ class Engine:
         batching: str = "static",
         max_total_tokens: int | None = None,
         return_routed_experts: bool = False,
+        speed: float = 1.0,
     ):
+        if not 0 < speed <= 1:  # also refuses NaN
+            raise ValueError(f"speed must be in (0, 1], got {speed}")
+        # the serve flag --slowdown: each step is stretched to 1 / speed of its own time (a slower engine)
+        self.speed = speed
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         # SGLang's --enable-return-routed-experts: hooks on the routers (raises for a model without experts)
         self.routing = RoutingCapture(model) if return_routed_experts else None
@@ -383,7 +388,7 @@ class Engine:
         try:
             start = time.perf_counter()
             out = step(reqs) if prefill else step()
-            end = time.perf_counter()
+            end = self._stretched(start, time.perf_counter())
             generated = sum(len(r.output) for r in reqs) - before
             if prefill:
                 uncached = sum(map(len, seqs if self.batch_invariant else set(seqs)))
@@ -400,6 +405,15 @@ class Engine:
             for future, answer in held:
                 if not future.done():
                     future.set_result(answer)
+
+    def _stretched(self, start: float, end: float) -> float:
+        """At speed < 1, sleep until the step has taken 1 / speed of its own time; its accounted end (what
+        the load report and the trace see, as from a slower engine)."""
+        if self.speed == 1.0:
+            return end
+        stretched = start + (end - start) / self.speed
+        time.sleep(stretched - end)
+        return stretched
 
     @torch.inference_mode()
     def _forward(self, ids, mask, pos, cache, logits_to_keep=1):

@@ -36,6 +36,7 @@ from megatron_dapo.rollout.embedded.load_stats import StepTrace
 from megatron_dapo.rollout.embedded.routes import admin, generate, info, weights
 from megatron_dapo.rollout.embedded.state import ServerState
 from megatron_dapo.rollout.embedded.weights import HFWeightLoader
+from megatron_dapo.runtime.cli_args import number
 from megatron_dapo.runtime.net import LOOPBACK
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
@@ -64,6 +65,7 @@ class EmbeddedServer:
         batching: str = "static",
         max_total_tokens: int | None = None,
         return_routed_experts: bool = False,
+        speed: float = 1.0,
     ):
         self.engine = Engine(
             model,
@@ -76,6 +78,7 @@ class EmbeddedServer:
             max_total_tokens=max_total_tokens,
             step_trace=StepTrace(step_trace) if step_trace else None,
             return_routed_experts=return_routed_experts,
+            speed=speed,
         )
         self.state = ServerState(
             engine=self.engine,
@@ -232,6 +235,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="append one JSON line per prefill / decode step (batch, KV tokens, seconds) to PATH, for "
         "`megatron-dapo profile-engine --from-trace`; off by default",
     )
+    p.add_argument(
+        "--slowdown",
+        type=number(float, 0.0, 1.0, low_open=True),
+        default=1.0,
+        metavar="F",
+        help="run at F times this machine's pace, 0 < F <= 1: every prefill and decode step sleeps until it "
+        "has taken 1/F of its own time (counted in /v1/loads and --step-trace), as a slower GPU would; "
+        "the simulator's --engine-speed (default 1: no slowdown)",
+    )
     return p
 
 
@@ -266,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         batching=args.batching,
         max_total_tokens=args.max_total_tokens,
         return_routed_experts=args.enable_return_routed_experts,
+        speed=args.slowdown,
     )
     print(
         f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "
