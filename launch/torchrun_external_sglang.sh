@@ -22,6 +22,12 @@ NPROC_PER_NODE="${NPROC_PER_NODE:-8}"
 OVERRIDES=("trainer.launcher=torchrun" "rollout.engine=sglang" "trainer.nnodes=$NNODES"
            "trainer.gpus_per_node=$NPROC_PER_NODE" "trainer.world_size=$((NNODES * NPROC_PER_NODE))")
 [[ -n "${SGLANG_SERVERS:-}" ]] && OVERRIDES+=("rollout.servers=[$SGLANG_SERVERS]")
+# Trainer rank 0 runs on the master node and hosts the weight-update group there: servers on other
+# machines reach it at the master's address, not at the default loopback (a later key=value still wins).
+if [[ -n "${MASTER_ADDR:-}" && "$MASTER_ADDR" != 127.* && "$MASTER_ADDR" != localhost ]]; then
+  BIND_HOST="$(getent ahostsv4 "$MASTER_ADDR" 2>/dev/null | awk 'NR == 1 { print $1 }' || true)"
+  OVERRIDES+=("trainer.bind_host=${BIND_HOST:-$MASTER_ADDR}")
+fi
 OVERRIDES+=("${ARGS[@]:1}")
 
 # Validate (config + layout) once before torchrun starts any rank.

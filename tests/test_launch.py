@@ -227,6 +227,7 @@ def test_torchrun_external_sglang_dry_run():
         "http://10.0.0.10:30000",
     ]
     assert cfg.trainer.world_size == 16
+    assert cfg.trainer.bind_host == "10.0.0.1"  # rank 0's node hosts the weight-update group for remote servers
     assert validate[3:] == torchrun[10:]
 
 

@@ -148,7 +148,8 @@ class FSDPActor(MegatronActor):
         self.pp_size = 1
         self.is_last_stage = True
         self.max_tokens = a.max_tokens_per_micro_batch or (cfg.data.max_prompt_length + cfg.data.max_response_length)
-        self.pad_multiple = 1
+        self.pad_multiple = self.seq_multiple = 1  # no sequence or context parallelism here
+        self.cp_size, self.cp_rank, self.cp_group = 1, 0, None
         self.optimizer_steps = 0
         self.skipped_steps = 0
 
@@ -160,9 +161,11 @@ class FSDPActor(MegatronActor):
         )
         return out.logits
 
-    def _logprobs(self, logits, mb, temperature: float, with_entropy: bool, head_weight=None):
-        # head_weight is the fused LM head's (algo.fused_lm_head), which config validation refuses for fsdp2
+    def _logprobs(self, logits, mb, temperature: float, with_entropy: bool, head_weight=None, part=None):
+        # head_weight is the fused LM head's (algo.fused_lm_head) and part a context-parallel slice: config
+        # validation refuses both for fsdp2
         assert head_weight is None, "algo.fused_lm_head is not supported by the FSDP2 actor"
+        assert part is None, "parallel.cp > 1 is not supported by the FSDP2 actor"
         return vocab_parallel_logprobs(
             logits, mb.target_ids.to(logits.device), None, temperature=temperature, with_entropy=with_entropy
         )
