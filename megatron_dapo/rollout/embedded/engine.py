@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -134,11 +135,15 @@ class Engine:
         max_total_tokens: int | None = None,
         return_routed_experts: bool = False,
         speed: float = 1.0,
+        step_clock: Callable[[], float] = time.perf_counter,
     ):
         if not 0 < speed <= 1:  # also refuses NaN
             raise ValueError(f"speed must be in (0, 1], got {speed}")
         # the serve flag --slowdown: each step is stretched to 1 / speed of its own time (a slower engine)
         self.speed = speed
+        # times each step for the counters and the trace; a test on a loaded machine passes time.thread_time
+        # (with one torch thread) so a step's time is the engine thread's own work, not the scheduler's
+        self.step_clock = step_clock
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
         # SGLang's --enable-return-routed-experts: hooks on the routers (raises for a model without experts)
         self.routing = RoutingCapture(model) if return_routed_experts else None
@@ -386,9 +391,9 @@ class Engine:
         kv = 0 if prefill or self.step_trace is None else sum(map(_seq_len, reqs))
         self._held_answers = []  # answered once the step is counted: a client then sees it in /v1/loads
         try:
-            start = time.perf_counter()
+            start = self.step_clock()
             out = step(reqs) if prefill else step()
-            end = self._stretched(start, time.perf_counter())
+            end = self._stretched(start, self.step_clock())
             generated = sum(len(r.output) for r in reqs) - before
             if prefill:
                 uncached = sum(map(len, seqs if self.batch_invariant else set(seqs)))
