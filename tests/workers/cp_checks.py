@@ -3,7 +3,9 @@
 Usage: cp_checks.py CHECK[,CHECK...] TMPDIR
   logprobs_cp2:      CP=2 (2 ranks): compute_logprobs equals HF (< 1e-5) at temperature 1 and 0.7, with and
                      without algo.fused_lm_head; a forward hook on the decoder sees each rank process
-                     exactly its 1/cp share of every packed micro-batch.
+                     exactly its 1/cp share of every packed micro-batch. Also, at cp=1, the local spec's
+                     SDPA core attention equals megatron-core's DotProductAttention (float64, forward and
+                     gradients, grouped K/V heads, a packed block-causal mask).
   logprobs_cp2_tp2:  CP=2 x TP=2 (4 ranks): compute_logprobs equals HF (< 1e-5).
   train_cp2:         CP=2 (2 ranks): one train step (several packed micro-batches) equals one step on the
                      whole batch on one process (HF model + the DAPO loss + torch AdamW), unfused and fused.
@@ -71,6 +73,34 @@ def check_logprobs(hf_dir, tp: int, cp: int, fused_too: bool, ep: int = 1):
         assert all(n % (2 * cp) == 0 for n in lengths), lengths
 
 
+def check_sdpa_equals_megatron_attention():
+    """The local spec's SDPA attention (no CP) against the megatron-core attention it replaces."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_dapo.models.core_attention import SdpaDotProductAttention
+    from megatron_dapo.trainer.packing import block_causal_mask
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+        params_dtype=torch.float64, attention_dropout=0.0, masked_softmax_fusion=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    s = 19
+    inputs = [torch.randn(s, 1, h, 16, generator=g, dtype=torch.float64) for h in (4, 2, 2)]
+    mask = block_causal_mask(torch.tensor([0, 7, 15, s]), s)
+    results = []
+    for cls in (DotProductAttention, SdpaDotProductAttention):
+        q, k, v = (x.clone().requires_grad_() for x in inputs)
+        out = cls(config, layer_number=1, attn_mask_type=AttnMaskType.padding, attention_type="self")(q, k, v, mask)
+        out.backward(torch.cos(torch.arange(out.numel(), dtype=torch.float64)).view_as(out))
+        results.append([out, q.grad, k.grad, v.grad])
+    err = max((a - b).abs().max().item() for a, b in zip(*results))
+    log(f"SDPA vs megatron-core DotProductAttention (float64, output and q/k/v grads): max abs err {err:.1e}")
+    assert err < 1e-12, err
+
+
 def check_train(hf_dir, cp: int):
     for fused in (False, True):
         actor = check_exact_update(hf_dir, cp=cp, fused_lm_head=fused)[0]
@@ -88,7 +118,10 @@ def check_moe(tmpdir, cp: int):
 
 
 CHECKS = {
-    "logprobs_cp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, cp=2, fused_too=True),
+    "logprobs_cp2": lambda hf_dir, tmpdir: (
+        check_logprobs(hf_dir, tp=1, cp=2, fused_too=True),
+        check_sdpa_equals_megatron_attention(),
+    ),
     "logprobs_cp2_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, cp=2, fused_too=False),
     "train_cp2": lambda hf_dir, tmpdir: check_train(hf_dir, cp=2),
     "moe_cp2_ep2": lambda hf_dir, tmpdir: check_moe(tmpdir, cp=2),
