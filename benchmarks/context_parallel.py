@@ -4,11 +4,12 @@ The same tiny Qwen3 (local spec, fp32, CPU/gloo), the same one-sequence batch of
 (old-logprob forward, then forward + backward of the DAPO loss, optimizer step), measured in the same run:
 cp=1 on one process, cp=2 on two (torchrun). Per rank, "extra" is the peak resident memory (VmHWM, reset
 right before the step) above the RSS before it, after a warm-up step on a short sequence. The local
-spec's attention materialises [heads, T/cp, T] scores (no flash attention on the CPU), so the attention
-part shrinks with cp like the rest of the activations; with Transformer Engine it is not stored at all.
+spec's core attention (torch SDPA, a flash kernel on the CPU, the same class at cp=1 and cp=2) keeps no
+scores; its [T/cp, T] mask remains and shrinks with cp like the rest of the activations (Transformer
+Engine's THD attention has no mask).
 
     python benchmarks/context_parallel.py                    # T = 4096
-    python benchmarks/context_parallel.py --tokens 2048 8192
+    python benchmarks/context_parallel.py --tokens 8192 16384
 """
 
 from __future__ import annotations

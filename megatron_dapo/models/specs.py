@@ -1,9 +1,9 @@
 """Layer specs: Transformer Engine modules when TE imports, megatron-core's local modules otherwise.
 
 Both come from megatron-core's own spec builders; the local one has its norms replaced by the
-project's sequence-parallel-capable `RMSNorm` and, with context parallelism, its core attention by
-`ContextParallelDotProductAttention` (megatron-core's local attention refuses CP). Parameter names
-(and hence the bridge's tables and dist_checkpointing keys) are megatron-core's.
+project's sequence-parallel-capable `RMSNorm` and its core attention by `SdpaDotProductAttention` (torch
+SDPA: no [heads, T, T] scores kept; context parallelism, which megatron-core's local attention refuses).
+Parameter names (and hence the bridge's tables and dist_checkpointing keys) are megatron-core's.
 """
 
 from __future__ import annotations
@@ -42,19 +42,14 @@ def _replace_modules(spec, swaps: dict):
     return spec
 
 
-def _local_swaps(config) -> dict:
-    """The local spec's module replacements: the SP-capable RMSNorm, and with CP the project's
-    context-parallel core attention (megatron-core's local attention refuses CP)."""
+def _local_swaps() -> dict:
+    """The local spec's module replacements: the SP-capable RMSNorm and the SDPA (and CP) core attention."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    swaps = {WrappedTorchNorm: RMSNorm}
-    if getattr(config, "context_parallel_size", 1) > 1:
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron_dapo.models.core_attention import SdpaDotProductAttention
 
-        from megatron_dapo.models.cp_attention import ContextParallelDotProductAttention
-
-        swaps[DotProductAttention] = ContextParallelDotProductAttention
-    return swaps
+    return {WrappedTorchNorm: RMSNorm, DotProductAttention: SdpaDotProductAttention}
 
 
 def decoder_block_spec(config, use_te: bool, vp_stage: int | None):
@@ -66,6 +61,6 @@ def decoder_block_spec(config, use_te: bool, vp_stage: int | None):
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm", vp_stage=vp_stage)
     if not use_te:
-        spec = _replace_modules(spec, _local_swaps(config))
+        spec = _replace_modules(spec, _local_swaps())
         spec.layer_norm = RMSNorm
     return spec

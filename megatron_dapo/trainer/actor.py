@@ -652,7 +652,7 @@ class MegatronActor:
         dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Load what :meth:`save_checkpoint` wrote (any data-parallel size; same TP/PP/EP). Collective."""
+        """Load what :meth:`save_checkpoint` wrote (any data- or context-parallel size; same TP/PP/EP). Collective."""
         from megatron.core import dist_checkpointing
 
         if not os.path.isdir(path):

@@ -236,15 +236,26 @@ def counting_replay_actions():
         RouterReplay.get_replay_topk = original
 
 
-def check_exact_update(hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, cp=1, **algo):
-    """DP=2 (EP=ep; or CP=cp) x uneven packed micro-batches == one big batch on one process. Returns the actor.
-    With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF reference
-    is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD)."""
-    init_model_parallel(ep=ep, pp=pp, cp=cp, seed=1)  # DP=2 (pp=1), or DP=1 x CP=2
+def check_exact_update(
+    hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, cp=1, tp=1, sequence_parallel=False, **algo
+):
+    """DP=2 (EP=ep; or CP=cp, TP=tp) x uneven packed micro-batches == one big batch on one process. Returns
+    the actor. With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF
+    reference is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD)."""
+    init_model_parallel(tp=tp, ep=ep, pp=pp, cp=cp, seed=1)  # DP=2 (pp=1), or DP=1 x CP=2 (x TP=2 at 4 ranks)
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
     cfg = make_config(
-        hf_dir, ep=ep, pp=pp, cp=cp, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, **algo
+        hf_dir,
+        tp=tp,
+        ep=ep,
+        pp=pp,
+        cp=cp,
+        max_tokens_per_micro_batch=24,
+        ppo_mini_batch_size=3,
+        train_batch_size=3,
+        **algo,
     )
+    cfg.parallel.sequence_parallel = sequence_parallel
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     if recompute:
         cfg.model.recompute_granularity = "full"
@@ -312,19 +323,34 @@ def check_train(hf_dir, tmpdir):
     log(f"non-finite loss: step skipped, weights unchanged (skipped={m_bad['actor/skipped_steps']:.0f})")
 
     # Checkpoint: save, then a fresh actor (HF weights) loads it; the next step matches exactly.
-    ckpt = str(Path(tmpdir) / "actor_ckpt")
+    check_resume(actor, cfg, after, str(Path(tmpdir) / "actor_ckpt"))
+
+
+def check_resume(actor, cfg, after, ckpt, resumed_cfg=None, resume_layout=None, tol=0.0):
+    """`actor` (whose weights are `after`) saves to `ckpt`; a fresh actor (HF weights) of `resumed_cfg`
+    (default: cfg) loads it and holds the same weights, and its next step equals the uninterrupted actor's
+    (to `tol`). `resume_layout` (init_model_parallel kwargs) rebuilds the parallel state for the resumed
+    actor, after the uninterrupted actor's next step."""
     actor.save_checkpoint(ckpt)
     batch2 = make_batch(seed=6)
     batch2.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch2)]
-    restored = MegatronActor(cfg)
+    m1 = actor.train_step(batch2)
+    w1 = exported(actor)
+    if resume_layout is not None:
+        init_model_parallel(**resume_layout, seed=1)
+    restored = MegatronActor(resumed_cfg or cfg)
     restored.load_checkpoint(ckpt)
     assert all(torch.equal(v, after[k]) for k, v in exported(restored).items())
-    m1 = actor.train_step(batch2)
     m2 = restored.train_step(batch2)
-    w1, w2 = exported(actor), exported(restored)
+    w2 = exported(restored)
     err = max((w1[k] - w2[k]).abs().max().item() for k in w1)
-    log(f"checkpoint round trip: next-step params max abs diff {err:.2e}, lr {m1['actor/lr']} vs {m2['actor/lr']}")
-    assert err == 0.0 and m1["actor/lr"] == m2["actor/lr"], (err, m1, m2)
+    moved = max((w1[k] - after[k]).abs().max().item() for k in w1)
+    log(
+        f"checkpoint round trip {resume_layout or ''}: next-step params max abs diff {err:.2e} "
+        f"(update {moved:.1e}), lr {m1['actor/lr']} vs {m2['actor/lr']}"
+    )
+    assert err <= tol and moved > 1e-4 and m1["actor/lr"] == m2["actor/lr"], (err, m1, m2)
+    return w1
 
 
 def check_warmup(hf_dir):
