@@ -96,10 +96,13 @@ def _server_1(model: Path, not_pid: int | None = None):
 
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if "serve" in cmd and str(model) in cmd and cmd[cmd.index("--seed") + 1 : cmd.index("--seed") + 2] == ["1"]:
-            if p.info["pid"] != not_pid and p.status() != psutil.STATUS_ZOMBIE:
-                host, port = cmd[cmd.index("--host") + 1], cmd[cmd.index("--port") + 1]
-                return p.info["pid"], f"http://{host}:{port}"
+        if not ({"serve", str(model), "--seed", "--host", "--port"} <= set(cmd)) or p.info["pid"] == not_pid:
+            continue
+        try:
+            if cmd[cmd.index("--seed") + 1] == "1" and p.status() != psutil.STATUS_ZOMBIE:
+                return p.info["pid"], f"http://{cmd[cmd.index('--host') + 1]}:{cmd[cmd.index('--port') + 1]}"
+        except psutil.Error:  # exited meanwhile
+            continue
     return None, None
 
 

@@ -568,10 +568,10 @@ class WeightSyncBridge:
             if source == self.rank:
                 try:
                     self._reform() if self.live else self._leave_group()
-                except WeightSyncError as e:
+                except Exception as e:  # any: the other sources wait for this one's turn to end
                     if not catch:
                         raise
-                    error = str(e)
+                    error = str(e) if isinstance(e, WeightSyncError) else _reason(e)
             dist.barrier(group=self._turns)
         return error
 
