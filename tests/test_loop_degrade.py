@@ -149,8 +149,24 @@ def _kill_then_release_once_relaunched(out, server, stop: threading.Event):
     (out / "relaunched").touch()
 
 
-@pytest.mark.parametrize("policy, pause_mode", [("all_at_once", "in_place"), ("greedy", "abort")])
-def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(env, own_servers, tmp_path, policy, pause_mode):  # noqa: F811
+@pytest.mark.parametrize(
+    "policy, pause_mode, layout",
+    [
+        ("all_at_once", "in_place", ()),
+        ("greedy", "abort", ()),
+        # rollout.sync.sources auto -> per_stage: each pipeline stage re-forms its own group with the server
+        ("all_at_once", "retract", ("parallel.tp=1", "parallel.pp=2")),
+    ],
+    ids=["all_at_once", "greedy", "per_stage_pp2"],
+)
+def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(  # noqa: F811
+    env,  # noqa: F811
+    own_servers,
+    tmp_path,
+    policy,
+    pause_mode,
+    layout,
+):
     """The Done-when of issue 26: one of two servers SIGKILLed mid-run, relaunched by the supervisor the Ray
     driver runs (here the test is the driver of its own servers), re-admitted by the trainer's weight sync:
     the run finishes all its steps and the relaunched server holds the trainer's final weights."""
@@ -160,7 +176,7 @@ def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(env, own_se
     run_dir = tmp_path / "run"
     out = run_dir / "out"
     out.mkdir(parents=True)
-    args = _run_args(env, urls, run_dir, policy, pause_mode, "rollout.sync.timeout_s=30")
+    args = _run_args(env, urls, run_dir, policy, pause_mode, "rollout.sync.timeout_s=30", *layout)
     supervisor = ServerSupervisor(own_servers, max_relaunches=1, check_interval_s=0.2, backoff_s=0.2).start()
     stop = threading.Event()
     fault = threading.Thread(target=_kill_then_release_once_relaunched, args=(out, own_servers[1], stop), daemon=True)
@@ -187,6 +203,8 @@ def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(env, own_se
     assert f"rollout server {urls[1]} re-admitted at weight version" in log
     # back in routing by the end, and both servers hold the trainer's final weights (version STEPS)
     assert rows[-1]["server/1/down"] == 0.0 and rows[-1]["server/0/down"] == 0.0
+    if layout:  # both stages broadcast every sync, the re-admitting one included
+        assert all(r["sync/sources"] == 2 for r in rows), [r.get("sync/sources") for r in rows]
     final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 1}.pt"))
     for url in urls:
         version, lps = asyncio.run(_version_and_logprobs(url))

@@ -48,6 +48,8 @@ rank then exchanges the outcome and raises the same WeightSyncError naming the f
 each failure lost servers (below), the same ServersLost: every source leaves them out, rank 0 ends the
 others' sessions, and the sources re-form their groups in turn (`_reform_in_turn`). The
 last source's last bucket carries the version (and the cache flush): it is set once, after all sources.
+Re-admission (`readmit`) is then collective too: rank 0 decides which lost servers are back, every rank
+adopts its decision, and the sources re-form their groups with them in turn.
 
 A dead or stalled server (connection refused or lost, no answer within `timeout_s`, i.e.
 rollout.sync.timeout_s): the sync raises `ServersLost` naming the call and server, after leaving it out
@@ -260,6 +262,7 @@ class WeightSyncBridge:
         self.live = list(self.urls)  # the servers in the group; a lost one is left out (`_leave_out`)
         self.lost: dict[str, str] = {}  # url -> why it was left out
         self._loaded: dict[str, str] = {}  # url -> the weight version its last sync loaded
+        self._members: list[str] = []  # the servers the update group was last formed with
         self.min_live, self.on_lost = min_live, on_lost
         self.sender = self.rank in self.sources
         self.pg = None
@@ -325,6 +328,7 @@ class WeightSyncBridge:
                 f"servers: {self._drain(answers)}"
             ) from e
         answers.result(self.timeout_s + GRACE_S)
+        self._members = list(self.live)
         log.info(
             "weight-update group %s formed: %d servers, world size %d", self.group_name, len(self.live), self.world_size
         )
@@ -337,6 +341,7 @@ class WeightSyncBridge:
         if self.pg is not None:  # else torn down already (`_abort_group`)
             wgroup.destroy_weight_update_group(self.pg)
             self.pg = None
+        self._members = []
 
     def _leave_out(self, lost: ServersLost) -> None:
         """Leave the lost servers out of every later sync (and tell `on_lost`); below `min_live` live
@@ -353,20 +358,15 @@ class WeightSyncBridge:
     def readmit(self) -> list[str]:
         """Lost servers that answer /health again (restarted, relaunched, or no longer stalled) rejoin: the
         group is re-formed with them (in their original places), so the next sync gives them the current
-        weights; the caller verifies them and routes to them again. Returns those re-admitted. With several
-        sources a lost server has stopped the run already: nothing to re-admit."""
-        if not self.sender or len(self.sources) > 1 or self._loop is None:
+        weights; the caller verifies them and routes to them again. Returns those re-admitted (on rank 0).
+        With several sources: collective over every trainer rank (`_readmit_from_sources`)."""
+        if len(self.sources) > 1:
+            return self._readmit_from_sources()
+        if not self.sender or self._loop is None:
             return []
-        for url, why in self._restarted().items():
-            self._mark_lost(url, why)
-        if not self.lost:
-            return []
-        back = self._answering(list(self.lost))
+        back = self._back()
         if not back:
             return []
-        for url in back:
-            log.warning("weight sync: %s answers again (was lost: %s); re-admitting it", url, self.lost.pop(url))
-        self.live = [u for u in self.urls if u in self.live or u in back]
         try:
             self._reform()  # its leave step also destroys a group a stalled server may still hold
         except WeightSyncError as e:  # a server back only briefly: the others go on without it
@@ -374,6 +374,46 @@ class WeightSyncBridge:
             self._reform() if self.live else self._leave_group()
             return []
         return back
+
+    def _back(self) -> list[str]:
+        """Rank 0: live servers restarted unnoticed are marked lost; the lost ones answering /health again go
+        back into `live` (in their original places). Returns those back."""
+        for url, why in self._restarted().items():
+            self._mark_lost(url, why)
+        back = self._answering(list(self.lost)) if self.lost else []
+        for url in back:
+            log.warning("weight sync: %s answers again (was lost: %s); re-admitting it", url, self.lost.pop(url))
+        self.live = [u for u in self.urls if u in self.live or u in back]
+        return back
+
+    def _readmit_from_sources(self) -> list[str]:
+        """`readmit` with several sources, on every trainer rank: rank 0 decides which servers are back (and
+        which it lost since, in the logprob check), every rank adopts its `live` / `lost`, and where the live
+        servers are no longer those the groups were formed with, the sources re-form their groups in turn. A
+        source whose re-formation fails leaves the returning servers out again, on every rank."""
+        decision: list = [None]
+        if self.rank == 0:
+            back = self._back() if self._loop is not None else []
+            decision = [(back, list(self.live), dict(self.lost), self.live != self._members)]
+        dist.broadcast_object_list(decision, src=0)
+        back, self.live, self.lost, changed = decision[0]
+        if not changed:
+            return back
+        errors = self._gather(self._reform_in_turn(catch=True) if self.sender else None)
+        if not errors:
+            return back
+        why = "re-admission failed; " + "; ".join(errors)
+        self._leave_out(ServersLost(why, {u: why for u in back if u in self.live}))
+        if self._gather(self._reform_in_turn(catch=True) if self.sender else None):
+            raise WeightSyncError(f"{why}; re-forming the groups without them failed too")
+        return []
+
+    @staticmethod
+    def _gather(error: str | None) -> list[str]:
+        """Every trainer rank's error (None: none), the failures named by rank, on every rank."""
+        errors = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        return [f"source rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
 
     def _restarted(self) -> dict[str, str]:
         """Live servers restarted since the last sync (relaunched between two syncs, unnoticed): they report
@@ -512,18 +552,28 @@ class WeightSyncBridge:
             raise WeightSyncError("weight sync failed; " + "; ".join(failures)) from error
         if self.rank != 0:
             return None
+        self._loaded = {u: version for u in self.live}
         totals = [sum(c[i] for *_, c in outcomes) for i in range(3)]
         stats = self._stats(version, *totals, time.perf_counter() - t0)
         stats.source_bytes = {rank: c[1] for rank, _, _, c in outcomes if rank in self.sources}
         return stats
 
-    def _reform_in_turn(self) -> None:
-        """After a loss with several sources: each source, in turn, leaves its group and forms one of the live
-        servers (none: only leaves), as `connect` formed them; a server joins one group at a time."""
+    def _reform_in_turn(self, catch: bool = False) -> str | None:
+        """After a loss (or a re-admission) with several sources: each source, in turn, leaves its group and
+        forms one of the live servers (none: only leaves), as `connect` formed them; a server joins one
+        group at a time. With `catch`, this source's failure is returned (after its turn) instead of raised,
+        so the later sources still take theirs."""
+        error = None
         for source in self.sources:
             if source == self.rank:
-                self._reform() if self.live else self._leave_group()
+                try:
+                    self._reform() if self.live else self._leave_group()
+                except Exception as e:  # any: the other sources wait for this one's turn to end
+                    if not catch:
+                        raise
+                    error = str(e) if isinstance(e, WeightSyncError) else _reason(e)
             dist.barrier(group=self._turns)
+        return error
 
     def _take_turn(self, items, version: str, error: BaseException | None):
         """This source's part: rebuild its first tensor, wait for its turn, stream its run of tensors, hand
@@ -784,6 +834,7 @@ class WeightSyncBridge:
             raise WeightSyncError(f"after sync, server logprobs differ from the trainer's by {worst:.3g} > {tol:g}")
         if lost is not None:
             self._leave_out(lost)
-            self._reform() if self.live else self._leave_group()
+            if len(self.sources) == 1:  # several sources re-form their groups together, at the next `readmit`
+                self._reform() if self.live else self._leave_group()
             raise lost
         return worst

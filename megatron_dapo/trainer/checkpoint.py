@@ -128,33 +128,44 @@ def save_collective(
 
 
 def megatron_save(sharded_state_dict: dict, path: str | Path) -> None:
-    """megatron-core's `dist_checkpointing.save`, except that rank 0's failure to write `common.pt` is
-    raised only after the sharded save: megatron-core writes that file on rank 0 alone before its
-    collectives, so raising at once would leave the other ranks waiting in them for good. (0.16.1
-    refuses a `common_strategy` argument: the deferring one is registered as the default for the call,
-    through megatron-core's `register_default_strategy`.)"""
+    """megatron-core's `dist_checkpointing.save`, except that a failure of the two files rank 0 writes alone
+    is raised only after the collectives that follow them, so the other ranks never wait for it in one:
+    `common.pt` (written before the sharded save's collectives) and `metadata.json` (written by rank 0 just
+    before the closing barrier). Both are written as megatron-core writes them; only their errors are held
+    back. (0.16.1 refuses a `common_strategy` argument: the deferring one is registered as the default for
+    the call, through megatron-core's `register_default_strategy`; metadata.json's writer has no hook, so
+    the serialization module's `save_config` is wrapped for the call.)"""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
     from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
     from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
-    class DeferredCommonSave(TorchCommonSaveStrategy):
-        error: BaseException | None = None
+    errors: list[BaseException] = []
 
-        def save_common(self, common_state_dict, checkpoint_dir):
+    def deferring(write):
+        def call(*args):
             try:
-                super().save_common(common_state_dict, checkpoint_dir)
+                write(*args)
             except Exception as e:
-                self.error = e
+                errors.append(e)
+
+        return call
+
+    class DeferredCommonSave(TorchCommonSaveStrategy):
+        save_common = deferring(TorchCommonSaveStrategy.save_common)
 
     default, deferred = get_default_save_common_strategy(), DeferredCommonSave("torch", 1)
+    save_config = serialization.save_config
     register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, deferred)
+    serialization.save_config = deferring(save_config)
     try:
         dist_checkpointing.save(sharded_state_dict, str(path))
     finally:
+        serialization.save_config = save_config
         register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, default)
-    if deferred.error is not None:
-        raise deferred.error
+    if errors:
+        raise errors[0]
 
 
 def _rank() -> int:

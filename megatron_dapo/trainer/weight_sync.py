@@ -124,8 +124,9 @@ class AllAtOnceSync(WeightSync):
 
     def _sync(self, version: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        # rank 0 alone talks to servers: the others' part of a re-formed group is the same export
-        back = self.bridge.readmit() if self.rank == 0 else []
+        # rank 0 decides and talks to the servers; with per_stage sources every rank takes part (each source
+        # re-forms its own group), else the others' part of a re-formed group is the same export
+        back = self.bridge.readmit() if self.rank == 0 or self.per_stage else []
         stats = self._bridge_sync(version)
         out = stats.as_metrics() if stats is not None else {}
         out["time/sync_s"] = time.perf_counter() - t0

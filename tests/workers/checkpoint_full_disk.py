@@ -83,10 +83,13 @@ def main(save_dir: str) -> None:
     expect_failure(save_dir, 3, {0: "common.pt"}, "torch could not write the file")
     # rank 0's own trainer.json, after every rank wrote its shards
     expect_failure(save_dir, 4, {0: "trainer.json"}, "No space left on device")
+    # rank 0's metadata.json, which megatron-core writes alone right before its closing barrier (megatron_save
+    # defers the error past it): without that every other rank would wait in the barrier for good
+    expect_failure(save_dir, 5, {0: "metadata.json"}, "No space left on device")
     # after the disk has room again the same step saves
-    final = ckpt.save_collective(save_dir, 4, model_writer({}), trainer_json(4))
+    final = ckpt.save_collective(save_dir, 5, model_writer({}), trainer_json(5))
     if dist.get_rank() == 0:
-        assert final.name == ckpt.step_name(4) and ckpt.latest_checkpoint(save_dir) == final
+        assert final.name == ckpt.step_name(5) and ckpt.latest_checkpoint(save_dir) == final
     print(f"rank {dist.get_rank()} OK", flush=True)
     destroy_distributed()
 
