@@ -11,8 +11,9 @@ from tests.dist_utils import run_torchrun
 @pytest.mark.slow
 def test_actor_logprobs_match_hf_at_tp2_pp2_and_moe_ep2(tmp_path):
     """Packed and unpacked logprobs equal HF's (dense TP=2, PP=2; Qwen3-MoE EP=2, whose DP=2 update
-    is also checked against one process)."""
-    checks = ["logprobs_tp2", "logprobs_pp2", "moe_ep2", "moe_replay_pp2"]
+    is also checked against one process); routing replay's update equals HF forced to the same routing
+    under EP=2, PP=2, TP=2 + sequence parallel + EP=2, and PP=2 x VPP=2, with full recompute."""
+    checks = ["logprobs_tp2", "logprobs_pp2", "moe_ep2", "moe_replay_pp2", "moe_replay_sp", "moe_replay_vpp"]
     out = run_torchrun("actor_checks.py", 2, ",".join(checks), str(tmp_path), timeout=300)
     for check in checks:
         assert f"CHECK PASSED {check}" in out, out[-4000:]

@@ -149,7 +149,10 @@ def test_samples_carry_routing_from_a_server_through_partial_rollout_batch_shard
 def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     """The tiny MoE CPU config, routing_replay left at its MoE default: the driver's server returns routed
     experts, two steps train replaying them, a checkpoint holds them, and rollout/routing_bytes is every sample's
-    (prompt + response - 1) x MoE layers x top-k bytes."""
+    (prompt + response - 1) x MoE layers x top-k bytes. Resumed from the checkpoint of step 0 (step 1's batch
+    and the groups in flight; syncs abort requests, so a sample caught by one is saved or trained partially
+    rolled out), step 1 replays the saved routing exactly as the uninterrupted run did."""
+    import shutil
     import subprocess
     import sys
 
@@ -157,11 +160,16 @@ def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
 
     model, train = prepare(tmp_path)
     run_dir = tmp_path / "run"
-    overrides = run_overrides(model, train, run_dir, 2, "checkpoint.save_every=1")
+    kept = ("checkpoint.save_every=1", "checkpoint.keep_last=0", "rollout.sync.pause_mode=abort")
+    overrides = run_overrides(model, train, run_dir, 2, *kept)
     cmd = [sys.executable, "-m", "megatron_dapo.cli", "train", "--config", str(CONFIGS / "tiny_qwen3_moe_cpu.yaml")]
-    proc = subprocess.run(cmd + overrides, capture_output=True, text=True, timeout=1200, cwd=CONFIGS.parents[1])
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    def train_rows(args: list[str], where: Path) -> list[dict]:
+        proc = subprocess.run(cmd + args, capture_output=True, text=True, timeout=1200, cwd=CONFIGS.parents[1])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return [json.loads(line) for line in (where / "metrics.jsonl").read_text().splitlines()]
+
+    rows = train_rows(overrides, run_dir)
     cfg = load_config(CONFIGS / "tiny_qwen3_moe_cpu.yaml", overrides)
     per_token = len(routing_shape(cfg).moe_layers) * 2  # top-2 of 4 experts, one byte each
     samples = cfg.algo.train_batch_size * cfg.rollout.n_resp_per_prompt
@@ -176,5 +184,31 @@ def test_tiny_moe_config_trains_carrying_the_routing(tmp_path):
     assert rows[0]["actor/train_rollout_logprob_abs_diff"] < 1e-5
     saved = [json.loads(f.read_text()) for f in sorted(run_dir.glob("checkpoints/*/rollout.json"))]
     groups = [g for st in saved for g in (st["next_batch"] or {"groups": []})["groups"] + st["buffer"]]
-    routed = [s["routed_experts"] for g in groups for s in g["samples"]]
-    assert routed and all(r["dtype"] == "uint8" and r["shape"][1:] == [3, 2] for r in routed)
+    saved_samples = [s for g in groups for s in g["samples"]] + [
+        s for st in saved for f in st["in_flight"] for s in f["samples"] or () if s is not None
+    ]
+    assert saved_samples and all(
+        s["routed_experts"]["dtype"] == "uint8"
+        and s["routed_experts"]["shape"] == [len(s["prompt_ids"]) + len(s["output_ids"]) - 1, 3, 2]
+        for s in saved_samples
+    )
+
+    # resume from the checkpoint of step 0: step 1 trains on its saved batch, replaying the saved rows
+    step1_batch = json.loads((run_dir / "checkpoints" / "step_000000" / "rollout.json").read_text())["next_batch"]
+    save = tmp_path / "resume_ckpt"
+    shutil.copytree(run_dir / "checkpoints" / "step_000000", save / "step_000000")
+    (save / "latest").write_text("step_000000\n")
+    resumed_dir = tmp_path / "resumed"
+    resume = run_overrides(model, train, resumed_dir, 2, *kept, f"checkpoint.save_dir={save}", "checkpoint.resume=true")
+    (resumed,) = train_rows(resume, resumed_dir)
+    assert resumed["step"] == 1
+    saved_bytes = sum(
+        (len(s["prompt_ids"]) + len(s["output_ids"]) - 1) * per_token
+        for g in step1_batch["groups"]
+        for s in g["samples"]
+    )
+    assert resumed["rollout/routing_bytes"] == rows[1]["rollout/routing_bytes"] == saved_bytes
+    # the same rows replayed: the trainer's logprobs, its own routers' agreement and the loss are the uninterrupted
+    # run's (a row lost or reordered through the checkpoint moves them)
+    for key in ("actor/train_rollout_logprob_abs_diff", "actor/routing_agreement", "actor/pg_loss"):
+        assert resumed[key] == pytest.approx(rows[1][key], rel=1e-6, abs=1e-9), key

@@ -177,6 +177,13 @@ def transformer_config(arch: QwenArch, par: ModelParallel, use_te: bool | None =
         masked_softmax_fusion=False,
         persist_layer_norm=False,
     )
+    if (par.vpp or 1) > 1:
+        # The interleaved schedule sends activations and gradients both ways in one exchange. Batched
+        # (batch_isend_irecv) at pp=2 both go to the one peer on one group, posted in an order the peer
+        # does not receive them in: activations and gradients of equal shape swap silently. Megatron-LM
+        # turns batching off with virtual pipelining; megatron-core's unbatched ops split the two
+        # directions over two groups.
+        kw["batch_p2p_comm"] = False
     if arch.is_moe:
         kw.update(
             num_moe_experts=arch.num_experts,

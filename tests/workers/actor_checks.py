@@ -37,12 +37,13 @@ def log(msg):
         print(msg, flush=True)
 
 
-def make_config(hf_dir, tp=1, pp=1, ep=1, cp=1, **algo) -> DapoConfig:
+def make_config(hf_dir, tp=1, pp=1, ep=1, cp=1, etp=None, vpp=None, sp=False, **algo) -> DapoConfig:
     cfg = DapoConfig()
     cfg.model.hf_path = str(hf_dir)
     cfg.model.dtype = "fp32"
     cfg.model.transformer_impl = "local"
     cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.ep, cfg.parallel.cp = tp, pp, ep, cp
+    cfg.parallel.etp, cfg.parallel.vpp, cfg.parallel.sequence_parallel = etp, vpp, sp
     cfg.optimizer.lr = LR
     cfg.optimizer.adam_eps = EPS  # see tests/workers/runtime_parallel.py: keeps Adam sensitive to grad scale
     cfg.optimizer.clip_grad = CLIP
@@ -237,19 +238,23 @@ def counting_replay_actions():
 
 
 def check_exact_update(
-    hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, cp=1, tp=1, sequence_parallel=False, **algo
+    hf_dir, ep=1, seed=5, replay_seed=None, recompute=False, pp=1, cp=1, parallel: dict | None = None, **algo
 ):
-    """DP=2 (EP=ep; or CP=cp, TP=tp) x uneven packed micro-batches == one big batch on one process. Returns
-    the actor. With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF
-    reference is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD)."""
-    init_model_parallel(tp=tp, ep=ep, pp=pp, cp=cp, seed=1)  # DP=2 (pp=1), or DP=1 x CP=2 (x TP=2 at 4 ranks)
+    """DP=2 (EP=ep; or CP=cp) x uneven packed micro-batches == one big batch on one process. Returns the actor.
+    With `replay_seed` (routing replay, R3) the batch carries random routed experts and the HF reference
+    is forced to route as they say; `recompute` recomputes whole layers in backward (REPLAY_BACKWARD).
+    `parallel`: further sizes (tp, etp, vpp; sp = sequence parallel)."""
+    par = dict(parallel or {})
+    sp = par.pop("sp", False)
+    init_model_parallel(ep=ep, pp=pp, cp=cp, seed=1, **par)  # DP=2 (pp=1), or DP=1 x CP=2 (or x TP=2)
     # Token budget 24 with responses up to 13 + prompts up to 8: several uneven micro-batches per rank.
     cfg = make_config(
         hf_dir,
-        tp=tp,
         ep=ep,
         pp=pp,
         cp=cp,
+        sp=sp,
+        **par,
         max_tokens_per_micro_batch=24,
         ppo_mini_batch_size=3,
         train_batch_size=3,
@@ -300,7 +305,7 @@ def check_exact_update(
         assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
     log(
-        f"DP={actor.dp_size} (EP={ep}, CP={cp}) packed update vs one-process HF reference: "
+        f"DP={actor.dp_size} (EP={ep}, CP={cp}, PP={pp} {par}) packed update vs one-process HF reference: "
         f"loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
         f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
         f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})"
@@ -424,12 +429,28 @@ def check_moe_replay_pp2(hf_dir, tmpdir):
     check_exact_update(tiny_moe_dir(tmpdir), pp=2, seed=8, replay_seed=5, recompute=True)
 
 
+def check_moe_replay_sp(hf_dir, tmpdir):
+    """R3 under TP=2 with sequence parallelism and EP=2 (expert TP 1): each TP rank's routers see only its
+    contiguous half of the packed row and must be fed exactly those rows."""
+    check_exact_update(
+        tiny_moe_dir(tmpdir), ep=2, seed=8, replay_seed=6, recompute=True, parallel=dict(tp=2, etp=1, sp=True)
+    )
+
+
+def check_moe_replay_vpp(hf_dir, tmpdir):
+    """R3 under PP=2 x VPP=2 (the tiny MoE's 4 layers: one per virtual chunk, the interleaved schedule) with
+    full recompute: each chunk replays only its own MoE layer's rows, in its own forward / backward order."""
+    check_exact_update(tiny_moe_dir(tmpdir), pp=2, seed=8, replay_seed=7, recompute=True, parallel=dict(vpp=2))
+
+
 CHECKS = {
     "logprobs_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, pp=1),
     "logprobs_pp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, pp=2),
     "train_dp2": check_train,
     "moe_ep2": check_moe,
     "moe_replay_pp2": check_moe_replay_pp2,
+    "moe_replay_sp": check_moe_replay_sp,
+    "moe_replay_vpp": check_moe_replay_vpp,
     "shards": lambda hf_dir, tmpdir: check_shards(hf_dir),
     "warmup": lambda hf_dir, tmpdir: check_warmup(hf_dir),
     "sum_norm": lambda hf_dir, tmpdir: check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm"),

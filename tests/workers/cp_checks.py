@@ -147,7 +147,7 @@ CHECKS = {
     "logprobs_cp2_tp2": lambda hf_dir, tmpdir: (
         check_logprobs(hf_dir, tp=2, cp=2, fused_too=False),
         check_logprobs(hf_dir, tp=2, cp=2, fused_too=False, sp=True),
-        check_exact_update(hf_dir, cp=2, tp=2, sequence_parallel=True),
+        check_exact_update(hf_dir, cp=2, parallel=dict(tp=2, sp=True)),
     ),
     "train_cp2": lambda hf_dir, tmpdir: check_train(hf_dir, tmpdir, cp=2),
     "moe_cp2_ep2": lambda hf_dir, tmpdir: check_moe(tmpdir, cp=2),
