@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_dapo.config import ConfigError, load_config
+from megatron_dapo.config import ConfigError, derived, load_config
 from tests.dist_utils import run_torchrun
 from tests.test_config import TINY
 
@@ -17,6 +17,13 @@ def test_fused_lm_head_step_equals_unfused_at_tp1_tp2_pp2_untied_and_tied(tmp_pa
     out = run_torchrun("fused_head_checks.py", 2, ",".join(checks), str(tmp_path), timeout=420)
     for check in checks:
         assert f"CHECK PASSED {check}" in out, out[-4000:]
+
+
+def test_fused_lm_head_defaults_on_for_megatron_off_for_fsdp2():
+    assert derived.fused_lm_head(load_config(TINY)) is True
+    assert derived.fused_lm_head(load_config(TINY, ["algo.fused_lm_head=false"])) is False
+    fsdp = ["trainer.backend=fsdp2", "parallel.tp=1", "trainer.gpus_per_node=1"]
+    assert derived.fused_lm_head(load_config(TINY, fsdp)) is False
 
 
 @pytest.mark.parametrize(

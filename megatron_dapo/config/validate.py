@@ -146,7 +146,7 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
                 f"algo.loss_scale_factor={a.loss_scale_factor} only applies to "
                 f"algo.loss_agg_mode=seq-mean-token-sum-norm (got {a.loss_agg_mode})"
             )
-    if a.fused_lm_head and cfg.trainer.backend == "fsdp2":
+    if a.fused_lm_head is True and cfg.trainer.backend == "fsdp2":
         errors.append(
             "algo.fused_lm_head=true applies to the Megatron actor only, not trainer.backend=fsdp2; "
             "set algo.fused_lm_head=false"

@@ -39,6 +39,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from megatron_dapo.config import derived
 from megatron_dapo.algo.loss import LOG_RATIO_BOUND
 from megatron_dapo.bridge.parallel import unwrap_model
 from megatron_dapo.bridge.spec_keys import load_model_state
@@ -214,7 +215,7 @@ class MegatronActor:
         self.pad_multiple = self.seq_multiple * (p.tp if self.config.sequence_parallel else 1)
         # algo.fused_lm_head: the last stage returns hidden states; logprobs come from
         # fused_linear_logprobs (chunked, never the [T, V] logits).
-        self.fused_lm_head = bool(a.fused_lm_head)
+        self.fused_lm_head = derived.fused_lm_head(cfg)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.replay = (
