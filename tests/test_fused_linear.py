@@ -175,3 +175,14 @@ def test_gradient_accumulation_fusion_adds_into_main_grad(dtype):
     lp, _ = fused_linear_logprobs(x, w, target, temperature=0.7, vocab_size=VOCAB, with_entropy=False)
     lp.sum().backward()
     assert torch.equal(w.main_grad, held) and w.grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_matches_float64_reference_on_cuda():
+    """The same op on CUDA tensors (fp32, padded vocabulary, temperature, several chunks)."""
+    hidden, weight, target, a, b = case(seed=8)
+    x, w = hidden.float().cuda().requires_grad_(), weight.float().cuda().requires_grad_()
+    lp, ent = fused_linear_logprobs(x, w, target.cuda(), temperature=0.7, vocab_size=VOCAB, chunk_tokens=8)
+    ((lp * a.float().cuda()).sum() + (ent * b.float().cuda()).sum()).backward()
+    got = (lp.cpu(), ent.cpu(), x.grad.cpu(), w.grad.cpu())
+    assert_matches(got, reference(hidden, weight, target, a, b, 0.7))

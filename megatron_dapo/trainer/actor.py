@@ -39,10 +39,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.config import derived
 from megatron_dapo.algo.loss import LOG_RATIO_BOUND
 from megatron_dapo.bridge.parallel import unwrap_model
 from megatron_dapo.bridge.spec_keys import load_model_state
+from megatron_dapo.config import derived
 from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
