@@ -65,9 +65,10 @@ WEIGHT_BLOCK_MIB = 16.0  # one fp32 vocab block of a half weight (upcast block b
 _F32 = 4  # bytes
 
 
-def chunk_tokens_for(v_local: int, workspace_mib: float = WORKSPACE_MIB) -> int:
-    """Tokens per chunk so that two [chunk, v_local] fp32 blocks fit in workspace_mib."""
-    return max(1, int(workspace_mib * 2**20) // (2 * _F32 * max(1, v_local)))
+def chunk_tokens_for(v_local: int, workspace_mib: float = WORKSPACE_MIB, hidden_size: int = 0) -> int:
+    """Tokens per chunk so that two [chunk, v_local] fp32 blocks and the chunk's fp32 hidden rows
+    [chunk, hidden_size] fit in workspace_mib."""
+    return max(1, int(workspace_mib * 2**20) // (_F32 * (2 * max(1, v_local) + hidden_size)))
 
 
 def _shard_layout(v_local: int, tp_group, vocab_size: int | None) -> tuple[int, int, int]:
@@ -211,7 +212,7 @@ def _backward_weight_by_blocks(hidden, head: _Head, up: _Upstream, store, worksp
     n_tok = hidden.shape[0]
     for c_lo, c_hi, w in head.blocks():
         acc = torch.zeros(c_hi - c_lo, hidden.shape[1], dtype=torch.float32, device=hidden.device)
-        chunk = min(n_tok, chunk_tokens_for(c_hi - c_lo, workspace_mib))
+        chunk = min(n_tok, chunk_tokens_for(c_hi - c_lo, workspace_mib, hidden.shape[1]))
         xbuf, pbuf = (hidden.new_empty(chunk, c_hi - c_lo, dtype=torch.float32) for _ in range(2))
         for lo in range(0, n_tok, chunk):
             hi = min(lo + chunk, n_tok)
@@ -265,7 +266,7 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         valid = (target >= 0) & (target < vocab)
         local_target = torch.where(inside, local, torch.zeros_like(local)).contiguous()
         head = _Head(weight[:n_valid], 1.0 / opts.temperature)
-        chunk = opts.chunk_tokens or chunk_tokens_for(n_valid, opts.workspace_mib)
+        chunk = opts.chunk_tokens or chunk_tokens_for(n_valid, opts.workspace_mib, hidden.shape[1])
         partials = _forward_partials(full, head, local_target, inside, opts.with_entropy, chunk)
         stats = merge_partials(partials, inside, opts.tp_group)
         mean_z = stats.mean_z if opts.with_entropy else stats.max  # a placeholder: save_for_backward takes no None
