@@ -35,6 +35,14 @@ python -c "import megatron.core" 2>/dev/null || { variants="naive project"; echo
 python benchmarks/loss_kernels.py --variants $variants --json "$OUT/loss_kernels.json" 2>&1 \
     | tee "$OUT/loss_kernels.md" || status=1
 
+echo "== 2b. fused LM head + logprob + entropy (loss_kernels --mode lm-head: H=4096, V=151936, bf16, fwd+bwd)"
+# correctness on CUDA: tests/test_fused_linear.py's gpu case (step 1 runs -m gpu on the files it names)
+python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_linear.py 2>&1 | tee "$OUT/fused_linear_tests.txt" \
+    || status=1
+# speed: "x today" of the fused row is its fwd+bwd time over the unfused path's (goal <= 1.35)
+python benchmarks/loss_kernels.py --mode lm-head --hidden 4096 --tokens 8192 32768 \
+    --json "$OUT/lm_head.json" 2>&1 | tee "$OUT/lm_head.md" || status=1
+
 echo "== 3. Megatron train-step benchmark"
 if [ -f benchmarks/train_step.py ]; then
     if python -c "import megatron.core" 2>/dev/null; then

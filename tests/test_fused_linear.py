@@ -117,3 +117,72 @@ def test_rejects_bad_inputs():
 def test_tp2_matches_unsharded_reference():
     out = run_torchrun("fused_linear_tp.py", 2, timeout=180, env={"OMP_NUM_THREADS": "1"})
     assert out.count("FUSED LINEAR TP OK") == 2, out[-4000:]
+
+
+def test_workspace_sizes_the_chunk():
+    """chunk_tokens left unset: the chunk comes from workspace_mib (here a few tokens), same results."""
+    from megatron_dapo.kernels.fused_linear import chunk_tokens_for
+
+    assert chunk_tokens_for(151936, 64) == 55 and chunk_tokens_for(10, 1e-4) == 1
+    hidden, weight, target, a, b = case(seed=5)
+    x, w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    lp, ent = fused_linear_logprobs(
+        x, w, target, temperature=0.7, vocab_size=VOCAB, workspace_mib=4 * VOCAB * 8 / 2**20
+    )
+    ((lp * a.float()).sum() + (ent * b.float()).sum()).backward()
+    assert_matches((lp, ent, x.grad, w.grad), reference(hidden, weight, target, a, b, 0.7))
+
+
+def test_half_weight_upcast_block_by_block(monkeypatch):
+    """A bf16 weight is read as fp32 in vocab blocks (7 rows here) and, without main_grad, its dW is
+    summed per block over every token chunk (a second pass): the same values as the float64 reference
+    of the bf16 inputs, within bf16 rounding of the stored dW."""
+    from megatron_dapo.kernels import fused_linear
+
+    monkeypatch.setattr(fused_linear, "WEIGHT_BLOCK_MIB", 7 * H * 4 / 2**20)
+    hidden, weight, target, a, b = case(seed=6)
+    x, w = hidden.bfloat16().requires_grad_(), weight.bfloat16().requires_grad_()
+    lp, ent = fused_linear_logprobs(x, w, target, temperature=0.7, vocab_size=VOCAB, chunk_tokens=8)
+    ((lp * a.float()).sum() + (ent * b.float()).sum()).backward()
+    rlp, rent, rdh, rdw = reference(x.detach().double(), w.detach().double(), target, a, b, 0.7)
+    torch.testing.assert_close(lp.double(), rlp, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(ent.double(), rent, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.grad.double(), rdw, atol=1e-2, rtol=1e-2)  # bf16 rounding of dW only
+    torch.testing.assert_close(x.grad.double(), rdh, atol=2e-2, rtol=2e-2)
+    assert not w.grad[VOCAB:].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradient_accumulation_fusion_adds_into_main_grad(dtype):
+    """With megatron-core's main_grad (fp32) and gradient_accumulation_fusion, dW lands in main_grad on
+    top of what it held (float64 reference; fp32 math on the weight's values) and the weight's grad is
+    megatron-core's dummy with grad_added_to_main_grad set, so DDP's hook does not add it again."""
+    hidden, weight, target, a, b = case(seed=7)
+    x, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+    before = torch.randn(ROWS, H, dtype=torch.float32)
+    w.main_grad, w.grad_added_to_main_grad, w.zero_out_wgrad = before.clone(), False, True
+    lp, ent = fused_linear_logprobs(
+        x, w, target, temperature=0.7, vocab_size=VOCAB, chunk_tokens=8, gradient_accumulation_fusion=True
+    )
+    ((lp * a.float()).sum() + (ent * b.float()).sum()).backward()
+    _, _, rdh, rdw = reference(x.detach().double(), w.detach().double(), target, a, b, 0.7)
+    tol = TOL if dtype == torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(w.main_grad.double(), before.double() + rdw, **tol)
+    assert w.grad_added_to_main_grad and w.grad.shape == w.shape and not w.grad.any()  # zero_out_wgrad
+    torch.testing.assert_close(x.grad.double(), rdh, **(tol if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)))
+    # without gradient_accumulation_fusion the same weight gets a plain dW and main_grad is untouched
+    w.grad, held = None, w.main_grad.clone()
+    lp, _ = fused_linear_logprobs(x, w, target, temperature=0.7, vocab_size=VOCAB, with_entropy=False)
+    lp.sum().backward()
+    assert torch.equal(w.main_grad, held) and w.grad.abs().sum() > 0
+
+
+@pytest.mark.gpu
+def test_matches_float64_reference_on_cuda():
+    """The same op on CUDA tensors (fp32, padded vocabulary, temperature, several chunks)."""
+    hidden, weight, target, a, b = case(seed=8)
+    x, w = hidden.float().cuda().requires_grad_(), weight.float().cuda().requires_grad_()
+    lp, ent = fused_linear_logprobs(x, w, target.cuda(), temperature=0.7, vocab_size=VOCAB, chunk_tokens=8)
+    ((lp * a.float().cuda()).sum() + (ent * b.float().cuda()).sum()).backward()
+    got = (lp.cpu(), ent.cpu(), x.grad.cpu(), w.grad.cpu())
+    assert_matches(got, reference(hidden, weight, target, a, b, 0.7))

@@ -302,7 +302,8 @@ SYNC_RUN = ("trainer.total_steps=4", "algo.staleness=0", "checkpoint.save_every=
 
 @pytest.fixture(scope="module")
 def run_u(env):
-    return _run(env, "u", *SYNC_RUN)
+    # the unfused LM head (algo.fused_lm_head defaults to true on the Megatron actor; run_a trains with it)
+    return _run(env, "u", *SYNC_RUN, "algo.fused_lm_head=false")
 
 
 def test_staleness_zero_is_on_policy(run_u):

@@ -106,6 +106,13 @@ def sync_sources(cfg: DapoConfig) -> str:
     return "per_stage" if applies and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1) else "rank0"
 
 
+def fused_lm_head(cfg: DapoConfig) -> bool:
+    """algo.fused_lm_head resolved: null means on for the Megatron actor, off for FSDP2 (unsupported there)."""
+    if cfg.algo.fused_lm_head is not None:
+        return cfg.algo.fused_lm_head
+    return cfg.trainer.backend == "megatron"
+
+
 def routing_shape(cfg: DapoConfig) -> RoutingShape | None:
     """What the samples carry for rollout routing replay (algo.routing_replay): None when it is off,
     explicitly or by default (a dense model, or a model whose shape is not known yet)."""

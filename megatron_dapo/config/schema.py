@@ -141,9 +141,9 @@ class AlgoConfig:
     max_tokens_per_micro_batch: Optional[int] = None
     # Megatron actor: apply the LM head inside the logprob op, chunked over tokens
     # (megatron_dapo.kernels.fused_linear_logprobs), so the [tokens, vocab] logits are never
-    # materialised; same numbers up to fp32 rounding. Not with parallel.sequence_parallel or
-    # trainer.backend=fsdp2 (refused).
-    fused_lm_head: bool = False
+    # materialised; same numbers up to fp32 rounding. null = true with trainer.backend=megatron, false
+    # with fsdp2 (whose actor does not support it; an explicit true there is refused).
+    fused_lm_head: Optional[bool] = None
     # Rollout routing replay (R3, arXiv:2510.11370), MoE models only: `rollout` has the servers return the
     # experts each token was routed to (SGLang's --enable-return-routed-experts) and carries them with the
     # samples to the trainer (metric rollout/routing_bytes), whose Megatron actor replays them with

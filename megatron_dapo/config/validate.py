@@ -146,17 +146,11 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
                 f"algo.loss_scale_factor={a.loss_scale_factor} only applies to "
                 f"algo.loss_agg_mode=seq-mean-token-sum-norm (got {a.loss_agg_mode})"
             )
-    if a.fused_lm_head:
-        if cfg.parallel.sequence_parallel:
-            errors.append(
-                "algo.fused_lm_head=true does not support parallel.sequence_parallel=true yet "
-                "(the op takes the full sequence's hidden states); set one of them to false"
-            )
-        if cfg.trainer.backend == "fsdp2":
-            errors.append(
-                "algo.fused_lm_head=true applies to the Megatron actor only, not trainer.backend=fsdp2; "
-                "set algo.fused_lm_head=false"
-            )
+    if a.fused_lm_head is True and cfg.trainer.backend == "fsdp2":
+        errors.append(
+            "algo.fused_lm_head=true applies to the Megatron actor only, not trainer.backend=fsdp2; "
+            "set algo.fused_lm_head=false"
+        )
     _check_batches(cfg, errors)
     _check_shaping(cfg, errors)
     _check_dp_share(cfg, errors)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from megatron_dapo.algo.loss import LOG_RATIO_BOUND
 from megatron_dapo.bridge.parallel import unwrap_model
 from megatron_dapo.bridge.spec_keys import load_model_state
+from megatron_dapo.config import derived
 from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
@@ -90,8 +91,8 @@ def output_layer_returns_hidden(model):
     (the shared embedding weight when embeddings are tied, else the layer's own); empty on other stages.
 
     The module call itself is kept (hooks still run); only the matmul is skipped. The input is not routed
-    through copy_to_tensor_model_parallel_region either, so the caller's op must all-reduce dH over TP
-    (fused_linear_logprobs does, with reduce_hidden_grad=True)."""
+    through copy_to_tensor_model_parallel_region (nor gathered under sequence parallelism) either, so the
+    caller's op must all-reduce dH over TP, or gather and reduce-scatter it (fused_linear_logprobs does)."""
     gpt = unwrap_model(model)
     layer = getattr(gpt, "output_layer", None) if getattr(gpt, "post_process", False) else None
     head: dict = {}
@@ -213,10 +214,8 @@ class MegatronActor:
         self.seq_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
         self.pad_multiple = self.seq_multiple * (p.tp if self.config.sequence_parallel else 1)
         # algo.fused_lm_head: the last stage returns hidden states; logprobs come from
-        # fused_linear_logprobs (chunked, never the [T, V] logits). Refused by config validation with SP.
-        self.fused_lm_head = bool(a.fused_lm_head)
-        if self.fused_lm_head and self.config.sequence_parallel:
-            raise ValueError("algo.fused_lm_head does not support parallel.sequence_parallel yet")
+        # fused_linear_logprobs (chunked, never the [T, V] logits).
+        self.fused_lm_head = derived.fused_lm_head(cfg)
         self.optimizer_steps = 0
         self.skipped_steps = 0
         self.replay = (
@@ -305,7 +304,9 @@ class MegatronActor:
 
     def _local_position_logprobs(self, logits, target_ids, temperature, with_entropy, head_weight):
         if head_weight is not None:
-            shape = logits.shape[:-1]
+            # under sequence parallelism `logits` holds this TP rank's 1/TP of the positions: the op
+            # gathers them and hands back every position's values
+            shape = target_ids.shape
             lp, ent = fused_linear_logprobs(
                 logits.reshape(-1, logits.shape[-1]),
                 head_weight,
@@ -314,6 +315,8 @@ class MegatronActor:
                 temperature=temperature,
                 with_entropy=with_entropy,
                 vocab_size=self.arch.vocab_size,
+                sequence_parallel=bool(self.config.sequence_parallel),
+                gradient_accumulation_fusion=bool(self.config.gradient_accumulation_fusion),
             )
             return (lp.view(shape), ent.view(shape)) if with_entropy else lp.view(shape)
         logits = mask_padded_vocab_logits(logits, self.arch.vocab_size)

@@ -4,6 +4,7 @@ Usage: fused_head_checks.py CHECK[,CHECK...] TMPDIR
   tp1, tp2:             dense tiny Qwen3 at TP=1 (DP=2) / TP=2 (DP=1), untied output layer
   tp1_tied, tp2_tied:   the same with tied embeddings (the output weight is the embedding's)
   pp2, pp2_tied:        PP=2 (the last stage's output layer; tied: its copy of the embedding)
+  tp2_sp:               TP=2 with sequence parallelism (each rank hands the op its half of the positions)
 Each: compute_logprobs, then one train step (several packed micro-batches, temperature 0.7, an entropy
 bonus so the entropy's gradient is used too) of an actor with algo.fused_lm_head=true and one without,
 from the same weights: logprobs, loss, entropy, grad norm and every updated parameter agree to fp32
@@ -38,11 +39,14 @@ def _counting(hidden, weight, *args, **kwargs):
 actor_mod.fused_linear_logprobs = _counting
 
 
-def check_same_step(hf_dir, tp: int, pp: int = 1):
+def check_same_step(hf_dir, tp: int, pp: int = 1, sequence_parallel: bool = False):
     init_model_parallel(tp=tp, pp=pp, seed=1)
     kw = dict(max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3, entropy_coeff=0.01)
-    plain = MegatronActor(make_config(hf_dir, tp=tp, pp=pp, **kw))
-    fused = MegatronActor(make_config(hf_dir, tp=tp, pp=pp, fused_lm_head=True, **kw))
+    configs = [make_config(hf_dir, tp=tp, pp=pp, fused_lm_head=fused, **kw) for fused in (False, True)]
+    for cfg in configs:
+        cfg.parallel.sequence_parallel = sequence_parallel
+    plain, fused = (MegatronActor(cfg) for cfg in configs)
+    assert bool(fused.config.sequence_parallel) == sequence_parallel
     assert fused.fused_lm_head and not plain.fused_lm_head
     batch = make_batch(seed=5, temperature=0.7)
     CALLS["fused"] = 0
@@ -109,10 +113,10 @@ def main(argv):
     dist.barrier()
     for check in checks:
         layout, _, tied = check.partition("_")
-        if layout not in ("tp1", "tp2", "pp2") or tied not in ("", "tied"):
+        if layout not in ("tp1", "tp2", "pp2") or tied not in ("", "tied", "sp"):
             raise SystemExit(f"unknown check {check!r}")
         tp, pp = (1, 2) if layout == "pp2" else (int(layout[2:]), 1)
-        check_same_step(dirs[tied == "tied"], tp=tp, pp=pp)
+        check_same_step(dirs[tied == "tied"], tp=tp, pp=pp, sequence_parallel=tied == "sp")
         dist.barrier()
         log(f"CHECK PASSED {check}")
     destroy_distributed()

@@ -1,7 +1,9 @@
 """torchrun worker (2 ranks, gloo) for tests/test_fused_linear.py: fused_linear_logprobs with the
 (padded) vocabulary split over a TP group of 2 equals the unsharded float64 reference -- logprobs,
 entropy, dH (after the op's all-reduce) and each rank's dW shard. Two layouts: padding in rank 1's
-half, and rank 1 holding padding only. Exits non-zero (assertion) on any mismatch.
+half, and rank 1 holding padding only; and sequence parallel: each rank passes its half of the tokens,
+gets every token's values and its half of dH, and the op saves only that half for backward.
+Exits non-zero (assertion) on any mismatch.
 
 `naive_reference` is also the TP=1 reference of tests/test_fused_linear.py.
 """
@@ -32,8 +34,8 @@ def make_case(t, h, rows, seed):
     return g, hidden, weight, a, b
 
 
-def check(rank, world, vocab_size, label):
-    t, h, v_local, temp = 13, 8, 27, 0.7
+def check(rank, world, vocab_size, label, sequence_parallel=False):
+    t, h, v_local, temp = (14 if sequence_parallel else 13), 8, 27, 0.7
     g, hidden, weight, a, b = make_case(t, h, world * v_local, seed=1)  # the same tensors on every rank
     target = torch.randint(0, vocab_size, (t,), generator=g)
     target[0], target[1], target[2] = v_local - 1, v_local, -100  # both sides of the boundary; ignored
@@ -44,16 +46,27 @@ def check(rank, world, vocab_size, label):
     from megatron_dapo.kernels import fused_linear_logprobs
 
     shard = slice(rank * v_local, (rank + 1) * v_local)
-    x = hidden.float().requires_grad_()
+    rows = slice(rank * t // world, (rank + 1) * t // world) if sequence_parallel else slice(None)
+    x = hidden[rows].float().requires_grad_()
     w = weight[shard].float().requires_grad_()
-    lp, ent = fused_linear_logprobs(
-        x, w, target, tp_group=dist.group.WORLD, temperature=temp, vocab_size=vocab_size, chunk_tokens=5
-    )
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda s: saved.append(tuple(s.shape)) or s, lambda s: s):
+        lp, ent = fused_linear_logprobs(
+            x,
+            w,
+            target,
+            tp_group=dist.group.WORLD,
+            temperature=temp,
+            vocab_size=vocab_size,
+            chunk_tokens=5,
+            sequence_parallel=sequence_parallel,
+        )
+    assert (t, h) not in saved or not sequence_parallel, f"rank {rank}: the gathered hidden was saved: {saved}"
     ((lp * a.float()).sum() + (ent * b.float()).sum()).backward()
     for name, got, want in (
         ("logprobs", lp, rlp),
         ("entropy", ent, rent),
-        ("dH", x.grad, rh.grad),
+        ("dH", x.grad, rh.grad[rows]),
         ("dW shard", w.grad, rw.grad[shard]),
     ):
         err = (got.double() - want.detach()).abs().max().item()
@@ -67,6 +80,7 @@ def main():
     assert world == 2, world
     check(rank, world, vocab_size=50, label="padded")  # rank 1: 23 real rows + 4 padding
     check(rank, world, vocab_size=27, label="rank1-padding-only")
+    check(rank, world, vocab_size=50, label="sequence-parallel", sequence_parallel=True)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: FUSED LINEAR TP OK", flush=True)
