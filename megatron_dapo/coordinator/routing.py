@@ -29,12 +29,8 @@ server holds a version >= the request's V_traj).
   the engine's own count plus the rounded charges of what the router placed since.)
 
 Server order (`server_order`), as PSRL's candidate sort indicator:
-- `version`: a brand-new request prefers the newest version; a resumed one (partial rollout) takes the
-  best gain over every server at a version it may use. (PSRL, and this module before issue 25, sent a
-  resumed request to the oldest version it may use, leaving the newest servers to new work. Simulated
-  in the PSRL-like setting, that oldest version was one engine a status_based sync held back because its
-  KV cache was full: every continuation of a migration went there (203 requests, 176 of them queued in
-  the engine, with 30 engines idle for ~1300 s of a step), which kept it full, so it never synced.)
+- `version`: a brand-new request prefers the newest version; a resumed one (partial rollout) the
+  oldest version it may use, leaving the newest servers to new work.
 - `reserve_capability`: first the servers whose version equals one at which the request's group
   siblings already run (PSRL: the group can use its existing reservation entry, "without a new
   reserve entry"; here a group holds one staleness slot, so what this keeps together is the weight
@@ -114,10 +110,8 @@ def candidates(req: RouteRequest, servers: Sequence[ServerView]) -> list[ServerV
 
 
 def order_key(req: RouteRequest, s: ServerView, server_order: str) -> tuple:
-    """Smaller = preferred group of servers. A resumed request has no version preference: the oldest
-    version it may use is often one lagging engine (status_based sync holds back a KV-full engine), and
-    preferring it sent every continuation there, which kept it full and never synced (module docstring)."""
-    version = 0 if req.resumed else -s.version
+    """Smaller = preferred group of servers."""
+    version = s.version if req.resumed else -s.version
     if server_order == "reserve_capability":
         return (s.version not in req.sibling_versions, version)
     return (version,)
