@@ -58,6 +58,13 @@ if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
     [redundancy_8]="rollout.redundancy.extra_prompts=8"
     [retry_1]="rollout.retry.threshold=1"
     [scaled]="rollout.redundancy.extra_prompts=8 rollout.retry.threshold=1"
+    # status_based sync's KV-cache threshold, with least_outstanding routing and with throughput_optimal
+    [lo_kv_0.5]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.5"
+    [lo_kv_0.7]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.7"
+    [lo_kv_0.9]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.9"
+    [lo_kv_0.99]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.99"
+    [to_kv_0.7]="rollout.routing.method=throughput_optimal rollout.sync.threshold=0.7"
+    [to_kv_0.99]="rollout.routing.method=throughput_optimal rollout.sync.threshold=0.99"
   )
   [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue no_status_sync no_migration no_retry no_redundancy)
   common=(--staleness "${STALENESS%%,*}" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
