@@ -260,7 +260,6 @@ def check_exact_update(
         train_batch_size=3,
         **algo,
     )
-    cfg.parallel.sequence_parallel = sequence_parallel
     cfg.model.moe_aux_loss_coeff = 0.0  # the reference computes the policy loss only
     if recompute:
         cfg.model.recompute_granularity = "full"
