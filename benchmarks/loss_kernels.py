@@ -39,14 +39,17 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 VARIANTS = ("naive", "project", "megatron")
-LM_HEAD_VARIANTS = ("naive", "today", "megatron", "fused")
+LM_HEAD_VARIANTS = ("naive", "today", "megatron", "fused", "fused-triton")
 LM_HEAD_DOC = """--mode lm-head: hidden [T, H] and weight [V, H] (bf16, TP=1) to per-token logprob + entropy,
 forward + backward of (logprob * a).sum() + (entropy * b).sum() into dH and dW:
   naive     logits = hidden @ weight.T, fp32 log_softmax, gather, entropy -(p log p).sum
   today     the actor with algo.fused_lm_head=false: the output layer's bf16 logits,
             mask_padded_vocab_logits, then the project's vocab_parallel_logprobs(with_entropy=True)
   megatron  the same logits into megatron-core's vocab_parallel_cross_entropy, plus an fp32 entropy
-  fused     megatron_dapo.kernels.fused_linear_logprobs (token chunks sized from its workspace)
+  fused     megatron_dapo.kernels.fused_linear_logprobs (token chunks sized from its workspace),
+            backend="torch": the per-chunk softmax work in torch ops
+  fused-triton  the same op with backend="triton": that work in its Triton kernels (CUDA only; the
+            default variant list includes it when a GPU is present)
 "extra" = peak (CPU: VmHWM reset after the inputs and a small warm-up; CUDA: max_memory_allocated)
 above the memory before the step, minus the dH and dW outputs themselves (bf16, the same for every
 variant). Rows whose estimate (extra per token of the same variant's smallest-T row, times T) exceeds
@@ -258,10 +261,11 @@ def make_lm_head_variant(name: str):
     if name == "megatron":
         ce = make_variant("megatron")
         return lambda h, w, t: (lambda x: (ce(x, t), fp32_entropy(x)))(h @ w.t())
-    if name == "fused":
+    if name in ("fused", "fused-triton"):
         from megatron_dapo.kernels import fused_linear_logprobs
 
-        return lambda h, w, t: fused_linear_logprobs(h, w, t, temperature=LM_TEMPERATURE)
+        backend = "triton" if name == "fused-triton" else "torch"
+        return lambda h, w, t: fused_linear_logprobs(h, w, t, temperature=LM_TEMPERATURE, backend=backend)
     raise ValueError(f"unknown lm-head variant {name!r}, expected one of {LM_HEAD_VARIANTS}")
 
 
@@ -388,7 +392,8 @@ def lm_head_main(args) -> int:
     if args.worker:
         print(json.dumps(run_lm_head_worker(args.worker, tokens[0], args.hidden, args.vocab, args.dtype)), flush=True)
         return 0
-    variants = [v for v in args.variants or LM_HEAD_VARIANTS]
+    cuda_only = () if torch.cuda.is_available() else ("fused-triton",)
+    variants = args.variants or [v for v in LM_HEAD_VARIANTS if v not in cuda_only]
     rows: list[dict] = []
     for t in tokens:
         for name in variants:

@@ -1,24 +1,20 @@
 """One test suite for both backends of the DAPO hot paths (megatron_dapo.kernels.dispatch).
 
-Each test runs against:
-  * "torch"            the pure torch reference (CPU; always);
-  * "triton-cuda"      the Triton kernels on a GPU (marked gpu; skipped without CUDA);
-  * "triton-interpret" the Triton kernels on CPU under TRITON_INTERPRET=1, only when
-                       MEGATRON_DAPO_TEST_BACKENDS=triton-interpret; tests/test_kernels_interpret.py
-                       launches this file that way in a subprocess, because triton reads the
-                       variable when a kernel is decorated, i.e. before this process could set it.
-Every result is compared with the plain float64 computations of tests/workers/algo_reference.py.
+Each test runs against the backends of tests/backends.py: "torch" (CPU), "triton-cuda" (marked gpu)
+and, under MEGATRON_DAPO_TEST_BACKENDS=triton-interpret (tests/test_kernels_interpret.py), only
+"triton-interpret". Every result is compared with the plain float64 computations of
+tests/workers/algo_reference.py.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
 from megatron_dapo.kernels import dispatch
+from tests.backends import backend_params
 from tests.workers.algo_reference import (
     ref_filter,
     ref_group_advantages,
@@ -28,19 +24,9 @@ from tests.workers.algo_reference import (
 )
 
 
-def _backends():
-    if os.environ.get("MEGATRON_DAPO_TEST_BACKENDS") == "triton-interpret":
-        return [pytest.param(("triton", "cpu"), id="triton-interpret")]
-    return [
-        pytest.param(("torch", "cpu"), id="torch"),
-        pytest.param(("triton", "cuda"), id="triton-cuda", marks=pytest.mark.gpu),
-    ]
-
-
-@pytest.fixture(params=_backends())
+@pytest.fixture(params=backend_params())
 def be(request):
-    backend, device = request.param
-    return backend, torch.device(device)
+    return request.param
 
 
 def close(actual, expected, atol, rtol=0.0, what=""):

@@ -56,18 +56,24 @@ def _triton_available() -> bool:
     return True
 
 
-def _triton(module: str):
+def resolve_fp32_backend(tensor: torch.Tensor, backend: str | None = None) -> str:
+    """resolve_backend for a kernel that computes in fp32: "auto" keeps float64 tensors (gradchecks,
+    references) on the torch path."""
+    if tensor.dtype == torch.float64 and (backend or os.environ.get(ENV_VAR, "auto")) == "auto":
+        backend = "torch"
+    return resolve_backend(tensor.device, backend)
+
+
+def triton_module(module: str):
+    """A Triton module of this package, imported on first use (it imports triton)."""
     return importlib.import_module(f"megatron_dapo.kernels.{module}")
 
 
 def vocab_parallel_logprobs(
     logits_shard, target_ids, tp_group=None, temperature=1.0, with_entropy=False, *, backend: str | None = None
 ):
-    # the fused kernel computes in fp32; "auto" keeps float64 (gradchecks, references) on the torch path
-    if logits_shard.dtype == torch.float64 and (backend or os.environ.get(ENV_VAR, "auto")) == "auto":
-        backend = "torch"
-    if resolve_backend(logits_shard.device, backend) == "triton":
-        return _triton("logprobs_triton").vocab_parallel_logprobs(
+    if resolve_fp32_backend(logits_shard, backend) == "triton":
+        return triton_module("logprobs_triton").vocab_parallel_logprobs(
             logits_shard, target_ids, tp_group, temperature, with_entropy
         )
     return _logprobs.vocab_parallel_logprobs(logits_shard, target_ids, tp_group, temperature, with_entropy)
@@ -75,23 +81,24 @@ def vocab_parallel_logprobs(
 
 def dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs):
     if resolve_backend(logprobs.device, backend) == "triton":
-        return _triton("loss_triton").dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
+        loss_triton = triton_module("loss_triton")
+        return loss_triton.dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
     return _loss.dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
 
 
 def group_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6, *, backend: str | None = None):
     if resolve_backend(rewards.device, backend) == "triton":
-        return _triton("group_triton").group_advantages(rewards, group_ids, norm_by_std, eps)
+        return triton_module("group_triton").group_advantages(rewards, group_ids, norm_by_std, eps)
     return _adv.group_advantages(rewards, group_ids, norm_by_std, eps)
 
 
 def dynamic_sampling_filter(metric, group_ids, correct_threshold=0.5, *, backend: str | None = None):
     if resolve_backend(metric.device, backend) == "triton":
-        return _triton("group_triton").dynamic_sampling_filter(metric, group_ids, correct_threshold)
+        return triton_module("group_triton").dynamic_sampling_filter(metric, group_ids, correct_threshold)
     return _filter.dynamic_sampling_filter(metric, group_ids, correct_threshold)
 
 
 def token_advantages(advantages, loss_mask, *, backend: str | None = None):
     if resolve_backend(advantages.device, backend) == "triton":
-        return _triton("group_triton").token_advantages(advantages, loss_mask)
+        return triton_module("group_triton").token_advantages(advantages, loss_mask)
     return _adv.token_advantages(advantages, loss_mask)

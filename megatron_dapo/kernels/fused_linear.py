@@ -39,6 +39,17 @@ megatron-core's fp32 main_grad); for a half weight without main_grad a second pa
 blocks (each block's dW summed over all token chunks in an fp32 block, then stored), which costs one more
 logits recompute but no full-size fp32 copy of dW.
 
+Backends (`backend`: "auto" | "torch" | "triton", resolved by megatron_dapo.kernels.dispatch on hidden's
+device: "auto" is Triton on CUDA and torch elsewhere, float64 under "auto" stays torch, and
+MEGATRON_DAPO_KERNELS overrides "auto"). Both share everything above: the matmuls stay in torch (cuBLAS on
+a GPU), and so do the chunk loop, the TP merge, the sequence-parallel gather / reduce-scatter and
+main_grad. They differ only in the per-chunk work on the [chunk, n_valid] fp32 logits block (RowOps):
+  torch   several torch ops per chunk (max, gather, exp, sums; backward in place plus a second block);
+          CPU, and the reference;
+  triton  megatron_dapo.kernels.fused_linear_triton: forward one pass over the block per row with an
+          online max (the temperature applied on load), backward d loss / d logits written over the
+          block in place (no second block); CUDA, or CPU under TRITON_INTERPRET=1 (tests only).
+
 Gradient-accumulation fusion (gradient_accumulation_fusion=True and the weight has megatron-core's
 `main_grad`): dW is added straight into weight.main_grad, as megatron-core's own linear layer does, and
 the weight's autograd gradient is the same dummy that layer returns (so DDP's hook does not add it again).
@@ -53,12 +64,14 @@ reduce_hidden_grad=False when the caller already routes hidden through such a re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.logprobs import Z_FLOOR, GlobalStats, ShardPartials, merge_partials
+from megatron_dapo.kernels.dispatch import resolve_fp32_backend, triton_module
 
 WORKSPACE_MIB = 64.0  # the two [chunk, V_local] fp32 blocks of one token chunk, together
 WEIGHT_BLOCK_MIB = 16.0  # one fp32 vocab block of a half weight (upcast block by block)
@@ -126,40 +139,81 @@ class _Head:
             yield lo, hi, self.weight[lo:hi].float()
 
     def logits(self, h32: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out = h32 @ weight.T / temperature in fp32, [chunk, n_valid]."""
+        """out = h32 @ weight.T in fp32, [chunk, n_valid] (the row ops divide by the temperature)."""
         for lo, hi, w in self.blocks():
             if hi - lo == self.n_valid:
                 torch.matmul(h32, w.t(), out=out)
             else:
                 out[:, lo:hi] = h32 @ w.t()
-        return out if self.inv_temp == 1.0 else out.mul_(self.inv_temp)
+        return out
 
 
-def _forward_partials(hidden, head: _Head, local_target, inside, with_entropy, chunk) -> ShardPartials:
+@dataclass(frozen=True)
+class RowOps:
+    """The per-chunk work on a [rows, cols] block of raw fp32 logits (hidden @ weight.T, not yet divided
+    by the temperature), one implementation per backend: this module's torch functions, or the Triton
+    kernels of megatron_dapo.kernels.fused_linear_triton. Both may overwrite the block.
+
+    partials(x, local_target, inside, inv_temp, out: ShardPartials of [rows] views, scratch) writes the
+        rows' partials relative to their own max (target_rel 0 where the target is not in the shard).
+    grad_logits(x, up: Upstream, lo, hi, col_lo, inv_temp, scratch) returns d loss / d x of tokens
+        lo..hi, x holding the columns col_lo.. of the shard.
+    scratch is a second [rows, cols] fp32 block when needs_scratch, else None."""
+
+    partials: Callable
+    grad_logits: Callable
+    needs_scratch: bool
+
+
+def _row_ops(backend: str) -> RowOps:
+    return triton_module("fused_linear_triton").ROW_OPS if backend == "triton" else TORCH_ROW_OPS
+
+
+def _blocks(like: torch.Tensor, rows: int, cols: int, ops: RowOps):
+    """The reused fp32 logits block of a chunk and, if the row ops need one, its scratch block."""
+    new = lambda: like.new_empty(rows, cols, dtype=torch.float32)
+    return new(), (new() if ops.needs_scratch else None)
+
+
+def _first_rows(buf: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    return None if buf is None else buf[:n]
+
+
+def _scaled(x: torch.Tensor, inv_temp: float) -> torch.Tensor:
+    return x if inv_temp == 1.0 else x.mul_(inv_temp)
+
+
+def _partials_torch(x, local_target, inside, inv_temp, out: ShardPartials, scratch) -> None:
+    x = _scaled(x, inv_temp)
+    m = x.amax(dim=1)
+    out.max.copy_(m)
+    # only the owning rank contributes x_target
+    out.target_rel.copy_(torch.where(inside, x.gather(1, local_target[:, None]).squeeze(1) - m, 0.0))
+    z = x.sub_(m[:, None])  # z_r = x - m_r <= 0: exp never overflows
+    e = torch.exp(z, out=scratch)
+    out.sum_exp.copy_(e.sum(dim=1))
+    if out.ent_term is not None:  # sum exp(z_r) z_r: entropy relative to m_r, no cancellation
+        out.ent_term.copy_(e.mul_(z).sum(dim=1))
+
+
+def _forward_partials(hidden, head: _Head, local_target, inside, with_entropy, chunk, ops) -> ShardPartials:
     """Per-token partials of this rank's shard relative to its own max m_r, one token chunk at a time."""
     n_tok = hidden.shape[0]
     m_r, s_r, tgt = (hidden.new_zeros(n_tok, dtype=torch.float32) for _ in range(3))
     ent = hidden.new_zeros(n_tok, dtype=torch.float32) if with_entropy else None
     if head.n_valid == 0:  # a shard of padding only: its max is "-inf" and it adds nothing to the sums
         return ShardPartials(m_r.fill_(Z_FLOOR), s_r, tgt, ent)
-    xbuf, ebuf = (hidden.new_empty(min(chunk, n_tok), head.n_valid, dtype=torch.float32) for _ in range(2))
+    xbuf, scratch = _blocks(hidden, min(chunk, n_tok), head.n_valid, ops)
     for lo in range(0, n_tok, chunk):
         hi = min(lo + chunk, n_tok)
         x = head.logits(hidden[lo:hi].float(), xbuf[: hi - lo])
-        m = x.amax(dim=1)
-        m_r[lo:hi] = m
-        tgt[lo:hi] = x.gather(1, local_target[lo:hi, None]).squeeze(1) - m
-        z = x.sub_(m[:, None])  # z_r = x - m_r <= 0: exp never overflows
-        e = torch.exp(z, out=ebuf[: hi - lo])
-        s_r[lo:hi] = e.sum(dim=1)
-        if with_entropy:
-            ent[lo:hi] = e.mul_(z).sum(dim=1)  # sum exp(z_r) z_r: entropy relative to m_r, no cancellation
-    tgt = torch.where(inside, tgt, torch.zeros_like(tgt))  # only the owning rank contributes x_target
+        rows = ShardPartials(m_r[lo:hi], s_r[lo:hi], tgt[lo:hi], None if ent is None else ent[lo:hi])
+        ops.partials(x, local_target[lo:hi], inside[lo:hi], head.inv_temp, rows, _first_rows(scratch, hi - lo))
     return ShardPartials(m_r, s_r, tgt, ent)
 
 
 @dataclass(frozen=True)
-class _Upstream:
+class Upstream:
     """What the backward needs per token: the incoming gradients and the saved global statistics."""
 
     stats: GlobalStats
@@ -169,9 +223,9 @@ class _Upstream:
     gh: torch.Tensor | None
 
 
-def _grad_logits(x, up: _Upstream, lo, hi, col_lo, inv_temp, pbuf):
+def _grad_logits_torch(x, up: Upstream, lo, hi, col_lo, inv_temp, pbuf):
     """d loss / d x for tokens lo..hi and the columns col_lo.. of x (in place over x; pbuf a scratch)."""
-    z = x.sub_(up.stats.max[lo:hi, None])  # x - m
+    z = _scaled(x, inv_temp).sub_(up.stats.max[lo:hi, None])  # x - m
     p = torch.sub(z, up.stats.log_sum_exp[lo:hi, None], out=pbuf).exp_()
     if up.gh is not None:  # g_H p (E[z] - z), written over z: E[z] - z = E[x] - x
         z.neg_().add_(up.stats.mean_z[lo:hi, None]).mul_(p).mul_(up.gh[lo:hi, None])
@@ -184,18 +238,22 @@ def _grad_logits(x, up: _Upstream, lo, hi, col_lo, inv_temp, pbuf):
     else:
         p.zero_()
     g = p.add_(z) if up.gh is not None else p
-    return g if inv_temp == 1.0 else g.mul_(inv_temp)  # x = logits / temperature
+    return _scaled(g, inv_temp)  # x = logits / temperature
 
 
-def _backward_by_tokens(hidden, head: _Head, up: _Upstream, dh, dw32, chunk):
+TORCH_ROW_OPS = RowOps(_partials_torch, _grad_logits_torch, needs_scratch=True)
+
+
+def _backward_by_tokens(hidden, head: _Head, up: Upstream, dh, dw32, chunk, ops: RowOps):
     """One pass over token chunks: dh[lo:hi] (this shard's contribution, hidden's dtype) and, when dw32
     (fp32 [n_valid, H]) is given, dW accumulated into it."""
     n_tok = hidden.shape[0]
-    zbuf, pbuf = (hidden.new_empty(min(chunk, n_tok), head.n_valid, dtype=torch.float32) for _ in range(2))
+    zbuf, pbuf = _blocks(hidden, min(chunk, n_tok), head.n_valid, ops)
     for lo in range(0, n_tok, chunk):
         hi = min(lo + chunk, n_tok)
         h32 = hidden[lo:hi].float()
-        g = _grad_logits(head.logits(h32, zbuf[: hi - lo]), up, lo, hi, 0, head.inv_temp, pbuf[: hi - lo])
+        x = head.logits(h32, zbuf[: hi - lo])
+        g = ops.grad_logits(x, up, lo, hi, 0, head.inv_temp, _first_rows(pbuf, hi - lo))
         if dh is not None:
             acc = None
             for c_lo, c_hi, w in head.blocks():
@@ -206,40 +264,41 @@ def _backward_by_tokens(hidden, head: _Head, up: _Upstream, dh, dw32, chunk):
             dw32.addmm_(g.t(), h32)
 
 
-def _backward_weight_by_blocks(hidden, head: _Head, up: _Upstream, store, workspace_mib):
+def _backward_weight_by_blocks(hidden, head: _Head, up: Upstream, store, workspace_mib, ops: RowOps):
     """dW of a half weight without a fp32 target: vocab block by block, each block's fp32 dW summed over
     all token chunks and handed to store(lo, hi, block)."""
     n_tok = hidden.shape[0]
     for c_lo, c_hi, w in head.blocks():
         acc = torch.zeros(c_hi - c_lo, hidden.shape[1], dtype=torch.float32, device=hidden.device)
         chunk = min(n_tok, chunk_tokens_for(c_hi - c_lo, workspace_mib, hidden.shape[1]))
-        xbuf, pbuf = (hidden.new_empty(chunk, c_hi - c_lo, dtype=torch.float32) for _ in range(2))
+        xbuf, pbuf = _blocks(hidden, chunk, c_hi - c_lo, ops)
         for lo in range(0, n_tok, chunk):
             hi = min(lo + chunk, n_tok)
             h32 = hidden[lo:hi].float()
-            x = torch.matmul(h32, w.t(), out=xbuf[: hi - lo]).mul_(head.inv_temp)
-            g = _grad_logits(x, up, lo, hi, c_lo, head.inv_temp, pbuf[: hi - lo])
+            x = torch.matmul(h32, w.t(), out=xbuf[: hi - lo])
+            g = ops.grad_logits(x, up, lo, hi, c_lo, head.inv_temp, _first_rows(pbuf, hi - lo))
             acc.addmm_(g.t(), h32)
         store(c_lo, c_hi, acc)
 
 
-def _weight_grad(hidden, weight, head: _Head, up: _Upstream, main_grad, dh, chunk, workspace_mib):
+def _weight_grad(hidden, weight, head: _Head, up: Upstream, main_grad, dh, chunk, opts):
     """Run the backward passes; returns the weight's autograd gradient (None when it went to main_grad)."""
+    ops = _row_ops(opts.backend)
     n_valid = head.n_valid
     fresh = None if main_grad is not None else torch.zeros_like(weight)  # padding rows stay 0
     target = main_grad if main_grad is not None else fresh
     if n_valid == 0:  # a shard of padding only: no logits, dH and dW contributions are 0
         return fresh
     if target.dtype == torch.float32:
-        _backward_by_tokens(hidden, head, up, dh, target[:n_valid], chunk)
+        _backward_by_tokens(hidden, head, up, dh, target[:n_valid], chunk, ops)
         return fresh
     if dh is not None:
-        _backward_by_tokens(hidden, head, up, dh, None, chunk)
+        _backward_by_tokens(hidden, head, up, dh, None, chunk, ops)
 
     def store(lo, hi, block):
         target[lo:hi].add_(block)  # target rows lo..hi are 0 when fresh: this is a cast
 
-    _backward_weight_by_blocks(hidden, head, up, store, workspace_mib)
+    _backward_weight_by_blocks(hidden, head, up, store, opts.workspace_mib, ops)
     return fresh
 
 
@@ -267,7 +326,8 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         local_target = torch.where(inside, local, torch.zeros_like(local)).contiguous()
         head = _Head(weight[:n_valid], 1.0 / opts.temperature)
         chunk = opts.chunk_tokens or chunk_tokens_for(n_valid, opts.workspace_mib, hidden.shape[1])
-        partials = _forward_partials(full, head, local_target, inside, opts.with_entropy, chunk)
+        ops = _row_ops(opts.backend)
+        partials = _forward_partials(full, head, local_target, inside, opts.with_entropy, chunk, ops)
         stats = merge_partials(partials, inside, opts.tp_group)
         mean_z = stats.mean_z if opts.with_entropy else stats.max  # a placeholder: save_for_backward takes no None
         ctx.save_for_backward(hidden, weight, local_target, inside, valid, stats.max, stats.log_sum_exp, mean_z)
@@ -289,16 +349,16 @@ class _FusedLinearLogprobs(torch.autograd.Function):
         if (glp is None and gh is None) or not (need_dh or need_dw):
             return None, None, None, None
         full = _gather_rows(hidden, opts.tp_group) if opts.sequence_parallel else hidden
-        up = _Upstream(GlobalStats(m, log_s, None, mean_z), local_target, inside, glp, gh)
+        up = Upstream(GlobalStats(m, log_s, None, mean_z), local_target, inside, glp, gh)
         head = _Head(weight[: ctx.n_valid], 1.0 / opts.temperature)
         dh = full.new_zeros(full.shape) if need_dh else None
         dw = None
         if need_dw:
-            dw = _weight_grad(full, weight, head, up, main_grad, dh, ctx.chunk, opts.workspace_mib)
+            dw = _weight_grad(full, weight, head, up, main_grad, dh, ctx.chunk, opts)
             if main_grad is not None:
                 dw = _main_grad_dummy(weight)
         elif dh is not None and head.n_valid:
-            _backward_by_tokens(full, head, up, dh, None, ctx.chunk)
+            _backward_by_tokens(full, head, up, dh, None, ctx.chunk, _row_ops(opts.backend))
         if need_dh:
             dh = _reduce_hidden_grad(dh, opts)
         return dh, dw, None, None
@@ -326,6 +386,7 @@ class _Options:
     reduce_hidden_grad: bool
     sequence_parallel: bool
     gradient_accumulation_fusion: bool
+    backend: str  # "torch" | "triton" (resolved)
 
 
 def fused_linear_logprobs(
@@ -342,10 +403,13 @@ def fused_linear_logprobs(
     chunk_tokens: int | None = None,
     workspace_mib: float = WORKSPACE_MIB,
     reduce_hidden_grad: bool = True,
+    backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Target log-probs (and entropy) of softmax(hidden @ weight.T / temperature) over the whole
     (vocab-parallel) vocabulary, without materialising the logits; see the module docstring.
-    chunk_tokens (default: sized from workspace_mib) fixes the token chunk."""
+    chunk_tokens (default: sized from workspace_mib) fixes the token chunk. backend: "auto" (None),
+    "torch" or "triton" for the per-chunk row work, resolved on hidden as megatron_dapo.kernels.dispatch
+    does (float64 under "auto" stays torch)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_linear_logprobs: hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}")
     if target_ids.dim() != 1 or target_ids.dtype not in (torch.int32, torch.int64):
@@ -367,6 +431,7 @@ def fused_linear_logprobs(
         bool(reduce_hidden_grad),
         bool(sequence_parallel),
         bool(gradient_accumulation_fusion),
+        resolve_fp32_backend(hidden, backend),
     )
     logprobs, entropy = _FusedLinearLogprobs.apply(hidden, weight, target_ids.long(), opts)
     return logprobs, (entropy if with_entropy else None)

@@ -126,11 +126,23 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def shard_partials_triton(logits2d, local_target, inside, inv_temp, with_entropy, block_v) -> ShardPartials:
+def block_for(n_cols: int, block_v: int = DEFAULT_BLOCK_V) -> int:
+    """The vocab tile of a row of n_cols: block_v, or the next power of two >= n_cols (>= 16) if smaller."""
+    return min(block_v, triton.next_power_of_2(max(n_cols, 16)))
+
+
+def shard_partials_triton(
+    logits2d, local_target, inside, inv_temp, with_entropy, block_v, out: ShardPartials | None = None
+) -> ShardPartials:
+    """Per-row partials of a [T, V] block (rows of unit column stride); written into `out`'s fp32 [T]
+    vectors when given (their ent_term present iff with_entropy)."""
     n_tok, vocab = logits2d.shape
-    f32 = dict(dtype=torch.float32, device=logits2d.device)
-    m, s, t = torch.empty(n_tok, **f32), torch.empty(n_tok, **f32), torch.empty(n_tok, **f32)
-    q = torch.empty(n_tok, **f32) if with_entropy else m
+    if out is None:
+        f32 = dict(dtype=torch.float32, device=logits2d.device)
+        new = [torch.empty(n_tok, **f32) for _ in range(4 if with_entropy else 3)]
+        out = ShardPartials(*new[:3], new[3] if with_entropy else None)
+    m, s, t = out.max, out.sum_exp, out.target_rel
+    q = out.ent_term if with_entropy else m
     if n_tok:
         _logprob_fwd_kernel[(n_tok,)](
             logits2d,
@@ -146,12 +158,14 @@ def shard_partials_triton(logits2d, local_target, inside, inv_temp, with_entropy
             WITH_ENTROPY=with_entropy,
             BLOCK=block_v,
         )
-    return ShardPartials(m, s, t, q if with_entropy else None)
+    return out
 
 
-def grad_logits_triton(logits2d, local_target, inside, stats: GlobalStats, inv_temp, glp, gh, block_v):
+def grad_logits_triton(logits2d, local_target, inside, stats: GlobalStats, inv_temp, glp, gh, block_v, out=None):
+    """d loss / d logits of a [T, V] block, into `out` (default: a new tensor like logits2d); out may be
+    logits2d itself: each program reads a tile before it writes the same tile."""
     n_tok, vocab = logits2d.shape
-    grad = torch.empty_like(logits2d)
+    grad = torch.empty_like(logits2d) if out is None else out
     dummy = stats.max
     if n_tok:
         _logprob_bwd_kernel[(n_tok,)](
@@ -203,7 +217,7 @@ def vocab_parallel_logprobs(
             f"triton vocab_parallel_logprobs computes in fp32; got {logits_shard.dtype} logits "
             "(use the torch backend for float64)"
         )
-    block_v = min(block_v, triton.next_power_of_2(max(logits_shard.shape[-1], 16)))
+    block_v = block_for(logits_shard.shape[-1], block_v)
     logprobs, entropy = _TritonVocabParallelLogprobs.apply(
         logits_shard, target_ids, tp_group, float(temperature), bool(with_entropy), int(block_v)
     )

@@ -3,12 +3,15 @@
 entropy, dH (after the op's all-reduce) and each rank's dW shard. Two layouts: padding in rank 1's
 half, and rank 1 holding padding only; and sequence parallel: each rank passes its half of the tokens,
 gets every token's values and its half of dH, and the op saves only that half for backward.
+argv[1]: the op's backend ("torch" or "triton"; "triton" on CPU needs TRITON_INTERPRET=1).
 Exits non-zero (assertion) on any mismatch.
 
 `naive_reference` is also the TP=1 reference of tests/test_fused_linear.py.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 import torch.distributed as dist
@@ -34,7 +37,7 @@ def make_case(t, h, rows, seed):
     return g, hidden, weight, a, b
 
 
-def check(rank, world, vocab_size, label, sequence_parallel=False):
+def check(rank, world, vocab_size, label, backend, sequence_parallel=False):
     t, h, v_local, temp = (14 if sequence_parallel else 13), 8, 27, 0.7
     g, hidden, weight, a, b = make_case(t, h, world * v_local, seed=1)  # the same tensors on every rank
     target = torch.randint(0, vocab_size, (t,), generator=g)
@@ -60,6 +63,7 @@ def check(rank, world, vocab_size, label, sequence_parallel=False):
             vocab_size=vocab_size,
             chunk_tokens=5,
             sequence_parallel=sequence_parallel,
+            backend=backend,
         )
     assert (t, h) not in saved or not sequence_parallel, f"rank {rank}: the gathered hidden was saved: {saved}"
     ((lp * a.float()).sum() + (ent * b.float()).sum()).backward()
@@ -78,12 +82,13 @@ def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     assert world == 2, world
-    check(rank, world, vocab_size=50, label="padded")  # rank 1: 23 real rows + 4 padding
-    check(rank, world, vocab_size=27, label="rank1-padding-only")
-    check(rank, world, vocab_size=50, label="sequence-parallel", sequence_parallel=True)
+    backend = sys.argv[1] if len(sys.argv) > 1 else "torch"
+    check(rank, world, vocab_size=50, label="padded", backend=backend)  # rank 1: 23 real rows + 4 padding
+    check(rank, world, vocab_size=27, label="rank1-padding-only", backend=backend)
+    check(rank, world, vocab_size=50, label="sequence-parallel", backend=backend, sequence_parallel=True)
     dist.barrier()
     dist.destroy_process_group()
-    print(f"rank {rank}: FUSED LINEAR TP OK", flush=True)
+    print(f"rank {rank}: FUSED LINEAR TP OK backend={backend}", flush=True)
 
 
 if __name__ == "__main__":
