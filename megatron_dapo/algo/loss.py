@@ -49,6 +49,8 @@ local counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -59,22 +61,12 @@ NUM_ROW_STATS = 8
 # |logprob - old_logprob| is clamped to this before exp (verl core_algos.compute_policy_loss).
 LOG_RATIO_BOUND = 20.0
 
+# A backend's per-sequence partials: (logprobs, old_logprobs, advantages, loss_mask, clip_ratio_low,
+# clip_ratio_high, clip_ratio_c, rollout_is_weights, rollout_is_cap) on [B, S] rows -> [B, NUM_ROW_STATS].
+RowStats = Callable[..., torch.Tensor]
 
-def check_loss_inputs(
-    logprobs,
-    old_logprobs,
-    advantages,
-    loss_mask,
-    clip_ratio_low,
-    clip_ratio_high,
-    clip_ratio_c,
-    loss_agg_mode,
-    global_num_tokens,
-    global_num_seqs,
-    dp_world_size,
-    rollout_is_weights,
-    rollout_is_cap,
-) -> None:
+
+def check_loss_shapes(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights, loss_agg_mode) -> None:
     name = "dapo_policy_loss"
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{name}: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
@@ -96,6 +88,12 @@ def check_loss_inputs(
             f"{name}: logprobs must be [batch, seq] (or [tokens] for token-mean), "
             f"got shape {tuple(logprobs.shape)} with {loss_agg_mode}"
         )
+
+
+def check_loss_settings(
+    clip_ratio_low, clip_ratio_high, clip_ratio_c, global_num_tokens, global_num_seqs, dp_world_size, rollout_is_cap
+) -> None:
+    name = "dapo_policy_loss"
     if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0):
         raise ValueError(
             f"{name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}"
@@ -230,31 +228,23 @@ def dapo_policy_loss(
     dp_world_size: int = 1,
     rollout_is_cap: float | None = 2.0,
     token_sum_norm: float | None = None,
+    row_stats: RowStats = row_stats_torch,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DAPO clipped policy loss of one micro-batch (pure torch reference; formulas in the module doc).
 
     logprobs, old_logprobs, loss_mask, rollout_is_weights: [B, S] (or [T] for token-mean);
     advantages: [B, S] or per sequence [B]. rollout_is_weights are raw per-token weights
     pi_old / pi_rollout; they are truncated at rollout_is_cap (None = no truncation) and detached.
+    row_stats computes the per-sequence partials (the Triton backend passes its fused kernel here,
+    so both backends share these checks, the row views and the aggregation).
     Returns (scalar loss, metrics dict of detached scalars).
     """
-    check_loss_inputs(
-        logprobs,
-        old_logprobs,
-        advantages,
-        loss_mask,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        loss_agg_mode,
-        global_num_tokens,
-        global_num_seqs,
-        dp_world_size,
-        rollout_is_weights,
-        rollout_is_cap,
+    check_loss_shapes(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights, loss_agg_mode)
+    check_loss_settings(
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, global_num_tokens, global_num_seqs, dp_world_size, rollout_is_cap
     )
     lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
-    rows = row_stats_torch(lp, old, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, w, rollout_is_cap)
+    rows = row_stats(lp, old, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, w, rollout_is_cap)
     return aggregate_rows(
         rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size, token_sum_norm, seq_len=lp.shape[-1]
     )

@@ -3,18 +3,22 @@
 One program per sequence streams its tokens once: clamped log-ratio, ratio, asymmetric / dual
 clip, truncated importance weight, masked sums and clip counts, giving the same per-sequence
 partials [B, NUM_ROW_STATS] as the torch path, plus d L_t / d logprob_t per token for backward. The
-aggregation over sequences and the global normalisation are the torch reference's
-`aggregate_rows`, so both backends share one definition of every loss mode and metric.
+argument checks, the aggregation over sequences and the global normalisation are the torch
+reference's (`dapo_policy_loss` takes this kernel as its `row_stats`), so both backends share one
+definition of every check, loss mode and metric.
 Only `logprobs` receives a gradient (old logprobs, advantages and weights are data).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from megatron_dapo.algo.loss import LOG_RATIO_BOUND, NUM_ROW_STATS, aggregate_rows, as_rows, check_loss_inputs
+from megatron_dapo.algo.loss import LOG_RATIO_BOUND, NUM_ROW_STATS
+from megatron_dapo.algo.loss import dapo_policy_loss as reference_dapo_policy_loss
 
 DEFAULT_BLOCK_S = 1024
 
@@ -140,54 +144,26 @@ class _TritonRowStats(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None, None, None, None, None, None
 
 
-def dapo_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    global_num_tokens: int | float | None = None,
-    rollout_is_weights: torch.Tensor | None = None,
-    *,
-    global_num_seqs: int | float | None = None,
-    dp_world_size: int = 1,
-    rollout_is_cap: float | None = 2.0,
-    token_sum_norm: float | None = None,
-    block_s: int = DEFAULT_BLOCK_S,
-):
-    """Triton version of `megatron_dapo.algo.loss.dapo_policy_loss` (same arguments and semantics)."""
-    check_loss_inputs(
+def row_stats_triton(
+    logprobs, old_logprobs, advantages, loss_mask, clip_low, clip_high, clip_c, weights, cap, block_s
+) -> torch.Tensor:
+    """The fused kernel's per-sequence partials of [B, S] rows (a `RowStats` of algo.loss, plus its tile)."""
+    block_s = min(block_s, triton.next_power_of_2(max(logprobs.shape[-1], 16)))
+    return _TritonRowStats.apply(
         logprobs,
-        old_logprobs,
-        advantages,
+        old_logprobs.detach(),
+        advantages.detach().expand_as(logprobs),
         loss_mask,
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        loss_agg_mode,
-        global_num_tokens,
-        global_num_seqs,
-        dp_world_size,
-        rollout_is_weights,
-        rollout_is_cap,
-    )
-    lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
-    block_s = min(block_s, triton.next_power_of_2(max(lp.shape[-1], 16)))
-    rows = _TritonRowStats.apply(
-        lp,
-        old.detach(),
-        adv.detach().expand_as(lp),
-        mask,
-        None if w is None else w.detach(),
-        clip_ratio_low,
-        clip_ratio_high,
-        clip_ratio_c,
-        rollout_is_cap,
+        None if weights is None else weights.detach(),
+        clip_low,
+        clip_high,
+        clip_c,
+        cap,
         block_s,
     )
-    return aggregate_rows(
-        rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size, token_sum_norm, seq_len=lp.shape[-1]
-    )
+
+
+def dapo_policy_loss(*args, block_s: int = DEFAULT_BLOCK_S, **kwargs):
+    """Triton version of `megatron_dapo.algo.loss.dapo_policy_loss` (same arguments and semantics), plus
+    the kernel's token tile `block_s`: the reference with this module's row partials."""
+    return reference_dapo_policy_loss(*args, row_stats=functools.partial(row_stats_triton, block_s=block_s), **kwargs)
