@@ -21,9 +21,7 @@ from tests.test_relaunch import _healthy
 
 pytestmark = pytest.mark.slow
 
-# A server lost after step 0 misses the syncs of the 2 steps after it; one relaunched while step 1 is held
-# is re-admitted by the sync after step 2 and updated by the one after step 3.
-LOST_STEPS, RELAUNCH_STEPS = 3, 4
+STEPS = 4
 PROBE = [5, 17, 3, 29, 11, 8, 40, 2, 19]
 
 
@@ -41,10 +39,10 @@ def own_servers(env, tmp_path):  # noqa: F811
             s.stop()
 
 
-def _run_args(env, urls, run_dir, steps, policy, pause_mode, *overrides):  # noqa: F811  (env: the fixture's value)
-    """The loop's arguments for a `steps`-step run against `urls` under one sync policy, one server enough."""
+def _run_args(env, urls, run_dir, policy, pause_mode, *overrides):  # noqa: F811  (env: the fixture's value)
+    """The loop's arguments for a STEPS-step run against `urls` under one sync policy, one server enough."""
     one_server_enough = "rollout.min_healthy_servers=1"
-    return _args({**env, "urls": urls}, run_dir, *policy_run(steps, policy, pause_mode), one_server_enough, *overrides)
+    return _args({**env, "urls": urls}, run_dir, *policy_run(STEPS, policy, pause_mode), one_server_enough, *overrides)
 
 
 def _fault_after_first_step(out, server, fault: str, stop: threading.Event):
@@ -90,7 +88,6 @@ def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_p
         env,
         urls,
         run_dir,
-        LOST_STEPS,
         policy,
         pause_mode,
         "rollout.sync.timeout_s=5" if fault == "stall" else "rollout.sync.timeout_s=30",
@@ -110,14 +107,14 @@ def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_p
     else:
         assert own_servers[1].proc is not None and _stopped(own_servers[1].proc.pid)
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(LOST_STEPS))
-    assert json.loads((out / "result.json").read_text())["steps_done"] == LOST_STEPS
-    # the server that went on holds the trainer's final weights (version LOST_STEPS: after step LOST_STEPS - 1)
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert json.loads((out / "result.json").read_text())["steps_done"] == STEPS
+    # the server that went on holds the trainer's final weights (version STEPS: after step STEPS - 1)
     version, lps = asyncio.run(_version_and_logprobs(urls[0]))
-    assert version == str(LOST_STEPS)
-    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{LOST_STEPS - 1}.pt"))
+    assert version == str(STEPS)
+    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 1}.pt"))
     assert max(abs(a - b) for a, b in zip(lps, final)) < 1e-4
-    before = _reference_logprobs(env["model"], torch.load(out / f"weights_step{LOST_STEPS - 2}.pt"))
+    before = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 2}.pt"))
     assert max(abs(a - b) for a, b in zip(final, before)) > 1e-4  # the check tells versions apart
 
 
@@ -168,7 +165,7 @@ def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(  # noqa: F
     run_dir = tmp_path / "run"
     out = run_dir / "out"
     out.mkdir(parents=True)
-    args = _run_args(env, urls, run_dir, RELAUNCH_STEPS, policy, pause_mode, "rollout.sync.timeout_s=30", *layout)
+    args = _run_args(env, urls, run_dir, policy, pause_mode, "rollout.sync.timeout_s=30", *layout)
     supervisor = ServerSupervisor(own_servers, max_relaunches=1, check_interval_s=0.2, backoff_s=0.2).start()
     stop = threading.Event()
     fault = threading.Thread(target=_kill_then_release_once_relaunched, args=(out, own_servers[1], stop), daemon=True)
@@ -190,15 +187,15 @@ def test_a_killed_server_is_relaunched_and_ends_at_the_final_weights(  # noqa: F
         supervisor.stop()
     assert supervisor.relaunches == [0, 1] and (out / "relaunched").exists()
     rows = _rows(run_dir)
-    assert [r["step"] for r in rows] == list(range(RELAUNCH_STEPS))
-    assert json.loads((out / "result.json").read_text())["steps_done"] == RELAUNCH_STEPS
+    assert [r["step"] for r in rows] == list(range(STEPS))
+    assert json.loads((out / "result.json").read_text())["steps_done"] == STEPS
     assert f"rollout server {urls[1]} re-admitted at weight version" in log
-    # back in routing by the end, and both servers hold the trainer's final weights (version RELAUNCH_STEPS)
+    # back in routing by the end, and both servers hold the trainer's final weights (version STEPS)
     assert rows[-1]["server/1/down"] == 0.0 and rows[-1]["server/0/down"] == 0.0
     if layout:  # both stages broadcast every sync, the re-admitting one included
         assert all(r["sync/sources"] == 2 for r in rows), [r.get("sync/sources") for r in rows]
-    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{RELAUNCH_STEPS - 1}.pt"))
+    final = _reference_logprobs(env["model"], torch.load(out / f"weights_step{STEPS - 1}.pt"))
     for url in urls:
         version, lps = asyncio.run(_version_and_logprobs(url))
-        assert version == str(RELAUNCH_STEPS), url
+        assert version == str(STEPS), url
         assert max(abs(a - b) for a, b in zip(lps, final)) < 1e-4, url
