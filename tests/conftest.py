@@ -8,6 +8,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests import shared_launch
+
+    shared_launch.set_timeouts(items)
     try:
         import torch
 
@@ -69,3 +72,20 @@ def sglang_peer(tmp_path_factory):
         yield server
     finally:
         server.stop()
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "torchrun_checks(nproc, checks, timeout): checks run by one shared launch (tests/shared_launch.py)"
+    )
+
+
+@pytest.fixture
+def torchrun_checks(request, tmp_path_factory):
+    """Call it to assert the test's `torchrun_checks` checks passed in their shared launch; it returns the
+    launch's output."""
+    from tests import shared_launch
+
+    launch = shared_launch.launch_for(request, tmp_path_factory)
+    checks = request.node.get_closest_marker(shared_launch.MARKER).args[1]
+    return lambda: launch.assert_passed(checks)

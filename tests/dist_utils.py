@@ -7,9 +7,12 @@ on failure; this helper surfaces their output in the pytest failure message.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.runtime.net import LOOPBACK, free_port
@@ -80,16 +83,63 @@ def start_torchrun(
     )
 
 
-def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
-    """Launch `script` (a path, or a file name in tests/workers/) on `nproc` ranks; return its output."""
-    name = Path(script).name
-    proc = start_torchrun(script, nproc, *args, env=env)
+def _finish(proc: subprocess.Popen, name: str, nproc: int, timeout: float) -> tuple[str, str | None]:
+    """Wait for a launch; return (its output, why it failed or None)."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         kill_tree(proc)  # the ranks too: each is in a session of its own
         out, _ = proc.communicate()
-        raise AssertionError(f"torchrun {name} timed out after {timeout}s\n{out[-8000:]}") from None
+        return out, f"torchrun {name} timed out after {timeout}s"
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun {name} (nproc={nproc}) failed rc={proc.returncode}\n{out[-8000:]}")
+        return out, f"torchrun {name} (nproc={nproc}) failed rc={proc.returncode}"
+    return out, None
+
+
+def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
+    """Launch `script` (a path, or a file name in tests/workers/) on `nproc` ranks; return its output."""
+    out, error = _finish(start_torchrun(script, nproc, *args, env=env), Path(script).name, nproc, timeout)
+    if error:
+        raise AssertionError(f"{error}\n{out[-8000:]}")
     return out
+
+
+@dataclass
+class CheckResults:
+    """What became of each check given to `run_check_launches`: passed, or failed with its launch's output."""
+
+    passed: set[str] = field(default_factory=set)
+    output: str = field(default="", repr=False)  # of every launch, in turn
+    failures: dict[str, str] = field(default_factory=dict, repr=False)  # check -> message and output
+
+    def assert_passed(self, checks: list[str]) -> str:
+        """Raise for the first of `checks` that did not pass; else return the launches' output."""
+        for check in checks:
+            if check in self.failures:
+                raise AssertionError(self.failures[check])
+            assert check in self.passed, f"check {check} did not run: {self.failures.get('', '')}"
+        return self.output
+
+
+def run_check_launches(script: str, nproc: int, checks: list[str], tmpdir: Path, timeout: float) -> CheckResults:
+    """Run `checks` in turn in one launch of `script` (a worker taking CHECK[,CHECK...] TMPDIR and logging
+    `CHECK PASSED <name>` after each). A failing check ends its launch: the checks after it run in a new
+    one, so that each check gets its own verdict; all launches share `timeout`."""
+    deadline, results, name = time.monotonic() + timeout, CheckResults(), Path(script).name
+    remaining = list(checks)
+    while remaining:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            results.failures[""] = f"the {timeout}s of the launches of {name} were spent before it"
+            break
+        out, error = _finish(start_torchrun(script, nproc, ",".join(remaining), str(tmpdir)), name, nproc, left)
+        done = set(re.findall(r"CHECK PASSED (\S+)", out))
+        results.passed |= done
+        results.output += out
+        rest = [c for c in remaining if c not in done]  # the checks run in order: rest[0] failed
+        failed = rest[0] if rest else remaining[-1] if error else None
+        if failed is not None:
+            why = error or "exited without its CHECK PASSED line"
+            results.failures[failed] = f"{name}: check {failed} failed ({why})\n{out[-8000:]}"
+        remaining = rest[1:]
+    return results

@@ -7,16 +7,15 @@ from __future__ import annotations
 import pytest
 
 from megatron_dapo.config import ConfigError, derived, load_config
-from tests.dist_utils import run_torchrun
 from tests.test_config import TINY
+
+FUSED_HEAD_CHECKS = ["tp1", "tp2", "pp2", "tp1_tied", "tp2_tied", "pp2_tied", "tp2_sp"]
 
 
 @pytest.mark.slow
-def test_fused_lm_head_step_equals_unfused_at_tp1_tp2_pp2_untied_and_tied(tmp_path):
-    checks = ["tp1", "tp2", "pp2", "tp1_tied", "tp2_tied", "pp2_tied", "tp2_sp"]
-    out = run_torchrun("fused_head_checks.py", 2, ",".join(checks), str(tmp_path), timeout=420)
-    for check in checks:
-        assert f"CHECK PASSED {check}" in out, out[-4000:]
+@pytest.mark.torchrun_checks(2, [f"fused_head_checks:{c}" for c in FUSED_HEAD_CHECKS], timeout=420)
+def test_fused_lm_head_step_equals_unfused_at_tp1_tp2_pp2_untied_and_tied(torchrun_checks):
+    torchrun_checks()
 
 
 def test_fused_lm_head_defaults_on_for_megatron_off_for_fsdp2():

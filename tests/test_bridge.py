@@ -22,7 +22,6 @@ from megatron_dapo.bridge.mapping import (
 )
 from megatron_dapo.models import QwenArch, padded_vocab_size
 from megatron_dapo.models.tiny import save_tiny_hf_model, tiny_hf_config
-from tests.dist_utils import run_torchrun
 
 
 def _rule(layout: str, expert: bool = False):
@@ -157,22 +156,24 @@ def _results(out: str) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_logits_and_exports_at_tp1_tp2_pp2_vpp_ep2(tmp_path):
+@pytest.mark.torchrun_checks(2, [f"bridge_layouts:{c}" for c in ("tp1", "tp2", "pp2", "pp2vpp2", "ep2")], timeout=300)
+def test_logits_and_exports_at_tp1_tp2_pp2_vpp_ep2(torchrun_checks):
     """2 ranks: every family (plus padded tied vocab, and norm_topk_prob=False) at TP1 (DP2), TP2, PP2,
     PP2 x VPP2; MoE at EP2. Logits vs HF < 1e-5; export_hf_weights == the file, bit for bit, in the same
     order on all ranks."""
-    out = run_torchrun("bridge_layouts.py", 2, str(tmp_path), "tp1", "tp2", "pp2", "pp2vpp2", "ep2", timeout=300)
+    out = torchrun_checks()
     res = _results(out)
     assert len(res) == 5 * 4 + 2, out[-3000:]
     assert max(res.values()) < 1e-5
 
 
 @pytest.mark.slow
-def test_logits_and_exports_at_tp2xpp2_and_tp2xep2(tmp_path):
+@pytest.mark.torchrun_checks(4, ["bridge_layouts:tp2pp2", "bridge_layouts:tp2ep2"], timeout=240)
+def test_logits_and_exports_at_tp2xpp2_and_tp2xep2(torchrun_checks):
     """4 ranks: TP2 x PP2 for every family, TP2 x EP2 (sequence parallel) for MoE, incl. a broadcast export
     and an export from each source (the dense tensors spread over the EP sources, each gathered by the TP
     group of the source it goes to)."""
-    out = run_torchrun("bridge_layouts.py", 4, str(tmp_path), "tp2pp2", "tp2ep2", timeout=240)
+    out = torchrun_checks()
     res = _results(out)
     assert len(res) == 5 + 2, out[-3000:]
     assert max(res.values()) < 1e-5

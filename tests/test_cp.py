@@ -8,7 +8,6 @@ import torch
 
 from megatron_dapo.trainer.cp_split import load_balanced_index, split_micro_batch
 from megatron_dapo.trainer.packing import pack
-from tests.dist_utils import run_torchrun
 
 
 def test_load_balanced_index_keeps_chunks_r_and_2cp_minus_1_minus_r_of_each_sequence():
@@ -36,17 +35,15 @@ def test_split_micro_batch_mask_is_the_packed_block_causal_mask_in_gathered_orde
 
 
 @pytest.mark.slow
-def test_cp2_logprobs_match_hf_decoder_sees_its_share_and_step_equals_one_process(tmp_path):
-    checks = ["logprobs_cp2", "train_cp2", "moe_cp2_ep2"]
-    out = run_torchrun("cp_checks.py", 2, ",".join(checks), str(tmp_path), timeout=420)
-    for check in checks:
-        assert f"CHECK PASSED {check}" in out, out[-4000:]
+@pytest.mark.torchrun_checks(2, ["cp_checks:logprobs_cp2", "cp_checks:train_cp2", "cp_checks:moe_cp2_ep2"], timeout=420)
+def test_cp2_logprobs_match_hf_decoder_sees_its_share_and_step_equals_one_process(torchrun_checks):
+    torchrun_checks()
 
 
 @pytest.mark.slow
-def test_cp2_tp2_logprobs_match_hf_at_4_ranks(tmp_path):
-    out = run_torchrun("cp_checks.py", 4, "logprobs_cp2_tp2", str(tmp_path), timeout=420)
-    assert "CHECK PASSED logprobs_cp2_tp2" in out, out[-4000:]
+@pytest.mark.torchrun_checks(4, ["cp_checks:logprobs_cp2_tp2"], timeout=420)
+def test_cp2_tp2_logprobs_match_hf_at_4_ranks(torchrun_checks):
+    torchrun_checks()
 
 
 def test_cp_config_is_accepted_and_cp_comm_type_refused_where_it_would_be_ignored():

@@ -7,14 +7,12 @@ from __future__ import annotations
 import pytest
 
 from megatron_dapo.config.load import load_config
-from tests.dist_utils import run_torchrun
 
 
 @pytest.mark.slow
-def test_fsdp_actor_matches_one_process_hf_reference(tmp_path):
-    out = run_torchrun("fsdp_checks.py", 2, str(tmp_path), timeout=300)
-    for check in ("logprobs", "export", "train", "moe"):
-        assert f"CHECK PASSED {check}" in out, out[-4000:]
+@pytest.mark.torchrun_checks(2, [f"fsdp_checks:{c}" for c in ("logprobs", "export", "train", "moe")], timeout=300)
+def test_fsdp_actor_matches_one_process_hf_reference(torchrun_checks):
+    torchrun_checks()
 
 
 def test_qwen25_3b_fsdp_config_selects_the_fsdp2_backend():

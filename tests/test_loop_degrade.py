@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.dist_utils import run_torchrun
-from tests.test_loop_run import CONFIG, _args, _rows, env  # noqa: F401  (the module fixture: model, data)
+from tests.test_loop_run import CONFIG, _args, _rows, env, policy_run  # noqa: F401  (the module fixture: model, data)
 from tests.test_relaunch import _healthy
 
 pytestmark = pytest.mark.slow
@@ -40,20 +40,9 @@ def own_servers(env, tmp_path):  # noqa: F811
 
 
 def _run_args(env, urls, run_dir, policy, pause_mode, *overrides):  # noqa: F811  (env: the fixture's value)
-    """The loop's arguments for a STEPS-step run against `urls` under one sync policy."""
-    return _args(
-        {**env, "urls": urls},
-        run_dir,
-        f"trainer.total_steps={STEPS}",
-        "algo.staleness=1",
-        "checkpoint.save_every=0",
-        "checkpoint.keep_last=0",
-        f"rollout.sync.policy={policy}",
-        f"rollout.sync.pause_mode={pause_mode}",
-        "rollout.sync.check_interval_ms=20",
-        "rollout.min_healthy_servers=1",
-        *overrides,
-    )
+    """The loop's arguments for a STEPS-step run against `urls` under one sync policy, one server enough."""
+    one_server_enough = "rollout.min_healthy_servers=1"
+    return _args({**env, "urls": urls}, run_dir, *policy_run(STEPS, policy, pause_mode), one_server_enough, *overrides)
 
 
 def _fault_after_first_step(out, server, fault: str, stop: threading.Event):

@@ -14,7 +14,7 @@ idle) are logged.
 import pytest
 import torch
 
-from tests.test_loop_run import _run, env  # noqa: F401  (the module fixture: servers, model, data)
+from tests.test_loop_run import _run, env, policy_run  # noqa: F401  (the module fixture: servers, model, data)
 
 pytestmark = pytest.mark.slow
 
@@ -42,18 +42,7 @@ def _logprobs(model, ids, temperature):
 
 
 def _check_run(env, name, policy, pause_mode, *overrides):
-    run_dir, rows = _run(
-        env,
-        name,
-        f"trainer.total_steps={STEPS}",
-        "algo.staleness=1",
-        "checkpoint.save_every=0",
-        "checkpoint.keep_last=0",
-        f"rollout.sync.policy={policy}",
-        f"rollout.sync.pause_mode={pause_mode}",
-        "rollout.sync.check_interval_ms=20",
-        *overrides,
-    )
+    run_dir, rows = _run(env, name, *policy_run(STEPS, policy, pause_mode), *overrides)
     out = run_dir / "out"
     assert [r["step"] for r in rows] == list(range(STEPS))
     for r in rows:

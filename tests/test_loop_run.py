@@ -87,6 +87,20 @@ def _args(env, run_dir, *overrides):
     ]
 
 
+def policy_run(steps: int, policy: str, pause_mode: str) -> list[str]:
+    """The overrides of a `steps`-step run at staleness 1 under one weight-sync policy, no checkpoints: the
+    per-server sync and degraded-server runs (test_loop_per_server, test_loop_degrade)."""
+    return [
+        f"trainer.total_steps={steps}",
+        "algo.staleness=1",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        f"rollout.sync.policy={policy}",
+        f"rollout.sync.pause_mode={pause_mode}",
+        "rollout.sync.check_interval_ms=20",
+    ]
+
+
 def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

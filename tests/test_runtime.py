@@ -9,8 +9,6 @@ import textwrap
 
 import pytest
 
-from tests.dist_utils import run_torchrun
-
 TWO_RANK_CHECKS = ["tp_logits", "tp2", "pp2", "dp2_distopt", "ep2", "ckpt_tp2_to_tp1"]
 
 
@@ -67,14 +65,13 @@ def test_cpu_mode_maps_cuda_requests_to_cpu():
 
 
 @pytest.mark.slow
-def test_two_rank_training_steps_match_single_process(tmp_path):
+@pytest.mark.torchrun_checks(2, [f"runtime_parallel:{c}" for c in TWO_RANK_CHECKS], timeout=240)
+def test_two_rank_training_steps_match_single_process(torchrun_checks):
     """TP=2, PP=2 (1F1B), DP=2 + distributed optimizer, MoE EP=2, and a TP=2 -> TP=1 checkpoint."""
-    out = run_torchrun("runtime_parallel.py", 2, ",".join(TWO_RANK_CHECKS), str(tmp_path), timeout=240)
-    for check in TWO_RANK_CHECKS:
-        assert f"CHECK PASSED {check}" in out, out[-4000:]
+    torchrun_checks()
 
 
 @pytest.mark.slow
-def test_ep2_x_pp2_training_steps_match_single_process(tmp_path):
-    out = run_torchrun("runtime_parallel.py", 4, "ep2pp2", str(tmp_path), timeout=240)
-    assert "CHECK PASSED ep2pp2" in out, out[-4000:]
+@pytest.mark.torchrun_checks(4, ["runtime_parallel:ep2pp2"], timeout=240)
+def test_ep2_x_pp2_training_steps_match_single_process(torchrun_checks):
+    torchrun_checks()

@@ -405,12 +405,17 @@ def check_shards(hf_dir):
     assert m_whole == m_shard, (m_whole, m_shard)
 
 
-def tiny_moe_dir(tmpdir) -> Path:
-    moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
-    if dist.get_rank() == 0 and not moe_dir.exists():
-        save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
+def tiny_dir(tmpdir, name: str, family: str, **kw) -> Path:
+    """A tiny HF model under tmpdir, saved by rank 0 on first use (checks of one launch share it)."""
+    path = Path(tmpdir) / name
+    if dist.get_rank() == 0 and not path.exists():
+        save_tiny_hf_model(family, path, seed=0, **kw)
     dist.barrier()
-    return moe_dir
+    return path
+
+
+def tiny_moe_dir(tmpdir) -> Path:
+    return tiny_dir(tmpdir, "tiny_qwen3_moe", "qwen3_moe")
 
 
 def check_moe(hf_dir, tmpdir):

@@ -1,8 +1,8 @@
 """Load tiny HF models into megatron-core at several layouts; compare logits with HF and exports with the files.
 
-usage: bridge_layouts.py WORKDIR LAYOUT [LAYOUT ...]    (LAYOUT: tp1 tp2 pp2 ep2 tp2pp2 tp2ep2)
-Prints one line `RESULT <variant> <layout> rel=<max rel err>` per check on the last stage's rank 0
-and exits non-zero on any failure.
+usage: bridge_layouts.py LAYOUT[,LAYOUT...] WORKDIR    (LAYOUT: a key of LAYOUTS; the checks of actor_checks.run_checks)
+Prints one line `RESULT <variant> <layout> rel=<max rel err>` per variant on the last stage's rank 0;
+a layout with any failure fails its check.
 """
 
 from __future__ import annotations
@@ -45,83 +45,86 @@ def variants_for(layout: str) -> list[str]:
     return list(VARIANTS)
 
 
-def main() -> int:
+def layout_failures(layout: str, workdir: Path) -> list[str]:
+    """Load every variant of `layout`'s families at `layout`; what differs from HF or from the files."""
     from safetensors.torch import load_file
 
     from megatron_dapo.bridge import export_hf_weights, load_hf_into_megatron
     from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+    from megatron_dapo.runtime.distributed import init_model_parallel
 
-    workdir = Path(sys.argv[1])
-    layouts = sys.argv[2:]
-    info = init_distributed()
-    # Every rank writes the same files would race: rank 0 writes, the others wait.
-    if info.rank == 0:
-        for name, (family, over) in VARIANTS.items():
-            if not (workdir / name / "config.json").exists():
-                save_tiny_hf_model(family, workdir / name, seed=1, **over)
-    dist.barrier()
-
-    torch.manual_seed(0)
-    ids = torch.randint(0, 250, (2, 8))
-    refs = {}
+    rank = dist.get_rank()
+    ids = torch.randint(0, 250, (2, 8), generator=torch.Generator().manual_seed(0))
     failures = []
-    for layout in layouts:
-        sizes = LAYOUTS[layout]
-        init_model_parallel(**sizes)
-        for name in variants_for(layout):
-            hf_dir = workdir / name
-            arch = QwenArch.from_hf(hf_dir)
-            par = ModelParallel(**sizes, sequence_parallel=arch.is_moe and sizes.get("tp", 1) > 1)
-            chunks = build_gpt_model(hf_dir, par)
-            load_hf_into_megatron(chunks, hf_dir)
-            if name not in refs:
-                refs[name] = hf_logits(hf_dir, ids)
-            got = megatron_logits(chunks, ids, arch.vocab_size)
-            if got is not None:
-                err = rel_err(got, refs[name])
-                if info.rank == dist.get_world_size() - 1:
-                    print(f"RESULT {name} {layout} rel={err:.3e}", flush=True)
-                if not err < TOL:
-                    failures.append(f"{name} {layout}: logits rel err {err:.3e} >= {TOL}")
-            # Round trip: exporting what was loaded gives back every file tensor bit for bit.
-            on_disk = load_file(str(hf_dir / "model.safetensors")) if info.rank == 0 else None
-            seen = []
-            budget = 1 << 16 if layout in ("tp2", "tp2ep2") else None
-            for hf_name, tensor in export_hf_weights(chunks, byte_budget=budget):
-                seen.append(hf_name)
-                if info.rank == 0:
-                    ref = on_disk.get(hf_name)
-                    if ref is None or tensor.shape != ref.shape or not torch.equal(tensor, ref):
-                        failures.append(f"{name} {layout}: exported {hf_name} differs from the file")
-                elif tensor is not None:
-                    failures.append(f"{name} {layout}: rank {info.rank} received {hf_name}")
-            if info.rank == 0 and sorted(seen) != sorted(on_disk):
-                failures.append(
-                    f"{name} {layout}: exported names differ from the file: {sorted(set(seen) ^ set(on_disk))[:4]}"
-                )
-            # The order is identical on every rank and every call.
-            orders = [None] * dist.get_world_size()
-            dist.all_gather_object(orders, seen)
-            if any(o != orders[0] for o in orders):
-                failures.append(f"{name} {layout}: export order differs between ranks")
-            if layout == "tp2ep2" and name == "qwen3_moe":
-                # dst_rank=None: every rank receives every full tensor, equal to the file's.
-                for hf_name, tensor in export_hf_weights(chunks, dst_rank=None):
-                    if tensor is None or tensor.shape != torch.Size(_shape(arch, hf_name)):
-                        failures.append(
-                            f"{name} {layout}: broadcast export gave rank {info.rank} no/misshaped {hf_name}"
-                        )
-                        break
-                if info.rank == 0:
-                    print(f"RESULT {name} {layout} broadcast-export ok", flush=True)
-                failures += each_source_failures(chunks, arch, on_disk, f"{name} {layout}", info.rank)
-            del chunks
-    for f in failures:
-        print(f"FAIL rank {info.rank}: {f}", flush=True)
-    destroy_distributed()
-    return 1 if failures else 0
+    sizes = LAYOUTS[layout]
+    init_model_parallel(**sizes)
+    for name in variants_for(layout):
+        hf_dir = save_variant(workdir, name)
+        arch = QwenArch.from_hf(hf_dir)
+        par = ModelParallel(**sizes, sequence_parallel=arch.is_moe and sizes.get("tp", 1) > 1)
+        chunks = build_gpt_model(hf_dir, par)
+        load_hf_into_megatron(chunks, hf_dir)
+        got = megatron_logits(chunks, ids, arch.vocab_size)
+        if got is not None:
+            err = rel_err(got, hf_logits(hf_dir, ids))
+            if rank == dist.get_world_size() - 1:
+                print(f"RESULT {name} {layout} rel={err:.3e}", flush=True)
+            if not err < TOL:
+                failures.append(f"{name} {layout}: logits rel err {err:.3e} >= {TOL}")
+        # Round trip: exporting what was loaded gives back every file tensor bit for bit.
+        on_disk = load_file(str(hf_dir / "model.safetensors")) if rank == 0 else None
+        seen = []
+        budget = 1 << 16 if layout in ("tp2", "tp2ep2") else None
+        for hf_name, tensor in export_hf_weights(chunks, byte_budget=budget):
+            seen.append(hf_name)
+            if rank == 0:
+                ref = on_disk.get(hf_name)
+                if ref is None or tensor.shape != ref.shape or not torch.equal(tensor, ref):
+                    failures.append(f"{name} {layout}: exported {hf_name} differs from the file")
+            elif tensor is not None:
+                failures.append(f"{name} {layout}: rank {rank} received {hf_name}")
+        if rank == 0 and sorted(seen) != sorted(on_disk):
+            failures.append(
+                f"{name} {layout}: exported names differ from the file: {sorted(set(seen) ^ set(on_disk))[:4]}"
+            )
+        # The order is identical on every rank and every call.
+        orders = [None] * dist.get_world_size()
+        dist.all_gather_object(orders, seen)
+        if any(o != orders[0] for o in orders):
+            failures.append(f"{name} {layout}: export order differs between ranks")
+        if layout == "tp2ep2" and name == "qwen3_moe":
+            # dst_rank=None: every rank receives every full tensor, equal to the file's.
+            for hf_name, tensor in export_hf_weights(chunks, dst_rank=None):
+                if tensor is None or tensor.shape != torch.Size(_shape(arch, hf_name)):
+                    failures.append(f"{name} {layout}: broadcast export gave rank {rank} no/misshaped {hf_name}")
+                    break
+            if rank == 0:
+                print(f"RESULT {name} {layout} broadcast-export ok", flush=True)
+            failures += each_source_failures(chunks, arch, on_disk, f"{name} {layout}", rank)
+        del chunks
+    return failures
+
+
+def check_layout(layout: str):
+    def check(hf_dir, tmpdir):
+        failures = layout_failures(layout, Path(tmpdir))
+        assert not failures, "\n".join(f"rank {dist.get_rank()}: {f}" for f in failures)
+
+    return check
+
+
+def save_variant(workdir: Path, name: str) -> Path:
+    """The tiny HF model of variant `name`, written by rank 0 on first use (the others wait)."""
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    family, over = VARIANTS[name]
+    if dist.get_rank() == 0 and not (workdir / name / "config.json").exists():
+        save_tiny_hf_model(family, workdir / name, seed=1, **over)
+    dist.barrier()
+    return workdir / name
+
+
+CHECKS = {layout: check_layout(layout) for layout in LAYOUTS}  # fn(hf_dir, tmpdir): see actor_checks.run_checks
 
 
 def each_source_failures(chunks, arch, on_disk, what: str, rank: int) -> list[str]:
@@ -163,4 +166,6 @@ def _shape(arch, name):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from actor_checks import run_checks  # here only: bridge_ckpt_load imports this module
+
+    run_checks(sys.argv[1:], CHECKS)

@@ -1,6 +1,6 @@
 """FSDPActor checks under torchrun (gloo), against a plain one-process Hugging Face model.
 
-Usage: fsdp_checks.py TMPDIR   (run at 2 ranks; rank 0 also builds the one-process references)
+Usage: fsdp_checks.py CHECK[,CHECK...] TMPDIR   (at 2 ranks; rank 0 also builds the one-process references)
 
 On a tiny Qwen2 model with tied embeddings (as Qwen2.5-3B):
   logprobs: compute_logprobs (packed micro-batches) equals one-sequence-at-a-time HF forwards,
@@ -26,11 +26,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from actor_checks import make_batch  # a sibling worker: tests/workers is sys.path[0] when run as a script
+from actor_checks import (  # a sibling worker: tests/workers is sys.path[0] when run as a script
+    make_batch,
+    run_checks,
+    tiny_dir,
+    tiny_moe_dir,
+)
 
 from megatron_dapo.config.schema import DapoConfig
-from megatron_dapo.models.tiny import save_tiny_hf_model
-from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed
 from megatron_dapo.trainer.fsdp_actor import FSDPActor
 from megatron_dapo.types import RolloutBatch
 
@@ -268,27 +271,17 @@ def check_moe(hf_dir):
     train_step_checking_grads(actor, batch, ref_grads)
 
 
-def main(argv):
-    tmpdir = argv[0]
-    init_distributed()
-    hf_dir = Path(tmpdir) / "tiny_qwen2"
-    if dist.get_rank() == 0:
-        save_tiny_hf_model("qwen2", hf_dir, seed=0, tie_word_embeddings=True)
-    moe_dir = Path(tmpdir) / "tiny_qwen3_moe"
-    if dist.get_rank() == 0:
-        save_tiny_hf_model("qwen3_moe", moe_dir, seed=0)
-    dist.barrier()
-    for name, check in (
-        ("logprobs", lambda: check_logprobs(hf_dir)),
-        ("export", lambda: check_export(hf_dir)),
-        ("train", lambda: check_train(hf_dir, tmpdir)),
-        ("moe", lambda: check_moe(moe_dir)),
-    ):
-        check()
-        dist.barrier()
-        log(f"CHECK PASSED {name}")
-    destroy_distributed()
+def _tied_qwen2(tmpdir):
+    return tiny_dir(tmpdir, "tiny_qwen2", "qwen2", tie_word_embeddings=True)
+
+
+CHECKS = {  # fn(hf_dir, tmpdir), as actor_checks.run_checks calls them: the models here are their own
+    "logprobs": lambda hf_dir, tmpdir: check_logprobs(_tied_qwen2(tmpdir)),
+    "export": lambda hf_dir, tmpdir: check_export(_tied_qwen2(tmpdir)),
+    "train": lambda hf_dir, tmpdir: check_train(_tied_qwen2(tmpdir), tmpdir),
+    "moe": lambda hf_dir, tmpdir: check_moe(tiny_moe_dir(tmpdir)),
+}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(sys.argv[1:], CHECKS)

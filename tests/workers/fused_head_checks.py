@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import math
 import sys
-from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 import megatron_dapo.trainer.actor as actor_mod
-from megatron_dapo.models.tiny import save_tiny_hf_model
-from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.runtime.distributed import init_model_parallel
 from megatron_dapo.trainer.actor import MegatronActor
-from tests.workers.actor_checks import exported, log, make_batch, make_config, max_err
+from tests.workers.actor_checks import exported, log, make_batch, make_config, max_err, run_checks, tiny_dir
 
 CALLS = {"fused": 0, "shapes": set()}
 _fused = actor_mod.fused_linear_logprobs
@@ -103,24 +100,22 @@ def check_same_step(hf_dir, tp: int, pp: int = 1, sequence_parallel: bool = Fals
     )
 
 
-def main(argv):
-    checks, tmpdir = argv[0].split(","), argv[1]
-    init_distributed()
-    dirs = {False: Path(tmpdir) / "tiny_qwen3", True: Path(tmpdir) / "tiny_qwen3_tied"}
-    if dist.get_rank() == 0:
-        for tied, d in dirs.items():
-            save_tiny_hf_model("qwen3", d, seed=0, tie_word_embeddings=tied)
-    dist.barrier()
-    for check in checks:
-        layout, _, tied = check.partition("_")
-        if layout not in ("tp1", "tp2", "pp2") or tied not in ("", "tied", "sp"):
-            raise SystemExit(f"unknown check {check!r}")
-        tp, pp = (1, 2) if layout == "pp2" else (int(layout[2:]), 1)
-        check_same_step(dirs[tied == "tied"], tp=tp, pp=pp, sequence_parallel=tied == "sp")
-        dist.barrier()
-        log(f"CHECK PASSED {check}")
-    destroy_distributed()
+def _check(layout: str, variant: str):
+    tp, pp = (1, 2) if layout == "pp2" else (int(layout[2:]), 1)
+
+    def check(hf_dir, tmpdir):
+        if variant == "tied":
+            hf_dir = tiny_dir(tmpdir, "tiny_qwen3_tied", "qwen3", tie_word_embeddings=True)
+        check_same_step(hf_dir, tp=tp, pp=pp, sequence_parallel=variant == "sp")
+
+    return check
+
+
+CHECKS = {
+    name: _check(*name.partition("_")[::2])  # LAYOUT[_VARIANT]
+    for name in ("tp1", "tp2", "pp2", "tp1_tied", "tp2_tied", "pp2_tied", "tp2_sp")
+}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_checks(sys.argv[1:], CHECKS)

@@ -28,7 +28,8 @@ from runtime_common import (
     tiny_config,
 )
 
-from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.runtime.distributed import init_model_parallel
+from tests.workers.actor_checks import run_checks
 
 # Adam's eps is large on purpose: with eps << |grad| the first Adam step is lr * sign(grad), blind to
 # the gradient's scale (clipping included) and hypersensitive to rounding in near-zero components.
@@ -251,32 +252,18 @@ def check_ckpt_tp2_to_tp1(tmpdir):
     assert_close("ckpt tp2 -> tp1 logits", got, want, rtol=0, atol=0)
 
 
-def main(argv):
-    checks, tmpdir = argv[0].split(","), argv[1]
-    init_distributed()
-    torch.use_deterministic_algorithms(False)
-    for check in checks:
-        if check == "tp_logits":
-            check_tp_logits()
-        elif check == "tp2":
-            check_train_steps("tp2", tp=2)
-        elif check == "pp2":
-            check_train_steps("pp2 (1F1B)", pp=2, n_mb=4, mbs=1)
-        elif check == "dp2_distopt":
-            check_train_steps("dp2 distopt", distributed_optimizer=True, n_mb=2, mbs=1, steps=3)
-        elif check == "ep2":
-            check_train_steps("ep2 moe", moe=True, ep=2)
-        elif check == "ep2pp2":
-            check_train_steps("ep2 x pp2 moe", moe=True, ep=2, pp=2, n_mb=2, mbs=1)
-        elif check == "ckpt_tp2_to_tp1":
-            check_ckpt_tp2_to_tp1(tmpdir)
-        else:
-            raise SystemExit(f"unknown check {check!r}")
-        dist.barrier()
-        if dist.get_rank() == 0:
-            print(f"CHECK PASSED {check}", flush=True)
-    destroy_distributed()
+CHECKS = {  # fn(hf_dir, tmpdir), as tests.workers.actor_checks.run_checks calls them: the model here is our own
+    "tp_logits": lambda hf_dir, tmpdir: check_tp_logits(),
+    "tp2": lambda hf_dir, tmpdir: check_train_steps("tp2", tp=2),
+    "pp2": lambda hf_dir, tmpdir: check_train_steps("pp2 (1F1B)", pp=2, n_mb=4, mbs=1),
+    "dp2_distopt": lambda hf_dir, tmpdir: check_train_steps(
+        "dp2 distopt", distributed_optimizer=True, n_mb=2, mbs=1, steps=3
+    ),
+    "ep2": lambda hf_dir, tmpdir: check_train_steps("ep2 moe", moe=True, ep=2),
+    "ep2pp2": lambda hf_dir, tmpdir: check_train_steps("ep2 x pp2 moe", moe=True, ep=2, pp=2, n_mb=2, mbs=1),
+    "ckpt_tp2_to_tp1": lambda hf_dir, tmpdir: check_ckpt_tp2_to_tp1(tmpdir),
+}
 
 
 if __name__ == "__main__":  # dist_checkpointing.save spawns a process: keep the guard
-    main(sys.argv[1:])
+    run_checks(sys.argv[1:], CHECKS)
