@@ -105,14 +105,14 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240):
+def _run(env, name, *overrides, stop_after="-", expect_fail=False, timeout=240, env_vars=None):
     run_dir = env["root"] / name
-    args = _args(env, run_dir, *overrides)
+    args = [str(CONFIG), str(run_dir / "out"), stop_after, *_args(env, run_dir, *overrides)]
     if expect_fail:
         with pytest.raises(AssertionError) as e:
-            run_torchrun("loop_run.py", 2, str(CONFIG), str(run_dir / "out"), stop_after, *args, timeout=timeout)
+            run_torchrun("loop_run.py", 2, *args, timeout=timeout, env=env_vars)
         return str(e.value)
-    run_torchrun("loop_run.py", 2, str(CONFIG), str(run_dir / "out"), stop_after, *args, timeout=timeout)
+    run_torchrun("loop_run.py", 2, *args, timeout=timeout, env=env_vars)
     return run_dir, _rows(run_dir)
 
 
@@ -129,9 +129,9 @@ RUN_A = (
 @pytest.fixture(scope="module")
 def run_a(env):
     # rewards in worker processes (reward.num_workers): the raising ones are still counted failures.
-    # Two PPO epochs: a training step long enough for the coordinator (its own process, not slowed by
-    # the trainer) to complete groups of the old version meanwhile, so that the bound is really used.
-    return _run(env, "a", *RUN_A)
+    # Step 1's batch is taken before step 0's weight sync (loop_run's LOOP_RUN_TAKE_AHEAD), so it holds
+    # samples of version 0 on any machine: the staleness bound is really used, not met by an on-policy run.
+    return _run(env, "a", *RUN_A, env_vars={"LOOP_RUN_TAKE_AHEAD": "1"})
 
 
 def test_full_run_trains_syncs_logs_and_checkpoints(run_a):
@@ -179,7 +179,7 @@ def test_staleness_bound_from_logged_versions(run_a):
         assert all(r["step"] - 1 <= v <= r["step"] for v in r["sample_versions"]), (r["step"], r["sample_versions"])
         assert r["staleness/max"] <= 1
         assert sum(r["staleness_hist"].values()) == 4
-    # the producer did run ahead: the bound was used, not trivially met by an on-policy run
+    # step 1 trained on version-0 samples (LOOP_RUN_TAKE_AHEAD): the bound was used, not met trivially
     assert any(v == r["step"] - 1 for r in rows[1:] for v in r["sample_versions"])
 
 

@@ -8,6 +8,10 @@ DP=1, as in the loop tests; tokens, rollout logprobs, token versions) to
 OUT_DIR/batch_step{N}.pt, and the rank-0 result to OUT_DIR/result.json.
 With LOOP_RUN_HOLD=N:FILE in the environment every rank waits after step N until FILE exists (a test's
 fault, such as a relaunched server, lands between two given steps).
+With LOOP_RUN_TAKE_AHEAD=N rank 0 takes step N's batch from the coordinator (the call a checkpoint makes)
+just before the weight sync of step N - 1, so that step N trains on samples of the weights before that
+sync whatever the machine's speed: the staleness bound is then used by construction, not by a race
+between the producer and the trainer.
 """
 
 import json
@@ -19,6 +23,19 @@ from pathlib import Path
 import torch
 
 
+def take_ahead(step: int) -> None:
+    from megatron_dapo.trainer.loop import Trainer
+
+    sync_weights = Trainer.sync_weights
+
+    def sync_after_taking(self, version):
+        if version == step and self.rank == 0:
+            self.coord.checkpoint_state(step)  # blocks until step's batch is complete; kept for take_step
+        return sync_weights(self, version)
+
+    Trainer.sync_weights = sync_after_taking
+
+
 def main():
     config, out, stop_after, *overrides = sys.argv[1:]
     out = Path(out)
@@ -26,6 +43,8 @@ def main():
     from megatron_dapo.trainer.loop import RunSetupError, train_rank
 
     cfg = load_config(config, overrides)
+    if os.environ.get("LOOP_RUN_TAKE_AHEAD"):
+        take_ahead(int(os.environ["LOOP_RUN_TAKE_AHEAD"]))
 
     hold = os.environ.get("LOOP_RUN_HOLD")
     hold_step, hold_file = (int(hold.split(":", 1)[0]), Path(hold.split(":", 1)[1])) if hold else (None, None)
