@@ -9,6 +9,7 @@
 #   COST_MODEL=cost.json bash benchmarks/coordination_goal.sh   # a profile-engine fit instead of PSRL's 7B one
 #   SETTINGS="a3b_2+6 qwen2.5_7b_2x8" bash benchmarks/coordination_goal.sh   # only those (two shells at once)
 #   TABLE_ONLY=1 bash benchmarks/coordination_goal.sh     # the goal table of the settings' JSONs under OUT
+#   CHECK_MS=1000 bash benchmarks/coordination_goal.sh    # the advanced rows at the ablation's intervals (below)
 #   SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh ablation [VARIANT ...]
 #   bash benchmarks/coordination_goal.sh ablation-table   # only the table of the rows under OUT
 #       # issue 25 item 5: the PSRL-like setting at staleness 2, plain async, the advanced set and the advanced
@@ -33,7 +34,7 @@ STEPS=${STEPS:-4}
 STALENESS=${STALENESS:-1,2,3}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
-common=(--modes sync,async,advanced,ceiling --staleness "$STALENESS" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
+common=(--staleness "$STALENESS" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
 [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")
 
 run() {  # name config flags...
@@ -70,8 +71,7 @@ if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
   )
   [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue no_status_sync no_migration no_retry no_redundancy)
   common=(--staleness "${STALENESS%%,*}" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
-  check_ms=${CHECK_MS:-1000}
-  checks=("rollout.sync.check_interval_ms=$check_ms" "rollout.loads.interval_ms=$check_ms")
+  checks=("rollout.sync.check_interval_ms=${CHECK_MS:-1000}" "rollout.loads.interval_ms=${CHECK_MS:-1000}")
   [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")
   for name in "${names[@]}"; do
     if [ "$name" = none ]; then
@@ -122,8 +122,16 @@ all_settings=(psrl_14b_8x8 a3b_2+6 a3b_3+5 qwen2.5_7b_2x8)
 read -r -a settings <<<"${SETTINGS:-${all_settings[*]}}"
 if [ -z "${TABLE_ONLY:-}" ]; then
   for name in "${settings[@]}"; do
-    # shellcheck disable=SC2086  # the setting's arguments are words
-    run "$name" ${SETTING_ARGS[$name]?unknown setting $name}
+    read -r -a args <<<"${SETTING_ARGS[$name]?unknown setting $name}"
+    if [ -z "${CHECK_MS:-}" ]; then
+      run "$name" "${args[@]}" --modes sync,async,advanced,ceiling
+    else  # the advanced rows with the ablation's check / poll interval, in a run of their own; then one JSON
+      run "$name.plain" "${args[@]}" --modes sync,async,ceiling
+      run "$name.advanced" "${args[@]}" --modes advanced "rollout.sync.check_interval_ms=$CHECK_MS" \
+        "rollout.loads.interval_ms=$CHECK_MS"
+      "$PY" -c 'import json, sys; json.dump([r for p in sys.argv[2:] for r in json.load(open(p))], open(sys.argv[1], "w"))' \
+        "$OUT/$name.json" "$OUT/$name.plain.json" "$OUT/$name.advanced.json"
+    fi
   done
 fi
 done_settings=()
