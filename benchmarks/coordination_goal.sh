@@ -7,6 +7,9 @@
 #   bash benchmarks/coordination_goal.sh                     # from the repository root; CPU only
 #   OUT=/tmp/goal SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh
 #   COST_MODEL=cost.json bash benchmarks/coordination_goal.sh   # a profile-engine fit instead of PSRL's 7B one
+#   SETTINGS="a3b_2+6 qwen2.5_7b_2x8" bash benchmarks/coordination_goal.sh   # only those (two shells at once)
+#   TABLE_ONLY=1 bash benchmarks/coordination_goal.sh     # the goal table of the settings' JSONs under OUT
+#   CHECK_MS=1000 bash benchmarks/coordination_goal.sh    # the advanced rows at the ablation's intervals (below)
 #   SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh ablation [VARIANT ...]
 #   bash benchmarks/coordination_goal.sh ablation-table   # only the table of the rows under OUT
 #       # issue 25 item 5: the PSRL-like setting at staleness 2, plain async, the advanced set and the advanced
@@ -31,7 +34,7 @@ STEPS=${STEPS:-4}
 STALENESS=${STALENESS:-1,2,3}
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
-common=(--modes sync,async,advanced,ceiling --staleness "$STALENESS" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
+common=(--staleness "$STALENESS" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
 [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")
 
 run() {  # name config flags...
@@ -68,8 +71,7 @@ if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
   )
   [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue no_status_sync no_migration no_retry no_redundancy)
   common=(--staleness "${STALENESS%%,*}" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
-  check_ms=${CHECK_MS:-1000}
-  checks=("rollout.sync.check_interval_ms=$check_ms" "rollout.loads.interval_ms=$check_ms")
+  checks=("rollout.sync.check_interval_ms=${CHECK_MS:-1000}" "rollout.loads.interval_ms=${CHECK_MS:-1000}")
   [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")
   for name in "${names[@]}"; do
     if [ "$name" = none ]; then
@@ -108,12 +110,34 @@ for name, r in rows.items():
 PYTHON
 fi
 
-run psrl_14b_8x8 "${PSRL[@]}"
-run a3b_2+6 benchmarks/sim/qwen3_30b_a3b_2+6_64x16_40k.yaml --length-mean 16000 --cap-share 0.1 --trainer-gpu h100
-run a3b_3+5 benchmarks/sim/qwen3_30b_a3b_3+5_64x16_40k.yaml --length-mean 16000 --cap-share 0.1 --trainer-gpu h100
-run qwen2.5_7b_2x8 benchmarks/sim/qwen2.5_7b_2x8.yaml --trainer-gpu h100
+declare -A SETTING_ARGS=(
+  [psrl_14b_8x8]="${PSRL[*]}"
+  [a3b_2+6]="benchmarks/sim/qwen3_30b_a3b_2+6_64x16_40k.yaml --length-mean 16000 --cap-share 0.1 --trainer-gpu h100"
+  [a3b_3+5]="benchmarks/sim/qwen3_30b_a3b_3+5_64x16_40k.yaml --length-mean 16000 --cap-share 0.1 --trainer-gpu h100"
+  [qwen2.5_7b_2x8]="benchmarks/sim/qwen2.5_7b_2x8.yaml --trainer-gpu h100"
+)
+all_settings=(psrl_14b_8x8 a3b_2+6 a3b_3+5 qwen2.5_7b_2x8)
+# SETTINGS="a b" runs only those (e.g. two at once in separate shells); TABLE_ONLY=1 prints the table of
+# the JSONs already under OUT
+read -r -a settings <<<"${SETTINGS:-${all_settings[*]}}"
+if [ -z "${TABLE_ONLY:-}" ]; then
+  for name in "${settings[@]}"; do
+    read -r -a args <<<"${SETTING_ARGS[$name]?unknown setting $name}"
+    if [ -z "${CHECK_MS:-}" ]; then
+      run "$name" "${args[@]}" --modes sync,async,advanced,ceiling
+    else  # the advanced rows with the ablation's check / poll interval, in a run of their own; then one JSON
+      run "$name.plain" "${args[@]}" --modes sync,async,ceiling
+      run "$name.advanced" "${args[@]}" --modes advanced "rollout.sync.check_interval_ms=$CHECK_MS" \
+        "rollout.loads.interval_ms=$CHECK_MS"
+      "$PY" -c 'import json, sys; json.dump([r for p in sys.argv[2:] for r in json.load(open(p))], open(sys.argv[1], "w"))' \
+        "$OUT/$name.json" "$OUT/$name.plain.json" "$OUT/$name.advanced.json"
+    fi
+  done
+fi
+done_settings=()
+for name in "${all_settings[@]}"; do [ -f "$OUT/$name.json" ] && done_settings+=("$name"); done
 
-"$PY" - "$OUT" psrl_14b_8x8 a3b_2+6 a3b_3+5 qwen2.5_7b_2x8 <<'PYTHON'
+"$PY" - "$OUT" "${done_settings[@]}" <<'PYTHON'
 import json
 import sys
 from pathlib import Path
@@ -126,13 +150,22 @@ def best(rows, mode):
     return max(mine, key=lambda r: r["tokens_per_s"]) if mine else None
 
 
-print("setting | sync tok/s | async tok/s (stale) | advanced tok/s (stale) | sim. ceiling | adv / async | adv of analytic ceiling")
+def spread(r, key, fmt):
+    values = [s[key] for s in r.get("seeds", [r])]
+    return f"{sum(values) / len(values):{fmt}} [{min(values):{fmt}}-{max(values):{fmt}}]"
+
+
+print(
+    "setting | sync tok/s | async tok/s [seeds] (stale) | advanced tok/s [seeds] (stale) | sim. ceiling | adv / async"
+    " | adv / sync | async, adv of analytic ceiling | async, adv rollout busy"
+)
 for name in names:
     rows = json.loads((out / f"{name}.json").read_text())
     sync, plain, adv, ceil = (best(rows, m) for m in ("sync", "async", "advanced", "ceiling"))
-    cell = lambda r: f"{r['tokens_per_s']:.0f} ({r['staleness']})" if r else "-"  # noqa: E731
-    ratio = f"{adv['tokens_per_s'] / plain['tokens_per_s']:.2f}" if adv and plain else "-"
-    share = f"{adv['ceiling_share']:.2f}" if adv else "-"
+    cell = lambda r: f"{spread(r, 'tokens_per_s', '.0f')} ({r['staleness']})" if r else "-"  # noqa: E731
+    ratio = lambda a, b: f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}" if a and b else "-"  # noqa: E731
+    both = lambda key: " / ".join(spread(r, key, ".2f") if r else "-" for r in (plain, adv))  # noqa: E731
     tps = lambda r: f"{r['tokens_per_s']:.0f}" if r else "-"  # noqa: E731
-    print(f"{name} | {tps(sync)} | {cell(plain)} | {cell(adv)} | {tps(ceil)} | {ratio} | {share}")
+    cells = [tps(sync), cell(plain), cell(adv), tps(ceil), ratio(adv, plain), ratio(adv, sync)]
+    print(" | ".join([name, *cells, both("ceiling_share"), both("rollout_busy")]))
 PYTHON
