@@ -15,6 +15,7 @@ import triton.language as tl
 
 from megatron_dapo.algo.advantages import check_group_inputs, index_groups
 from megatron_dapo.algo.filter import FilterResult
+from megatron_dapo.kernels.logprobs_triton import block_for
 
 
 @triton.jit
@@ -123,7 +124,7 @@ def token_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor, block: i
         )
     n, s = loss_mask.shape
     out = torch.empty(n, s, dtype=torch.float32, device=advantages.device)
-    block = min(block, triton.next_power_of_2(max(s, 16)))
+    block = block_for(s, block)
     if n and s:
         mask = loss_mask.to(torch.float32).contiguous()
         _broadcast_kernel[(n, triton.cdiv(s, block))](advantages.float().contiguous(), mask, out, s, BLOCK=block)

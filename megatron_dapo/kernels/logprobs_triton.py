@@ -127,7 +127,8 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def block_for(n_cols: int, block_v: int = DEFAULT_BLOCK_V) -> int:
-    """The vocab tile of a row of n_cols: block_v, or the next power of two >= n_cols (>= 16) if smaller."""
+    """The tile of a row of n_cols elements: block_v, or the next power of two >= n_cols (>= 16) if smaller.
+    Every kernel of this package that tiles a row (vocabulary, tokens of a sequence) sizes its tile so."""
     return min(block_v, triton.next_power_of_2(max(n_cols, 16)))
 
 

@@ -19,6 +19,7 @@ import triton.language as tl
 
 from megatron_dapo.algo.loss import LOG_RATIO_BOUND, NUM_ROW_STATS
 from megatron_dapo.algo.loss import dapo_policy_loss as reference_dapo_policy_loss
+from megatron_dapo.kernels.logprobs_triton import block_for
 
 DEFAULT_BLOCK_S = 1024
 
@@ -148,7 +149,7 @@ def row_stats_triton(
     logprobs, old_logprobs, advantages, loss_mask, clip_low, clip_high, clip_c, weights, cap, block_s
 ) -> torch.Tensor:
     """The fused kernel's per-sequence partials of [B, S] rows (a `RowStats` of algo.loss, plus its tile)."""
-    block_s = min(block_s, triton.next_power_of_2(max(logprobs.shape[-1], 16)))
+    block_s = block_for(logprobs.shape[-1], block_s)
     return _TritonRowStats.apply(
         logprobs,
         old_logprobs.detach(),
