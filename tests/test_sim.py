@@ -406,6 +406,30 @@ def test_async_beats_sync_and_ends_match_step_times():
     assert async2.mean_staleness > 0
 
 
+def test_produced_tokens_count_the_groups_held_for_later_steps():
+    """What a run banks (completed groups held for later steps) is what its continuation trains next:
+    the same run, three steps longer, trains exactly those groups after the shorter run's end."""
+    from megatron_dapo.sim.world import simulate
+
+    def tokens(g, unit):
+        return unit * sum(len(s.prompt_ids) + len(s.output_ids) for s in g.samples)
+
+    world = tiny_world(warmup_steps=0, steps=3)
+    short, longer = simulate(tiny_cfg(2), world), simulate(tiny_cfg(2), tiny_world(warmup_steps=0, steps=6))
+    draws = lambda r: [[g.draw for g in info.groups] for info in r.batches[:3]]  # noqa: E731
+    assert draws(longer) == draws(short)  # the same run up to the shorter one's end
+    assert short.banked_draws  # not vacuous: staleness 2 lets groups complete ahead of their step
+    later = {g.draw: g for info in longer.batches[3:] for g in info.groups}
+    assert set(short.banked_draws) <= set(later)
+    banked = sum(tokens(later[d], world.token_unit) for d in short.banked_draws)
+    assert short.banked_change == banked  # window from t = 0: nothing banked at its start
+    trained = sum(tokens(g, world.token_unit) for info in short.batches for g in info.groups)
+    assert short.produced_per_s * short.wall_s == pytest.approx(trained + banked)
+    assert short.tokens_per_s * short.wall_s == pytest.approx(trained)
+    sync = simulate(tiny_cfg(0), world)  # a synchronous step trains all it generated
+    assert sync.banked_change == 0 and sync.produced_per_s == sync.tokens_per_s
+
+
 # ---- lengths and the CLI -----------------------------------------------------------------------
 
 

@@ -107,12 +107,19 @@ class SimResult:
     generated_per_s: float = 0.0  # tokens the engines decoded per second (kept, filtered or aborted)
     mean_decode_batch: float = 0.0  # requests per decode step, over all engines' steps
     refusals: int = 0  # times routing kept a request waiting (admission control)
+    # Completed groups held for later steps (their tokens) at the window's end minus at its start. A run
+    # that fills its staleness buffers during the window trains less than it produces, one that drains
+    # them more: trained tokens/s is the steady-state rate only when this is small beside `tokens`.
+    banked_change: int = 0
+    produced_per_s: float = 0.0  # (trained tokens + banked_change) / wall: kept groups' tokens per second
+    banked_draws: list = field(default_factory=list, repr=False)  # draws of the groups held at the end
     batches: list = field(default_factory=list, repr=False)  # BatchInfo per step (all steps)
     step_ends: list = field(default_factory=list, repr=False)  # virtual time each step ended
 
     def summary(self) -> dict:
         """The numbers, without the batches (plain data for JSON)."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("batches", "step_ends")}
+        skip = ("batches", "step_ends", "banked_draws")
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
 
 
 def _urls(n: int) -> list[str]:
@@ -220,6 +227,7 @@ class SimTrainer:
         self.batches, self.step_ends, self.train_busy = [], [], []
         self.engine_busy: list[float] = []  # total engine busy time at each step end
         self.engine_work: list[tuple[int, int]] = []  # (tokens, decode steps) of all engines at each step end
+        self.banked: list[int] = []  # tokens of completed groups held for later steps, at each step end
 
     async def _take(self, step: int):
         since = self.loop.time()
@@ -251,6 +259,11 @@ class SimTrainer:
             self.engine_work.append(
                 (sum(e.stats.tokens for e in self.engines.values()), sum(e.stats.steps for e in self.engines.values()))
             )
+            self.banked.append(self._banked_tokens())
+
+    def _banked_tokens(self) -> int:
+        tokens = sum(len(s.prompt_ids) + len(s.output_ids) for g in self.producer.buffer for s in g.samples)
+        return tokens * self.world.token_unit
 
     async def _sync_all(self, version: int) -> None:
         """all_at_once, as the loop does it inline: pause every server, load, continue, publish."""
@@ -318,6 +331,7 @@ class SimTrainer:
         t0 = self.step_ends[first] if first >= 0 else 0.0
         busy0 = self.engine_busy[first] if first >= 0 else 0.0
         tokens0, steps0 = self.engine_work[first] if first >= 0 else (0, 0)
+        banked_change = self.banked[-1] - (self.banked[first] if first >= 0 else 0)
         gen_tokens, gen_steps = self.engine_work[-1][0] - tokens0, self.engine_work[-1][1] - steps0
         wall = self.step_ends[-1] - t0
         measured = self.batches[warmup:]
@@ -340,6 +354,9 @@ class SimTrainer:
             retractions=sum(e.stats.retractions for e in engines),
             migrations=sum(info.coordination.get("migrations", 0) for info, _ in self.batches[warmup:]),
             generated_per_s=gen_tokens / wall if wall > 0 else 0.0,
+            banked_change=banked_change,
+            produced_per_s=(tokens + banked_change) / wall if wall > 0 else 0.0,
+            banked_draws=[g.draw for g in self.producer.buffer],
             mean_decode_batch=gen_tokens / gen_steps if gen_steps else 0.0,
             refusals=sum(info.coordination.get("routing_refusals", 0) for info, _ in measured),
             batches=[info for info, _ in self.batches],
