@@ -296,20 +296,38 @@ def test_load_book_adds_admissions_to_the_last_report_until_the_next():
     assert book.load("a") == (6, 1, 1300.0)
     book.observe("a", stamp=1.0, running=0, waiting=0, kv_tokens=0)  # the same report again: no change
     assert book.load("a") == (6, 1, 1300.0)
-    book.ended("r2", generated=50)  # admitted after the report: exactly what was added comes off
-    assert book.load("a") == (5, 1, 1000.0)
+    book.ended("r2", generated=50)  # admitted after the report: exactly what was added comes off ...
+    assert book.load("a") == (6, 0, 1000.0)  # ... and its place goes to the sequence the engine had queued
     book.ended("r1", generated=100)  # in the report with its prompt and part of its output
-    assert book.load("a") == (3, 1, 700.0)
+    assert book.load("a") == (4, 0, 700.0)
     book.ended("r1")  # twice: nothing
-    assert book.load("a") == (3, 1, 700.0)
+    assert book.load("a") == (4, 0, 700.0)
     book.observe("a", stamp=2.0, running=1, waiting=0, kv_tokens=90)
     assert book.load("a") == (1, 0, 90.0)
     # a report that missed a request the router has in flight never hides it
     book.admitted("r3", "a", 4, 400)
     book.observe("a", stamp=3.0, running=1, waiting=1, kv_tokens=50)
     assert book.load("a") == (3, 1, 400.0)  # 4 in flight, 1 of them may be the engine's waiting one
-    book.ended("r3", generated=8)
-    assert book.load("a") == (0, 1, 0.0)
+    book.ended("r3", generated=8)  # its 4 places: 1 to the queued sequence
+    assert book.load("a") == (0, 0, 0.0)
+
+
+def test_load_book_starts_the_engines_queued_sequences_as_its_requests_end():
+    """An engine admits from its own queue as places free: a report that saw sequences queued stops
+    counting them as queued once as many have ended, so the server does not look queued until the
+    next report (throughput_optimal takes no server with a queue)."""
+    book = LoadBook()
+    for key in ("r1", "r2", "r3"):
+        book.admitted(key, "a", 1, 100)
+    book.observe("a", stamp=1.0, running=3, waiting=2, kv_tokens=900)  # 2 queued that are not the router's
+    book.ended("r1", generated=200)  # one place frees: a queued sequence starts in it
+    assert book.load("a") == (3, 1, 600.0)
+    book.ended("r2", generated=200)
+    assert book.load("a") == (3, 0, 300.0)
+    book.ended("r3", generated=200)  # nothing queued any more: a place stays empty
+    assert book.load("a") == (2, 0, 0.0)
+    book.observe("a", stamp=2.0, running=2, waiting=1, kv_tokens=500)  # a new report is taken as it is
+    assert book.load("a") == (2, 1, 500.0)
 
 
 # ---- config ---------------------------------------------------------------------------------------

@@ -361,8 +361,10 @@ def test_seeds_print_mean_min_max_of_the_runs_each_seed_gives(tmp_path, capsys):
     line = next(x for x in text.splitlines() if x.startswith("async | 1 |"))
     cells = line.split(" | ")
     assert cells[2] == f"{sum(tps) / 3:.0f} [{min(tps):.0f}-{max(tps):.0f}]"
+    produced = [s["produced_per_s"] for s in singles]
+    assert cells[3] == f"{sum(produced) / 3:.0f} [{min(produced):.0f}-{max(produced):.0f}]"
     busy = [s["trainer_busy"] for s in singles]
-    assert cells[3] == f"{sum(busy) / 3:.2f} [{min(busy):.2f}-{max(busy):.2f}]"  # beside every figure
+    assert cells[4] == f"{sum(busy) / 3:.2f} [{min(busy):.2f}-{max(busy):.2f}]"  # beside every figure
     assert "analytic ceiling (sim/ceiling.py), tokens/s: async@1 " in text
 
 

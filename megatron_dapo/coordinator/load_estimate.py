@@ -7,7 +7,10 @@ request's tokens and one running request at once, subtracts them when the reques
 the engine's numbers again at the next snapshot), the book adds each admitted request's sequences
 and KV tokens to the last snapshot and forgets those deltas when a new snapshot arrives. A request
 that was already in the snapshot and ends before the next one is subtracted with the tokens it
-grew to. Without any snapshot the book is the router's own count of what it has in flight, and
+grew to. A sequence that ends on an engine whose snapshot showed sequences queued lets one of them
+start (the engine admits from its own queue as room frees): the book moves one from waiting to
+running instead of dropping one, so a queue the snapshot saw empties as the engine's requests end
+rather than only at the next snapshot. Without any snapshot the book is the router's own count of what it has in flight, and
 with one the estimate never drops below that count (a report taken just before a request reached
 the engine does not make it disappear).
 
@@ -27,6 +30,7 @@ class _Server:
     waiting: int = 0
     kv_tokens: float = 0.0
     d_running: int = 0  # admitted - ended since the snapshot
+    d_waiting: int = 0  # - queued sequences assumed started since the snapshot (as running ones ended)
     d_kv: float = 0.0
     since: set = field(default_factory=set)  # requests admitted after the snapshot
     own_running: int = 0  # sequences the router has in flight there
@@ -54,7 +58,7 @@ class LoadBook:
         if stamp is None or stamp == s.stamp:
             return
         s.stamp, s.running, s.waiting, s.kv_tokens = stamp, running, waiting, kv_tokens
-        s.d_running, s.d_kv = 0, 0.0
+        s.d_running, s.d_waiting, s.d_kv = 0, 0, 0.0
         s.since.clear()  # the report is taken to include every request admitted so far
 
     def admitted(self, key: Hashable, url: str, sequences: int, tokens: float) -> None:
@@ -73,7 +77,9 @@ class LoadBook:
         if a is None:
             return
         s = self._server(a.url)
-        s.d_running -= a.sequences
+        started = min(a.sequences, s.waiting + s.d_waiting)  # queued sequences taking the freed places
+        s.d_waiting -= started
+        s.d_running -= a.sequences - started
         s.own_running -= a.sequences
         s.own_kv -= a.tokens
         if key in s.since:  # not in the snapshot: take back exactly what was added
@@ -86,4 +92,4 @@ class LoadBook:
         """(running sequences, waiting sequences, resident KV tokens) to assume now."""
         s = self._server(url)
         running = max(s.running + s.d_running, s.own_running - s.waiting, 0)
-        return running, s.waiting, max(s.kv_tokens + s.d_kv, s.own_kv, 0.0)
+        return running, s.waiting + s.d_waiting, max(s.kv_tokens + s.d_kv, s.own_kv, 0.0)
