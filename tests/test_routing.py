@@ -86,6 +86,50 @@ def test_eligibility_waiting_queue_kv_room_concurrency_cap():
     assert p.choose(RouteRequest(prompt_tokens=5000), [srv("tiny", kv_capacity=1000)]).url == "tiny"
 
 
+def test_every_server_saturated_the_group_server_else_the_least_queued_one_takes_the_request():
+    """No server eligible only because each is saturated (own queue non-empty or KV full): the request is
+    not held but goes to its group's sticky server, else to the server with the fewest sequences queued
+    (the report's plus those placed since it); a server at the concurrency cap or an eligible one gaining
+    too little keeps the refusal."""
+    p = policy(delta_throughput_threshold=0.0, concurrency=4)
+    req = RouteRequest(prompt_tokens=100)
+    queueing = srv("queueing", running=1, waiting=3, kv_tokens=100)
+    full = srv("full", running=3, kv_tokens=950, kv_capacity=1000, placed_since=2)  # 950 + 100 > 1000
+    fuller = srv("fuller", running=3, waiting=1, kv_tokens=990, kv_capacity=1000)
+    servers = [queueing, full, fuller]
+    assert not any(p.eligible(req, s) for s in servers)
+    # queued: 3, 0 + 2 placed since the report, 1: the least queued takes it
+    assert p.choose(req, servers).url == "fuller"
+    # with its siblings on the most queued server, it joins them there
+    assert p.choose(RouteRequest(prompt_tokens=100, sticky="queueing"), servers).url == "queueing"
+    # one server at the concurrency cap: refused as before
+    capped = srv("capped", running=4, outstanding=4, kv_tokens=990, kv_capacity=1000)
+    assert p.choose(req, [*servers, capped]).verdict is Verdict.REFUSED
+    # an eligible server that gains too little: the threshold's refusal stands
+    busy = srv("busy", running=100, kv_tokens=2_000_000)
+    strict = policy(delta_throughput_threshold=0.99)
+    assert strict.choose(req, [busy, full]).verdict is Verdict.REFUSED
+    assert strict.choose(req, [full]).url == "full"  # saturated only: no gain test
+
+
+def test_dispatcher_counts_placements_since_the_report_as_queued_on_saturated_servers():
+    from megatron_dapo.coordinator.dispatch import Dispatcher
+
+    d = Dispatcher(policy(delta_throughput_threshold=0.0), QueueConfig("fifo"))
+    for key in ("r1", "r2", "r3"):
+        d.submit(key, RouteRequest(prompt_tokens=600))
+    full = [srv(u, running=8, kv_tokens=900, kv_capacity=1000, load_time=1.0) for u in "ab"]
+    # none fits; each placement counts as queued where it went until the next report: a, b, a
+    assert d.dispatch(full).placed == [("r1", "a"), ("r2", "b"), ("r3", "a")] and d.refusals == 0
+    d.submit("r4", RouteRequest(prompt_tokens=600))
+    # the next reports: a's engine started both, b's still queues r2: r4 goes to a
+    reports = [
+        srv("a", running=10, kv_tokens=990, kv_capacity=1000, load_time=2.0),
+        srv("b", running=8, waiting=1, kv_tokens=900, kv_capacity=1000, load_time=2.0),
+    ]
+    assert d.dispatch(reports).placed == [("r4", "a")]
+
+
 def test_version_order_new_requests_newest_first_resumed_oldest_allowed():
     p = policy(delta_throughput_threshold=0.5)
     old_idle, new_busy = srv("old", version=1), srv("new", version=2, running=8, kv_tokens=8000)
@@ -404,18 +448,23 @@ def test_dispatcher_counts_each_placement_before_the_next_decision():
     for key in ("r1", "r2", "r3"):
         d.submit(key, RouteRequest(prompt_tokens=600))
     servers = [srv("a", kv_capacity=1000), srv("b", kv_capacity=1000)]
-    # r1 fills most of a's KV cache by the router's own estimate, so r2 goes to b; r3 fits nowhere
+    # r1 fills most of a's KV cache by the router's own estimate, so r2 goes to b; r3 fits nowhere, and
+    # with every server saturated it queues on the least queued one (a and b: one each; the first)
     out = d.dispatch(servers)
-    assert out.placed == [("r1", "a"), ("r2", "b")] and out.failed == [] and len(d) == 1 and d.refusals == 1
-    assert d.dispatch(servers).placed == []  # nothing changed
+    assert out.placed == [("r1", "a"), ("r2", "b"), ("r3", "a")] and out.failed == [] and len(d) == 0
+    assert d.refusals == 0 and d.dispatch(servers).placed == []  # nothing waiting
     d.finished("r1", generated=50)
-    assert d.dispatch(servers).placed == [("r3", "a")]
-    # load reports replace the estimate: r2 ended, but b's engine reports a queue of its own
-    d.finished("r2", generated=10)
     d.submit("r4", RouteRequest(prompt_tokens=600))
+    assert d.dispatch(servers).placed == [("r4", "a")]  # a: r3, b: r2, neither fits; one queued each: the first
+    # load reports replace the estimate: r2 and r4 ended, but b's engine reports a queue of its own
+    d.finished("r2", generated=10)
+    d.finished("r4", generated=10)
+    d.submit("r5", RouteRequest(prompt_tokens=600))
     busy_b = srv("b", kv_capacity=1000, running=3, waiting=2, kv_tokens=300, load_time=1.0)
-    assert d.dispatch([srv("a", kv_capacity=1000), busy_b]).placed == []
-    assert d.dispatch([srv("a", kv_capacity=1000), srv("b", kv_capacity=1000, load_time=2.0)]).placed == [("r4", "b")]
+    assert d.dispatch([srv("a", kv_capacity=1000), busy_b]).placed == [("r5", "a")]  # a: r3 queued; b: 2
+    d.finished("r5", generated=0)
+    d.submit("r6", RouteRequest(prompt_tokens=600))
+    assert d.dispatch([srv("a", kv_capacity=1000), srv("b", kv_capacity=1000, load_time=2.0)]).placed == [("r6", "b")]
 
 
 def test_dispatcher_sticky_groups_cancel_and_unroutable():
@@ -458,7 +507,7 @@ def test_dispatcher_repeats_an_unchanged_refusal_exactly_as_deciding_again(queue
     fast, ref = (cls(policy(concurrency=3, **route), QueueConfig(queue)) for cls in (Dispatcher, Deciding))
     views = [srv(u, version=1, kv_capacity=40_000) for u in "abc"]
     placed, n = [], 0
-    for _ in range(600):
+    for _ in range(1500):
         act = rng.random()
         if act < 0.25:
             n += 1
@@ -476,8 +525,9 @@ def test_dispatcher_repeats_an_unchanged_refusal_exactly_as_deciding_again(queue
                 d.cancel(key)
         elif act < 0.4 and placed:
             key = placed.pop(rng.randrange(len(placed)))
+            generated = rng.randint(0, 300)  # one draw for both: their load books must stay the same
             for d in (fast, ref):
-                d.finished(key, generated=rng.randint(0, 300))
+                d.finished(key, generated=generated)
         elif act < 0.43:
             url = rng.choice("abc")
             assert fast.unpin(url) == ref.unpin(url)

@@ -157,7 +157,8 @@ class Dispatcher:
     def _estimate(self, s: ServerView) -> ServerView:
         self._observe(s)
         running, waiting, kv_tokens = self.loads.load(s.url)
-        return _with(s, running=running, waiting=waiting, kv_tokens=kv_tokens)
+        placed = self.loads.placed_since(s.url)
+        return _with(s, running=running, waiting=waiting, kv_tokens=kv_tokens, placed_since=placed)
 
     def _admit(self, key: Hashable, w: _Waiting, server: ServerView) -> None:
         req = w.request

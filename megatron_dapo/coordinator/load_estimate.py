@@ -10,9 +10,9 @@ that was already in the snapshot and ends before the next one is subtracted with
 grew to. A sequence that ends on an engine whose snapshot showed sequences queued lets one of them
 start (the engine admits from its own queue as room frees): the book moves one from waiting to
 running instead of dropping one, so a queue the snapshot saw empties as the engine's requests end
-rather than only at the next snapshot. Without any snapshot the book is the router's own count of what it has in flight, and
-with one the estimate never drops below that count (a report taken just before a request reached
-the engine does not make it disappear).
+rather than only at the next snapshot. Without any snapshot the book is the router's own count of
+what it has in flight, and with one the estimate never drops below that count (a report taken just
+before a request reached the engine does not make it disappear).
 
 No I/O, no clock: the caller passes each snapshot's stamp (anything that changes per report).
 """
@@ -87,6 +87,10 @@ class LoadBook:
             s.d_kv -= a.tokens
         else:  # in the snapshot, which saw it hold its prompt and part of its output
             s.d_kv -= a.tokens + generated
+
+    def placed_since(self, url: str) -> int:
+        """Sequences admitted to `url` after its last report (the report cannot show them queued yet)."""
+        return sum(self._requests[k].sequences for k in self._server(url).since)
 
     def load(self, url: str) -> tuple[int, int, float]:
         """(running sequences, waiting sequences, resident KV tokens) to assume now."""

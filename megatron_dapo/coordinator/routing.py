@@ -22,6 +22,11 @@ server holds a version >= the request's V_traj).
   if gain >= delta_throughput_threshold * T(m, m r) (what the request would get on an idle
   server), else the next group is tried, else REFUSED. With a
   threshold <= 1 an idle server always accepts, so waiting requests cannot starve.
+  When no server is eligible only because every one is saturated (own queue non-empty or KV
+  full; none at the cap), the request is not held: it goes to its group's sticky server, else to
+  the one with the fewest sequences queued (reported waiting + placed since that report). Held, it
+  only waits while its siblings finish, and a group trains when its last sample ends (issue 25:
+  the KV-saturated 512 x 16 setting, benchmarks/RESULTS.md).
 - `throughput_optimal_with_budget`: the same with the generated part rounded up to the next
   multiple of `request_budget` (r = prompt + ceil((generated + 1) / budget) * budget): a request is
   charged for the tokens it will grow into, not only those it has. (PSRL also re-counts the engine's
@@ -68,6 +73,7 @@ class ServerView:
     kv_tokens: float = 0.0  # resident KV tokens (report + own admissions since)
     kv_capacity: float = 0.0  # max total tokens; 0 = unknown (no KV check)
     load_time: float | None = None  # when the load numbers were reported; None = never (own counts only)
+    placed_since: int = 0  # sequences the router placed here after that report (in `running` above)
 
 
 @dataclass
@@ -202,7 +208,24 @@ class ThroughputOptimal(RequestNumBalance):
             best = max(eligible, key=lambda s: self.gain(req, s))  # first of equals: stable
             if self.gain(req, best) >= self.threshold(req):
                 return Route(Verdict.PLACED, best.url)
-        return REFUSED
+        return self.keep_queued(req, cands)
+
+    def queued(self, s: ServerView) -> int:
+        """Sequences waiting in the engine's queue to assume now: the report's plus what the router placed
+        since (on a saturated engine those queue too, until the next report says otherwise)."""
+        return s.waiting + s.placed_since
+
+    def keep_queued(self, req: RouteRequest, cands: Sequence[ServerView]) -> Route:
+        """No server is eligible. If that is only because every one is saturated (its queue non-empty or
+        its KV full; none at the concurrency cap), holding the request here gains nothing (each engine
+        has work queued) and delays its group: a group trains only when its last sample ends. So it
+        goes to its group's server (where its siblings run: the group's samples finish together), else
+        to the least-queued one. Where a server is eligible but gains too little, or is at the cap, the
+        refusal stands."""
+        if not all(self.has_room(s) and not self.eligible(req, s) for s in cands):
+            return REFUSED
+        best = min(cands, key=lambda s: (s.url != req.sticky, self.queued(s), order_key(req, s, self.cfg.server_order)))
+        return Route(Verdict.PLACED, best.url)
 
 
 class ThroughputOptimalWithBudget(ThroughputOptimal):
