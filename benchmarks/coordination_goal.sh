@@ -5,7 +5,8 @@
 # (async with a free trainer and syncs), advanced over async and over sync, and the rows' trained tokens/s.
 #
 #   bash benchmarks/coordination_goal.sh                     # from the repository root; CPU only
-#   OUT=/tmp/goal SEEDS=3 STEPS=6 bash benchmarks/coordination_goal.sh
+#   OUT=/tmp/goal SEEDS=3 STEPS=12 STALENESS=2 CHECK_MS=1000 bash benchmarks/coordination_goal.sh   # goal rows
+#       # (RESULTS.md 2026-12-06, later session: >= 12 measured steps; the PSRL-like rows there used 30)
 #   COST_MODEL=cost.json bash benchmarks/coordination_goal.sh   # a profile-engine fit instead of PSRL's 7B one
 #   SETTINGS="a3b_2+6 qwen2.5_7b_2x8" bash benchmarks/coordination_goal.sh   # only those (two shells at once)
 #   TABLE_ONLY=1 bash benchmarks/coordination_goal.sh     # the goal table of the settings' JSONs under OUT
