@@ -241,8 +241,7 @@ class SimTrainer:
     async def train(self, steps: int) -> None:
         for step in range(steps):
             info = await self._take(step)
-            tokens = sum(len(s.prompt_ids) + len(s.output_ids) for g in info.groups for s in g.samples)
-            tokens *= self.world.token_unit
+            tokens = self._tokens(info.groups)
             t = self.world.train_s(tokens)
             await asyncio.sleep(t)
             if self.sync_cfg.policy == "all_at_once":
@@ -262,8 +261,11 @@ class SimTrainer:
             self.banked.append(self._banked_tokens())
 
     def _banked_tokens(self) -> int:
-        tokens = sum(len(s.prompt_ids) + len(s.output_ids) for g in self.producer.buffer for s in g.samples)
-        return tokens * self.world.token_unit
+        return self._tokens(self.producer.buffer)
+
+    def _tokens(self, groups) -> int:
+        """Prompt + response tokens of `groups` (in tokens, not ids of token_unit tokens)."""
+        return self.world.token_unit * sum(len(s.prompt_ids) + len(s.output_ids) for g in groups for s in g.samples)
 
     async def _sync_all(self, version: int) -> None:
         """all_at_once, as the loop does it inline: pause every server, load, continue, publish."""
