@@ -96,11 +96,18 @@ def _finish(proc: subprocess.Popen, name: str, nproc: int, timeout: float) -> tu
     return out, None
 
 
+def failure_report(error: str, out: str, tail: int = 8000) -> str:
+    """`error`, each rank's exception lines (a long traceback pushes the first failure out of the tail), then
+    the output's tail."""
+    raised = [line for line in out.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]*(Error|Exception)\b.*: ", line)]
+    return "\n".join([error, "exceptions raised:", *dict.fromkeys(raised), "output tail:", out[-tail:]])
+
+
 def run_torchrun(script: str | Path, nproc: int, *args: str, timeout: float = 300, env: dict | None = None) -> str:
     """Launch `script` (a path, or a file name in tests/workers/) on `nproc` ranks; return its output."""
     out, error = _finish(start_torchrun(script, nproc, *args, env=env), Path(script).name, nproc, timeout)
     if error:
-        raise AssertionError(f"{error}\n{out[-8000:]}")
+        raise AssertionError(failure_report(error, out))
     return out
 
 
@@ -140,6 +147,6 @@ def run_check_launches(script: str, nproc: int, checks: list[str], tmpdir: Path,
         failed = rest[0] if rest else remaining[-1] if error else None
         if failed is not None:
             why = error or "exited without its CHECK PASSED line"
-            results.failures[failed] = f"{name}: check {failed} failed ({why})\n{out[-8000:]}"
+            results.failures[failed] = failure_report(f"{name}: check {failed} failed ({why})", out)
         remaining = rest[1:]
     return results

@@ -141,8 +141,11 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def import_sglang(cache: Path = CACHE) -> None:
-    """Make `import sglang` work in this process (call only in a process of its own: stubs stay)."""
+    """Make `import sglang` work in this process (call only in a process of its own: stubs stay); installs
+    it first on a machine that has none (every subcommand may be the first to need it)."""
     from transformers.utils import import_utils
+
+    ensure_installed(cache)
 
     # transformers caches whether torchvision exists; ask before the stub makes it look present
     import_utils.is_torchvision_available()

@@ -91,6 +91,53 @@ def test_a_lost_server_is_re_admitted_stalled_or_relaunched_with_the_current_wei
         bridge.close()
 
 
+@pytest.mark.slow
+def test_a_server_down_at_a_sync_point_is_left_out_before_the_sync_then_re_admitted(servers):  # noqa: F811
+    """SIGKILLed between two syncs and not yet relaunched when the next sync begins: the sync point finds it
+    unreachable and re-forms the group without it, so the sync reaches the other at once (a broadcast to a
+    group with a dead member would only end at the timeout, blaming the live server); started again on its
+    port, the next sync point re-admits it and the sync gives it the current weights."""
+    servers, model = servers
+    urls = [s.url for s in servers]
+    registry = ServerRegistry(urls, version=0)
+    bridge = _bridge(urls, min_live=1, registry=registry, timeout_s=30.0)
+    try:
+        bridge.sync(_weights(model, 1), version=1)
+        servers[1].kill()
+        assert bridge.readmit() == [] and bridge.live == [urls[0]] and bridge.world_size == 2
+        assert bridge.lost[urls[1]].startswith("unreachable: ") and registry.records[urls[1]].down is not None
+        # with the dead server still in the group, server 0's update would time out and it be lost too
+        assert _bounded(lambda: bridge.sync(_weights(model, 2), version=2)).get("value") is not None
+        assert bridge.live == [urls[0]] and asyncio.run(_info_and_logprobs(urls[0], PROBE))[0] == "2"
+        servers[1].restart(timeout_s=240)
+        assert bridge.readmit() == [urls[1]] and bridge.live == urls and bridge.world_size == 3
+        w3 = _weights(model, 3)
+        assert _bounded(lambda: bridge.sync(w3, version=3)).get("value") is not None
+        assert bridge.verify(PROBE, _reference_logprobs(model, w3, PROBE)) < 1e-4
+    finally:
+        bridge.close()
+
+
+def test_a_live_server_routing_holds_down_is_routed_again_after_the_sync():
+    """The router saw a server restarted (down) while the bridge still counted it live, and the sync (a retry
+    that re-formed the group) gave it the weights: the trainer routes to it again, with the re-admitted ones;
+    a server the bridge lost stays down."""
+    import types
+
+    from megatron_dapo.trainer.weight_sync import AllAtOnceSync
+
+    urls = ["http://a", "http://b", "http://c"]
+    registry = ServerRegistry(urls, version=2)
+    registry.mark_down(urls[1], "restarted: holds weight version default, not 2")
+    registry.mark_down(urls[2], "weight sync: unreachable")
+    bridge, coord = types.SimpleNamespace(live=urls[:2]), types.SimpleNamespace(registry=registry)
+    sync = types.SimpleNamespace(bridge=bridge, coord=coord)
+    AllAtOnceSync._route_again(sync, [], 3)
+    assert registry.records[urls[1]].down is None and registry.records[urls[1]].version == 3
+    assert registry.records[urls[2]].down is not None
+    assert [s.url for s in registry.statuses()] == urls[:2]
+
+
 async def _router_check(urls, registry):
     """The router's check of server 1 as its health loop makes it when the server answers again."""
     from megatron_dapo.coordinator.router import Router

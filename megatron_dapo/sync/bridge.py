@@ -365,7 +365,10 @@ class WeightSyncBridge:
         if not self.sender or self._loop is None:
             return []
         back = self._back()
-        if not back:
+        if not back and self.live == self._members:
+            return []
+        if not self.live:  # every server out: the sync names them
+            self._leave_group()
             return []
         try:
             self._reform()  # its leave step also destroys a group a stalled server may still hold
@@ -394,7 +397,8 @@ class WeightSyncBridge:
         decision: list = [None]
         if self.rank == 0:
             back = self._back() if self._loop is not None else []
-            decision = [(back, list(self.live), dict(self.lost), self.live != self._members)]
+            # a restarted server back in its place needs its group re-formed too (it holds none)
+            decision = [(back, list(self.live), dict(self.lost), bool(back) or self.live != self._members)]
         dist.broadcast_object_list(decision, src=0)
         back, self.live, self.lost, changed = decision[0]
         if not changed:
@@ -417,8 +421,10 @@ class WeightSyncBridge:
 
     def _restarted(self) -> dict[str, str]:
         """Live servers restarted since the last sync (relaunched between two syncs, unnoticed): they report
-        another weight version than the one they loaded, and hold no update group. A server that does not
-        answer here is left to the sync (and its timeout)."""
+        another weight version than the one they loaded, and hold no update group. A server that refuses
+        the connection (dead, or still relaunching) cannot take part either: left out now, before the sync
+        broadcasts to a group it is no longer in. One that does not answer in time is left to the sync (and
+        its timeout)."""
         urls = [u for u in self.live if u in self._loaded]
 
         async def ask():
@@ -429,6 +435,9 @@ class WeightSyncBridge:
 
         out = {}
         for url, info in zip(urls, self._loop.run(ask(), READMIT_HEALTH_S + GRACE_S)):
+            if isinstance(info, SGLangConnectionError):
+                out[url] = f"unreachable: {info}"
+                continue
             held = info.get("weight_version") if isinstance(info, dict) else None  # None: cannot tell
             if held is not None and str(held) != self._loaded[url]:
                 out[url] = f"restarted: holds weight version {held}, not {self._loaded[url]}"

@@ -141,9 +141,12 @@ class AllAtOnceSync(WeightSync):
         return out
 
     def _route_again(self, back: list[str], version: int) -> None:
-        """The re-admitted servers still live after this sync (and its check) hold `version`: route to them."""
-        for url in back:
-            if url in self.bridge.live:
+        """The re-admitted servers still live after this sync (and its check) hold `version`: route to them.
+        So does any other live server routing still holds down: the router saw it restarted, and the sync
+        (its retry re-formed the group with it) gave it `version` before the bridge noticed."""
+        in_service = {s.url for s in self.coord.registry.statuses()}
+        for url in self.bridge.live:
+            if url in back or url not in in_service:
                 self.coord.registry.mark_up(url, version)
                 log.warning(
                     "rollout server %s re-admitted at weight version %d (%d in service)",
