@@ -437,11 +437,12 @@ def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
     long, one = SamplingParams(max_new_tokens=400, ignore_eos=True), SamplingParams(max_new_tokens=1)
     block = 250  # fits the continuous fixture's 256-token pool alone, never beside a running sequence
 
-    async def until(cond, what):
+    async def until(cond, what, state=None):
         deadline = time.monotonic() + timeout_s
         while not await cond():
             if time.monotonic() > deadline:
-                raise AssertionError(f"not within {timeout_s}s: {what}")
+                seen = f"; last seen: {await state()}" if state is not None else ""
+                raise AssertionError(f"not within {timeout_s}s: {what}{seen}")
             await asyncio.sleep(0.01)
 
     def quiesced() -> bool:
@@ -495,7 +496,13 @@ def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
                 async def queued():
                     return (await clients[busy].get_loads()).waiting == 1 + sent[busy]
 
-                await until(queued, f"{sent[busy]} requests queued on {busy}")
+                async def busy_state():  # which premise broke: ours ended early, or theirs never arrived
+                    loads = await clients[busy].get_loads()
+                    ended = [t.done() for t in tasks]
+                    placed = await on_loop(lambda: router.running_on(busy))
+                    return f"running {loads.running}, waiting {loads.waiting}, ours ended {ended}, placed {placed}"
+
+                await until(queued, f"{sent[busy]} requests queued on {busy}", busy_state)
                 await clients[busy].pause_generation("in_place")
                 frozen = await clients[busy].get_loads()
                 assert (frozen.running, frozen.waiting) == (1, 1 + sent[busy]), frozen  # ours running, all queued
