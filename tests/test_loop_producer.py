@@ -699,3 +699,37 @@ def test_a_raising_reward_exhausts_with_its_failures_named(setup):
             p.take_batch(0, timeout_s=120)
     finally:
         p.stop()
+
+
+def test_dispatch_never_starts_more_groups_than_max_num_gen_batches_allows():
+    """max_num_gen_batches x gen_batch_size bounds the groups judged towards one batch: with groups still in
+    flight, no more start than would take the count past it (else the groups dispatched while the last
+    ones were being judged overshoot it, by up to a batch's worth, depending on timing)."""
+    from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
+    from megatron_dapo.data.dataset import PromptSampler
+    from megatron_dapo.rollout.types import SamplingParams
+
+    settings = ProducerSettings(
+        train_batch_size=2,
+        n=4,
+        sampling=SamplingParams(max_new_tokens=4),
+        max_response_length=4,
+        staleness=1,
+        gen_batch_size=2,
+        max_num_gen_batches=2,  # 4 groups
+    )
+    p = RolloutProducer(None, None, PromptSampler(100, seed=0), None, settings)
+
+    def dispatchable():  # as the producer's loop calls it: under its lock
+        with p._cv:
+            return p.dispatch.dispatchable()
+
+    first = dispatchable()
+    assert len(first) == 4  # two buffers of 2: all four may be judged
+    p.counters.judged = 1  # one of them judged (dropped by the filter), three still in flight
+    p.slots.release(first[0][1])
+    assert dispatchable() == []  # 1 judged + 3 in flight = the limit
+    p.counters.judged = 4
+    for _, draw, _ in first[1:]:
+        p.slots.release(draw)
+    assert dispatchable() == [] and p.exhausted

@@ -96,8 +96,9 @@ def test_a_killed_server_under_greedy_sync_surfaces_as_a_named_error(servers):
         assert isinstance(syncer.error.__cause__, ServersLost) and syncer.error.__cause__.urls == [urls[1]]
         original = syncer.error.__cause__.__cause__
         assert isinstance(original, SGLangConnectionError)
-        assert original.endpoint == f"POST {urls[1]}/pause_generation"
-        assert f"{urls[1]}: pause_generation: " in str(syncer.error)
+        # found at the sync point, before the sync: its check of the server's weight version cannot connect
+        assert original.endpoint == f"GET {urls[1]}/get_model_info"
+        assert f"{urls[1]}: unreachable: GET {urls[1]}/get_model_info: cannot connect" in str(syncer.error)
         # the coordinator process got the error, type and message intact
         _wait(lambda: coord.take_step(0, 1) is not None, "failure at the coordinator")
         assert coord.take_step(0, 1) == ("WeightSyncError", str(syncer.error))

@@ -261,6 +261,7 @@ class WeightSyncBridge:
         self.api_key = api_key
         self.live = list(self.urls)  # the servers in the group; a lost one is left out (`_leave_out`)
         self.lost: dict[str, str] = {}  # url -> why it was left out
+        self.lost_causes: dict[str, BaseException] = {}  # url -> the failed call that found it gone (sync points)
         self._loaded: dict[str, str] = {}  # url -> the weight version its last sync loaded
         self._members: list[str] = []  # the servers the update group was last formed with
         self.min_live, self.on_lost = min_live, on_lost
@@ -381,11 +382,12 @@ class WeightSyncBridge:
     def _back(self) -> list[str]:
         """Rank 0: live servers restarted unnoticed are marked lost; the lost ones answering /health again go
         back into `live` (in their original places). Returns those back."""
-        for url, why in self._restarted().items():
-            self._mark_lost(url, why)
+        for url, (why, cause) in self._restarted().items():
+            self._mark_lost(url, why, cause)
         back = self._answering(list(self.lost)) if self.lost else []
         for url in back:
             log.warning("weight sync: %s answers again (was lost: %s); re-admitting it", url, self.lost.pop(url))
+            self.lost_causes.pop(url, None)
         self.live = [u for u in self.urls if u in self.live or u in back]
         return back
 
@@ -419,7 +421,7 @@ class WeightSyncBridge:
         dist.all_gather_object(errors, error)
         return [f"source rank {rank}: {e}" for rank, e in enumerate(errors) if e is not None]
 
-    def _restarted(self) -> dict[str, str]:
+    def _restarted(self) -> dict[str, tuple[str, BaseException | None]]:
         """Live servers restarted since the last sync (relaunched between two syncs, unnoticed): they report
         another weight version than the one they loaded, and hold no update group. A server that refuses
         the connection (dead, or still relaunching) cannot take part either: left out now, before the sync
@@ -436,11 +438,11 @@ class WeightSyncBridge:
         out = {}
         for url, info in zip(urls, self._loop.run(ask(), READMIT_HEALTH_S + GRACE_S)):
             if isinstance(info, SGLangConnectionError):
-                out[url] = f"unreachable: {info}"
+                out[url] = (f"unreachable: {info}", info)
                 continue
             held = info.get("weight_version") if isinstance(info, dict) else None  # None: cannot tell
             if held is not None and str(held) != self._loaded[url]:
-                out[url] = f"restarted: holds weight version {held}, not {self._loaded[url]}"
+                out[url] = (f"restarted: holds weight version {held}, not {self._loaded[url]}", None)
         return out
 
     def _answering(self, urls: list[str]) -> list[str]:
@@ -451,9 +453,11 @@ class WeightSyncBridge:
 
         return [u for u, ok in zip(urls, self._loop.run(ask(), READMIT_HEALTH_S + GRACE_S)) if ok]
 
-    def _mark_lost(self, url: str, why: str) -> None:
+    def _mark_lost(self, url: str, why: str, cause: BaseException | None = None) -> None:
         self.live.remove(url)
         self.lost[url] = why
+        if cause is not None:  # the failed call itself, for an error raised later about this loss
+            self.lost_causes[url] = cause
         self._loaded.pop(url, None)
         log.error("weight sync: %s left out (%s); %d server(s) go on", url, why, len(self.live))
         if self.on_lost is not None:

@@ -287,7 +287,7 @@ class PerServerSync:
         try:
             bridge.readmit()  # restarted since its last sync (it holds no group): a new group first
             if not bridge.live:
-                raise ServersLost(f"{url}: {bridge.lost[url]}", dict(bridge.lost))
+                raise ServersLost(f"{url}: {bridge.lost[url]}", dict(bridge.lost)) from bridge.lost_causes.get(url)
             bridge.sync(iter(snap.tensors), version=snap.version)
             if self.cfg.verify and self.probe is not None and snap.probe_logprobs is not None:
                 bridge.verify(self.probe, list(snap.probe_logprobs))

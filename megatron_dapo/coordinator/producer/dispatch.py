@@ -25,6 +25,14 @@ class Dispatch:
         limit = p.s.max_num_gen_batches * p.gen_batch_size
         return limit > 0 and p.counters.judged >= limit and not p.slots.ready()
 
+    def _room(self) -> int | None:
+        """Groups that may still start towards the next batch: max_num_gen_batches x gen_batch_size less those
+        judged or in flight (each in flight will be judged), so the limit is never overshot by the groups
+        dispatched while the last ones were being judged; None: no limit."""
+        p = self.p
+        limit = p.s.max_num_gen_batches * p.gen_batch_size
+        return None if limit <= 0 else limit - p.counters.judged - p.in_flight
+
     def dispatchable(self) -> list[tuple[int, int, int]]:
         """Under the lock: draw a prompt for every slot that can be reserved now (dataset index, draw, V_traj)."""
         p = self.p
@@ -38,8 +46,12 @@ class Dispatch:
         # Oldest version first: a group of V_traj v may run on any server holding >= v, so with
         # per-server sync the lagging servers keep taking work while buffers up to v + s have room,
         # instead of every new group waiting for (and piling onto) the servers that synced first.
+        room = self._room()
         for v in range(self.oldest_version(), p.version + 1):
             for _ in range(p.slots.reservable(v)):
+                if room is not None and room <= 0:
+                    return picks
+                room = None if room is None else room - 1
                 idx, draw = p.sampler.next_draw()
                 p.slots.reserve(draw, v)
                 p.flight[draw] = InFlight(idx, v)
