@@ -50,11 +50,14 @@ PSRL=(benchmarks/sim/psrl_r1_distill_qwen_14b_8x8.yaml --length-mean 10000 --cap
 if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
   [ "$1" = ablation-table ] && names=(none) || names=("${@:2}")
   # name: the overrides on top of the advanced YAML's switches (the simulator applies them last)
+  STATUS="rollout.sync.policy=status_based rollout.sync.indicator=kv_cache rollout.sync.check_req_before_sync=false"
   declare -A VARIANTS=(
     [advanced]=""
     [no_routing]="rollout.routing.method=least_outstanding"
     [no_queue]="rollout.queue.policy=fifo"
-    [no_status_sync]="rollout.sync.policy=all_at_once"
+    [aao_sync]="rollout.sync.policy=all_at_once"
+    # PSRL's sync rule (the YAMLs' default until the 2026-12-06 afternoon ablation; RESULTS.md "greedy sync")
+    [status_sync]="$STATUS rollout.sync.threshold=0.99"
     [no_migration]="rollout.migration.enabled=false"
     [no_retry]="rollout.retry.enabled=false"
     [no_redundancy]="rollout.redundancy.extra_prompts=0"
@@ -62,15 +65,15 @@ if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
     [redundancy_8]="rollout.redundancy.extra_prompts=8"
     [retry_1]="rollout.retry.threshold=1"
     [scaled]="rollout.redundancy.extra_prompts=8 rollout.retry.threshold=1"
-    # status_based sync's KV-cache threshold, with least_outstanding routing and with throughput_optimal
-    [lo_kv_0.5]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.5"
-    [lo_kv_0.7]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.7"
-    [lo_kv_0.9]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.9"
-    [lo_kv_0.99]="rollout.routing.method=least_outstanding rollout.sync.threshold=0.99"
-    [to_kv_0.7]="rollout.routing.method=throughput_optimal rollout.sync.threshold=0.7"
-    [to_kv_0.99]="rollout.routing.method=throughput_optimal rollout.sync.threshold=0.99"
+    # PSRL's status_based sync's KV-cache threshold, with least_outstanding routing and with throughput_optimal
+    [lo_kv_0.5]="rollout.routing.method=least_outstanding $STATUS rollout.sync.threshold=0.5"
+    [lo_kv_0.7]="rollout.routing.method=least_outstanding $STATUS rollout.sync.threshold=0.7"
+    [lo_kv_0.9]="rollout.routing.method=least_outstanding $STATUS rollout.sync.threshold=0.9"
+    [lo_kv_0.99]="rollout.routing.method=least_outstanding $STATUS rollout.sync.threshold=0.99"
+    [to_kv_0.7]="rollout.routing.method=throughput_optimal $STATUS rollout.sync.threshold=0.7"
+    [to_kv_0.99]="rollout.routing.method=throughput_optimal $STATUS rollout.sync.threshold=0.99"
   )
-  [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue no_status_sync no_migration no_retry no_redundancy)
+  [ ${#names[@]} -eq 0 ] && names=(async advanced no_routing no_queue aao_sync status_sync no_migration no_retry no_redundancy)
   common=(--staleness "${STALENESS%%,*}" --seeds "$SEEDS" --steps "$STEPS" --warmup-steps 1)
   checks=("rollout.sync.check_interval_ms=${CHECK_MS:-1000}" "rollout.loads.interval_ms=${CHECK_MS:-1000}")
   [ -n "${COST_MODEL:-}" ] && common+=(--cost-model "$COST_MODEL")

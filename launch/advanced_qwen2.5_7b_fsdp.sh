@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DAPO on Qwen2.5-7B with the FSDP2 backend (8 ranks), 8 SGLang engines (TP 1) and the advanced rollout
-# coordination (throughput_optimal routing, priority queues, status_based sync, migration, proactive
+# coordination (throughput_optimal routing, priority queues, greedy sync, migration, proactive
 # filtering) on 2 nodes x 8 GPUs. Needs tuning: see docs/rollout-coordination.md.
 #
 # Usage: launch/advanced_qwen2.5_7b_fsdp.sh [STALENESS] --cost-model FILE [--dry-run] [key.sub=value ...]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DAPO on Qwen3-30B-A3B (MoE) with Megatron (TP=2 + SP, EP=8, DP=8), 4 SGLang engines (TP 4) and the
-# advanced rollout coordination (throughput_optimal routing, priority queues, status_based sync,
+# advanced rollout coordination (throughput_optimal routing, priority queues, greedy sync,
 # migration, proactive filtering) on 4 nodes x 8 GPUs. Needs tuning: see docs/rollout-coordination.md.
 #
 # Usage: launch/advanced_qwen3_30b_megatron.sh [STALENESS] --cost-model FILE [--dry-run] [key.sub=value ...]

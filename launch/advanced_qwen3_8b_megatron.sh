@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # DAPO on Qwen3-8B with Megatron (TP=4 x DP=4), 8 SGLang engines (TP 2) and the advanced rollout
-# coordination (throughput_optimal routing, priority queues, status_based sync, migration, proactive
+# coordination (throughput_optimal routing, priority queues, greedy sync, migration, proactive
 # filtering) on 4 nodes x 8 GPUs. Needs tuning: see docs/rollout-coordination.md.
 #
 # Usage: launch/advanced_qwen3_8b_megatron.sh [STALENESS] --cost-model FILE [--dry-run] [key.sub=value ...]

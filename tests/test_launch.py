@@ -122,12 +122,8 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     )
     assert r.routing.cost_model == str(cost_model_file)
     assert (r.queue.policy, r.concurrency, r.partial_rollout) == ("priority", 512, True)
-    assert (r.sync.policy, r.sync.indicator, r.sync.threshold, r.sync.check_req_before_sync) == (
-        "status_based",
-        "kv_cache",
-        0.99,  # the PSRL-like re-ablation's choice (RESULTS.md, "throughput_optimal diagnosed and re-ablated")
-        False,
-    )
+    # the produced-rate ablation's choice (RESULTS.md, "greedy sync"): never below plain async beyond the seeds
+    assert (r.sync.policy, r.sync.pause_mode) == ("greedy", "in_place")
     assert (
         r.migration.enabled,
         r.migration.indicator,

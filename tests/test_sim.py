@@ -555,7 +555,7 @@ def test_command_line_overrides_win_over_the_mode_switches(monkeypatch):
         out=io.StringIO(),
     )
     advanced, plain = seen
-    assert advanced.rollout.sync.policy == "status_based" and advanced.rollout.retry.enabled  # the YAML's
+    assert advanced.rollout.sync.policy == "greedy" and advanced.rollout.retry.enabled  # the YAML's
     assert not advanced.rollout.migration.enabled  # ... but the command line's where it says so
     assert advanced.rollout.routing.method == plain.rollout.routing.method == "request_num_balance"
     assert plain.rollout.sync.policy == "all_at_once" and advanced.algo.staleness == plain.algo.staleness == 2
@@ -583,7 +583,7 @@ def test_advanced_mode_is_the_advanced_yaml_rollout_switches(advanced):
             )
         else:
             assert at(got, key) == at(want, key), key
-    assert got.rollout.sync.policy == "status_based" and got.rollout.migration.enabled and got.rollout.retry.enabled
+    assert got.rollout.sync.policy == "greedy" and got.rollout.migration.enabled and got.rollout.retry.enabled
     # the simulated setting itself (cluster, batch, staleness) stays the plain config's
     assert (got.rollout.server_tp, got.algo.train_batch_size, got.algo.staleness) == (
         base.rollout.server_tp,
