@@ -20,18 +20,20 @@ class Dispatch:
         self.p = producer
         self.redispatch: list[int] = []  # draws restored in flight from a checkpoint
 
+    def _limit(self) -> int:
+        """Groups judged towards one batch before dynamic sampling gives up (0: no limit)."""
+        return self.p.s.max_num_gen_batches * self.p.gen_batch_size
+
     def _limit_reached(self) -> bool:
-        p = self.p
-        limit = p.s.max_num_gen_batches * p.gen_batch_size
-        return limit > 0 and p.counters.judged >= limit and not p.slots.ready()
+        limit = self._limit()
+        return limit > 0 and self.p.counters.judged >= limit and not self.p.slots.ready()
 
     def _room(self) -> int | None:
-        """Groups that may still start towards the next batch: max_num_gen_batches x gen_batch_size less those
-        judged or in flight (each in flight will be judged), so the limit is never overshot by the groups
-        dispatched while the last ones were being judged; None: no limit."""
-        p = self.p
-        limit = p.s.max_num_gen_batches * p.gen_batch_size
-        return None if limit <= 0 else limit - p.counters.judged - p.in_flight
+        """Groups that may still start towards the next batch: the limit less those judged or in flight (each
+        in flight will be judged), so it is never overshot by the groups dispatched while the last ones were
+        being judged; None: no limit."""
+        limit = self._limit()
+        return None if limit <= 0 else limit - self.p.counters.judged - self.p.in_flight
 
     def dispatchable(self) -> list[tuple[int, int, int]]:
         """Under the lock: draw a prompt for every slot that can be reserved now (dataset index, draw, V_traj)."""
