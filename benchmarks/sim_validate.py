@@ -13,10 +13,14 @@ static`: a batch runs to its end before waiting requests start). It then runs th
 measured steps (`--batching continuous` for a run whose servers batched continuously; the run's JSON
 says which). Printed per setting: measured and simulated step time (wall time of the measured steps /
 steps) and trained tokens/s, their ratio, whether the step times agree within 25% (the issue-15 check),
-and the cost fit's error against the traced steps.
+and the cost fit's error against the traced steps. A run with slowed servers (`--server-slowdown`): each
+engine runs at the pace its own trace shows against the fit (`--speeds measured`, the default when the
+traces are on this machine; the fit comes from the unslowed servers), not the nominal factor: a
+`--slowdown 0.5` server measured 0.42-0.45 on 2026-12-06, and the nominal 0.5 left the plain-async rounds
+0.68-0.77x too fast.
 
     python benchmarks/sim_validate.py --bench results.json [--cost-model cost.json] [--batching static]
-        [--max-running 64 --kv-capacity 0 --tolerance 0.25]
+        [--speeds measured|nominal] [--max-running 64 --kv-capacity 0 --tolerance 0.25]
 """
 
 from __future__ import annotations
@@ -78,21 +82,39 @@ def per_server_sync_s(result: dict) -> float:
     return secs / syncs if syncs else 0.0
 
 
+def _trace_rows(path: str, since: float, until: float) -> list[dict]:
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # a torn last line
+                continue
+            if since <= row["t"] <= until:
+                rows.append(row)
+    return rows
+
+
+def measured_speeds(traces: list[str], since: float, until: float, cost) -> tuple[float, ...]:
+    """Each server's pace against `cost` over [since, until]: the decode seconds the model predicts for its
+    traced steps over the seconds they took. A `serve --slowdown 0.5` server measures ~0.45, not 0.5 (its
+    pause comes on top of a step that a busy machine already slows), and that difference is the whole
+    straggler in a plain-async run."""
+    out = []
+    for path in traces:
+        dec = [r for r in _trace_rows(path, since, until) if r["kind"] == "decode"]
+        took = sum(r["s"] for r in dec)
+        out.append(sum(cost.step_time(r["n"], r["kv"]) for r in dec) / took if took else 1.0)
+    return tuple(out)
+
+
 def trace_usage(traces: list[str], since: float, until: float) -> dict:
     """From the servers' step traces (async_throughput --step-trace), over [since, until]: each server's
     share of the time in decode and in prefill steps, and the mean decode batch (a step's n weighted by
     its seconds: what the batch was while the engine worked)."""
     per = []
     for path in traces:
-        rows = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a torn last line
-                    continue
-                if since <= row["t"] <= until:
-                    rows.append(row)
+        rows = _trace_rows(path, since, until)
         dec = [r for r in rows if r["kind"] == "decode"]
         dec_s = sum(r["s"] for r in dec)
         per.append(
@@ -192,6 +214,13 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="KV tokens per server (default: the run's --server-kv-tokens, else max-running full sequences)",
     )
+    ap.add_argument(
+        "--speeds",
+        choices=("measured", "nominal"),
+        default="measured",
+        help="each server's pace in the simulation: measured from its step trace against the cost fit "
+        "(default, when the traces are on this machine), or the run's --server-slowdown values",
+    )
     ap.add_argument("--tolerance", type=float, default=0.25)
     ap.add_argument(
         "--seeds",
@@ -215,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "setting | real step s | sim step s | sim/real | real tok/s | sim tok/s | within | cost fit: rms error, "
         "total decode time | train s | sync s | other s | real decode / prefill share, sim busy [real per server]"
+        " | server pace"
     )
     ok = True
     for result in results:
@@ -226,10 +256,14 @@ def main(argv: list[str] | None = None) -> int:
                 "and no --cost-model was given"
             )
         cost = shared or CostModel.from_dict(fit, source=f"{label} cost_fit")
+        pace = speeds
+        if args.speeds == "measured" and traces and result.get("step_end_wall"):
+            w = result["warmup"]
+            pace = measured_speeds(traces, result["step_end_wall"][w - 1], result["step_end_wall"][-1], cost)
         runs, failed = [], []
         for seed in range(args.seeds):
             try:
-                runs.append(simulate_result(result, cost, args.max_running, kv_capacity, batching, seed, speeds))
+                runs.append(simulate_result(result, cost, args.max_running, kv_capacity, batching, seed, pace))
             except RuntimeError as e:  # e.g. the coordinator's stall guard: a sample aborted again and again
                 failed.append(f"seed {seed}: {e}")
         if not runs:
@@ -255,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{label} | {m['step_s']:.2f} | {sim_step:.2f}{spread} | {ratio:.2f} | {m['tokens_per_s']:.0f} | "
             f"{sim_tps:.0f} | {'yes' if within else 'NO'} | {fit_err} | {m['train_s']:.2f} | "
-            f"{m['sync_s']:.3f} | {m['other_s']:.2f} | {busy}",
+            f"{m['sync_s']:.3f} | {m['other_s']:.2f} | {busy} | "
+            + (", ".join(f"{x:.2f}" for x in pace) if pace else "-"),
             flush=True,
         )
     return 0 if ok else 1
