@@ -97,9 +97,10 @@ def _trace_rows(path: str, since: float, until: float) -> list[dict]:
 
 def measured_speeds(traces: list[str], since: float, until: float, cost) -> tuple[float, ...]:
     """Each server's pace against `cost` over [since, until]: the decode seconds the model predicts for its
-    traced steps over the seconds they took. A `serve --slowdown 0.5` server measures ~0.45, not 0.5 (its
-    pause comes on top of a step that a busy machine already slows), and that difference is the whole
-    straggler in a plain-async run."""
+    traced steps over the seconds they took. A `serve --slowdown 0.5` server measures ~0.44, not 0.5 (it
+    stretches each step to twice the step's own time, which on the shared cores is itself ~12 % longer than
+    the fit of the unslowed server predicts); in a plain-async run that server is the straggler, so the
+    difference moves the whole step."""
     out = []
     for path in traces:
         dec = [r for r in _trace_rows(path, since, until) if r["kind"] == "decode"]
