@@ -82,28 +82,17 @@ def per_server_sync_s(result: dict) -> float:
     return secs / syncs if syncs else 0.0
 
 
-def _trace_rows(path: str, since: float, until: float) -> list[dict]:
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:  # a torn last line
-                continue
-            if since <= row["t"] <= until:
-                rows.append(row)
-    return rows
-
-
 def measured_speeds(traces: list[str], since: float, until: float, cost) -> tuple[float, ...]:
     """Each server's pace against `cost` over [since, until]: the decode seconds the model predicts for its
     traced steps over the seconds they took. A `serve --slowdown 0.5` server measures ~0.44, not 0.5 (it
     stretches each step to twice the step's own time, which on the shared cores is itself ~12 % longer than
     the fit of the unslowed server predicts); in a plain-async run that server is the straggler, so the
     difference moves the whole step."""
+    from megatron_dapo.coordinator.profile import read_step_trace
+
     out = []
     for path in traces:
-        dec = [r for r in _trace_rows(path, since, until) if r["kind"] == "decode"]
+        dec = read_step_trace([path], since, until, "decode")
         took = sum(r["s"] for r in dec)
         out.append(sum(cost.step_time(r["n"], r["kv"]) for r in dec) / took if took else 1.0)
     return tuple(out)
@@ -113,15 +102,16 @@ def trace_usage(traces: list[str], since: float, until: float) -> dict:
     """From the servers' step traces (async_throughput --step-trace), over [since, until]: each server's
     share of the time in decode and in prefill steps, and the mean decode batch (a step's n weighted by
     its seconds: what the batch was while the engine worked)."""
+    from megatron_dapo.coordinator.profile import read_step_trace
+
     per = []
     for path in traces:
-        rows = _trace_rows(path, since, until)
-        dec = [r for r in rows if r["kind"] == "decode"]
+        dec = read_step_trace([path], since, until, "decode")
         dec_s = sum(r["s"] for r in dec)
         per.append(
             {
                 "decode": dec_s / (until - since),
-                "prefill": sum(r["s"] for r in rows if r["kind"] == "prefill") / (until - since),
+                "prefill": sum(r["s"] for r in read_step_trace([path], since, until, "prefill")) / (until - since),
                 "batch": sum(r["n"] * r["s"] for r in dec) / dec_s if dec_s else 0.0,
             }
         )
