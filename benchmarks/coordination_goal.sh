@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/coordination_goal.sh                     # from the repository root; CPU only
 #   OUT=/tmp/goal SEEDS=3 STEPS=12 STALENESS=2 CHECK_MS=1000 bash benchmarks/coordination_goal.sh   # goal rows
-#       # (RESULTS.md 2026-12-06, later session: >= 12 measured steps; the PSRL-like rows there used 30)
+#       # (>= 12 measured steps; the PSRL-like rows of benchmarks/RESULTS.md used 30)
 #   COST_MODEL=cost.json bash benchmarks/coordination_goal.sh   # a profile-engine fit instead of PSRL's 7B one
 #   SETTINGS="a3b_2+6 qwen2.5_7b_2x8" bash benchmarks/coordination_goal.sh   # only those (two shells at once)
 #   TABLE_ONLY=1 bash benchmarks/coordination_goal.sh     # the goal table of the settings' JSONs under OUT
@@ -56,7 +56,7 @@ if [ "${1:-}" = ablation ] || [ "${1:-}" = ablation-table ]; then
     [no_routing]="rollout.routing.method=least_outstanding"
     [no_queue]="rollout.queue.policy=fifo"
     [aao_sync]="rollout.sync.policy=all_at_once"
-    # PSRL's sync rule (the YAMLs' default until the 2026-12-06 afternoon ablation; RESULTS.md "greedy sync")
+    # PSRL's sync rule (the YAMLs' default until the 2026-12-06 ablation; RESULTS.md "Ablation of the advanced set")
     [status_sync]="$STATUS rollout.sync.threshold=0.99"
     [no_migration]="rollout.migration.enabled=false"
     [no_retry]="rollout.retry.enabled=false"
@@ -155,7 +155,7 @@ out, names = Path(sys.argv[1]), sys.argv[2:]
 
 # Rates are produced tokens/s (trained + the change in completed groups held for later steps, per second of
 # the window): over a few steps a run that fills or drains its staleness buffers trains up to ~25 % more or
-# less than it produces (RESULTS.md, "Goal rows measured by what runs produce"). Older JSONs have no
+# less than it produces (RESULTS.md, "The goal table"). Older JSONs have no
 # produced_per_s: their trained rate stands in.
 RATE = "produced_per_s"
 

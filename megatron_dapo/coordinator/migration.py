@@ -12,8 +12,8 @@ not worth the re-prefill). The caller aborts all its requests; partial rollout c
 router re-placing them (sticky pins to the source dropped) on the least loaded servers.
 PSRL: `SyncAndMigrateMixin._check_should_migrate` (one source per check).
 
-Where this differs from PSRL, and why (simulated, benchmarks/RESULTS.md "The goal settings under this
-model"; the real CPU benchmark, "the advanced set against plain async"):
+Where this differs from PSRL, and why (docs/design/advanced-coordination.md, "Migration without cascades";
+the runs behind it: docs/history/results-2026-12.md):
 - Starvation must last (`min_starved_ms`, on the injectable clock): a server is a destination only
   after it has been starved at every check for that long. Right after a status_based sync, or when its
   last request ends, a server is empty for a moment before the producer refills it, and its throughput

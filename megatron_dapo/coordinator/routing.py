@@ -26,7 +26,7 @@ server holds a version >= the request's V_traj).
   full; none at the cap), the request is not held: it goes to its group's sticky server, else to
   the one with the fewest sequences queued (reported waiting + placed since that report). Held, it
   only waits while its siblings finish, and a group trains when its last sample ends (issue 25:
-  the KV-saturated 512 x 16 setting, benchmarks/RESULTS.md).
+  the KV-saturated 512 x 16 setting, docs/design/advanced-coordination.md).
 - `throughput_optimal_with_budget`: the same with the generated part rounded up to the next
   multiple of `request_budget` (r = prompt + ceil((generated + 1) / budget) * budget): a request is
   charged for the tokens it will grow into, not only those it has. (PSRL also re-counts the engine's

@@ -84,7 +84,8 @@ def advanced_overrides(path: str | Path = ADVANCED_CONFIG, batch: int | None = N
 def batch_scaled(yaml_cfg, batch: int) -> list[str]:
     """`rollout.redundancy.extra_prompts` and `rollout.retry.threshold` count groups, sized for the YAML's
     own batch (32 and 4 of 512): the same shares of `batch`, rounded (a threshold rounding to 0 turns
-    retry off). Unscaled, 32 spare prompts at 128 abort a quarter of the work (RESULTS.md, issue 25)."""
+    retry off). Unscaled, 32 spare prompts at 128 abort a quarter of the work
+    (docs/design/advanced-coordination.md)."""
     share = batch / yaml_cfg.algo.train_batch_size
     r = yaml_cfg.rollout
     out = [f"rollout.redundancy.extra_prompts={round(r.redundancy.extra_prompts * share)}"]

@@ -11,8 +11,8 @@ max_running); on arrivals at an idle engine, one event-loop turn later, so that 
 Requests the coordinator sends at one instant to an idle server reach it over HTTP a few ms apart, and
 the real worker starts with whatever has arrived when it wakes: on the CPU runs, such a burst sometimes
 starts as one batch and sometimes the first request starts alone and the rest wait for its end (both in
-the servers' step traces, benchmarks/RESULTS.md). The simulation has no HTTP latency, so it offers the
-two bounds: `split_arrivals=False` (the burst joins) and True (on an arrival at an idle engine only the
+the servers' step traces, docs/history/results-2026-12.md). The simulation has no HTTP latency, so it offers
+the two bounds: `split_arrivals=False` (the burst joins) and True (on an arrival at an idle engine only the
 first request's entries, ids `rid-i` as SimClient and `abort` spell them, start the batch).
 World(batching="static" | "static_split") uses it, to simulate CPU runs of the embedded servers.
 """
