@@ -1,38 +1,11 @@
 """Bounded staleness by reservation (PSRL's reserve / occupy / consume), for whole prompt groups.
 
-There is one buffer per training version: buffer b holds the `slots` groups that training step b
-consumes (with weights version b). A group's trajectory version V_traj is the servers' version when
-it is first dispatched; it never changes (partial rollout keeps it), and every token of the group
-comes from a version >= V_traj. With staleness bound s the group may be trained at any step in
-[V_traj, V_traj + s], so:
-
-- reserve: a group is dispatched only if a slot can be reserved in the highest open buffer
-  <= V_traj + s (its worst case), taking that buffer's last empty slot (buffers fill from the back);
-- occupy: when it completes, its reservation is released; the slot it leaves goes to the earliest
-  in-flight group reserved before it that may still be trained there (that group gets one buffer
-  more time), and the completed group takes the earliest empty slot, never later than the one it
-  reserved;
-- release: a group dropped by dynamic sampling (or failed) gives its slot back, so a fresh prompt
-  can be dispatched at once;
-- consume: the trainer takes the next buffer when all its slots are occupied, and moves on.
-
-The bound therefore holds by construction and nothing completed is ever discarded for staleness:
-a slow group holds its buffer back (the trainer waits) instead of being thrown away.
-
-Two switches trade aborted generation for not waiting on a buffer's slowest group (both off by default):
-- prompt-level redundancy (`extra` > 0, PSRL's `redundant_global_batch_size` B' = B + extra): a
-  buffer has B + extra slots and is ready once B of them are occupied, so up to B + extra groups
-  per buffer may be in flight and the B first to complete fill it. When a buffer fills, its
-  remaining reservations move to the highest later buffer within their bound that has room (their
-  worst case, as `reserve` picks; PSRL: "redundant rollout becomes useful"), or are dropped (PSRL
-  aborts them once every buffer of their bound is ready): the caller aborts those groups
-  (`take_dropped`). So a full buffer never holds a reservation, and `occupy` still never places a
-  group later than it reserved. A dropped group's prompt counts as drawn, like one filtered by
-  dynamic sampling. With extra = 0 nothing of this happens: a full buffer holds no reservation.
-- the proactive filter (`abort_reserved` then `move_down`): the trainer waits on the next buffer,
-  a few slots short; its in-flight groups are given up and completed groups of the newest later
-  buffers move down into it. A moved group is trained earlier than planned, so its staleness only
-  drops; the slots it leaves are free for fresh prompts.
+One buffer of `slots` group slots per training version: a group dispatched at version V_traj reserves a slot
+in a buffer <= V_traj + s and is trained there or earlier, so the bound holds by construction and nothing
+completed is ever discarded for staleness. Prompt-level redundancy (`extra`, `take_dropped`) and the
+proactive filter (`abort_reserved`, `move_down`) trade aborted generation for not waiting on a buffer's
+slowest group. The protocol rule by rule, why reservation, and the comparison with PSRL's
+`StalenessInventory`: docs/design/staleness-by-reservation.md.
 """
 
 from __future__ import annotations
