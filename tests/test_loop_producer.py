@@ -135,8 +135,9 @@ def test_dynamic_sampling_staleness_and_state(setup):
                 for s, o in zip(g.samples, g.overlong):
                     assert o == pytest.approx(-0.5 * max(0, len(s.output_ids) - 4) / 2)
             # the producer never has more than (version + s + 1) * B groups produced
-            with p._cv:
-                assert p.consumed + len(p.buffer) + p.in_flight <= (p.version + 2) * 3
+            st = p.state
+            with st.cv:
+                assert st.consumed + len(st.buffer) + st.in_flight <= (st.version + 2) * 3
             _set_server_version(urls, step + 1)  # what a weight sync does last
             p.set_version(step + 1)
         state = p.state_dict()
@@ -146,8 +147,8 @@ def test_dynamic_sampling_staleness_and_state(setup):
     # the buffer and data position survive a checkpoint round trip
     q = _producer(ds, urls, reward, staleness=1)
     q.load_state_dict(state)
-    assert [g.prompt_index for g in q.buffer] == [g["prompt_index"] for g in state["buffer"]]
-    assert q.sampler.state_dict() == state["sampler"]
+    assert [g.prompt_index for g in q.state.buffer] == [g["prompt_index"] for g in state["buffer"]]
+    assert q.state.sampler.state_dict() == state["sampler"]
 
 
 def test_uninformative_rewards_exhaust_generation_batches(setup):
@@ -363,8 +364,8 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
                 asyncio.run(admin("pause_generation", "abort"))
                 settle = time.monotonic() + 5
                 while time.monotonic() < settle:
-                    with p._cv:
-                        if any(f.samples for f in p.flight.values()):
+                    with p.state.cv:
+                        if any(f.samples for f in p.state.flight.values()):
                             break
                     time.sleep(0.05)
                 time.sleep(0.3)  # let the other aborted answers arrive
@@ -432,8 +433,9 @@ def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
     from megatron_dapo.rollout.client import SGLangClient
     from megatron_dapo.rollout.types import SamplingParams
 
-    assert len(urls) == 2 and p.s.staleness == 1 and p.s.extra_prompts > 0
-    groups, per_group = p.s.train_batch_size + p.s.extra_prompts, p.s.n + p.s.extra_samples
+    settings = p.settings
+    assert len(urls) == 2 and settings.staleness == 1 and settings.extra_prompts > 0
+    groups, per_group = settings.train_batch_size + settings.extra_prompts, settings.n + settings.extra_samples
     long, one = SamplingParams(max_new_tokens=400, ignore_eos=True), SamplingParams(max_new_tokens=1)
     block = 250  # fits the continuous fixture's 256-token pool alone, never beside a running sequence
 
@@ -446,8 +448,9 @@ def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
             await asyncio.sleep(0.01)
 
     def quiesced() -> bool:
-        with p._cv:  # a consistent snapshot: the next buffer full, no reservation left to dispatch
-            return p.slots.ready() and p.in_flight == 0 and p.version + p.s.staleness == p.slots.next_buffer
+        st = p.state
+        with st.cv:  # a consistent snapshot: the next buffer full, no reservation left to dispatch
+            return st.slots.ready() and st.in_flight == 0 and st.version + settings.staleness == st.slots.next_buffer
 
     def on_loop(fn):  # the producer's state and its router belong to its event loop
         return asyncio.to_thread(p.handoff.call, fn)
@@ -490,7 +493,7 @@ def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
                 sent = dict(zip(urls, await on_loop(lambda: [router.running_on(u) for u in urls])))
                 busy = max(sent, key=sent.get)
                 (free,) = [u for u in urls if u != busy]
-                assert sent[busy] >= per_group * (p.s.extra_prompts + 1), sent  # free cannot fill the buffer
+                assert sent[busy] >= per_group * (settings.extra_prompts + 1), sent  # free cannot fill the buffer
                 await clients[busy].continue_generation()  # they join its queue, behind ours
 
                 async def queued():
@@ -506,13 +509,13 @@ def _starve_one_server(p, router, prompt, urls, version, timeout_s=120.0):
                 await clients[busy].pause_generation("in_place")
                 frozen = await clients[busy].get_loads()
                 assert (frozen.running, frozen.waiting) == (1, 1 + sent[busy]), frozen  # ours running, all queued
-                counted = await on_loop(lambda: p.counters.coordination["migrations"])  # loop-owned
+                counted = await on_loop(lambda: p.state.counters.coordination["migrations"])  # loop-owned
                 for rid in ours[free]:
                     await clients[free].abort_request(rid)
                 await clients[free].continue_generation()
 
                 async def migrated():  # the one brought about here (one by timing may have come before)
-                    return await on_loop(lambda: p.counters.coordination["migrations"]) > counted
+                    return await on_loop(lambda: p.state.counters.coordination["migrations"]) > counted
 
                 await until(migrated, f"a migration off {busy} ({sent[busy]} queued) to idle {free}")
             finally:
@@ -583,19 +586,20 @@ def test_redundancy_retry_and_migration_together_lose_nothing(request, servers):
                 _starve_one_server(p, routers[0], list(ds[0].prompt_ids), urls, step + 1)
             else:
                 p.set_version(step + 1)
-        with p._cv:  # a consistent snapshot of the running producer (stopping cancels what is in flight)
-            waiting = [g.draw for g in p.buffer]
-            in_flight = list(p.flight)
-            drawn = p.sampler.epoch * p.sampler.size + p.sampler.offset
-            totals = dict(p.totals)
+        st = p.state
+        with st.cv:  # a consistent snapshot of the running producer (stopping cancels what is in flight)
+            waiting = [g.draw for g in st.buffer]
+            in_flight = list(st.flight)
+            drawn = st.sampler.epoch * st.sampler.size + st.sampler.offset
+            totals = dict(st.totals)
         state = p.state_dict()
     finally:
         p.stop()
     # a checkpoint keeps the groups in flight (with their n + 2 partial answers) and the wider buffers
     q = _producer(ds, urls, _mixed_reward, staleness=staleness, B=B, extra_samples=2, extra_prompts=2)
     q.load_state_dict(state)
-    assert q.slots.capacity == B + 2 and sorted(q.flight) == sorted(f["draw"] for f in state["in_flight"])
-    assert all(f.samples is None or len(f.samples) == n + 2 for f in q.flight.values())
+    assert q.state.slots.capacity == B + 2 and sorted(q.state.flight) == sorted(f["draw"] for f in state["in_flight"])
+    assert all(f.samples is None or len(f.samples) == n + 2 for f in q.state.flight.values())
     assert len(trained) == len(set(trained)) == taken * B and taken >= min_steps
     assert not set(trained) & set(waiting)
     accounted = (
@@ -720,16 +724,18 @@ def test_dispatch_never_starts_more_groups_than_max_num_gen_batches_allows():
     )
     p = RolloutProducer(None, None, PromptSampler(100, seed=0), None, settings)
 
+    st = p.state
+
     def dispatchable():  # as the producer's loop calls it: under its lock
-        with p._cv:
-            return p.dispatch.dispatchable()
+        with st.cv:
+            return p.filler.dispatchable()
 
     first = dispatchable()
     assert len(first) == 4  # two buffers of 2: all four may be judged
-    p.counters.judged = 1  # one of them judged (dropped by the filter), three still in flight
-    p.slots.release(first[0][1])
+    st.counters.judged = 1  # one of them judged (dropped by the filter), three still in flight
+    st.slots.release(first[0][1])
     assert dispatchable() == []  # 1 judged + 3 in flight = the limit
-    p.counters.judged = 4
+    st.counters.judged = 4
     for _, draw, _ in first[1:]:
-        p.slots.release(draw)
-    assert dispatchable() == [] and p.exhausted
+        st.slots.release(draw)
+    assert dispatchable() == [] and p.signals.exhausted

@@ -276,7 +276,7 @@ def test_rollout_state_that_does_not_fit_is_a_named_error(env, run_a):
     service = CoordinatorService(cfg, env["urls"])
     service.setup()
     service.restore(str(found), ckpt.read_rollout_state(found), 1)
-    assert len(service._pending[1].groups) == 4 and service.producer.version == 1
+    assert len(service._pending[1].groups) == 4 and service.producer.state.version == 1
     coord = start_process_coordinator(cfg, env["urls"])
     try:
         coord.setup()

@@ -368,37 +368,38 @@ def test_the_producer_applies_retry_while_the_trainer_waits():
         train_batch_size=3, n=2, sampling=SamplingParams(), max_response_length=8, staleness=1, retry_threshold=2
     )
     p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings)
+    st = p.state
 
     def group(draw):
         return SimpleNamespace(draw=draw, min_version=0)
 
-    p.slots.restore(0, 0, 0, 0, group(0))
+    st.slots.restore(0, 0, 0, 0, group(0))
     for d in (1, 2):
-        p.slots.restore(d, 0, 0, d, state=RESERVED)
-        p.flight[d] = InFlight(idx=d, v_traj=0)
-    p.slots.restore(3, 0, 1, 0, group(3))
-    p.slots.restore(4, 0, 1, 1, group(4))
+        st.slots.restore(d, 0, 0, d, state=RESERVED)
+        st.flight[d] = InFlight(idx=d, v_traj=0)
+    st.slots.restore(3, 0, 1, 0, group(3))
+    st.slots.restore(4, 0, 1, 1, group(4))
 
     async def go():
         tasks = {d: asyncio.ensure_future(asyncio.sleep(60)) for d in (1, 2)}
-        p._tasks.update(tasks)
-        with p._cv:
-            p._maybe_retry()  # the trainer is not waiting yet: nothing happens
-            assert not p.slots.ready() and p.flight.keys() == {1, 2}
-            p._waiting_for = 0
-            p._maybe_retry()
+        st.tasks.update(tasks)
+        with st.cv:
+            p.batches.maybe_retry()  # the trainer is not waiting yet: nothing happens
+            assert not st.slots.ready() and st.flight.keys() == {1, 2}
+            p.batches.waiting_for = 0
+            p.batches.maybe_retry()
         await asyncio.sleep(0)
         return [t.cancelled() for t in tasks.values()]
 
     assert asyncio.run(go()) == [True, True]
     info = p.take_batch(0, timeout_s=5)
-    assert [g.draw for g in info.groups] == [0, 3, 4] and not p.flight and p.in_flight == 0
+    assert [g.draw for g in info.groups] == [0, 3, 4] and not st.flight and st.in_flight == 0
     assert (
         info.coordination["retries"],
         info.coordination["groups_aborted_retry"],
         info.coordination["groups_moved_down"],
     ) == (1, 2, 2)
-    assert p.totals["aborted_retry"] == 2 and p.slots.reservable(1) == 6  # buffers 1 and 2: room for fresh prompts
+    assert st.totals["aborted_retry"] == 2 and st.slots.reservable(1) == 6  # buffers 1 and 2: room for fresh prompts
 
 
 def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
@@ -417,8 +418,8 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
             train_batch_size=2, n=2, sampling=SamplingParams(), max_response_length=8, staleness=1
         )
         p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=2)
-        p.slots.next_buffer = 2
-        p._router = router
+        p.state.slots.next_buffer = 2
+        p.state.router = router
         return p
 
     registry = ServerRegistry(["http://a", "http://b"], version=2)
@@ -426,17 +427,18 @@ def test_the_producer_dispatches_at_the_oldest_version_a_server_holds():
     router = SimpleNamespace(
         registry=registry, healthy=lambda: [SimpleNamespace(url="http://a"), SimpleNamespace(url="http://b")]
     )
-    picks = producer(router)._dispatchable()
+    picks = producer(router).filler.dispatchable()
     assert sorted(v for _, _, v in picks) == [1, 1, 2, 2]
     p = producer(router)
-    p._dispatchable()
-    assert {d: p.slots.where[d][0] for d in p.flight if p.flight[d].v_traj == 1} and all(
-        p.slots.where[d][0] == 2 for d in p.flight if p.flight[d].v_traj == 1
+    p.filler.dispatchable()
+    st = p.state
+    assert {d: st.slots.where[d][0] for d in st.flight if st.flight[d].v_traj == 1} and all(
+        st.slots.where[d][0] == 2 for d in st.flight if st.flight[d].v_traj == 1
     )
     # the lagging server is unhealthy: only the up-to-date one counts
     router.healthy = lambda: [SimpleNamespace(url="http://b")]
-    assert [v for _, _, v in producer(router)._dispatchable()] == [2, 2, 2, 2]
-    assert [v for _, _, v in producer(None)._dispatchable()] == [2, 2, 2, 2]
+    assert [v for _, _, v in producer(router).filler.dispatchable()] == [2, 2, 2, 2]
+    assert [v for _, _, v in producer(None).filler.dispatchable()] == [2, 2, 2, 2]
 
 
 def test_the_router_books_a_load_report_before_the_requests_that_end_after_it():
@@ -478,15 +480,17 @@ def test_the_router_books_a_load_report_before_the_requests_that_end_after_it():
     asyncio.run(asyncio.wait_for(go(), 10))
 
 
-def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
+def test_migration_reads_loads_without_waiting_on_a_hung_server():
     """Migration on the servers' own loads: a server whose /v1/loads does not answer within the load
     timeout is no candidate this round; the others' reports are read (the migration loop is not held)."""
     import asyncio
     from types import SimpleNamespace
 
     from megatron_dapo.config.coordination import MigrationConfig
-    from megatron_dapo.coordinator import producer as rollout_side
-    from megatron_dapo.coordinator.producer import ProducerSettings, RolloutProducer
+    from megatron_dapo.coordinator.migration import MigrationPolicy
+    from megatron_dapo.coordinator.producer import ProducerSettings
+    from megatron_dapo.coordinator.producer.migrate import Migration
+    from megatron_dapo.coordinator.producer.state import ProducerState, Signals
     from megatron_dapo.coordinator.servers import ServerRegistry
     from megatron_dapo.data.dataset import PromptSampler
     from megatron_dapo.rollout.types import SamplingParams, ServerLoad
@@ -507,7 +511,6 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
         async def get_loads(self):
             await asyncio.Event().wait()
 
-    monkeypatch.setattr(rollout_side, "LOAD_TIMEOUT_S", 0.2)
     settings = ProducerSettings(
         train_batch_size=2,
         n=2,
@@ -515,7 +518,10 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
         max_response_length=8,
         migration=MigrationConfig(enabled=True, indicator="kv_cache"),
     )
-    p = RolloutProducer(lambda: None, None, PromptSampler(10), None, settings, version=0)
+    state = ProducerState(settings, PromptSampler(10), version=0)
+    migrator = Migration(
+        settings, state, Signals(state.cv), MigrationPolicy(settings.migration, state.clock), load_timeout_s=0.2
+    )
     servers = [SimpleNamespace(url="http://a", client=Answers()), SimpleNamespace(url="http://b", client=Hangs())]
     router = SimpleNamespace(
         registry=ServerRegistry(["http://a", "http://b"], version=0),
@@ -525,7 +531,7 @@ def test_migration_reads_loads_without_waiting_on_a_hung_server(monkeypatch):
     )
 
     async def read():
-        return await asyncio.wait_for(p._server_statuses(router), 5)  # without the load timeout: forever
+        return await asyncio.wait_for(migrator.server_statuses(router), 5)  # without the load timeout: forever
 
     statuses = asyncio.run(read())
     assert [(s.url, s.running, s.throughput, s.kv_cache) for s in statuses] == [("http://a", 7, 55.0, 0.3)]

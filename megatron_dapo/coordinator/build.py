@@ -58,11 +58,19 @@ def coordination_settings(r) -> dict:
 
 
 def build_producer(
-    cfg, server_urls, dataset, tokenizer, registry=None, client_factory=None, clock=time.monotonic, cost_model=None
+    cfg,
+    server_urls,
+    dataset,
+    tokenizer,
+    registry=None,
+    client_factory=None,
+    clock=time.monotonic,
+    cost_model=None,
+    rewards=None,
 ):
-    """The rollout producer and its router as `cfg` says; `client_factory` / `clock` / `cost_model`: the
-    simulator's engines, virtual time and engine cost model (megatron_dapo.sim), else HTTP clients, real
-    time and rollout.routing.cost_model's file."""
+    """The rollout producer and its router as `cfg` says; `client_factory` / `clock` / `cost_model` /
+    `rewards`: the simulator's engines, virtual time, engine cost model and rewards (megatron_dapo.sim),
+    else HTTP clients, real time, rollout.routing.cost_model's file and the reward runner `cfg` names."""
     fg = cfg.algo.filter_groups
     settings = ProducerSettings(
         train_batch_size=cfg.algo.train_batch_size,
@@ -98,4 +106,5 @@ def build_producer(
             **extra,
         )
 
-    return RolloutProducer(router, dataset, sampler, reward_runner(cfg), settings, tokenizer=tokenizer, clock=clock)
+    rewards = reward_runner(cfg) if rewards is None else rewards
+    return RolloutProducer(router, dataset, sampler, rewards, settings, tokenizer=tokenizer, clock=clock)

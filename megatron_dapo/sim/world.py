@@ -171,9 +171,9 @@ async def _run(cfg, world: World) -> SimResult:
         registry,
         client_factory=client,
         clock=loop.time,
-        cost_model=world.router_cost or world.cost,
-    )  # throughput_optimal's model
-    producer.rewards = SimReward(world.keep_prob, world.seed)
+        cost_model=world.router_cost or world.cost,  # throughput_optimal's model
+        rewards=SimReward(world.keep_prob, world.seed),
+    )
     changed = asyncio.Event()
     producer.add_listener(lambda: loop.call_soon(changed.set))
 
@@ -261,7 +261,7 @@ class SimTrainer:
             self.banked.append(self._banked_tokens())
 
     def _banked_tokens(self) -> int:
-        return self._tokens(self.producer.buffer)
+        return self._tokens(self.producer.state.buffer)
 
     def _tokens(self, groups) -> int:
         """Prompt + response tokens of `groups` (in tokens, not ids of token_unit tokens)."""
@@ -358,7 +358,7 @@ class SimTrainer:
             generated_per_s=gen_tokens / wall if wall > 0 else 0.0,
             banked_change=banked_change,
             produced_per_s=(tokens + banked_change) / wall if wall > 0 else 0.0,
-            banked_draws=[g.draw for g in self.producer.buffer],
+            banked_draws=[g.draw for g in self.producer.state.buffer],
             mean_decode_batch=gen_tokens / gen_steps if gen_steps else 0.0,
             refusals=sum(info.coordination.get("routing_refusals", 0) for info, _ in measured),
             batches=[info for info, _ in self.batches],

@@ -54,13 +54,13 @@ request with a rid per sample (also unseeded), so the router can abort it. Which
 are kept then depends on timing: each sample keeps its seed, but a seeded run no longer reproduces
 its batches exactly (not even at staleness 0).
 
-Parts: `settings` (settings, records, counters), `dispatch` (what to dispatch next), `generation`
-(one group's requests), `completion` (a finished or aborted sample or group), `batches` (the
-trainer's side, the proactive filter), `migrate`, `state` (checkpoints), `handoff` (calls from other
-threads run on the loop), `core` (`RolloutProducer`, which wires them).
+Parts: `settings` (settings, records, counters), `state` (`ProducerState` and `Signals`, which the
+parts share and receive instead of the producer), `slot_filler` (what to dispatch next), `generation`
+(one group's requests, an aborted sample continued), `completion` (a finished or aborted group),
+`batches` (the trainer's side, the proactive filter), `migrate`, `checkpoint`, `handoff` (calls from
+other threads run on the loop), `core` (`RolloutProducer`, which wires them and runs the loop).
 """
 
-from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.producer.core import RolloutProducer
 from megatron_dapo.coordinator.producer.settings import (
     COORDINATION_COUNTS,
@@ -75,7 +75,6 @@ from megatron_dapo.coordinator.producer.settings import (
 
 __all__ = [
     "COORDINATION_COUNTS",
-    "LOAD_TIMEOUT_S",
     "BatchInfo",
     "DynamicSamplingExhausted",
     "InFlight",

@@ -1,13 +1,5 @@
-"""`RolloutProducer`: the producer's state, its lifecycle and event loop, and the calls other threads make.
-
-Threads. The producer's state belongs to its event loop: other threads (the coordinator service's)
-reach it through `handoff`, which runs their calls on the loop (in place when no loop runs). Writes
-to what other threads may still read directly (`slots`, `flight`, `sampler`, `totals`, the
-`consumed` / `buffer` / `in_flight` views) happen under `_cv`, so such a reader holding `_cv` sees a
-consistent snapshot; `_cv` also wakes a waiting `take_batch`. Everything else (version, error, stop,
-the counters since the last batch, the buffer the trainer waits on, tasks, router) is read and
-written on the loop only.
-"""
+"""`RolloutProducer`: wires the parts over one `ProducerState` and `Signals` (producer.state), runs the
+event loop, and takes the calls other threads make (through `handoff`, which runs them on the loop)."""
 
 from __future__ import annotations
 
@@ -16,19 +8,17 @@ import logging
 import threading
 import time
 
-from megatron_dapo.coordinator.groups import JudgedGroup
 from megatron_dapo.coordinator.migration import MigrationPolicy
-from megatron_dapo.coordinator.producer import state
+from megatron_dapo.coordinator.producer import checkpoint
 from megatron_dapo.coordinator.producer.batches import Batches
 from megatron_dapo.coordinator.producer.completion import Completion
-from megatron_dapo.coordinator.producer.dispatch import Dispatch
 from megatron_dapo.coordinator.producer.generation import Generation
 from megatron_dapo.coordinator.producer.handoff import LoopHandoff
 from megatron_dapo.coordinator.producer.migrate import Migration
-from megatron_dapo.coordinator.producer.settings import BatchInfo, InFlight, ProducerCounters, ProducerSettings
+from megatron_dapo.coordinator.producer.settings import BatchInfo, ProducerSettings
+from megatron_dapo.coordinator.producer.slot_filler import SlotFiller
+from megatron_dapo.coordinator.producer.state import ProducerState, Signals
 from megatron_dapo.coordinator.retry import ProactiveRetry
-from megatron_dapo.coordinator.staleness import RESERVED, StalenessController
-from megatron_dapo.rollout.types import Sample
 
 log = logging.getLogger("megatron_dapo.coordinator.producer")
 
@@ -48,63 +38,22 @@ class RolloutProducer:
         """`router_factory()` builds the router inside the producer's event loop (aiohttp sessions
         belong to the loop that creates them). With `tokenizer`, responses are judged on their
         tokens decoded here (special tokens skipped), whatever text the server returns."""
-        self.tokenizer = tokenizer
         self.router_factory = router_factory
-        self.dataset, self.sampler, self.rewards = dataset, sampler, reward_runner
-        self.s = settings
-        self.clock = clock
-        self.gen_batch_size = settings.gen_batch_size or settings.train_batch_size
-        self._cv = threading.Condition()
-        self._changes = 0  # bumped by every _changed(): what a waiting take_batch waits for
-        self.handoff = LoopHandoff(self._cv)
-        self.version = version
-        self.slots = StalenessController(
-            settings.train_batch_size, settings.staleness, clock=clock, extra=settings.extra_prompts
+        self.settings = settings
+        self.rewards, self.tokenizer = reward_runner, tokenizer  # the service's evaluation scores with them too
+        self.state = ProducerState(settings, sampler, version, clock)
+        self.signals = Signals(self.state.cv)
+        self.handoff = LoopHandoff(self.state.cv)
+        shared = (settings, self.state, self.signals)
+        self.generation = Generation(settings, self.state)
+        self.completion = Completion(*shared, self.generation, dataset, reward_runner, tokenizer)
+        self.filler = SlotFiller(*shared, self.completion)
+        retry = ProactiveRetry(settings.retry_threshold, clock) if settings.retry_threshold else None
+        self.batches = Batches(*shared, self.handoff, self.completion, reward_runner, retry)
+        self.migrator = (
+            Migration(*shared, MigrationPolicy(settings.migration, clock)) if settings.migration.enabled else None
         )
-        self.retry = ProactiveRetry(settings.retry_threshold, clock) if settings.retry_threshold else None
-        self.migration = MigrationPolicy(settings.migration, clock) if settings.migration.enabled else None
-        self.counters = ProducerCounters()
-        self.flight: dict[int, InFlight] = {}  # draw -> its group in flight
-        self.error: BaseException | None = None
-        self.exhausted = False
-        self._stop = False
-        self._tasks: dict[int, asyncio.Task] = {}  # draw -> its group's task
-        self._aborts: set[asyncio.Task] = set()  # abort calls in flight
-        self._router = None
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake: asyncio.Event | None = None
-        self._listeners: list = []  # called (under the lock) whenever take_batch may have an answer
-        self.dispatch, self.generation = Dispatch(self), Generation(self)
-        self.completion, self.batches, self.migrator = Completion(self), Batches(self), Migration(self)
-
-    # ---- views of the staleness buffers (read under self._cv off the loop) ---------------------
-    @property
-    def consumed(self) -> int:
-        """Groups handed to the trainer, ever (after resume: restored)."""
-        return self.slots.next_buffer * self.s.train_batch_size
-
-    @property
-    def in_flight(self) -> int:
-        return self.slots.count(RESERVED)
-
-    @property
-    def buffer(self) -> list[JudgedGroup]:
-        """Completed groups waiting to be trained on, in buffer and slot order."""
-        return [g for _, _, g in self.slots.occupied_items()]
-
-    @property
-    def totals(self):
-        """Groups ever: dropped (dynamic sampling) / aborted_surplus / aborted_retry."""
-        return self.counters.totals
-
-    @property
-    def _waiting_for(self) -> int | None:
-        return self.batches.waiting_for
-
-    @_waiting_for.setter
-    def _waiting_for(self, step: int | None) -> None:
-        self.batches.waiting_for = step
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -114,40 +63,18 @@ class RolloutProducer:
     def stop(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         try:
-            self.handoff.call(self._request_stop, deadline)
+            self.handoff.call(self.signals.request_stop, deadline)
         except TimeoutError:  # a loop that does not answer: the flag (one write) still stops it when it does
-            with self._cv:
-                self._request_stop()
+            with self.state.cv:
+                self.signals.request_stop()
         if self._thread is not None:
             self._thread.join(max(0.0, deadline - time.monotonic()))
-
-    def _request_stop(self) -> None:
-        self._stop = True
-        self._changed()
-        self._poke()
 
     def add_listener(self, fn) -> None:
         """`fn()` is called, under the producer's lock, whenever `try_take_batch` may have a new answer
         (a group judged, an error, exhaustion, stop): how a caller on the producer's own event loop
         (the simulator's trainer) waits without blocking the loop."""
-        self._listeners.append(fn)
-
-    def _changed(self) -> None:
-        """Under the lock: something take_batch waits for may have happened."""
-        self._changes += 1
-        self._cv.notify_all()
-        for fn in self._listeners:
-            fn()
-
-    def _poke(self) -> None:
-        """Wake the loop's dispatcher (on its next iteration)."""
-        loop, wake = self._loop, self._wake
-        if loop is None or wake is None or loop.is_closed():
-            return
-        try:
-            loop.call_soon_threadsafe(wake.set)
-        except RuntimeError:  # closed meanwhile: nothing left to wake
-            pass
+        self.signals.add_listener(fn)
 
     def set_version(self, version: int) -> None:
         """A server now holds `version` (after a weight sync): later buffers open for reservations.
@@ -155,16 +82,12 @@ class RolloutProducer:
         self.handoff.call(lambda: self._apply_version(version))
 
     def _apply_version(self, version: int) -> None:
-        self.version = max(self.version, version)
-        self._poke()
+        self.state.version = max(self.state.version, version)
+        self.signals.poke()
 
     def fail(self, error: BaseException) -> None:
         """Something outside the producer (a per-server weight sync) failed: take_batch raises it."""
-        self.handoff.call(lambda: self._record_error(error))
-
-    def _record_error(self, error: BaseException) -> None:
-        self.error = self.error or error
-        self._changed()
+        self.handoff.call(lambda: self.signals.fail(error))
 
     # ---- the event loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -172,49 +95,32 @@ class RolloutProducer:
             asyncio.run(self.run())
         except BaseException as e:  # surfaced to the trainer by take_batch
             log.exception("rollout producer failed")
-            with self._cv:
-                self.error = e
-                self._changed()
+            with self.state.cv:
+                self.signals.error = e
+                self.signals.changed()
 
     async def run(self) -> None:
         """The producer's loop: dispatch, judge, buffer until `stop()`. `start()` runs it on its own
         thread; a caller owning an event loop (the simulator) may run it as a task there instead."""
-        self._loop = asyncio.get_running_loop()
-        self._wake = asyncio.Event()
-        self.handoff.bind(self._loop)
-        router = self._router = self.router_factory()
+        loop = asyncio.get_running_loop()
+        self.signals.bind(loop)
+        self.handoff.bind(loop)
+        router = self.state.router = self.router_factory()
         tasks: set[asyncio.Task] = set()
         async with router:
-            if self.migration is not None:
+            if self.migrator is not None:
                 tasks.add(asyncio.create_task(self.migrator.run(router)))
             while True:
-                with self._cv:
-                    if self._stop:
+                with self.state.cv:
+                    if self.signals.stop:
                         break
                     self.batches.maybe_retry()
-                    picks = self.dispatch.dispatchable()
-                self.dispatch.submit(router, picks, tasks)
-                self._wake.clear()
-                await self._wake.wait()
+                    picks = self.filler.dispatchable()
+                self.filler.submit(router, picks, tasks)
+                await self.signals.wait()
             for t in list(tasks):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    # ---- parts reached by name (tests drive them without a running loop) -----------------------
-    def _dispatchable(self) -> list[tuple[int, int, int]]:
-        return self.dispatch.dispatchable()
-
-    def _maybe_retry(self) -> None:
-        self.batches.maybe_retry()
-
-    async def _server_statuses(self, router):
-        return await self.migrator.server_statuses(router)
-
-    def _sampling(self, draw: int, index: int):
-        return self.dispatch.sampling(draw, index)
-
-    def _progress(self, draw: int, sample: Sample) -> None:
-        self.completion.progress(draw, sample)
 
     # ---- the trainer's side --------------------------------------------------------------------
     def take_batch(self, step: int, timeout_s: float = 3600.0) -> BatchInfo:
@@ -232,8 +138,8 @@ class RolloutProducer:
         slots. A resumed producer dispatches the in-flight groups again (same draw, V_traj and slot),
         continuing the samples the servers had answered partially (partial rollout); so no prompt is
         lost or drawn twice. Tokens a server had not yet answered are generated again."""
-        return self.handoff.call(lambda: state.state_dict(self))
+        return self.handoff.call(lambda: checkpoint.state_dict(self.state))
 
     def load_state_dict(self, saved: dict) -> None:
-        slots, flight = state.restored_slots(self, saved)
-        self.handoff.call(lambda: state.install(self, saved, slots, flight))
+        slots, flight = checkpoint.restored_slots(self.settings, self.state.clock, saved)
+        self.handoff.call(lambda: checkpoint.install(self.state, saved, slots, flight))

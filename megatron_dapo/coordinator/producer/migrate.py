@@ -5,42 +5,47 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
 
-from megatron_dapo.coordinator import producer as package
+from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
+from megatron_dapo.coordinator.migration import MigrationPolicy
+from megatron_dapo.coordinator.producer.settings import ProducerSettings
+from megatron_dapo.coordinator.producer.state import ProducerState, Signals
 from megatron_dapo.coordinator.sync_policy import ServerStatus
-
-if TYPE_CHECKING:
-    from megatron_dapo.coordinator.producer.core import RolloutProducer
 
 log = logging.getLogger("megatron_dapo.coordinator.producer")
 
 
 class Migration:
-    def __init__(self, producer: RolloutProducer):
-        self.p = producer
+    def __init__(
+        self,
+        settings: ProducerSettings,
+        state: ProducerState,
+        signals: Signals,
+        policy: MigrationPolicy,
+        load_timeout_s: float = LOAD_TIMEOUT_S,
+    ):
+        self.settings, self.state, self.signals, self.policy = settings, state, signals, policy
+        # the generation clients wait minutes for an answer; a load report that slow is no report
+        self.load_timeout_s = load_timeout_s
 
     async def server_statuses(self, router) -> list[ServerStatus]:
         """Healthy servers' versions and loads: the router's counts (and the registry's last load reports);
         with a throughput / kv_cache indicator, fresh /v1/loads reports overwrite them."""
-        p = self.p
         if router.registry is not None:
             statuses = router.registry.statuses()
         else:
-            statuses = [ServerStatus(s.url, p.version, running=s.outstanding) for s in router.servers]
+            statuses = [ServerStatus(s.url, self.state.version, running=s.outstanding) for s in router.servers]
         healthy = {s.url for s in router.healthy()}
         statuses = [s for s in statuses if s.url in healthy]
         for s in statuses:
             s.protected = router.protected_on(s.url)
-        if p.migration.cfg.needs_loads:
+        if self.policy.cfg.needs_loads:
             statuses = await self._with_loads(router, statuses)
         return statuses
 
     async def _with_loads(self, router, statuses: list[ServerStatus]) -> list[ServerStatus]:
         by_url = {s.url: s for s in router.servers}
-        # the generation clients wait minutes for an answer; a load report that slow is no report
-        # (the timeout is read from the package at call time: tests shorten it there)
-        timeout = package.LOAD_TIMEOUT_S
+        timeout = self.load_timeout_s
         rows = await asyncio.gather(
             *(asyncio.wait_for(by_url[s.url].client.get_loads(), timeout) for s in statuses), return_exceptions=True
         )
@@ -57,19 +62,20 @@ class Migration:
     async def run(self, router) -> None:
         try:
             while True:
-                await asyncio.sleep(self.p.s.check_interval_s)
+                await asyncio.sleep(self.settings.check_interval_s)
                 await self.once(router)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # a broken migration loop is a failed run, not a silent stop of migrating
             log.exception("migration loop failed")
-            self.p.fail(e)
+            with self.state.cv:  # on the loop: take_batch raises it
+                self.signals.fail(e)
 
     async def once(self, router) -> None:
-        p = self.p
-        if p.migration.cost_model is None:  # routing's engine model (throughput_optimal*), to judge speeds
-            p.migration.cost_model = getattr(router.policy, "model", None)
-        m = p.migration.choose(await self.server_statuses(router))
+        policy = self.policy
+        if policy.cost_model is None:  # routing's engine model (throughput_optimal*), to judge speeds
+            policy.cost_model = getattr(router.policy, "model", None)
+        m = policy.choose(await self.server_statuses(router))
         if m is None:
             return
         aborted = await router.migrate_from(m.source)
@@ -78,5 +84,5 @@ class Migration:
         )
         if not aborted:  # all it runs continues earlier migrations (the router keeps them): nothing moved
             return
-        p.counters.coordination["migrations"] += 1  # loop-owned
-        p.counters.coordination["requests_migrated"] += aborted
+        self.state.counters.coordination["migrations"] += 1  # loop-owned
+        self.state.counters.coordination["requests_migrated"] += aborted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_dapo.config.coordination import MigrationConfig
 from megatron_dapo.coordinator.groups import JudgedGroup
@@ -54,6 +54,16 @@ class ProducerSettings:
     def aborts_groups(self) -> bool:
         """Some switch aborts requests by rid: send every group with a rid per sample."""
         return bool(self.extra_samples or self.extra_prompts or self.retry_threshold or self.migration.enabled)
+
+    @property
+    def gen_batch_groups(self) -> int:
+        """Groups per generation batch: gen_batch_size, else B."""
+        return self.gen_batch_size or self.train_batch_size
+
+    def sampling_for(self, draw: int, index: int) -> SamplingParams:
+        """Sample `index`'s own parameters (its seed when seeded) for the prompt at draw `draw`."""
+        seed = None if self.seed is None else sample_seed(self.seed, draw, index)
+        return replace(self.sampling, n=1, sampling_seed=seed)
 
 
 @dataclass
