@@ -408,7 +408,7 @@ def test_throughput_migration_keeps_work_on_the_fast_engine(monkeypatch, guard):
 
 
 def test_plan_and_simulate_share_the_named_trainer_gpu(capsys):
-    from megatron_dapo.planner.plan import main as plan_main
+    from megatron_dapo.apps.plan import main as plan_main
 
     argv = [*QWEN3_8B, "--response-len", "6000", "--trainer-gpu", "h20"]
     assert plan_main(argv) == 0
