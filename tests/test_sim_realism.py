@@ -175,7 +175,7 @@ def _build(*argv, seed=None):
     from megatron_dapo.config.load import load_config
     from megatron_dapo.sim import cli
 
-    args = cli._parser().parse_intermixed_args([*QWEN3_8B, *argv])
+    args = cli.build_parser().parse_intermixed_args([*QWEN3_8B, *argv])
     over = [*args.overrides, f"trainer.nnodes={args.nodes}", f"trainer.gpus_per_node={args.gpus_per_node}"]
     cfg = load_config(args.config, over, validate=False)
     return cfg, cli.build_world(cfg, args, seed)
