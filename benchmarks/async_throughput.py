@@ -305,7 +305,7 @@ def table(results: list[Result], baseline: str) -> str:
 
 def fit_window(res: Result, traces: list[Path]) -> dict | None:
     """The cost model of the servers' decode steps in `res`'s measured window (None if too few to fit)."""
-    from megatron_dapo.coordinator.profile_engine import fit_trace
+    from megatron_dapo.apps.profile_engine import fit_trace
 
     try:
         return fit_trace([str(t) for t in traces], since=res.step_end_wall[res.warmup - 1], until=res.step_end_wall[-1])
@@ -454,11 +454,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from megatron_dapo.apps.launch import exit_on_sigterm
     from megatron_dapo.config.errors import ConfigError
     from megatron_dapo.rollout.launcher import embedded_server, start_servers
     from megatron_dapo.runtime.distributed import destroy_distributed
     from megatron_dapo.runtime.net import LOOPBACK, free_port
-    from megatron_dapo.trainer.launch import exit_on_sigterm
 
     exit_on_sigterm()  # a killed benchmark still stops its servers (they run in sessions of their own)
     torch.set_num_threads(1)  # many processes on few cores: no spinning intra-op threads

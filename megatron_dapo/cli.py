@@ -1,7 +1,8 @@
 """`megatron-dapo` command line.
 
-Each sub-command lives in the module that owns its concern and is imported only when
-invoked, so `megatron-dapo config show` never pays for importing megatron-core.
+Each sub-command lives in megatron_dapo.apps (or, for `config`, `convert`, `simulate` and `serve`, in the
+package it drives) and is imported only when invoked, so `megatron-dapo config show` never pays for
+importing megatron-core.
 A sub-command entry point is a function `main(argv: list[str]) -> int | None`.
 """
 
@@ -14,16 +15,16 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "config": ("megatron_dapo.config.cli:main", "show / validate a resolved config"),
     "convert": ("megatron_dapo.bridge.cli:main", "HF <-> Megatron checkpoint conversion"),
-    "train": ("megatron_dapo.trainer.cli:main", "run DAPO training from a YAML config"),
-    "eval": ("megatron_dapo.trainer.eval_cli:main", "held-out accuracy (mean@n, best@n, maj@n) of a checkpoint"),
-    "demo": ("megatron_dapo.trainer.demo:main", "the tiny end-to-end DAPO run on CPU"),
-    "smoke": ("megatron_dapo.trainer.smoke:main", "a tiny megatron-core training run (TP=2, gloo)"),
-    "plan": ("megatron_dapo.planner.plan:main", "process layout and memory estimate for a cluster"),
-    "plot": ("megatron_dapo.trainer.plot:main", "write PNG curves of a run's TensorBoard scalars"),
+    "train": ("megatron_dapo.apps.train:main", "run DAPO training from a YAML config"),
+    "eval": ("megatron_dapo.apps.eval:main", "held-out accuracy (mean@n, best@n, maj@n) of a checkpoint"),
+    "demo": ("megatron_dapo.apps.demo:main", "the tiny end-to-end DAPO run on CPU"),
+    "smoke": ("megatron_dapo.apps.smoke:main", "a tiny megatron-core training run (TP=2, gloo)"),
+    "plan": ("megatron_dapo.apps.plan:main", "process layout and memory estimate for a cluster"),
+    "plot": ("megatron_dapo.apps.plot:main", "write PNG curves of a run's TensorBoard scalars"),
     "simulate": ("megatron_dapo.sim.cli:main", "predict cluster throughput: the real coordinator, simulated engines"),
-    "serve": ("megatron_dapo.rollout.embedded.server:main", "the embedded SGLang-compatible server"),
+    "serve": ("megatron_dapo.embedded_server.server:main", "the embedded SGLang-compatible server"),
     "profile-engine": (
-        "megatron_dapo.coordinator.profile_engine:main",
+        "megatron_dapo.apps.profile_engine:main",
         "measure a rollout server and fit its decode-step cost model",
     ),
 }

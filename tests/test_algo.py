@@ -1,4 +1,4 @@
-"""One test suite for both backends of the DAPO hot paths (megatron_dapo.kernels.dispatch).
+"""One test suite for both backends of the DAPO hot paths (megatron_dapo.kernels.backend).
 
 Each test runs against the backends of tests/backends.py: "torch" (CPU), "triton-cuda" (marked gpu)
 and, under MEGATRON_DAPO_TEST_BACKENDS=triton-interpret (tests/test_kernels_interpret.py), only
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from megatron_dapo.kernels import dispatch
+from megatron_dapo.kernels import backend as kernel_backend
 from tests.backends import backend_params
 from tests.workers.algo_reference import (
     ref_filter,
@@ -55,7 +55,7 @@ def _groups(seed):
 def test_group_advantages_vs_float64(be, norm_by_std):
     backend, dev = be
     rewards, ids = _groups(0)
-    got = dispatch.group_advantages(rewards.to(dev), ids.to(dev), norm_by_std, 1e-6, backend=backend)
+    got = kernel_backend.group_advantages(rewards.to(dev), ids.to(dev), norm_by_std, 1e-6, backend=backend)
     close(got, ref_group_advantages(rewards, ids, norm_by_std), 1e-5, what="advantages")
     assert got[ids.to(dev) == 7].abs().max() == 0, "single-sample group must have advantage 0"
     assert got[ids.to(dev) == 5].abs().max() == 0, "all-equal group must have advantage 0"
@@ -67,7 +67,7 @@ def test_dynamic_sampling_filter_vs_reference(be, threshold):
     rewards, ids = _groups(1)
     wrong = threshold - 1.0  # acc 0 for the 0.5 threshold, score -1 for the 0 threshold
     rewards = torch.where(ids == 0, torch.full_like(rewards, wrong), rewards)  # group 0: all wrong
-    res = dispatch.dynamic_sampling_filter(rewards.to(dev), ids.to(dev), threshold, backend=backend)
+    res = kernel_backend.dynamic_sampling_filter(rewards.to(dev), ids.to(dev), threshold, backend=backend)
     keep, n_groups, n_kept, n_correct, n_wrong = ref_filter(rewards, ids, threshold)
     assert res.keep.cpu().tolist() == keep
     assert (res.num_groups, res.num_kept, res.num_all_correct, res.num_all_wrong) == (
@@ -83,7 +83,7 @@ def test_dynamic_sampling_filter_score_metric(be):
     backend, dev = be
     ids = torch.tensor([0, 0, 1, 1, 2, 2, 3])
     score = torch.tensor([1.0, 1.0, -1.0, -1.0, 1.0, -1.0, -1.0])  # +-1 score; group 3 is a single sample
-    res = dispatch.dynamic_sampling_filter(score.to(dev), ids.to(dev), 0.0, backend=backend)
+    res = kernel_backend.dynamic_sampling_filter(score.to(dev), ids.to(dev), 0.0, backend=backend)
     assert res.keep.cpu().tolist() == [False, False, False, False, True, True, False]
     assert (res.num_groups, res.num_kept, res.num_all_correct, res.num_all_wrong) == (4, 1, 1, 2)
 
@@ -92,7 +92,7 @@ def test_token_advantages(be):
     backend, dev = be
     adv = torch.tensor([0.5, -2.0, 0.0, 3.0])
     mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 1], [1, 1, 1]])
-    got = dispatch.token_advantages(adv.to(dev), mask.to(dev), backend=backend)
+    got = kernel_backend.token_advantages(adv.to(dev), mask.to(dev), backend=backend)
     expected = torch.tensor([[adv[i].item() * mask[i, t].item() for t in range(3)] for i in range(4)])
     close(got, expected, 0.0, what="token advantages")
 
@@ -124,7 +124,7 @@ CASES = [
 
 
 def _call_loss(backend, dev, lp, old, adv, mask, w, case):
-    return dispatch.dapo_policy_loss(
+    return kernel_backend.dapo_policy_loss(
         lp,
         old.to(dev),
         adv.to(dev),
@@ -175,7 +175,7 @@ def test_loss_metrics_vs_float64(be):
     lp, old, adv, mask, _ = _loss_batch(3)
     adv = adv[:, None] * torch.linspace(-1, 1, lp.shape[1])  # token-level advantages of both signs
     n_tok, dp = 211, 2
-    _, m = dispatch.dapo_policy_loss(
+    _, m = kernel_backend.dapo_policy_loss(
         lp.to(dev),
         old.to(dev),
         adv.to(dev),
@@ -222,7 +222,7 @@ def test_loss_micro_batches_sum_to_one_batch(be):
         ("seq-mean-token-mean", dict(global_num_seqs=(mask.sum(-1) > 0).sum().item())),
     ):
         full_x = lp.clone().to(dev).requires_grad_()
-        full, _ = dispatch.dapo_policy_loss(
+        full, _ = kernel_backend.dapo_policy_loss(
             full_x, old.to(dev), adv.to(dev), mask.to(dev), loss_agg_mode=mode, backend=backend
         )
         full.backward()
@@ -230,7 +230,7 @@ def test_loss_micro_batches_sum_to_one_batch(be):
         total = 0.0
         for rank_mbs in (splits[:2], splits[2:]):
             for rows in rank_mbs:
-                loss, _ = dispatch.dapo_policy_loss(
+                loss, _ = kernel_backend.dapo_policy_loss(
                     x[rows],
                     old[rows].to(dev),
                     adv[rows].to(dev),
@@ -265,7 +265,7 @@ def test_loss_extreme_log_ratios(be, sign, dual):
     for b, d in ((backend, dev), ("torch", torch.device("cpu"))):
         for mode in ("token-mean", "seq-mean-token-sum-norm"):
             x = lp.clone().to(d).requires_grad_()
-            loss, metrics = dispatch.dapo_policy_loss(
+            loss, metrics = kernel_backend.dapo_policy_loss(
                 x, old.to(d), adv.to(d), mask.to(d), 0.2, 0.28, dual, mode, token_sum_norm=16, backend=b
             )
             loss.backward()
@@ -309,7 +309,7 @@ def test_logprobs_entropy_vs_float64(be, temperature, extreme):
     x, target = _logits(5, extreme=extreme)
     target[4] = -100  # padding id outside the vocabulary
     xx = x.clone().to(dev).requires_grad_()
-    lp, ent = dispatch.vocab_parallel_logprobs(xx, target.to(dev), None, temperature, True, backend=backend)
+    lp, ent = kernel_backend.vocab_parallel_logprobs(xx, target.to(dev), None, temperature, True, backend=backend)
     g = torch.Generator().manual_seed(9)
     glp, gh = torch.randn(x.shape[0], generator=g), torch.randn(x.shape[0], generator=g)
     ((lp * glp.to(dev)).sum() + (ent * gh.to(dev)).sum()).backward()
@@ -327,7 +327,7 @@ def test_logprobs_only_and_batch_dims(be):
     x, target = _logits(6, t=12, v=40)
     x3, t3 = x.view(3, 4, 40), target.view(3, 4)
     xx = x3.clone().to(dev).requires_grad_()
-    lp = dispatch.vocab_parallel_logprobs(xx, t3.to(dev), backend=backend)
+    lp = kernel_backend.vocab_parallel_logprobs(xx, t3.to(dev), backend=backend)
     assert lp.shape == (3, 4) and lp.dtype == torch.float32
     lp.sum().backward()
     x64 = x3.double().requires_grad_()
@@ -342,7 +342,7 @@ def test_logprobs_bf16_logits(be):
     x, target = _logits(7, t=9, v=70, scale=4.0)
     xb = x.to(torch.bfloat16)
     xx = xb.clone().to(dev).requires_grad_()
-    lp, ent = dispatch.vocab_parallel_logprobs(xx, target.to(dev), None, 0.9, True, backend=backend)
+    lp, ent = kernel_backend.vocab_parallel_logprobs(xx, target.to(dev), None, 0.9, True, backend=backend)
     (lp.sum() - 0.5 * ent.sum()).backward()
     assert xx.grad.dtype == torch.bfloat16, "grad must be written in the logits' dtype"
     x64 = xb.double().requires_grad_()  # the same bf16 values, exactly, in float64
@@ -362,7 +362,7 @@ def test_backend_matches_torch_reference(be, dtype, tol):
     outs = []
     for b, d in ((backend, dev), ("torch", torch.device("cpu"))):
         xx = x.clone().to(d).requires_grad_()
-        lp, ent = dispatch.vocab_parallel_logprobs(xx, target.to(d), None, 1.1, True, backend=b)
+        lp, ent = kernel_backend.vocab_parallel_logprobs(xx, target.to(d), None, 1.1, True, backend=b)
         (lp.sum() + ent.sum()).backward()
         outs.append((lp.cpu(), ent.cpu(), xx.grad.float().cpu()))
     for a, r, what in zip(outs[0], outs[1], ("logprobs", "entropy", "grad")):
@@ -395,7 +395,7 @@ def test_tiling_does_not_change_results(be):
 
     lp2, old, adv, mask, w = _loss_batch(11, b=4, s=37)
     if backend == "torch":
-        loss, _ = dispatch.dapo_policy_loss(
+        loss, _ = kernel_backend.dapo_policy_loss(
             lp2, old, adv, mask, 0.2, 0.28, 3.0, "seq-mean-token-mean", rollout_is_weights=w, backend="torch"
         )
     else:
@@ -425,7 +425,7 @@ def test_padded_vocab_minus_inf_columns(be):
     x, target = _logits(12, t=5, v=real)
     full = torch.cat([x, torch.full((5, padded - real), float("-inf"))], dim=1)
     xx = full.clone().to(dev).requires_grad_()
-    lp, ent = dispatch.vocab_parallel_logprobs(xx, target.to(dev), None, 0.9, True, backend=backend)
+    lp, ent = kernel_backend.vocab_parallel_logprobs(xx, target.to(dev), None, 0.9, True, backend=backend)
     (lp.sum() + 0.7 * ent.sum()).backward()
     x64 = x.double().requires_grad_()
     rlp, rent = ref_logprobs_entropy(x64, target, 0.9)

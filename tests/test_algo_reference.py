@@ -14,7 +14,7 @@ from megatron_dapo.algo import (
     overlong_reward,
     vocab_parallel_logprobs,
 )
-from megatron_dapo.kernels import dispatch
+from megatron_dapo.kernels import backend as kernel_backend
 from tests.workers.algo_reference import ref_overlong
 
 
@@ -118,17 +118,17 @@ def test_bad_inputs_name_the_field():
 
 def test_dispatch_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.delenv(kernel_backend.ENV_VAR, raising=False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert dispatch.resolve_backend(cpu) == "torch"
-    assert dispatch.resolve_backend(torch.device("cuda")) == "triton"
-    monkeypatch.setenv(dispatch.ENV_VAR, "torch")
-    assert dispatch.resolve_backend(torch.device("cuda")) == "torch"
-    assert dispatch.resolve_backend(torch.device("cuda"), "triton") == "triton"  # the argument wins
+    assert kernel_backend.resolve_backend(cpu) == "torch"
+    assert kernel_backend.resolve_backend(torch.device("cuda")) == "triton"
+    monkeypatch.setenv(kernel_backend.ENV_VAR, "torch")
+    assert kernel_backend.resolve_backend(torch.device("cuda")) == "torch"
+    assert kernel_backend.resolve_backend(torch.device("cuda"), "triton") == "triton"  # the argument wins
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
-        dispatch.resolve_backend(cpu, "triton")
-    monkeypatch.setenv(dispatch.ENV_VAR, "cuda-please")
-    with pytest.raises(ValueError, match=dispatch.ENV_VAR):
-        dispatch.resolve_backend(cpu)
+        kernel_backend.resolve_backend(cpu, "triton")
+    monkeypatch.setenv(kernel_backend.ENV_VAR, "cuda-please")
+    with pytest.raises(ValueError, match=kernel_backend.ENV_VAR):
+        kernel_backend.resolve_backend(cpu)
     with pytest.raises(ValueError, match="backend"):
-        dispatch.resolve_backend(cpu, "numpy")
+        kernel_backend.resolve_backend(cpu, "numpy")

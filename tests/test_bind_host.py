@@ -76,7 +76,7 @@ def test_bind_host_must_be_one_address(host):
 
 
 def test_local_ray_refuses_an_address_this_machine_lacks():
-    from megatron_dapo.trainer.launch import LaunchError, _init_ray
+    from megatron_dapo.apps.launch import LaunchError, _init_ray
 
     cfg = load_config(CONFIG, ["trainer.bind_host=203.0.113.7"])  # TEST-NET-3: on no interface here
     assert interface_of("203.0.113.7") is None

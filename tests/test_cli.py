@@ -14,7 +14,7 @@ TINY = Path(__file__).resolve().parent.parent / "configs" / "qwen3" / "tiny_qwen
 @pytest.fixture
 def launched(monkeypatch):
     """The config each `train` invocation would launch (the launcher itself is not under test)."""
-    import megatron_dapo.trainer.cli as train_cli
+    import megatron_dapo.apps.train as train_cli
 
     calls = []
     record = lambda cfg, resume: calls.append((cfg, resume))

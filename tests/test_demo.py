@@ -2,7 +2,7 @@
 
 import json
 
-from megatron_dapo.trainer.demo import prepare
+from megatron_dapo.apps.demo import prepare
 
 
 def test_prepare_builds_a_consistent_model_tokenizer_and_task(tmp_path):
@@ -22,10 +22,10 @@ def test_prepare_builds_a_consistent_model_tokenizer_and_task(tmp_path):
 def test_warm_start_lowers_the_loss(tmp_path):
     from transformers import AutoTokenizer
 
+    from megatron_dapo.apps.warm_start import sft_examples, supervised_warm_start
     from megatron_dapo.data.arithmetic import response_of
     from megatron_dapo.data.char_tokenizer import build_char_tokenizer
     from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.trainer.warm_start import sft_examples, supervised_warm_start
 
     d = build_char_tokenizer(tmp_path / "m")
     save_tiny_hf_model("qwen3", d)

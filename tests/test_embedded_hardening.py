@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from megatron_dapo.rollout.embedded.tensor_payload import ALLOWED_GLOBALS
+from megatron_dapo.embedded_server.tensor_payload import ALLOWED_GLOBALS
 
 DATA_MODULES = {
     "builtins",
@@ -93,9 +93,9 @@ def test_every_allowed_global_only_builds_data():
 def test_top_k_at_or_above_the_vocabulary_keeps_the_whole_vocabulary():
     # SGLang clients send 1 << 30 (its own "all") or the vocabulary size for "no top-k"; only values the
     # batch tensors cannot hold are refused.
-    from megatron_dapo.rollout.embedded.limits import sampling_range_problem
-    from megatron_dapo.rollout.embedded.sampling import filter_top_k_top_p
-    from megatron_dapo.rollout.embedded.schemas import SamplingParamsIn
+    from megatron_dapo.embedded_server.limits import sampling_range_problem
+    from megatron_dapo.embedded_server.sampling import filter_top_k_top_p
+    from megatron_dapo.embedded_server.schemas import SamplingParamsIn
 
     probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)), -1)
     top_p = torch.ones(3)
@@ -111,7 +111,7 @@ def test_unpickler_refuses_descriptor_classes_before_building_any():
     import io
     import pickle
 
-    from megatron_dapo.rollout.embedded.tensor_payload import SafeUnpickler
+    from megatron_dapo.embedded_server.tensor_payload import SafeUnpickler
 
     before = _resources()["fds"]
     raw = b"(" + b"cmultiprocessing.resource_sharer\nDupFd\n(I0\ntR" * 100 + b"l."

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+from megatron_dapo.embedded_server.engine import Engine, GenRequest
 from megatron_dapo.rollout.payloads import decode_routed_experts
 
 LAYERS, TOP_K, EXPERTS = 3, 2, 8

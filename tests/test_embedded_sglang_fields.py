@@ -7,8 +7,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from megatron_dapo.embedded_server import schemas as S
 from megatron_dapo.rollout import protocol
-from megatron_dapo.rollout.embedded import schemas as S
 
 SNAPSHOT = protocol.load_snapshot()
 SENTINEL = 12345  # not a neutral value of any field
@@ -55,7 +55,7 @@ def test_sglang_ranges_and_routing_fields():
 
 
 def test_weight_version_spans_as_sglang_computes_them():
-    from megatron_dapo.rollout.embedded.engine import weight_version_spans
+    from megatron_dapo.embedded_server.engine import weight_version_spans
 
     assert weight_version_spans([], "3", 0) == [{"version": "3", "start": 0, "end": 0}]
     assert weight_version_spans([], "3", 4) == [{"version": "3", "start": 0, "end": 4}]
@@ -106,7 +106,7 @@ def _penalised64(logits, out, freq, pres, rep, min_new, stop_ids):
 
 
 def _run(model, tokenizer=None, **kw):
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     eng = Engine(model, tokenizer, seed=0)
     try:
@@ -220,7 +220,7 @@ def test_stop_regex_and_logprob_texts(tiny):
 
 
 def test_text_batches_and_text_with_input_ids(tiny):
-    from megatron_dapo.rollout.embedded.server import EmbeddedServer
+    from megatron_dapo.embedded_server.server import EmbeddedServer
 
     model, tok = tiny
     srv = EmbeddedServer(model, tok)

@@ -21,8 +21,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from megatron_dapo.rollout.embedded import schemas as S
-from megatron_dapo.rollout.embedded.stops import regex_max_chars, stop_window
+from megatron_dapo.embedded_server import schemas as S
+from megatron_dapo.embedded_server.stops import regex_max_chars, stop_window
 
 BACKTRACKING = r"([\s\S]+)+\x00"  # never matches; Python's re tries 2^n splits of the text first
 PROMPT = [5, 9, 11, 200, 7]
@@ -47,7 +47,7 @@ def tiny(model_dir):
 
 
 def _generate(model, tok, reqs: list[dict]) -> list[dict]:
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     eng = Engine(model, tok, seed=0)
     try:
@@ -249,7 +249,7 @@ def test_backtracking_stop_regex_leaves_the_server_healthy(server):
 
 @pytest.mark.slow
 def test_sigterm_ends_a_busy_server(server):
-    from megatron_dapo.rollout.embedded.server import EXIT_DEADLINE_S
+    from megatron_dapo.embedded_server.server import EXIT_DEADLINE_S
 
     long = {
         "input_ids": PROMPT,
@@ -270,7 +270,7 @@ DEADLINE_CHILD = """
 import contextlib, sys, time
 import uvicorn
 from fastapi import FastAPI
-from megatron_dapo.rollout.embedded import server
+from megatron_dapo.embedded_server import server
 
 server.EXIT_DEADLINE_S = 2
 

@@ -123,8 +123,8 @@ def test_val_needs_samples_or_greedy():
 
 
 def test_resolve_checkpoint_kinds(tmp_path):
+    from megatron_dapo.apps.eval import EvalError, resolve_checkpoint
     from megatron_dapo.trainer import checkpoint as ckpt
-    from megatron_dapo.trainer.eval_cli import EvalError, resolve_checkpoint
 
     save_dir = tmp_path / "checkpoints"
     for step in (5, 10):
@@ -155,7 +155,7 @@ def test_resolve_checkpoint_kinds(tmp_path):
 
 
 def test_eval_cli_refuses_what_it_cannot_evaluate_in_one_line(tmp_path, capsys):
-    from megatron_dapo.trainer.eval_cli import main
+    from megatron_dapo.apps.eval import main
 
     assert main([str(TINY), "--checkpoint", str(tmp_path), f"logging.run_dir={tmp_path / 'run'}"]) == 2
     err = capsys.readouterr().err.strip()
@@ -213,7 +213,7 @@ def test_eval_cli_on_a_tp2_training_checkpoint(tmp_path, capsys):
     greedy answers must be B's (HF generate as reference), source s1's ground truths are B's greedy
     answer classes (greedy = 1 exactly), s2's can never match (all 0), and mean@4 / best@4 / maj@4 equal
     those computed here from the judged answers the command saved."""
-    from megatron_dapo.trainer.eval_cli import main
+    from megatron_dapo.apps.eval import main
     from tests.dist_utils import run_torchrun
     from tests.eval_reward import first_char_class
 
@@ -295,7 +295,7 @@ def test_eval_cli_on_a_tp2_training_checkpoint(tmp_path, capsys):
 
 
 def test_demo_prints_each_validation_step_per_data_source():
-    from megatron_dapo.trainer.demo import held_out_table
+    from megatron_dapo.apps.demo import held_out_table
 
     val = load_config(TINY).trainer.val
     points = [

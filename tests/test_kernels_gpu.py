@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megatron_dapo.algo.logprobs import vocab_parallel_logprobs as torch_logprobs
-from megatron_dapo.kernels import dispatch, fused_linear, fused_linear_logprobs
+from megatron_dapo.kernels import backend as kernel_backend
+from megatron_dapo.kernels import fused_linear, fused_linear_logprobs
 
 
 @pytest.mark.gpu
@@ -19,7 +20,7 @@ def test_fused_logprobs_qwen3_vocab_on_cuda(dtype, tol):
     target = torch.randint(0, v, (t,), generator=g, device="cuda")
     results = []
     for fn in (
-        lambda x: dispatch.vocab_parallel_logprobs(x, target, None, 0.9, True, backend="triton"),
+        lambda x: kernel_backend.vocab_parallel_logprobs(x, target, None, 0.9, True, backend="triton"),
         lambda x: torch_logprobs(x, target, None, 0.9, True),
     ):
         x = logits.clone().requires_grad_()
@@ -38,7 +39,7 @@ def test_fused_logprobs_allocates_no_fp32_copy():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    lp = dispatch.vocab_parallel_logprobs(logits, target, backend="triton")
+    lp = kernel_backend.vocab_parallel_logprobs(logits, target, backend="triton")
     lp.sum().backward()
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base

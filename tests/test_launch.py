@@ -135,7 +135,7 @@ def test_advanced_launchers(script, config, nodes, backend, staleness, cost_mode
     assert (r.redundancy.extra_samples, r.redundancy.extra_prompts, r.loads.interval_ms) == (0, 32, 200)
 
     # The printed plan command runs: the layout and memory of the advanced config fit 80 GiB GPUs.
-    from megatron_dapo.planner.plan import main as plan_main
+    from megatron_dapo.apps.plan import main as plan_main
 
     assert plan_main(plan[2:]) == 0
     assert "fits: yes" in capsys.readouterr().out

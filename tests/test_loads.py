@@ -15,9 +15,9 @@ import torch
 from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 from megatron_dapo.coordinator.profile import ProfilePoint, fit_cost_model, format_table, relative_error
 from megatron_dapo.coordinator.servers import ServerRegistry
+from megatron_dapo.embedded_server import load_report
+from megatron_dapo.embedded_server.load_stats import LoadStats
 from megatron_dapo.rollout import payloads
-from megatron_dapo.rollout.embedded import load_report
-from megatron_dapo.rollout.embedded.load_stats import LoadStats
 from megatron_dapo.rollout.types import ServerLoad
 from tests.fake_clock import FakeClock
 
@@ -48,8 +48,8 @@ def test_decode_moments_sum_as_sglang_and_throughput_decays_then_goes_stale():
 def engine():
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.embedded_server.engine import Engine
     from megatron_dapo.models.tiny import tiny_hf_config
-    from megatron_dapo.rollout.embedded.engine import Engine
 
     torch.manual_seed(0)
     eng = Engine(AutoModelForCausalLM.from_config(tiny_hf_config("qwen3"), dtype=torch.float32), max_batch=8)
@@ -58,7 +58,7 @@ def engine():
 
 
 def _requests(prompts, max_new_tokens):
-    from megatron_dapo.rollout.embedded.engine import GenRequest
+    from megatron_dapo.embedded_server.engine import GenRequest
 
     return [
         GenRequest(rid=f"r{i}-{time.monotonic_ns()}", prompt=p, max_new_tokens=max_new_tokens, ignore_eos=True)

@@ -155,7 +155,7 @@ def test_a_server_without_decode_counters_is_timed_from_outside(server):
     import dataclasses
     import random
 
-    from megatron_dapo.coordinator.profile_engine import measure_point
+    from megatron_dapo.apps.profile_engine import measure_point
     from megatron_dapo.rollout.client import SGLangClient
 
     class WithoutCounters(SGLangClient):

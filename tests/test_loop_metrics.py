@@ -2,10 +2,10 @@
 
 from collections import Counter
 
+from megatron_dapo.apps.plot import main as plot_main
+from megatron_dapo.apps.plot import read_scalars
 from megatron_dapo.coordinator.metrics import staleness_metrics
 from megatron_dapo.trainer.metrics import MetricsWriter, read_metrics
-from megatron_dapo.trainer.plot import main as plot_main
-from megatron_dapo.trainer.plot import read_scalars
 
 
 def test_metrics_jsonl_tensorboard_and_plot(tmp_path):

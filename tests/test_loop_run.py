@@ -412,7 +412,7 @@ def test_wandb_offline_mirrors_a_training_run(env):
     pytest.importorskip("wandb")
     import numpy as np
 
-    from megatron_dapo.trainer.plot import read_scalars
+    from megatron_dapo.apps.plot import read_scalars
     from tests.wandb_records import read_run
 
     overrides = ("trainer.total_steps=2", f"data.val_files=[{env['train']}]", "trainer.val_every=1")

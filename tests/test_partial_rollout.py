@@ -103,7 +103,7 @@ def _hf_logprobs(model_dir, prompt, output):
 def test_weights_changing_mid_request_give_exact_token_versions(server, models):
     from safetensors.torch import load_file
 
-    from megatron_dapo.rollout.embedded.tensor_payload import serialize_named_tensors
+    from megatron_dapo.embedded_server.tensor_payload import serialize_named_tensors
 
     new_weights = [sorted(load_file(str(m / "model.safetensors")).items()) for m in models]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=400, sampling_seed=99)

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from megatron_dapo.apps.plan import main
 from megatron_dapo.config import load_config
 from megatron_dapo.config.shapes import BUILTIN_HF_CONFIGS, shape_from_hf
 from megatron_dapo.planner.memory import active_params, total_params, training_memory
-from megatron_dapo.planner.plan import fit_errors, format_plan, main, make_plan
+from megatron_dapo.planner.plan import fit_errors, format_plan, make_plan
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "qwen3"
 GiB = 1024**3

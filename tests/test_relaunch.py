@@ -163,8 +163,8 @@ def _healthy(url: str) -> bool:
 def test_relaunch_keys_are_checked_and_decide_what_the_driver_supervises(caplog):
     """rollout.relaunch_max below 1 is refused, named; the driver supervises only the servers it launched,
     and says so when there are none (external servers: re-admitted, never relaunched), never silently."""
+    from megatron_dapo.apps.launch import EXTERNAL_ONLY, _supervise
     from megatron_dapo.config import ConfigError, load_config
-    from megatron_dapo.trainer.launch import EXTERNAL_ONLY, _supervise
     from tests.test_config import TINY
 
     with pytest.raises(ConfigError, match=r"rollout.relaunch_max=0 must be >= 1"):

@@ -99,7 +99,7 @@ def test_conformance_checker_catches_wrong_bodies():
 
 
 def test_embedded_server_accepts_only_sglang_field_names():
-    from megatron_dapo.rollout.embedded import schemas as S
+    from megatron_dapo.embedded_server import schemas as S
 
     pairs = {
         S.GenerateIn: "GenerateReqInput",
@@ -153,7 +153,7 @@ def test_parse_generate_answer_shapes():
 
 
 def test_sampled_logprob_is_temperature_scaled_before_filtering():
-    from megatron_dapo.rollout.embedded.sampling import sample
+    from megatron_dapo.embedded_server.sampling import sample
 
     torch.manual_seed(0)
     logits = torch.randn(6, 50, dtype=torch.float32) * 3
@@ -169,7 +169,7 @@ def test_sampled_logprob_is_temperature_scaled_before_filtering():
 
 
 def test_top_k_top_p_keep_exactly_the_nucleus():
-    from megatron_dapo.rollout.embedded.sampling import filter_top_k_top_p
+    from megatron_dapo.embedded_server.sampling import filter_top_k_top_p
 
     probs = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]])
     keep = lambda k, p: (filter_top_k_top_p(probs, torch.tensor([k]), torch.tensor([p])) > 0)[0].tolist()
@@ -179,7 +179,7 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
     assert keep(-1, 0.71) == [True, True, True, False, False]
     assert keep(-1, 0.01) == [True, False, False, False, False]
     g = torch.Generator().manual_seed(0)
-    from megatron_dapo.rollout.embedded.sampling import sample
+    from megatron_dapo.embedded_server.sampling import sample
 
     logits = probs.log().repeat(400, 1)
     tok, _ = sample(logits, torch.ones(400), torch.full((400,), 0.7), torch.full((400,), -1), g)
@@ -187,7 +187,7 @@ def test_top_k_top_p_keep_exactly_the_nucleus():
 
 
 def test_seeded_rows_draw_from_their_own_stream_with_the_filtered_distribution():
-    from megatron_dapo.rollout.embedded.sampling import sample, seeded_uniform
+    from megatron_dapo.embedded_server.sampling import sample, seeded_uniform
 
     assert seeded_uniform(7, 3) == seeded_uniform(7, 3) and 0.0 <= seeded_uniform(7, 3) < 1.0
     assert len({seeded_uniform(s, p) for s in range(50) for p in range(50)}) == 2500
@@ -247,7 +247,7 @@ def _teacher_forced(model, prompt, output, temperature):
 
 
 def test_engine_batched_samples_have_reference_logprobs(tiny_qwen3):
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     model, _ = tiny_qwen3
     eng = Engine(model, seed=3)
@@ -284,7 +284,7 @@ def test_engine_batched_samples_have_reference_logprobs(tiny_qwen3):
 
 
 def test_engine_stop_tokens_input_logprobs_and_abort(tiny_qwen3):
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     model, _ = tiny_qwen3
     eng = Engine(model, seed=0)
@@ -321,7 +321,7 @@ def test_engine_stop_tokens_input_logprobs_and_abort(tiny_qwen3):
 def test_engine_retract_resumes_with_new_weights_and_spans(tiny_qwen3):
     import time
 
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     model, _ = tiny_qwen3
     eng = Engine(model, seed=0, weight_version="1")
@@ -355,7 +355,7 @@ def test_engine_continuous_batching_joins_arrivals_to_the_running_batch(tiny_qwe
     sample is the one HF computes (greedy tokens, logprobs), and a seeded one is what it is alone."""
     import threading
 
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     model, _ = tiny_qwen3
     prompts = {"a": [1, 2, 3], "b": [7, 8, 9, 10, 11], "c": [4, 5], "d": [6], "e": [2, 2]}
@@ -442,7 +442,7 @@ def test_engine_kv_pool_bounds_admission_and_retracts_as_sglang(tiny_qwen3, batc
     HF's throughout."""
     import threading
 
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     model, _ = tiny_qwen3
     prompts = {"a": [1, 2, 3], "b": [7, 8, 9, 10, 11]}
@@ -466,8 +466,8 @@ def test_engine_kv_pool_bounds_admission_and_retracts_as_sglang(tiny_qwen3, batc
 
     eng._timed = counting
     try:
+        from megatron_dapo.embedded_server import load_report
         from megatron_dapo.rollout import payloads
-        from megatron_dapo.rollout.embedded import load_report
 
         assert payloads.parse_loads({"loads": [load_report.load_row(eng)]}).kv_capacity == 40  # /v1/loads
         eng.pause("in_place")
@@ -508,7 +508,7 @@ def test_engine_fails_only_the_requests_of_a_failed_step(tiny_qwen3, batching):
     batch they were to join goes on. A decode that raises fails its batch. The engine serves on."""
     import threading
 
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
 
     model, _ = tiny_qwen3
     eng = Engine(model, seed=0, batching=batching)
@@ -551,9 +551,9 @@ def test_engine_fails_only_the_requests_of_a_failed_step(tiny_qwen3, batching):
 
 
 def test_engine_seeded_requests_reproduce_alone_or_batched(tiny_qwen3):
-    from megatron_dapo.rollout.embedded import schemas as S
-    from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
-    from megatron_dapo.rollout.embedded.server import EmbeddedServer
+    from megatron_dapo.embedded_server import schemas as S
+    from megatron_dapo.embedded_server.engine import Engine, GenRequest
+    from megatron_dapo.embedded_server.server import EmbeddedServer
 
     model, _ = tiny_qwen3
     prompt = [3, 1, 4, 1, 5]
@@ -665,8 +665,8 @@ def test_loader_maps_per_expert_checkpoint_names_onto_fused_moe(tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.bridge.hf_loader import HFWeightLoader, WeightLoadError
     from megatron_dapo.models.tiny import save_tiny_hf_model, tiny_hf_config
-    from megatron_dapo.rollout.embedded.weights import HFWeightLoader, WeightLoadError
 
     d = save_tiny_hf_model("qwen3_moe", tmp_path / "moe", seed=5)
     on_disk = load_file(str(d / "model.safetensors"))
@@ -694,9 +694,9 @@ def test_flattened_updates_are_received_straight_into_rehomed_parameters(tmp_pat
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.bridge.hf_loader import HFWeightLoader
+    from megatron_dapo.embedded_server.weight_receiver import FlatBucketHomes
     from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes
-    from megatron_dapo.rollout.embedded.weights import HFWeightLoader
     from megatron_dapo.rollout.weight_buckets import Bucket, bucket_layout
 
     dirs = [save_tiny_hf_model("qwen3_moe", tmp_path / f"m{i}", seed=i) for i in range(3)]
@@ -813,7 +813,7 @@ def test_sglang_args_from_config():
 
 
 def test_embedded_command_flags_parse_in_the_server():
-    from megatron_dapo.rollout.embedded.server import build_parser
+    from megatron_dapo.embedded_server.server import build_parser
     from megatron_dapo.rollout.launcher import embedded_command
 
     cmd = embedded_command("/m", 1234, seed=3, deterministic_inference=True, python="py")
@@ -830,7 +830,7 @@ def test_embedded_command_flags_parse_in_the_server():
 
 
 def test_embedded_server_refuses_an_empty_kv_pool(capsys):
-    from megatron_dapo.rollout.embedded.server import main
+    from megatron_dapo.embedded_server.server import main
 
     with pytest.raises(SystemExit) as e:
         main(["--model", "/nonexistent", "--max-total-tokens", "0"])

@@ -248,7 +248,7 @@ def _sglang_flattened_payload(named, monkeypatch):
     import sys
     import types
 
-    from megatron_dapo.rollout.embedded.tensor_payload import forking_dumps
+    from megatron_dapo.embedded_server.tensor_payload import forking_dumps
 
     mod = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
     meta_cls = dataclasses.make_dataclass(
@@ -282,8 +282,8 @@ def test_update_weights_from_tensor_loads_sglang_payloads_and_refuses_code(model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.embedded_server.tensor_payload import serialize_named_tensors
     from megatron_dapo.models.tiny import save_tiny_hf_model
-    from megatron_dapo.rollout.embedded.tensor_payload import serialize_named_tensors
     from megatron_dapo.rollout.launcher import start_servers
 
     new_dir = save_tiny_hf_model("qwen3", tmp_path / "new", seed=1)

@@ -113,7 +113,7 @@ def test_every_server_saturated_the_group_server_else_the_least_queued_one_takes
 
 
 def test_dispatcher_counts_placements_since_the_report_as_queued_on_saturated_servers():
-    from megatron_dapo.coordinator.dispatch import Dispatcher
+    from megatron_dapo.coordinator.router_core import Dispatcher
 
     d = Dispatcher(policy(delta_throughput_threshold=0.0), QueueConfig("fifo"))
     for key in ("r1", "r2", "r3"):
@@ -442,7 +442,7 @@ def test_config_routing_keys_reach_the_router(tmp_path):
 
 # ---- the dispatcher (queue + policy + load estimates + sticky groups) -----------------------------
 def test_dispatcher_counts_each_placement_before_the_next_decision():
-    from megatron_dapo.coordinator.dispatch import Dispatcher
+    from megatron_dapo.coordinator.router_core import Dispatcher
 
     d = Dispatcher(policy(delta_throughput_threshold=0.0), QueueConfig("priority"))
     for key in ("r1", "r2", "r3"):
@@ -468,7 +468,7 @@ def test_dispatcher_counts_each_placement_before_the_next_decision():
 
 
 def test_dispatcher_sticky_groups_cancel_and_unroutable():
-    from megatron_dapo.coordinator.dispatch import Dispatcher
+    from megatron_dapo.coordinator.router_core import Dispatcher
 
     d = Dispatcher(policy("least_outstanding"))
     d.submit("g1-0", RouteRequest(prompt_tokens=5), group_id="g1")
@@ -495,7 +495,7 @@ def test_dispatcher_repeats_an_unchanged_refusal_exactly_as_deciding_again(queue
     submits, cancels, request ends, unpins, new load reports and views changed in place."""
     import random
 
-    from megatron_dapo.coordinator.dispatch import Dispatcher
+    from megatron_dapo.coordinator.router_core import Dispatcher
 
     class Deciding(Dispatcher):
         def dispatch(self, servers, fail_unroutable=False):

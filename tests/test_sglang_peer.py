@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load
 
 from megatron_dapo.config.schema import SyncConfig
+from megatron_dapo.embedded_server.tensor_payload import serialize_named_tensors
 from megatron_dapo.rollout import payloads
 from megatron_dapo.rollout.client import SGLangClient, SGLangHTTPError
-from megatron_dapo.rollout.embedded.tensor_payload import serialize_named_tensors
 from megatron_dapo.rollout.types import SamplingParams
 from megatron_dapo.sync import bridge as bridge_mod
 from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError

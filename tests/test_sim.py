@@ -545,7 +545,7 @@ def test_command_line_overrides_win_over_the_mode_switches(monkeypatch):
         )
 
     monkeypatch.setattr(world, "simulate", fake_simulate)
-    args = cli._parser().parse_intermixed_args(
+    args = cli.build_parser().parse_intermixed_args(
         ["configs/qwen3/qwen3_8b.yaml", "--modes", "advanced,async", "--staleness", "2", "--step-time", "1"]
     )
     cli.run_all(

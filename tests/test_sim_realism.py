@@ -175,7 +175,7 @@ def _build(*argv, seed=None):
     from megatron_dapo.config.load import load_config
     from megatron_dapo.sim import cli
 
-    args = cli._parser().parse_intermixed_args([*QWEN3_8B, *argv])
+    args = cli.build_parser().parse_intermixed_args([*QWEN3_8B, *argv])
     over = [*args.overrides, f"trainer.nnodes={args.nodes}", f"trainer.gpus_per_node={args.gpus_per_node}"]
     cfg = load_config(args.config, over, validate=False)
     return cfg, cli.build_world(cfg, args, seed)
@@ -408,7 +408,7 @@ def test_throughput_migration_keeps_work_on_the_fast_engine(monkeypatch, guard):
 
 
 def test_plan_and_simulate_share_the_named_trainer_gpu(capsys):
-    from megatron_dapo.planner.plan import main as plan_main
+    from megatron_dapo.apps.plan import main as plan_main
 
     argv = [*QWEN3_8B, "--response-len", "6000", "--trainer-gpu", "h20"]
     assert plan_main(argv) == 0

@@ -23,9 +23,9 @@ def traced(tmp_path_factory):
     the scheduler's pauses, which no fit can predict (the held-out check failed at load average 25)."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.embedded_server.engine import Engine
+    from megatron_dapo.embedded_server.load_stats import StepTrace
     from megatron_dapo.models.tiny import tiny_hf_config
-    from megatron_dapo.rollout.embedded.engine import Engine
-    from megatron_dapo.rollout.embedded.load_stats import StepTrace
 
     path = tmp_path_factory.mktemp("trace") / "server_0.jsonl"
     torch.manual_seed(0)
@@ -46,7 +46,7 @@ def traced(tmp_path_factory):
 
 def _run(engine, n: int, prompt_len: int, new_tokens: int) -> None:
     """One batch of n distinct prompts, each generating exactly new_tokens."""
-    from megatron_dapo.rollout.embedded.engine import GenRequest
+    from megatron_dapo.embedded_server.engine import GenRequest
 
     reqs = [
         GenRequest(
@@ -162,10 +162,10 @@ def test_a_slowed_engine_stretches_every_step_to_one_over_its_speed(tmp_path, mo
     is recorded instead of slept, so each step's sleep is checked against its traced seconds exactly."""
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.embedded_server import engine as engine_module
+    from megatron_dapo.embedded_server.load_stats import StepTrace
+    from megatron_dapo.embedded_server.server import build_parser
     from megatron_dapo.models.tiny import tiny_hf_config
-    from megatron_dapo.rollout.embedded import engine as engine_module
-    from megatron_dapo.rollout.embedded.load_stats import StepTrace
-    from megatron_dapo.rollout.embedded.server import build_parser
 
     slept = []
     monkeypatch.setattr(engine_module.time, "sleep", slept.append)  # the module's `time` is the stdlib's

@@ -11,10 +11,10 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from megatron_dapo.apps.plot import read_scalars
 from megatron_dapo.config import ConfigError, DapoConfig, config_from_dict, config_to_dict
 from megatron_dapo.config.schema import WandbConfig
 from megatron_dapo.trainer.metrics import MetricsWriter
-from megatron_dapo.trainer.plot import read_scalars
 from tests.wandb_records import read_run
 
 pytest.importorskip("wandb")  # the `test` extra installs it: CI runs this

@@ -1,5 +1,5 @@
 """DAPO algorithm core: pure torch reference functions (the Triton kernels in
-megatron_dapo.kernels implement the same signatures; megatron_dapo.kernels.dispatch chooses)."""
+megatron_dapo.kernels implement the same signatures; megatron_dapo.kernels.backend chooses)."""
 
 from .advantages import group_advantages, token_advantages
 from .filter import FilterResult, dynamic_sampling_filter

@@ -11,6 +11,8 @@ Public API:
     hf_to_megatron(...), megatron_to_hf(...)                          -> the conversions (spawn their ranks)
     hf_names(arch)                                                   -> canonical HF tensor order
     HFCheckpointReader, ShardedSafetensorsWriter                     -> safetensors I/O
+    hf_loader.HFWeightLoader(hf_model)                               -> HF checkpoint tensors into a
+        transformers model in memory (the embedded server, the FSDP2 actor)
 """
 
 from megatron_dapo.bridge.checkpoint import load_megatron_checkpoint, save_megatron_checkpoint

@@ -19,9 +19,9 @@ from megatron_dapo.types import RoutingShape
 
 def launched_rollout_gpus(cfg: DapoConfig) -> int:
     """GPUs taken by SGLang servers that the driver starts itself."""
-    r = cfg.rollout
-    if r.engine == "sglang" and not r.servers:
-        return r.num_servers * r.server_tp
+    rollout = cfg.rollout
+    if rollout.engine == "sglang" and not rollout.servers:
+        return rollout.num_servers * rollout.server_tp
     return 0
 
 
@@ -33,8 +33,8 @@ def trainer_world_size(cfg: DapoConfig) -> int:
 
 def model_parallel_size(cfg: DapoConfig) -> int:
     """Ranks holding one replica of the model: tp * pp * cp."""
-    p = cfg.parallel
-    return p.tp * p.pp * p.cp
+    parallel = cfg.parallel
+    return parallel.tp * parallel.pp * parallel.cp
 
 
 def data_parallel_size(cfg: DapoConfig) -> int:
@@ -50,41 +50,41 @@ def expert_tp_size(cfg: DapoConfig) -> int:
 
 def expert_data_parallel_size(cfg: DapoConfig) -> int:
     """Replicas of each expert: the (tp * cp * dp) ranks of a pipeline stage divided by ep * etp."""
-    p = cfg.parallel
-    return p.tp * p.cp * data_parallel_size(cfg) // (p.ep * expert_tp_size(cfg))
+    parallel = cfg.parallel
+    return parallel.tp * parallel.cp * data_parallel_size(cfg) // (parallel.ep * expert_tp_size(cfg))
 
 
 def max_new_tokens(cfg: DapoConfig) -> int:
-    s = cfg.rollout.sampling.max_new_tokens
-    return s if s is not None else cfg.data.max_response_length
+    new_tokens = cfg.rollout.sampling.max_new_tokens
+    return new_tokens if new_tokens is not None else cfg.data.max_response_length
 
 
 def val_max_new_tokens(cfg: DapoConfig) -> int:
-    v = cfg.trainer.val.max_new_tokens
-    return v if v is not None else cfg.data.max_response_length
+    val_tokens = cfg.trainer.val.max_new_tokens
+    return val_tokens if val_tokens is not None else cfg.data.max_response_length
 
 
 def gen_batch_size(cfg: DapoConfig) -> int:
     """Prompts submitted per generation batch of dynamic sampling."""
-    g = cfg.algo.gen_batch_size
-    return g if g is not None else cfg.algo.train_batch_size
+    gen_batch = cfg.algo.gen_batch_size
+    return gen_batch if gen_batch is not None else cfg.algo.train_batch_size
 
 
 def max_tokens_per_micro_batch(cfg: DapoConfig) -> int:
-    m = cfg.algo.max_tokens_per_micro_batch
-    return m if m is not None else cfg.data.max_prompt_length + cfg.data.max_response_length
+    tokens = cfg.algo.max_tokens_per_micro_batch
+    return tokens if tokens is not None else cfg.data.max_prompt_length + cfg.data.max_response_length
 
 
 def token_sum_norm(cfg: DapoConfig) -> float:
     """The constant divisor of a sequence's token sum in seq-mean-token-sum-norm (never the padded width)."""
-    f = cfg.algo.loss_scale_factor
-    return float(f if f is not None else cfg.data.max_response_length)
+    factor = cfg.algo.loss_scale_factor
+    return float(factor if factor is not None else cfg.data.max_response_length)
 
 
 def optimizer_steps_per_train_step(cfg: DapoConfig) -> int:
     """Optimizer steps per training step: one per mini-batch, per PPO epoch."""
-    a = cfg.algo
-    return max(1, math.ceil(a.train_batch_size / a.ppo_mini_batch_size)) * a.ppo_epochs
+    algo = cfg.algo
+    return max(1, math.ceil(algo.train_batch_size / algo.ppo_mini_batch_size)) * algo.ppo_epochs
 
 
 def lr_decay_steps(cfg: DapoConfig) -> int:
@@ -93,16 +93,16 @@ def lr_decay_steps(cfg: DapoConfig) -> int:
 
 
 def checkpoint_dir(cfg: DapoConfig) -> str:
-    c = cfg.checkpoint.save_dir
-    return c if c is not None else os.path.join(cfg.logging.run_dir, "checkpoints")
+    save_dir = cfg.checkpoint.save_dir
+    return save_dir if save_dir is not None else os.path.join(cfg.logging.run_dir, "checkpoints")
 
 
 def sync_sources(cfg: DapoConfig) -> str:
     """rollout.sync.sources resolved: "rank0" or "per_stage" (auto: per_stage where it applies and helps)."""
-    s = cfg.rollout.sync
-    if s.sources != "auto":
-        return s.sources
-    applies = s.policy == "all_at_once" and cfg.trainer.backend == "megatron"
+    sync = cfg.rollout.sync
+    if sync.sources != "auto":
+        return sync.sources
+    applies = sync.policy == "all_at_once" and cfg.trainer.backend == "megatron"
     return "per_stage" if applies and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1) else "rank0"
 
 

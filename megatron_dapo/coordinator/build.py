@@ -16,14 +16,14 @@ from megatron_dapo.rollout.types import SamplingParams
 
 
 def sampling_params(cfg, n: int = 1):
-    s = cfg.rollout.sampling
+    sampling = cfg.rollout.sampling
     return SamplingParams(
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k,
         max_new_tokens=max_new_tokens(cfg),
-        stop=list(s.stop) or None,
-        stop_token_ids=list(s.stop_token_ids) or None,
+        stop=list(sampling.stop) or None,
+        stop_token_ids=list(sampling.stop_token_ids) or None,
         n=n,
     )
 
@@ -35,8 +35,10 @@ def load_tokenizer(cfg):
 
 
 def prompt_dataset(cfg, files, tokenizer):
-    d = cfg.data
-    return PromptDataset(files, tokenizer, d.max_prompt_length, truncation=d.truncation, prompt_key=d.prompt_key)
+    data = cfg.data
+    return PromptDataset(
+        files, tokenizer, data.max_prompt_length, truncation=data.truncation, prompt_key=data.prompt_key
+    )
 
 
 def reward_runner(cfg):
@@ -46,14 +48,14 @@ def reward_runner(cfg):
     return RewardRunner(default=call, timeout_s=cfg.reward.timeout_s, num_workers=cfg.reward.num_workers)
 
 
-def coordination_settings(r) -> dict:
+def coordination_settings(rollout) -> dict:
     """ProducerSettings fields of rollout.redundancy / rollout.retry / rollout.migration."""
     return {
-        "extra_samples": r.redundancy.extra_samples,
-        "extra_prompts": r.redundancy.extra_prompts,
-        "retry_threshold": r.retry.threshold if r.retry.enabled else 0,
-        "migration": r.migration,
-        "check_interval_s": r.sync.check_interval_ms / 1000.0,
+        "extra_samples": rollout.redundancy.extra_samples,
+        "extra_prompts": rollout.redundancy.extra_prompts,
+        "retry_threshold": rollout.retry.threshold if rollout.retry.enabled else 0,
+        "migration": rollout.migration,
+        "check_interval_s": rollout.sync.check_interval_ms / 1000.0,
     }
 
 
@@ -87,7 +89,7 @@ def build_producer(
         **coordination_settings(cfg.rollout),
     )
     sampler = PromptSampler(len(dataset), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    r = cfg.rollout
+    rollout = cfg.rollout
 
     # the simulator's engines model time, not routing: only HTTP servers are asked for routed experts
     routed = routing_shape(cfg) if client_factory is None else None
@@ -96,12 +98,12 @@ def build_producer(
         extra = {"routed_experts": routed} if client_factory is None else {"client_factory": client_factory}
         return Router(
             server_urls,
-            api_key=r.api_key,
-            max_in_flight_per_server=r.concurrency,
-            client_kwargs={"timeout_s": r.request_timeout_s},
+            api_key=rollout.api_key,
+            max_in_flight_per_server=rollout.concurrency,
+            client_kwargs={"timeout_s": rollout.request_timeout_s},
             registry=registry,
-            routing=r.routing,
-            queue=r.queue,
+            routing=rollout.routing,
+            queue=rollout.queue,
             cost_model=cost_model,
             **extra,
         )

@@ -47,8 +47,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from megatron_dapo.config.coordination import QueueConfig, RoutingConfig
-from megatron_dapo.coordinator.dispatch import Dispatcher
 from megatron_dapo.coordinator.groups import version_number
+from megatron_dapo.coordinator.router_core import Dispatcher
 from megatron_dapo.coordinator.routing import RouteRequest, ServerView, make_routing_policy
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangHTTPError
 from megatron_dapo.rollout.types import Sample, SamplingParams

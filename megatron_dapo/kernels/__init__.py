@@ -1,11 +1,11 @@
-"""Fused Triton kernels for the DAPO hot paths and the backend dispatcher.
+"""Fused Triton kernels for the DAPO hot paths and the choice of backend.
 
-Call the functions of `megatron_dapo.kernels.dispatch` (re-exported here): they run the Triton
+Call the functions of `megatron_dapo.kernels.backend` (re-exported here): they run the Triton
 kernels on CUDA and the torch reference (megatron_dapo.algo) elsewhere. Triton itself is only
 imported when a Triton backend is used.
 """
 
-from .dispatch import (
+from .backend import (
     dapo_policy_loss,
     dynamic_sampling_filter,
     group_advantages,

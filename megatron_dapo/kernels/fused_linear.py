@@ -39,7 +39,7 @@ megatron-core's fp32 main_grad); for a half weight without main_grad a second pa
 blocks (each block's dW summed over all token chunks in an fp32 block, then stored), which costs one more
 logits recompute but no full-size fp32 copy of dW.
 
-Backends (`backend`: "auto" | "torch" | "triton", resolved by megatron_dapo.kernels.dispatch on hidden's
+Backends (`backend`: "auto" | "torch" | "triton", resolved by megatron_dapo.kernels.backend on hidden's
 device: "auto" is Triton on CUDA and torch elsewhere, float64 under "auto" stays torch, and
 MEGATRON_DAPO_KERNELS overrides "auto"). Both share everything above: the matmuls stay in torch (cuBLAS on
 a GPU), and so do the chunk loop, the TP merge, the sequence-parallel gather / reduce-scatter and
@@ -71,7 +71,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.algo.logprobs import Z_FLOOR, GlobalStats, ShardPartials, merge_partials
-from megatron_dapo.kernels.dispatch import resolve_fp32_backend, triton_module
+from megatron_dapo.kernels.backend import resolve_fp32_backend, triton_module
 
 WORKSPACE_MIB = 64.0  # the two [chunk, V_local] fp32 blocks of one token chunk, together
 WEIGHT_BLOCK_MIB = 16.0  # one fp32 vocab block of a half weight (upcast block by block)
@@ -408,7 +408,7 @@ def fused_linear_logprobs(
     """Target log-probs (and entropy) of softmax(hidden @ weight.T / temperature) over the whole
     (vocab-parallel) vocabulary, without materialising the logits; see the module docstring.
     chunk_tokens (default: sized from workspace_mib) fixes the token chunk. backend: "auto" (None),
-    "torch" or "triton" for the per-chunk row work, resolved on hidden as megatron_dapo.kernels.dispatch
+    "torch" or "triton" for the per-chunk row work, resolved on hidden as megatron_dapo.kernels.backend
     does (float64 under "auto" stays torch)."""
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"fused_linear_logprobs: hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}")

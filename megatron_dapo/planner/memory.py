@@ -142,10 +142,10 @@ class StageMemory:
 
 def activation_elements_per_token(shape: ModelShape, layer: int, cfg: DapoConfig) -> float:
     """Elements stored for backward per token of one layer on one GPU, without recompute."""
-    p = cfg.parallel
-    tp, etp = p.tp, derived.expert_tp_size(cfg)
+    parallel = cfg.parallel
+    tp, etp = parallel.tp, derived.expert_tp_size(cfg)
     h, a, kv, d = shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
-    sp = p.sequence_parallel and tp > 1
+    sp = parallel.sequence_parallel and tp > 1
     norms = 4 * h / (tp if sp else 1)
     attention = (2 * (a + 2 * kv) * d + a * d) / tp
     if shape.is_moe and layer in shape.moe_layers:
@@ -164,9 +164,9 @@ def micro_batches_in_flight(cfg: DapoConfig, stage: int) -> float:
 
 
 def megatron_stage_memory(cfg: DapoConfig, shape: ModelShape, stage: int) -> StageMemory:
-    p = cfg.parallel
-    tp, ep, etp, pp = p.tp, p.ep, derived.expert_tp_size(cfg), p.pp
-    layers = stage_layers(shape, pp, p.vpp, stage)
+    parallel = cfg.parallel
+    tp, ep, etp, pp = parallel.tp, parallel.ep, derived.expert_tp_size(cfg), parallel.pp
+    layers = stage_layers(shape, pp, parallel.vpp, stage)
     dense = expert = 0
     for i in layers:
         lp = layer_params(shape, i, tp, ep, etp)
@@ -183,18 +183,18 @@ def megatron_stage_memory(cfg: DapoConfig, shape: ModelShape, stage: int) -> Sta
     opt_bytes = 8 if cfg.model.dtype == "fp32" else 12
     n_params = dense + expert
     if cfg.optimizer.use_distributed_optimizer:
-        dp_cp = derived.data_parallel_size(cfg) * p.cp
+        dp_cp = derived.data_parallel_size(cfg) * parallel.cp
         edp = derived.expert_data_parallel_size(cfg) if shape.is_moe else 1
         optimizer = opt_bytes * dense / dp_cp + opt_bytes * expert / edp
     else:
         optimizer = opt_bytes * n_params
 
-    tokens = derived.max_tokens_per_micro_batch(cfg) / p.cp
+    tokens = derived.max_tokens_per_micro_batch(cfg) / parallel.cp
     act_bytes = dtype_bytes(cfg.model.dtype)
     per_token = [activation_elements_per_token(shape, i, cfg) for i in layers]
     inflight = micro_batches_in_flight(cfg, stage)
     none = tokens * sum(per_token) * act_bytes * inflight
-    sp = p.sequence_parallel and tp > 1
+    sp = parallel.sequence_parallel and tp > 1
     layer_input = shape.hidden_size / (tp if sp else 1)
     full = tokens * layer_input * len(layers) * act_bytes * inflight + tokens * max(per_token) * act_bytes
     configured = full if cfg.model.recompute_granularity == "full" else none
@@ -262,20 +262,20 @@ class RolloutMemory:
 
 
 def rollout_memory(cfg: DapoConfig, shape: ModelShape, gpu_mem_bytes: int) -> RolloutMemory:
-    t = cfg.rollout.server_tp
+    server_tp = cfg.rollout.server_tp
     h, a, kv, d = shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads, shape.head_dim
-    kv_local = max(1, kv // t)  # SGLang replicates KV heads when tp > num_key_value_heads
+    kv_local = max(1, kv // server_tp)  # SGLang replicates KV heads when tp > num_key_value_heads
     layer_total = 0
     for i in range(shape.num_layers):
-        layer_total += 2 * h * a * d // t + 2 * h * kv_local * d + 2 * h + (2 * d if shape.qk_norm else 0)
+        layer_total += 2 * h * a * d // server_tp + 2 * h * kv_local * d + 2 * h + (2 * d if shape.qk_norm else 0)
         if shape.qkv_bias:
-            layer_total += a * d // t + 2 * kv_local * d
+            layer_total += a * d // server_tp + 2 * kv_local * d
         if shape.is_moe and i in shape.moe_layers:
-            layer_total += h * shape.num_experts + shape.num_experts * 3 * h * shape.moe_ffn_hidden_size // t
+            layer_total += h * shape.num_experts + shape.num_experts * 3 * h * shape.moe_ffn_hidden_size // server_tp
         else:
-            layer_total += 3 * h * shape.ffn_hidden_size // t
+            layer_total += 3 * h * shape.ffn_hidden_size // server_tp
     outputs = 1 if shape.tie_embeddings else 2
-    n = layer_total + outputs * embedding_params(shape, t) + h
+    n = layer_total + outputs * embedding_params(shape, server_tp) + h
     weights = 2 * n
     budget = int(cfg.rollout.mem_fraction_static * gpu_mem_bytes)
     kv_per_token = 2 * shape.num_layers * kv_local * d * 2
@@ -283,7 +283,7 @@ def rollout_memory(cfg: DapoConfig, shape: ModelShape, gpu_mem_bytes: int) -> Ro
     tokens = max(0, pool) // kv_per_token
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     return RolloutMemory(
-        server_tp=t,
+        server_tp=server_tp,
         weights=weights,
         static_budget=budget,
         kv_bytes_per_token=kv_per_token,

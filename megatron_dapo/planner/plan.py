@@ -1,4 +1,4 @@
-"""`megatron-dapo plan CONFIG --nodes N --gpus-per-node G [--gpu-mem-gib M] [key=value ...]`
+"""The plan of a config on a cluster, as `megatron-dapo plan` (megatron_dapo.apps.plan) prints it.
 
 Checks a config against a cluster shape before anything is launched: validates it with the
 cluster's node and GPU counts, prints the process layout (trainer ranks and their TP / CP / PP /
@@ -15,17 +15,13 @@ The step-time estimate (`megatron_dapo.planner.speed`, at `--mfu` of the peak of
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from dataclasses import dataclass, field
 
 from megatron_dapo.config import derived
 from megatron_dapo.config.errors import ConfigError
-from megatron_dapo.config.load import load_config
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
-from megatron_dapo.config.validate import validate_config
 from megatron_dapo.planner.memory import (
     GiB,
     RolloutMemory,
@@ -40,10 +36,8 @@ from megatron_dapo.planner.memory import (
 from megatron_dapo.planner.refit import IB_400G_GBPS, NVLINK_GBPS, RefitEstimate, crosses_nodes, refit_estimate
 from megatron_dapo.planner.speed import (
     DEFAULT_MFU,
-    GPU_BF16_TFLOPS,
     H100_BF16_TFLOPS,
     TrainerSpeed,
-    peak_tflops,
     trainer_speed,
 )
 from megatron_dapo.types import RoutingShape
@@ -64,13 +58,13 @@ def _rank_groups(cfg: DapoConfig) -> dict[str, list[list[int]]]:
     """Rank groups of every parallel dimension, from megatron-core's RankGenerator."""
     from megatron.core.parallel_state import RankGenerator
 
-    p = cfg.parallel
+    parallel = cfg.parallel
     dp = derived.data_parallel_size(cfg)
     world = derived.trainer_world_size(cfg)
     etp = derived.expert_tp_size(cfg)
-    edp = world // (etp * p.ep * p.pp)
-    dense = RankGenerator(tp=p.tp, ep=1, dp=dp, pp=p.pp, cp=p.cp, order=MEGATRON_ORDER)
-    expert = RankGenerator(tp=etp, ep=p.ep, dp=edp, pp=p.pp, cp=1, order=MEGATRON_ORDER)
+    edp = world // (etp * parallel.ep * parallel.pp)
+    dense = RankGenerator(tp=parallel.tp, ep=1, dp=dp, pp=parallel.pp, cp=parallel.cp, order=MEGATRON_ORDER)
+    expert = RankGenerator(tp=etp, ep=parallel.ep, dp=edp, pp=parallel.pp, cp=1, order=MEGATRON_ORDER)
     return {
         "tp": dense.get_ranks("tp"),
         "cp": dense.get_ranks("cp"),
@@ -84,8 +78,8 @@ def _rank_groups(cfg: DapoConfig) -> dict[str, list[list[int]]]:
 
 def plan_layout(cfg: DapoConfig) -> Layout:
     """Place trainer ranks and launched SGLang servers on the cluster of `cfg.trainer`."""
-    t, r = cfg.trainer, cfg.rollout
-    gpus = t.nnodes * t.gpus_per_node
+    trainer, rollout = cfg.trainer, cfg.rollout
+    gpus = trainer.nnodes * trainer.gpus_per_node
     world = derived.trainer_world_size(cfg)
     launched = derived.launched_rollout_gpus(cfg)
     if world + launched > gpus:
@@ -95,19 +89,20 @@ def plan_layout(cfg: DapoConfig) -> Layout:
         )
 
     def where(g: int) -> tuple[int, int]:
-        return divmod(g, t.gpus_per_node)
+        return divmod(g, trainer.gpus_per_node)
 
     trainer_gpus = [where(g) for g in range(world)]
     servers = []
     if launched:
-        for s in range(r.num_servers):
-            start = world + s * r.server_tp
-            block = [where(g) for g in range(start, start + r.server_tp)]
+        for s in range(rollout.num_servers):
+            start = world + s * rollout.server_tp
+            block = [where(g) for g in range(start, start + rollout.server_tp)]
             if len({node for node, _ in block}) > 1:
                 raise ConfigError(
-                    f"rollout server {s} (rollout.server_tp={r.server_tp}) would span nodes "
+                    f"rollout server {s} (rollout.server_tp={rollout.server_tp}) would span nodes "
                     f"{block[0][0]} and {block[-1][0]}: the {world} trainer ranks leave "
-                    f"{t.gpus_per_node - world % t.gpus_per_node} GPUs on node {world // t.gpus_per_node}; "
+                    f"{trainer.gpus_per_node - world % trainer.gpus_per_node} GPUs on node "
+                    f"{world // trainer.gpus_per_node}; "
                     f"make the trainer world size a multiple of trainer.gpus_per_node or change rollout.server_tp"
                 )
             servers.append(block)
@@ -244,18 +239,20 @@ def fit_errors(plan: Plan) -> list[str]:
             f"usable ({plan.gpu_mem_gib:g} GiB - {plan.headroom:.0%} headroom); largest term: {big} "
             f"{terms[big] / GiB:.1f} GiB ({hint})"
         )
-    r = plan.rollout
-    if r is not None:
-        if r.kv_pool <= 0:
+    rollout = plan.rollout
+    if rollout is not None:
+        if rollout.kv_pool <= 0:
             errors.append(
-                f"rollout GPU: weights {r.weights / GiB:.1f} GiB exceed rollout.mem_fraction_static="
-                f"{plan.cfg.rollout.mem_fraction_static} x {plan.gpu_mem_gib:g} GiB = {r.static_budget / GiB:.1f} GiB "
+                f"rollout GPU: weights {rollout.weights / GiB:.1f} GiB exceed rollout.mem_fraction_static="
+                f"{plan.cfg.rollout.mem_fraction_static} x {plan.gpu_mem_gib:g} GiB = "
+                f"{rollout.static_budget / GiB:.1f} GiB "
                 f"(raise rollout.server_tp or rollout.mem_fraction_static)"
             )
-        elif r.full_sequences < 1:
+        elif rollout.full_sequences < 1:
             errors.append(
-                f"rollout GPU: KV cache of {r.kv_pool / GiB:.1f} GiB holds {r.kv_tokens} tokens, fewer than one "
-                f"sequence of data.max_prompt_length + data.max_response_length = {r.seq_len} "
+                f"rollout GPU: KV cache of {rollout.kv_pool / GiB:.1f} GiB holds {rollout.kv_tokens} tokens, "
+                f"fewer than one "
+                f"sequence of data.max_prompt_length + data.max_response_length = {rollout.seq_len} "
                 f"(raise rollout.server_tp or rollout.mem_fraction_static)"
             )
     return errors
@@ -274,16 +271,16 @@ def format_plan(plan: Plan) -> str:
 
 
 def _format_refit(plan: Plan) -> list[str]:
-    r, gb = plan.refit, 1e9
+    refit, gb = plan.refit, 1e9
     chosen = derived.sync_sources(plan.cfg)
     mark = {m: " <- rollout.sync.sources" if m == chosen else "" for m in ("rank0", "per_stage")}
     return [
-        f"refit per step (estimate, {plan.refit_link}; {r.model_bytes / gb:.2f} GB of weights in "
-        f"{plan.cfg.model.dtype}, export sources: {len(r.source_bytes)}; TP gathers and HTTP not counted):",
-        f"  rank0:     {r.rank0_bytes / gb:.2f} GB through rank 0 (other sources' shares in, the model out) "
-        f"-> {r.rank0_s:.2f} s{mark['rank0']}",
-        f"  per_stage: busiest source {r.per_stage_busiest_bytes / gb:.2f} GB; the sources take turns and every "
-        f"server receives the model -> {r.per_stage_s:.2f} s{mark['per_stage']}",
+        f"refit per step (estimate, {plan.refit_link}; {refit.model_bytes / gb:.2f} GB of weights in "
+        f"{plan.cfg.model.dtype}, export sources: {len(refit.source_bytes)}; TP gathers and HTTP not counted):",
+        f"  rank0:     {refit.rank0_bytes / gb:.2f} GB through rank 0 (other sources' shares in, the model out) "
+        f"-> {refit.rank0_s:.2f} s{mark['rank0']}",
+        f"  per_stage: busiest source {refit.per_stage_busiest_bytes / gb:.2f} GB; the sources take turns and every "
+        f"server receives the model -> {refit.per_stage_s:.2f} s{mark['per_stage']}",
     ]
 
 
@@ -300,39 +297,39 @@ def _format_routing(plan: Plan, routing: RoutingShape) -> str:
 
 def _format_layout(plan: Plan) -> list[str]:
     """The cluster, the model, the trainer's ranks and groups, the rollout servers' GPUs."""
-    cfg, s, lay = plan.cfg, plan.shape, plan.layout
-    p, t, r = cfg.parallel, cfg.trainer, cfg.rollout
+    cfg, shape, lay = plan.cfg, plan.shape, plan.layout
+    parallel, trainer, rollout = cfg.parallel, cfg.trainer, cfg.rollout
     out = []
-    out.append(f"cluster: {t.nnodes} nodes x {t.gpus_per_node} GPUs, {plan.gpu_mem_gib:g} GiB each")
-    moe = f", {s.num_experts} experts (top {s.moe_topk})" if s.is_moe else ""
+    out.append(f"cluster: {trainer.nnodes} nodes x {trainer.gpus_per_node} GPUs, {plan.gpu_mem_gib:g} GiB each")
+    moe = f", {shape.num_experts} experts (top {shape.moe_topk})" if shape.is_moe else ""
     out.append(
-        f"model: {s.family} ({plan.shape_source}): {_count(total_params(s))} params "
-        f"({_count(active_params(s))} active), {s.num_layers} layers, hidden {s.hidden_size}, "
-        f"{s.num_attention_heads} heads / {s.num_kv_heads} KV heads{moe}"
+        f"model: {shape.family} ({plan.shape_source}): {_count(total_params(shape))} params "
+        f"({_count(active_params(shape))} active), {shape.num_layers} layers, hidden {shape.hidden_size}, "
+        f"{shape.num_attention_heads} heads / {shape.num_kv_heads} KV heads{moe}"
     )
     first, last = lay.trainer_gpus[0], lay.trainer_gpus[-1]
     dp = derived.data_parallel_size(cfg)
     out.append(
-        f"trainer ({t.backend}): {lay.world_size} ranks on node {first[0]} GPU {first[1]} .. "
+        f"trainer ({trainer.backend}): {lay.world_size} ranks on node {first[0]} GPU {first[1]} .. "
         f"node {last[0]} GPU {last[1]}; "
-        f"tp={p.tp} pp={p.pp}{f' vpp={p.vpp}' if p.vpp else ''} cp={p.cp} dp={dp}"
+        f"tp={parallel.tp} pp={parallel.pp}{f' vpp={parallel.vpp}' if parallel.vpp else ''} cp={parallel.cp} dp={dp}"
         + (
-            f" ep={p.ep} etp={derived.expert_tp_size(cfg)} edp={derived.expert_data_parallel_size(cfg)}"
-            if s.is_moe
+            f" ep={parallel.ep} etp={derived.expert_tp_size(cfg)} edp={derived.expert_data_parallel_size(cfg)}"
+            if shape.is_moe
             else ""
         )
-        + (" sequence-parallel" if p.sequence_parallel else "")
+        + (" sequence-parallel" if parallel.sequence_parallel else "")
     )
-    if t.backend == "megatron":
-        names = ["tp", "cp", "pp", "dp"] + (["ep", "etp", "edp"] if s.is_moe else [])
+    if trainer.backend == "megatron":
+        names = ["tp", "cp", "pp", "dp"] + (["ep", "etp", "edp"] if shape.is_moe else [])
         out += [_groups_line(n, lay.groups[n]) for n in names]
     if lay.servers:
-        out.append(f"rollout: {len(lay.servers)} SGLang servers x TP {r.server_tp}")
+        out.append(f"rollout: {len(lay.servers)} SGLang servers x TP {rollout.server_tp}")
         out += [f"  server {i}: {_gpus(b)}" for i, b in enumerate(lay.servers)]
-    elif r.servers:
-        out.append(f"rollout: {len(r.servers)} external servers: {', '.join(r.servers)}")
+    elif rollout.servers:
+        out.append(f"rollout: {len(rollout.servers)} external servers: {', '.join(rollout.servers)}")
     else:
-        out.append(f"rollout: {r.num_servers} embedded servers (CPU / small models, no reserved GPUs)")
+        out.append(f"rollout: {rollout.num_servers} embedded servers (CPU / small models, no reserved GPUs)")
     if lay.idle_gpus:
         out.append(f"idle GPUs: {len(lay.idle_gpus)}")
     return out
@@ -340,7 +337,7 @@ def _format_layout(plan: Plan) -> list[str]:
 
 def _format_memory(plan: Plan) -> list[str]:
     """Per training GPU (per stage), per rollout GPU, and the host weight store."""
-    cfg, s, t, r = plan.cfg, plan.shape, plan.cfg.trainer, plan.cfg.rollout
+    cfg, shape, trainer, rollout = plan.cfg, plan.shape, plan.cfg.trainer, plan.cfg.rollout
     out = []
     worst = max(plan.stages, key=lambda st: st.total)
     # GiB for real models, MiB for the tiny CPU ones (where GiB would print only zeros).
@@ -362,22 +359,22 @@ def _format_memory(plan: Plan) -> list[str]:
             f"{mem(st.logits)} {mem(st.total)} |  {mem(st.activations_no_recompute)} "
             f"{mem(st.activations_full_recompute)}"
         )
-    if t.backend == "megatron":
+    if trainer.backend == "megatron":
         alt = _optimizer_alternative(plan)
         state = "off" if cfg.optimizer.use_distributed_optimizer else "on"
         out.append(f"  optimizer states with the distributed optimizer {state}: {alt / scale:.2f} {unit} (stage 0)")
     if plan.rollout is not None:
         ro = plan.rollout
         out.append(
-            f"memory per rollout GPU, GiB (mem_fraction_static {r.mem_fraction_static}): "
+            f"memory per rollout GPU, GiB (mem_fraction_static {rollout.mem_fraction_static}): "
             f"weights {ro.weights / GiB:.2f}, "
             f"KV cache {max(ro.kv_pool, 0) / GiB:.2f} = {ro.kv_tokens} tokens "
             f"({ro.kv_bytes_per_token} B/token), {ro.full_sequences} full sequences of {ro.seq_len} tokens"
         )
-    store = weight_store_bytes(cfg, s)
+    store = weight_store_bytes(cfg, shape)
     if store:
         out.append(
-            f"weight store (rollout.sync.policy={r.sync.policy}): {store / scale:.2f} {unit} of host memory on "
+            f"weight store (rollout.sync.policy={rollout.sync.policy}): {store / scale:.2f} {unit} of host memory on "
             f"trainer rank 0 (the newest weights and the previous ones a lagging server may still read)"
         )
     out.append(
@@ -407,76 +404,3 @@ def _optimizer_alternative(plan: Plan) -> int:
         ),
     )
     return megatron_stage_memory(flipped, plan.shape, 0).optimizer
-
-
-# -------------------------------------------------------------------------------------------- CLI
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-dapo plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("config", help="YAML config file")
-    parser.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    parser.add_argument("--nodes", type=int, required=True, help="nodes in the job (sets trainer.nnodes)")
-    parser.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node (sets trainer.gpus_per_node)")
-    parser.add_argument("--gpu-mem-gib", type=float, default=80.0, help="memory of one GPU in GiB (default 80)")
-    parser.add_argument(
-        "--headroom",
-        type=float,
-        default=0.1,
-        help="fraction of GPU memory kept free for the CUDA context, NCCL and fragmentation (0.1)",
-    )
-    parser.add_argument(
-        "--trainer-gpu",
-        choices=sorted(GPU_BF16_TFLOPS),
-        help="the trainer GPUs, for their peak bf16 TFLOP/s in the step time (default h100)",
-    )
-    parser.add_argument(
-        "--gpu-tflops",
-        type=float,
-        help=f"peak bf16 TFLOP/s per trainer GPU, instead of --trainer-gpu ({H100_BF16_TFLOPS:g}, H100)",
-    )
-    parser.add_argument(
-        "--mfu",
-        type=float,
-        default=DEFAULT_MFU,
-        help=f"trainer model FLOPs utilisation, for the step time ({DEFAULT_MFU})",
-    )
-    parser.add_argument(
-        "--link-gbps",
-        type=float,
-        help=f"Gbit/s of the trainer -> rollout server link, for the refit time (default: {NVLINK_GBPS:g}, "
-        f"NVLink, when the trainer and the servers share one node, else {IB_400G_GBPS:g}, 400G InfiniBand)",
-    )
-    parser.add_argument("--prompt-len", type=float, default=256, help="mean prompt tokens, for the step time (256)")
-    parser.add_argument(
-        "--response-len",
-        type=float,
-        help="mean response tokens, for the step time (default: the simulator's DAPO-like "
-        "lengths for data.max_response_length)",
-    )
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(argv)
-
-    overrides = [*args.overrides, f"trainer.nnodes={args.nodes}", f"trainer.gpus_per_node={args.gpus_per_node}"]
-    try:
-        cfg = load_config(args.config, overrides, validate=False)
-        for note in validate_config(cfg):
-            print(f"note: {note}", file=sys.stderr)
-        peak = peak_tflops(args.trainer_gpu, args.gpu_tflops)
-        plan = make_plan(
-            cfg, args.gpu_mem_gib, args.headroom, args.prompt_len, args.response_len, peak, args.mfu, args.link_gbps
-        )
-    except (ConfigError, ValueError) as e:
-        print(f"plan error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(plan))
-    errors = fit_errors(plan)
-    for err in errors:
-        print(f"does not fit: {err}", file=sys.stderr)
-    if errors:
-        return 1
-    print("fits: yes")
-    return 0

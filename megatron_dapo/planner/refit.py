@@ -97,11 +97,11 @@ class RefitEstimate:
 def refit_estimate(cfg: DapoConfig, shape: ModelShape, link_gbps: float) -> RefitEstimate:
     if not link_gbps > 0:
         raise ValueError(f"--link-gbps={link_gbps} must be > 0 (Gbit/s of the trainer -> server link)")
-    p = cfg.parallel
-    ep = p.ep if cfg.trainer.backend == "megatron" else 1
-    pp = p.pp if cfg.trainer.backend == "megatron" else 1
+    parallel = cfg.parallel
+    ep = parallel.ep if cfg.trainer.backend == "megatron" else 1
+    pp = parallel.pp if cfg.trainer.backend == "megatron" else 1
     per_param = dtype_bytes(cfg.model.dtype)
-    own, shares = source_params(shape, pp, p.vpp, ep)
+    own, shares = source_params(shape, pp, parallel.vpp, ep)
     shares = [n * per_param for n in shares]
     return RefitEstimate(sum(shares), shares, link_gbps, rank0_own_bytes=own * per_param)
 

@@ -1,7 +1,7 @@
-"""Rollout servers: SGLang client, protocol and launcher, the weight-update wire format, the embedded
-SGLang-compatible server.
+"""Rollout servers: SGLang client, protocol and launcher, the weight-update wire format. The embedded
+SGLang-compatible server is its own package above this one (megatron_dapo.embedded_server).
 
-Light to import (aiohttp only); the embedded server and its torch/transformers engine load on use.
+Light to import (aiohttp only).
 """
 
 from megatron_dapo.rollout.client import SGLangClient, SGLangConnectionError, SGLangError, SGLangHTTPError

@@ -54,16 +54,16 @@ class SGLangServerArgs:
     @classmethod
     def from_config(cls, cfg, model_path: str, port: int, **overrides) -> "SGLangServerArgs":
         """From a resolved run config (`cfg.rollout`: server_tp, mem_fraction_static, host, api_key, extra_args)."""
-        r = cfg.rollout
+        rollout = cfg.rollout
         kw = dict(
             model_path=model_path,
             port=port,
-            host=r.host,
-            tp_size=r.server_tp,
-            mem_fraction_static=r.mem_fraction_static,
-            api_key=r.api_key,
-            extra_args=list(r.extra_args),
-            enable_deterministic_inference=r.deterministic_inference,
+            host=rollout.host,
+            tp_size=rollout.server_tp,
+            mem_fraction_static=rollout.mem_fraction_static,
+            api_key=rollout.api_key,
+            extra_args=list(rollout.extra_args),
+            enable_deterministic_inference=rollout.deterministic_inference,
             enable_return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
         )
         kw.update(overrides)

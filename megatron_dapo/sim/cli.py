@@ -25,11 +25,10 @@ from pathlib import Path
 from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.load import load_config
+from megatron_dapo.planner.cluster_args import MAX_COUNT, add_cluster_args, cluster_overrides
 from megatron_dapo.planner.lengths import lengths_by_mean, load_lengths, mean_length
 from megatron_dapo.planner.speed import (
     DEFAULT_LINK_GB_S,
-    DEFAULT_MFU,
-    GPU_BF16_TFLOPS,
     peak_tflops,
     trainer_speed,
     weight_sync_s,
@@ -87,10 +86,10 @@ def batch_scaled(yaml_cfg, batch: int) -> list[str]:
     retry off). Unscaled, 32 spare prompts at 128 abort a quarter of the work
     (docs/design/advanced-coordination.md)."""
     share = batch / yaml_cfg.algo.train_batch_size
-    r = yaml_cfg.rollout
-    out = [f"rollout.redundancy.extra_prompts={round(r.redundancy.extra_prompts * share)}"]
-    if r.retry.enabled:
-        threshold = round(r.retry.threshold * share)
+    rollout = yaml_cfg.rollout
+    out = [f"rollout.redundancy.extra_prompts={round(rollout.redundancy.extra_prompts * share)}"]
+    if rollout.retry.enabled:
+        threshold = round(rollout.retry.threshold * share)
         out.append(f"rollout.retry.threshold={threshold}" if threshold >= 1 else "rollout.retry.enabled=false")
     return out
 
@@ -109,7 +108,6 @@ def mode_overrides(mode: str, advanced_config: str | Path = ADVANCED_CONFIG, bat
 # Upper bounds of the numeric flags: the simulated coordinator polls in virtual time, so real time grows
 # with the simulated seconds (1e5 s steps: ~30 s of real time a mode; 1e300 s: never ends).
 MAX_SECONDS = 1e4
-MAX_COUNT = 100_000
 
 
 def _staleness_list(text: str) -> list[int]:
@@ -123,19 +121,10 @@ def _staleness_list(text: str) -> list[int]:
     return values
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megatron-dapo simulate", description=__doc__.split("\n\n")[0])
-    p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", metavar="key.sub=value")
-    p.add_argument("--nodes", type=number(int, 1, MAX_COUNT), help="nodes (sets trainer.nnodes)")
-    p.add_argument("--gpus-per-node", type=number(int, 1, MAX_COUNT), help="GPUs per node (sets trainer.gpus_per_node)")
+    add_cluster_args(p)
     p.add_argument("--engines", type=number(int, 1, MAX_COUNT), help="rollout engines (sets rollout.num_servers)")
-    p.add_argument(
-        "--gpu-mem-gib",
-        type=number(float, 0, MAX_COUNT, low_open=True),
-        default=80.0,
-        help="GPU memory for the engines' KV pool (80)",
-    )
     p.add_argument("--cost-model", help="engine cost model JSON (profile-engine); default PSRL's 7B fit")
     p.add_argument("--max-running", type=number(int, 1), default=1024, help="max running requests per engine (1024)")
     p.add_argument(
@@ -171,16 +160,10 @@ def _parser() -> argparse.ArgumentParser:
         help="trainer seconds per step; default: plan's FLOPs estimate",
     )
     p.add_argument(
-        "--trainer-gpu",
-        choices=sorted(GPU_BF16_TFLOPS),
-        help="the trainer GPUs, for their peak bf16 TFLOP/s (default h100)",
-    )
-    p.add_argument(
         "--gpu-tflops",
         type=number(float, 0, low_open=True),
         help="peak bf16 TFLOP/s per trainer GPU (instead of --trainer-gpu)",
     )
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help=f"trainer model FLOPs utilisation ({DEFAULT_MFU})")
     p.add_argument(
         "--sync-s",
         type=number(float, 0, MAX_SECONDS),
@@ -433,11 +416,7 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
 
     out = out or sys.stdout  # at call time: a default bound at import would keep a replaced stdout
 
-    base = list(overrides)
-    if args.nodes is not None:
-        base.append(f"trainer.nnodes={args.nodes}")
-    if args.gpus_per_node is not None:
-        base.append(f"trainer.gpus_per_node={args.gpus_per_node}")
+    base = [*overrides, *cluster_overrides(args)]
     if args.engines is not None:
         base.append(f"rollout.num_servers={args.engines}")
     if args.seeds < 1:
@@ -504,7 +483,7 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_intermixed_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
 
     try:
         rows = run_all(args.config, args.overrides, args)

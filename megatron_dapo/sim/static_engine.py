@@ -1,4 +1,4 @@
-"""A simulated engine that batches as the embedded rollout server does (rollout/embedded/engine.py).
+"""A simulated engine that batches as the embedded rollout server does (embedded_server/engine.py).
 
 The embedded engine's worker, once idle, takes everything that waits as one batch and decodes it until
 its last sequence finishes; requests arriving meanwhile wait for the next batch (no continuous

@@ -45,7 +45,7 @@ from megatron_dapo.bridge.spec_keys import load_model_state
 from megatron_dapo.config import derived
 from megatron_dapo.config.derived import token_sum_norm
 from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
-from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
+from megatron_dapo.kernels.backend import dapo_policy_loss, vocab_parallel_logprobs
 from megatron_dapo.kernels.fused_linear import fused_linear_logprobs
 from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_padded_vocab_logits
 from megatron_dapo.models.specs import te_available

@@ -36,7 +36,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.kernels.dispatch import vocab_parallel_logprobs
+from megatron_dapo.kernels.backend import vocab_parallel_logprobs
 from megatron_dapo.models import QwenArch
 from megatron_dapo.trainer.actor import MegatronActor
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
@@ -68,7 +68,7 @@ def _checkpoint_names(model: torch.nn.Module) -> list[tuple[str, str, tuple]]:
     The mapping is the embedded rollout server's weight loader's (fused transformers-5 experts
     split per expert); a view's size / stride / offset say where in the full parameter it lies.
     """
-    from megatron_dapo.rollout.embedded.weights import HFWeightLoader
+    from megatron_dapo.bridge.hf_loader import HFWeightLoader
 
     loader = HFWeightLoader(model)
     unique = {n for n, _ in model.named_parameters()}  # tied weights once, under the first name

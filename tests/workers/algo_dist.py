@@ -20,7 +20,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from algo_reference import ref_logprobs_entropy  # noqa: E402
 
-from megatron_dapo.kernels import dispatch  # noqa: E402
+from megatron_dapo.kernels import backend as kernel_backend  # noqa: E402
 
 
 def backends():
@@ -47,7 +47,9 @@ def check_tp(rank, world):
     shard = slice(rank * v // world, (rank + 1) * v // world)
     for backend, dtype in backends():
         x = full[:, shard].to(dtype).clone().requires_grad_()
-        lp, ent = dispatch.vocab_parallel_logprobs(x, target, dist.group.WORLD, temperature, True, backend=backend)
+        lp, ent = kernel_backend.vocab_parallel_logprobs(
+            x, target, dist.group.WORLD, temperature, True, backend=backend
+        )
         ((lp * glp.to(dtype)).sum() + (ent * gh.to(dtype)).sum()).backward()
         tol = 1e-10 if dtype == torch.float64 else 1e-5
         for name, a, b in (("logprobs", lp, rlp), ("entropy", ent, rent), ("grad", x.grad, ref_x.grad[:, shard])):
@@ -77,8 +79,8 @@ def policy_loss(model, batch, rows, backend, dtype, mode, **glob):
     hidden, targets, old, adv, mask = (t[rows] for t in batch)
     hidden, old, adv, mask = (t.to(dtype) for t in (hidden, old, adv, mask))
     logits = model(hidden)
-    lp = dispatch.vocab_parallel_logprobs(logits, targets, None, 1.0, backend=backend)
-    return dispatch.dapo_policy_loss(lp, old, adv, mask, 0.2, 0.28, 3.0, mode, backend=backend, **glob)
+    lp = kernel_backend.vocab_parallel_logprobs(logits, targets, None, 1.0, backend=backend)
+    return kernel_backend.dapo_policy_loss(lp, old, adv, mask, 0.2, 0.28, 3.0, mode, backend=backend, **glob)
 
 
 def check_dp(rank, world):

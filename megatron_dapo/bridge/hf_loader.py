@@ -6,6 +6,7 @@ in-memory names except for MoE experts: transformers 5 holds a layer's experts f
 and `mlp.experts.down_proj` [E, H, I], while the checkpoint stores `mlp.experts.{e}.gate_proj.weight`
 [I, H] etc. (transformers' own `conversion_mapping.py` for qwen2_moe / qwen3_moe merges them that way).
 Per-expert tensors are copied into their slice, so a checkpoint streams in without being gathered.
+Used by the embedded server and the FSDP2 actor; not re-exported by the package (it needs no megatron-core).
 """
 
 from __future__ import annotations

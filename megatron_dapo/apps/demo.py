@@ -21,14 +21,14 @@ import random
 import time
 from pathlib import Path
 
+from megatron_dapo.apps.launch import run_with_ray
+from megatron_dapo.apps.plot import plot_run
+from megatron_dapo.apps.warm_start import sft_examples, supervised_warm_start
 from megatron_dapo.config import load_config
 from megatron_dapo.data.arithmetic import ArithmeticTask, answer_of, response_of, write_task
 from megatron_dapo.data.char_tokenizer import build_char_tokenizer, vocab_size
 from megatron_dapo.data.dataset import read_rows
 from megatron_dapo.models.tiny import save_tiny_hf_model
-from megatron_dapo.trainer.launch import run_with_ray
-from megatron_dapo.trainer.plot import plot_run
-from megatron_dapo.trainer.warm_start import sft_examples, supervised_warm_start
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
 

@@ -91,7 +91,7 @@ class FlatBucketHomes:
     """
 
     def __init__(self, loader):
-        self.loader = loader  # megatron_dapo.rollout.embedded.weights.HFWeightLoader
+        self.loader = loader  # megatron_dapo.bridge.hf_loader.HFWeightLoader
         self._homes: dict[tuple, torch.Tensor] = {}
 
     @staticmethod

@@ -14,8 +14,8 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from megatron_dapo.rollout.embedded import schemas as S
-from megatron_dapo.rollout.embedded.state import StateDep
+from megatron_dapo.embedded_server import schemas as S
+from megatron_dapo.embedded_server.state import StateDep
 
 router = APIRouter()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from megatron_dapo.rollout.embedded.engine import Engine
+from megatron_dapo.embedded_server.engine import Engine
 
 SECTIONS = (
     ("memory", "memory"),

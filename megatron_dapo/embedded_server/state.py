@@ -18,10 +18,10 @@ from typing import Annotated
 import torch
 from fastapi import Depends, Request
 
-from megatron_dapo.rollout.embedded.engine import Engine
-from megatron_dapo.rollout.embedded.limits import ServerLimits
-from megatron_dapo.rollout.embedded.weight_receiver import FlatBucketHomes
-from megatron_dapo.rollout.embedded.weights import HFWeightLoader
+from megatron_dapo.bridge.hf_loader import HFWeightLoader
+from megatron_dapo.embedded_server.engine import Engine
+from megatron_dapo.embedded_server.limits import ServerLimits
+from megatron_dapo.embedded_server.weight_receiver import FlatBucketHomes
 
 log = logging.getLogger("megatron_dapo.embedded")
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from megatron_dapo.rollout.embedded.stops import MAX_STOP_REGEX_COUNT, compile_stop_regex
+from megatron_dapo.embedded_server.stops import MAX_STOP_REGEX_COUNT, compile_stop_regex
 
 
 class _Strict(BaseModel):

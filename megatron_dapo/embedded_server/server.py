@@ -29,13 +29,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from megatron_dapo.rollout.embedded import schemas as S
-from megatron_dapo.rollout.embedded.engine import BATCHING, Engine, GenRequest
-from megatron_dapo.rollout.embedded.limits import BodySizeLimit, ServerLimits
-from megatron_dapo.rollout.embedded.load_stats import StepTrace
-from megatron_dapo.rollout.embedded.routes import admin, generate, info, weights
-from megatron_dapo.rollout.embedded.state import ServerState
-from megatron_dapo.rollout.embedded.weights import HFWeightLoader
+from megatron_dapo.bridge.hf_loader import HFWeightLoader
+from megatron_dapo.embedded_server import schemas as S
+from megatron_dapo.embedded_server.engine import BATCHING, Engine, GenRequest
+from megatron_dapo.embedded_server.limits import BodySizeLimit, ServerLimits
+from megatron_dapo.embedded_server.load_stats import StepTrace
+from megatron_dapo.embedded_server.routes import admin, generate, info, weights
+from megatron_dapo.embedded_server.state import ServerState
 from megatron_dapo.runtime.cli_args import number
 from megatron_dapo.runtime.net import LOOPBACK
 

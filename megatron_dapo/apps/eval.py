@@ -87,28 +87,28 @@ def hf_weights(source: CheckpointSource, cfg, work_dir: Path, layout: dict) -> P
 def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> list[str]:
     from megatron_dapo.rollout import launcher
 
-    r = cfg.rollout
-    if r.engine == "embedded":
+    rollout = cfg.rollout
+    if rollout.engine == "embedded":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
         servers = launcher.launch_embedded_servers(
             str(model_dir),
-            r.num_servers,
+            rollout.num_servers,
             log_dir,
-            host=r.host,
-            api_key=r.api_key,
+            host=rollout.host,
+            api_key=rollout.api_key,
             device=device,
-            deterministic_inference=r.deterministic_inference,
-            batching=r.embedded_batching,
+            deterministic_inference=rollout.deterministic_inference,
+            batching=rollout.embedded_batching,
         )
         for s in servers:
             stack.callback(s.stop)
         return [s.url for s in servers]
     urls = []
-    for i in range(r.num_servers):  # server i on GPUs [i * server_tp, (i + 1) * server_tp) of this node
+    for i in range(rollout.num_servers):  # server i on GPUs [i * server_tp, (i + 1) * server_tp) of this node
         args = launcher.SGLangServerArgs.from_config(
-            cfg, str(model_dir), free_port(r.host), random_seed=i, base_gpu_id=i * r.server_tp
+            cfg, str(model_dir), free_port(rollout.host), random_seed=i, base_gpu_id=i * rollout.server_tp
         )
         proc = launcher.launch_sglang(args, log_dir / f"server_{i}.log")
         stack.callback(proc.stop)
@@ -121,11 +121,15 @@ def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
     from megatron_dapo.bridge.hf_io import HFCheckpointReader
     from megatron_dapo.sync.bridge import WeightSyncBridge
 
-    r = cfg.rollout
+    rollout = cfg.rollout
     reader = HFCheckpointReader(model_dir)
-    tp = r.server_tp if r.engine == "sglang" else 1
+    tp = rollout.server_tp if rollout.engine == "sglang" else 1
     bridge = WeightSyncBridge(
-        urls, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(urls), master_address=cfg.trainer.bind_host
+        urls,
+        rollout.sync,
+        api_key=rollout.api_key,
+        server_tp_sizes=[tp] * len(urls),
+        master_address=cfg.trainer.bind_host,
     )
     bridge.connect()
     try:

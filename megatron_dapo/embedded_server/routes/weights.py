@@ -27,12 +27,12 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from megatron_dapo.bridge.hf_loader import WeightLoadError
+from megatron_dapo.embedded_server import schemas as S
+from megatron_dapo.embedded_server.state import ServerState, StateDep
+from megatron_dapo.embedded_server.tensor_payload import load_named_tensors
+from megatron_dapo.embedded_server.weight_receiver import announcement_problem, receive
 from megatron_dapo.rollout import weight_group as wgroup
-from megatron_dapo.rollout.embedded import schemas as S
-from megatron_dapo.rollout.embedded.state import ServerState, StateDep
-from megatron_dapo.rollout.embedded.tensor_payload import load_named_tensors
-from megatron_dapo.rollout.embedded.weight_receiver import announcement_problem, receive
-from megatron_dapo.rollout.embedded.weights import WeightLoadError
 
 log = logging.getLogger("megatron_dapo.embedded")
 router = APIRouter()

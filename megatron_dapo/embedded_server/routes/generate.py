@@ -15,10 +15,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from megatron_dapo.rollout.embedded import schemas as S
-from megatron_dapo.rollout.embedded.engine import Engine, GenRequest
-from megatron_dapo.rollout.embedded.limits import sampling_range_problem
-from megatron_dapo.rollout.embedded.state import ServerState, StateDep
+from megatron_dapo.embedded_server import schemas as S
+from megatron_dapo.embedded_server.engine import Engine, GenRequest
+from megatron_dapo.embedded_server.limits import sampling_range_problem
+from megatron_dapo.embedded_server.state import ServerState, StateDep
 
 router = APIRouter()
 

@@ -13,8 +13,8 @@ import logging
 import os
 import sys
 
+from megatron_dapo.apps.launch import LaunchError, run_with_ray, run_with_torchrun
 from megatron_dapo.config import ConfigError, load_config
-from megatron_dapo.trainer.launch import LaunchError, run_with_ray, run_with_torchrun
 
 
 def _parser() -> argparse.ArgumentParser:

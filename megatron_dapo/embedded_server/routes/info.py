@@ -9,8 +9,8 @@ import torch
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from megatron_dapo.rollout.embedded import load_report
-from megatron_dapo.rollout.embedded.state import ServerState, StateDep
+from megatron_dapo.embedded_server import load_report
+from megatron_dapo.embedded_server.state import ServerState, StateDep
 from megatron_dapo.rollout.protocol import SGLANG_VERSION
 
 router = APIRouter()

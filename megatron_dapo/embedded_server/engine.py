@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_dapo.rollout.embedded.load_stats import LoadStats, StepTrace
-from megatron_dapo.rollout.embedded.routed_experts import RoutingCapture
-from megatron_dapo.rollout.embedded.sampling import (
+from megatron_dapo.embedded_server.load_stats import LoadStats, StepTrace
+from megatron_dapo.embedded_server.routed_experts import RoutingCapture
+from megatron_dapo.embedded_server.sampling import (
     GREEDY_EPS,
     Penalties,
     apply_penalties,
@@ -46,7 +46,7 @@ from megatron_dapo.rollout.embedded.sampling import (
     sample,
     top_logprobs,
 )
-from megatron_dapo.rollout.embedded.stops import StopMatcher, trim_stop_text
+from megatron_dapo.embedded_server.stops import StopMatcher, trim_stop_text
 from megatron_dapo.rollout.payloads import encode_routed_experts
 
 log = logging.getLogger(__name__)
