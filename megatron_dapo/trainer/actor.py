@@ -9,7 +9,7 @@ One `MegatronActor` per trainer rank, built after `init_distributed` / `init_mod
     for name, tensor in actor.export_weights(): ... # HF names, full tensors on rank 0 (collective)
 
 `batch` is a `megatron_dapo.coordinator.batch.RolloutBatch`; a train step takes this rank's
-`megatron_dapo.coordinator.shards.DPShard` of it (or the whole batch, the same on every rank, and cuts it
+`megatron_dapo.shards.DPShard` of it (or the whole batch, the same on every rank, and cuts it
 the same way). A train step:
 
 1. rows are split over data-parallel ranks by group (no group straddles two ranks), balancing tokens,
@@ -44,7 +44,7 @@ from megatron_dapo.bridge.parallel import unwrap_model
 from megatron_dapo.bridge.spec_keys import load_model_state
 from megatron_dapo.config import derived
 from megatron_dapo.config.derived import token_sum_norm
-from megatron_dapo.coordinator.shards import shard_batch, split_groups_over_ranks
+from megatron_dapo.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.kernels.dispatch import dapo_policy_loss, vocab_parallel_logprobs
 from megatron_dapo.kernels.fused_linear import fused_linear_logprobs
 from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_padded_vocab_logits

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from megatron_dapo.config import config_to_dict, dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
 from megatron_dapo.coordinator.process import start_coordinator
-from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
+from megatron_dapo.shards import data_parallel_ranks, scatter_shards
 from megatron_dapo.coordinator.val_metrics import by_source
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel

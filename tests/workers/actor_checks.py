@@ -376,7 +376,7 @@ def check_warmup(hf_dir):
 
 def check_shards(hf_dir):
     """Shards, as the coordinator hands them out, give exactly the whole batch's step."""
-    from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards, shard_batch
+    from megatron_dapo.shards import data_parallel_ranks, scatter_shards, shard_batch
 
     init_model_parallel(seed=1)  # DP=2
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=2, train_batch_size=4)
