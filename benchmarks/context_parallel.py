@@ -72,7 +72,7 @@ def run_worker(args) -> None:
 
     from megatron_dapo.models.tiny import save_tiny_hf_model
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
-    from megatron_dapo.trainer.actor import MegatronActor
+    from megatron_dapo.trainer.actor import build_actor
 
     init_distributed()
     cp = dist.get_world_size()
@@ -82,7 +82,7 @@ def run_worker(args) -> None:
         save_tiny_hf_model("qwen3", hf_dir, seed=0, max_position_embeddings=max(512, args.tokens[0]))
     dist.barrier()
     tokens = args.tokens[0]
-    actor = MegatronActor(make_config(str(hf_dir), cp, tokens))
+    actor = build_actor(make_config(str(hf_dir), cp, tokens))
     actor.train_step(one_sequence(256, seed=1))  # warm-up: thread pools, optimizer state, allocator
     batch = one_sequence(tokens)
     dist.barrier()

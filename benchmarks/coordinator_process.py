@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from megatron_dapo.coordinator.shards import shard_batch  # noqa: E402
 from megatron_dapo.rewards import RewardRunner  # noqa: E402
 from megatron_dapo.rewards.registry import RewardCall  # noqa: E402
+from megatron_dapo.shards import shard_batch  # noqa: E402
 from megatron_dapo.types import RolloutBatch  # noqa: E402
 
 

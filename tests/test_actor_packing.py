@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_dapo.trainer.actor import split_groups_over_ranks
+from megatron_dapo.shards import split_groups_over_ranks
 from megatron_dapo.trainer.packing import IGNORE_INDEX, block_causal_mask, pack, plan_micro_batches
 
 

@@ -147,7 +147,7 @@ def test_sum_norm_loss_does_not_depend_on_padding_width(factor):
     """The actor's loss options make seq-mean-token-sum-norm divide by a constant (max_response_length,
     or loss_scale_factor), so the same rows padded to 40 or 64 give the same loss and gradient."""
     from megatron_dapo.kernels.backend import dapo_policy_loss
-    from megatron_dapo.trainer.actor import dapo_loss_options
+    from megatron_dapo.trainer.dapo_step import dapo_loss_options
 
     overrides = ["algo.loss_agg_mode=seq-mean-token-sum-norm"]
     if factor is not None:

@@ -81,10 +81,10 @@ def test_samples_carry_routing_from_a_server_through_partial_rollout_batch_shard
     from megatron_dapo.coordinator.metrics import batch_metrics
     from megatron_dapo.coordinator.partial import continuation_ids, finish_partial
     from megatron_dapo.coordinator.router import Router
-    from megatron_dapo.coordinator.shards import shard_batch
     from megatron_dapo.models.tiny import save_tiny_hf_model
     from megatron_dapo.rollout.launcher import embedded_server, start_servers
     from megatron_dapo.rollout.types import SamplingParams
+    from megatron_dapo.shards import shard_batch
 
     model_dir = save_tiny_hf_model("qwen3_moe", tmp_path / "moe", num_hidden_layers=3, num_experts=8)
     shape = shape_from_hf(read_hf_config_file(str(model_dir)))

@@ -10,7 +10,7 @@ in a subprocess of trainer rank 0 under torchrun, in a named Ray actor under Ray
 interpreter (GIL) with training.
 
 For step t it builds the batch (advantages need whole groups), cuts it into data-parallel shards
-(megatron_dapo.coordinator.shards) and hands them to trainer rank 0 with the step's rollout metrics;
+(megatron_dapo.shards) and hands them to trainer rank 0 with the step's rollout metrics;
 each rank then receives only its own shard. The registry lives here, beside the router that reads
 it; the per-server syncer (trainer rank 0, which holds the weight store) changes it remotely.
 
@@ -187,7 +187,7 @@ class CoordinatorService:
     def take_step(self, step: int, dp_size: int) -> StepData:
         """Step `step`'s batch as `dp_size` shards with its metrics."""
         from megatron_dapo.coordinator.batch import build_batch
-        from megatron_dapo.coordinator.shards import shard_batch
+        from megatron_dapo.shards import shard_batch
 
         cfg = self.cfg
         info = self._take(step)

@@ -27,11 +27,12 @@ import torch.distributed as dist
 from megatron_dapo.config import config_to_dict, dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
 from megatron_dapo.coordinator.process import start_coordinator
-from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards
 from megatron_dapo.coordinator.val_metrics import by_source
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
+from megatron_dapo.shards import data_parallel_ranks, scatter_shards
 from megatron_dapo.trainer import checkpoint as ckpt
+from megatron_dapo.trainer.actor import build_actor
 from megatron_dapo.trainer.metrics import MetricsWriter, console_line
 from megatron_dapo.trainer.weight_sync import build_weight_sync
 
@@ -82,18 +83,6 @@ def _read_resume_checkpoint(cfg, world_size: int) -> tuple[Path, dict] | None:
     for r in range(world_size):
         ckpt.read_rng(found, r)
     return found, ckpt.read_rollout_state(found)
-
-
-def build_actor(cfg):
-    """This rank's actor, HF weights loaded: Megatron (trainer.actor) or FSDP2 (trainer.fsdp_actor).
-    Imported here: each pulls in its framework (megatron-core, or FSDP2 and transformers)."""
-    if cfg.trainer.backend == "fsdp2":
-        from megatron_dapo.trainer.fsdp_actor import FSDPActor
-
-        return FSDPActor(cfg)
-    from megatron_dapo.trainer.actor import MegatronActor
-
-    return MegatronActor(cfg)
 
 
 def train_rank(
@@ -189,7 +178,7 @@ class Trainer:
         self.cfg, self.rank, self.coord, self.writer, self.on_step_end = cfg, rank, coord, writer, on_step_end
         self.actor = build_actor(cfg)
         self.weight_sync = build_weight_sync(cfg, self.actor, rank, coord, server_urls, server_tp_sizes)
-        self.dp_rank_of = data_parallel_ranks(self.actor.dp_rank)
+        self.dp_rank_of = data_parallel_ranks(self.actor.layout.dp_rank)
         self.history: list[dict] = []
         self.val: dict = {}
 
@@ -268,7 +257,7 @@ class Trainer:
     def train_step(self, step: int) -> dict | None:
         """Step `step`: take its batch, train on this rank's shard, sync weights at version step + 1, log."""
         t_step = time.perf_counter()
-        data = self.coord.take_step(step, self.actor.dp_size) if self.rank == 0 else None
+        data = self.coord.take_step(step, self.actor.layout.dp) if self.rank == 0 else None
         shard = scatter_shards(data and data.shards, self.dp_rank_of)  # each rank: its own DP shard only
         t_gen = time.perf_counter() - t_step
         t0 = time.perf_counter()

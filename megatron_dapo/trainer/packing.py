@@ -65,6 +65,16 @@ class PackedMicroBatch:
         return out * self.target_valid.to(device=out.device, dtype=out.dtype)
 
 
+@dataclass(frozen=True)
+class PackingRules:
+    """What an engine needs of the micro-batches it runs (every DP rank packs the same count)."""
+
+    seq_multiple: int = 1  # each sequence padded to a multiple (context parallelism cuts it into 2*cp chunks)
+    pad_multiple: int = 1  # each packed row padded to a multiple (x tp under sequence parallelism)
+    count_multiple: int = 1  # the micro-batch count a multiple (the interleaved pipeline runs them in groups of pp)
+    same_length: bool = False  # every micro-batch of one length, agreed over DP (pipeline stages exchange one shape)
+
+
 def plan_micro_batches(lengths: list[int], max_tokens: int, min_count: int = 1) -> list[list[int]]:
     """Indices into `lengths`, grouped into micro-batches of at most `max_tokens` tokens.
 

@@ -1,4 +1,4 @@
-"""MegatronActor checks under torchrun (2 ranks), against Hugging Face models of the same weights.
+"""DapoStep over the Megatron engine: checks under torchrun (2 ranks), against Hugging Face models of the same weights.
 
 Usage: actor_checks.py CHECK[,CHECK...] TMPDIR
   logprobs_tp2, logprobs_pp2: compute_logprobs equals HF logprobs (< 1e-5), packed equals unpacked
@@ -26,7 +26,7 @@ from forced_routing import forced_routing, random_routing
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.models.tiny import save_tiny_hf_model
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
-from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.actor import build_actor
 from megatron_dapo.types import RolloutBatch
 
 LR, EPS, CLIP = 1e-3, 1e-4, 0.5
@@ -112,7 +112,7 @@ def check_logprobs(hf_dir, tp, pp, ep=1, temperatures=(1.0, 0.7)):
         batch = make_batch(seed=3, temperature=temperature)
         want = hf_logprobs(hf, batch)
         cfg = make_config(hf_dir, tp=tp, pp=pp, ep=ep, max_tokens_per_micro_batch=64)
-        actor = MegatronActor(cfg)
+        actor = build_actor(cfg)
         packed = actor.compute_logprobs(batch)
         err = max_err(packed, want)
         log(f"tp={tp} pp={pp} ep={ep} T={temperature}: actor (packed, budget 64) vs HF logprobs max abs err {err:.2e}")
@@ -128,16 +128,16 @@ def check_logprobs(hf_dir, tp, pp, ep=1, temperatures=(1.0, 0.7)):
     # Packing really packed: the budget-64 plan put several sequences together ...
     rows = list(range(batch.num_samples))
     actor.max_tokens = 64
-    packs = actor._packs(batch, actor._split(batch, rows)[actor.dp_rank])
+    packs = actor._packs(batch, actor._split(batch, rows)[actor.layout.dp_rank])
     assert any(len(p.rows) > 1 for p in packs), [p.rows for p in packs]
     # ... and inside per_sequence_rope the model's RoPE table follows the per-sequence positions.
     from megatron_dapo.bridge.parallel import unwrap_model
     from megatron_dapo.trainer.packing import per_sequence_rope
 
     mb = max(packs, key=lambda p: len(p.rows))
-    rope = unwrap_model(actor.model[0]).rotary_pos_emb
+    rope = unwrap_model(actor.engine.model[0]).rotary_pos_emb
     full = type(rope).get_emb(rope, mb.length)
-    with per_sequence_rope(actor.model[0], mb.position_ids):
+    with per_sequence_rope(actor.engine.model[0], mb.position_ids):
         table = rope(mb.length)
     assert torch.equal(table, full[mb.position_ids[0]]) and not torch.equal(table, full)
     assert torch.equal(rope(mb.length), full)  # restored on exit
@@ -265,7 +265,7 @@ def check_exact_update(
         cfg.model.recompute_granularity = "full"
     batch = make_batch(seed=seed)
     g = torch.Generator().manual_seed(9)
-    actor = MegatronActor(cfg)
+    actor = build_actor(cfg)
     if replay_seed is not None:
         shape = actor.replay.shape
         batch.routed_experts = random_routing(batch, len(shape.moe_layers), shape.num_experts, shape.top_k, replay_seed)
@@ -275,7 +275,7 @@ def check_exact_update(
     agreement: list = []
     ref_loss, ref_norm, ref_params, ref_old = reference_update(hf_dir, batch, cfg, agreement)
     assert max_err(old, ref_old) < 1e-5
-    rows = actor._split(batch, list(range(batch.num_samples)))[actor.dp_rank]
+    rows = actor._split(batch, list(range(batch.num_samples)))[actor.layout.dp_rank]
     packs = actor._packs(batch, rows)
     log(f"dp rank 0 rows {rows}: micro-batches {[p.rows for p in packs]} lengths {[p.length for p in packs]}")
     assert len(packs) >= 2, "the exactness check needs several micro-batches per rank"
@@ -304,7 +304,7 @@ def check_exact_update(
         assert err <= 1e-6 + 1e-5 * want.abs().max().item(), f"{name}: update differs by {err:.2e}"
     moved = max((after[k] - before[k]).abs().max().item() for k in after)
     log(
-        f"DP={actor.dp_size} (EP={ep}, CP={cp}, PP={pp} {par}) packed update vs one-process HF reference: "
+        f"DP={actor.layout.dp} (EP={ep}, CP={cp}, PP={pp} {par}) packed update vs one-process HF reference: "
         f"loss {metrics['actor/pg_loss']:.6f} vs {ref_loss:.6f}, "
         f"grad norm {metrics['actor/grad_norm']:.6f} vs {ref_norm:.6f}, params max abs err {worst:.2e} "
         f"(max |update| {moved:.2e}, worst err / update {worst_rel:.2e})"
@@ -342,7 +342,7 @@ def check_resume(actor, cfg, after, ckpt, resumed_cfg=None, resume_layout=None, 
     w1 = exported(actor)
     if resume_layout is not None:
         init_model_parallel(**resume_layout, seed=1)
-    restored = MegatronActor(resumed_cfg or cfg)
+    restored = build_actor(resumed_cfg or cfg)
     restored.load_checkpoint(ckpt)
     assert all(torch.equal(v, after[k]) for k, v in exported(restored).items())
     m2 = restored.train_step(batch2)
@@ -361,7 +361,7 @@ def check_warmup(hf_dir):
     init_model_parallel(seed=1)
     cfg = make_config(hf_dir, ppo_mini_batch_size=1, train_batch_size=3)
     cfg.optimizer.lr_warmup_steps = 4
-    actor = MegatronActor(cfg)
+    actor = build_actor(cfg)
     batch = make_batch(seed=7)
     batch.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch)]
     lrs = []
@@ -376,18 +376,18 @@ def check_warmup(hf_dir):
 
 def check_shards(hf_dir):
     """Shards, as the coordinator hands them out, give exactly the whole batch's step."""
-    from megatron_dapo.coordinator.shards import data_parallel_ranks, scatter_shards, shard_batch
+    from megatron_dapo.shards import data_parallel_ranks, scatter_shards, shard_batch
 
     init_model_parallel(seed=1)  # DP=2
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=2, train_batch_size=4)
     batch = make_batch(seed=11, n_groups=4)
-    whole, sharded = MegatronActor(cfg), MegatronActor(cfg)
+    whole, sharded = build_actor(cfg), build_actor(cfg)
     g = torch.Generator().manual_seed(3)
     batch.rollout_logprobs = [
         (o + 0.3 * torch.randn(o.shape, generator=g)).tolist() for o in whole.compute_logprobs(batch)
     ]
     shards = shard_batch(batch, 2, cfg.algo.ppo_mini_batch_size) if dist.get_rank() == 0 else None
-    shard = scatter_shards(shards, data_parallel_ranks(sharded.dp_rank))
+    shard = scatter_shards(shards, data_parallel_ranks(sharded.layout.dp_rank))
     assert 0 < shard.batch.num_samples < batch.num_samples and len(shard.mini_batches) == 2
     got_rows = [None, None]
     dist.all_gather_object(got_rows, [tuple(x) for x in shard.batch.input_ids])
@@ -396,7 +396,7 @@ def check_shards(hf_dir):
     m_shard = sharded.train_step(shard)
     w1, w2 = exported(whole), exported(sharded)
     diff = max((w1[k] - w2[k]).abs().max().item() for k in w1)
-    moved = max((w1[k] - v).abs().max().item() for k, v in exported(MegatronActor(cfg)).items())
+    moved = max((w1[k] - v).abs().max().item() for k, v in exported(build_actor(cfg)).items())
     log(
         f"shard-fed vs whole-batch step: params max abs diff {diff:.1e} (update {moved:.1e}), "
         f"rank 0 trained {shard.batch.num_samples} of {batch.num_samples} rows; metrics equal: {m_whole == m_shard}"

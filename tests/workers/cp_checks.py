@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from megatron_dapo.bridge.parallel import unwrap_model
 from megatron_dapo.runtime.distributed import init_model_parallel
-from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.actor import build_actor
 from tests.workers.actor_checks import (
     check_exact_update,
     check_resume,
@@ -44,7 +44,7 @@ from tests.workers.actor_checks import (
 def decoder_token_counts(actor, batch) -> tuple[list[int], list[int]]:
     """(tokens each decoder call saw on this rank, packed row lengths) of one compute_logprobs."""
     seen: list[int] = []
-    decoder = unwrap_model(actor.model[0]).decoder
+    decoder = unwrap_model(actor.engine.model[0]).decoder
     handle = decoder.register_forward_pre_hook(
         lambda _m, args, kwargs: seen.append((kwargs.get("hidden_states", args[0] if args else None)).shape[0]),
         with_kwargs=True,
@@ -53,7 +53,7 @@ def decoder_token_counts(actor, batch) -> tuple[list[int], list[int]]:
         actor.compute_logprobs(batch)
     finally:
         handle.remove()
-    rows = actor._split(batch, list(range(batch.num_samples)))[actor.dp_rank]
+    rows = actor._split(batch, list(range(batch.num_samples)))[actor.layout.dp_rank]
     return seen, [mb.length for mb in actor._packs(batch, rows)]
 
 
@@ -65,8 +65,8 @@ def check_logprobs(hf_dir, tp: int, cp: int, fused_too: bool, ep: int = 1, sp: b
     for fused in (False, True) if fused_too else (False,):
         cfg = make_config(hf_dir, tp=tp, cp=cp, ep=ep, max_tokens_per_micro_batch=64, fused_lm_head=fused)
         cfg.parallel.sequence_parallel = sp
-        actor = MegatronActor(cfg)
-        assert actor.cp_size == cp
+        actor = build_actor(cfg)
+        assert actor.layout.cp == cp
         for temperature in (1.0, 0.7):
             batch = make_batch(seed=3, temperature=temperature)
             err = max_err(actor.compute_logprobs(batch), hf_logprobs(hf, batch))
@@ -115,7 +115,7 @@ def check_sdpa_equals_megatron_attention():
 def check_train(hf_dir, tmpdir, cp: int):
     for fused in (False, True):
         actor, cfg, _, after = check_exact_update(hf_dir, cp=cp, fused_lm_head=fused)
-        assert actor.cp_size == cp and actor.dp_size == dist.get_world_size() // cp
+        assert actor.layout.cp == cp and actor.layout.dp == dist.get_world_size() // cp
         dist.barrier()
     check_cp_resume(actor, cfg, after, tmpdir)
 

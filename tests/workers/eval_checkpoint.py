@@ -1,4 +1,4 @@
-"""Write a training checkpoint as a TP=2 run does (MegatronActor: model + optimizer + scheduler in torch_dist,
+"""Write a training checkpoint as a TP=2 run does (the Megatron engine: model + optimizer + scheduler in torch_dist,
 RNG states, trainer.json, the `latest` pointer), from an HF model's weights.
 
 Usage (torchrun, 2 ranks): eval_checkpoint.py HF_DIR SAVE_DIR STEP
@@ -13,7 +13,8 @@ import torch.distributed as dist
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 from megatron_dapo.trainer import checkpoint as ckpt
-from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.actor import build_actor
+from megatron_dapo.trainer.megatron_engine import materialize_optimizer_state
 
 
 def main(hf_dir: str, save_dir: str, step: int) -> None:
@@ -22,8 +23,8 @@ def main(hf_dir: str, save_dir: str, step: int) -> None:
     cfg = DapoConfig()
     cfg.model.hf_path, cfg.model.dtype, cfg.model.transformer_impl = hf_dir, "fp32", "local"
     cfg.parallel.tp = 2
-    actor = MegatronActor(cfg)
-    actor._materialize_optimizer_state()  # a fresh optimizer has no state to save before its first step
+    actor = build_actor(cfg)
+    materialize_optimizer_state(actor.engine.optimizer)  # a fresh optimizer has no state to save before its first step
     final = ckpt.save_collective(
         save_dir,
         step,

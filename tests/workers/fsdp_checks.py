@@ -1,4 +1,4 @@
-"""FSDPActor checks under torchrun (gloo), against a plain one-process Hugging Face model.
+"""DapoStep over the FSDP2 engine: checks under torchrun (gloo), against a plain one-process Hugging Face model.
 
 Usage: fsdp_checks.py CHECK[,CHECK...] TMPDIR   (at 2 ranks; rank 0 also builds the one-process references)
 
@@ -34,7 +34,7 @@ from actor_checks import (  # a sibling worker: tests/workers is sys.path[0] whe
 )
 
 from megatron_dapo.config.schema import DapoConfig
-from megatron_dapo.trainer.fsdp_actor import FSDPActor
+from megatron_dapo.trainer.actor import build_actor
 from megatron_dapo.types import RolloutBatch
 
 LR, EPS, CLIP, WD = 1e-3, 1e-4, 0.5, 0.1
@@ -130,12 +130,12 @@ def check_logprobs(hf_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    actor = FSDPActor(make_config(hf_dir, max_tokens_per_micro_batch=40))
+    actor = build_actor(make_config(hf_dir, max_tokens_per_micro_batch=40))
     for temperature in (1.0, 0.7):
         batch = make_batch(seed=3, n_groups=4, temperature=temperature)
         with torch.no_grad():
             want = hf_rows(hf, batch)
-        packs = actor._packs(batch, actor._split(batch, list(range(batch.num_samples)))[actor.dp_rank])
+        packs = actor._packs(batch, actor._split(batch, list(range(batch.num_samples)))[actor.layout.dp_rank])
         assert any(len(p.rows) > 1 for p in packs), "the check needs packed micro-batches"
         got = actor.compute_logprobs(batch)
         err = max_err(got, want)
@@ -151,7 +151,7 @@ def check_export(hf_dir):
     on_disk = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         on_disk.update(load_file(f))
-    actor = FSDPActor(make_config(hf_dir))
+    actor = build_actor(make_config(hf_dir))
     items = list(actor.export_weights())  # rank 0 receives, rank 1 gets None
     names = [n for n, _ in items]
     assert len(names) == len(set(names))
@@ -170,18 +170,18 @@ def check_export(hf_dir):
 def train_step_checking_grads(actor, batch, ref_grads) -> dict:
     """actor.train_step(batch), asserting the gathered gradients before the optimizer step."""
     grads = {}
-    step = actor._optimizer_step
+    step = actor.engine.optimizer_step
 
     def capture(loss_finite):
-        for name, p in actor.module.named_parameters():
+        for name, p in actor.engine.module.named_parameters():
             grads[name] = p.grad.full_tensor().clone()
         return step(loss_finite)
 
-    actor._optimizer_step = capture
+    actor.engine.optimizer_step = capture
     try:
         metrics = actor.train_step(batch)
     finally:
-        actor._optimizer_step = step
+        actor.engine.optimizer_step = step
     log(f"train step metrics: {metrics}")
     assert metrics["actor/skipped_steps"] == 0 and metrics["actor/optimizer_steps"] == 1
     gerr = max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
@@ -195,12 +195,12 @@ def check_train(hf_dir, tmpdir):
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=24, ppo_mini_batch_size=3, train_batch_size=3)
     batch = make_batch(seed=5)
     g = torch.Generator().manual_seed(9)
-    actor = FSDPActor(cfg)
+    actor = build_actor(cfg)
     old = actor.compute_logprobs(batch)
     batch.rollout_logprobs = [(o + 0.3 * torch.randn(o.shape, generator=g)).tolist() for o in old]
     ref_loss, ref_norm, ref_grads, ref_params, ref_old = reference(hf_dir, batch, cfg)
     assert max_err(old, ref_old) < 1e-5
-    packs = actor._packs(batch, actor._split(batch, list(range(batch.num_samples)))[actor.dp_rank])
+    packs = actor._packs(batch, actor._split(batch, list(range(batch.num_samples)))[actor.layout.dp_rank])
     log(f"rank 0 micro-batches {[p.rows for p in packs]}")
     assert len(packs) >= 2, "the exactness check needs several micro-batches per rank"
 
@@ -227,7 +227,7 @@ def check_train(hf_dir, tmpdir):
     actor.save_checkpoint(ckpt)
     batch2 = make_batch(seed=6)
     batch2.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch2)]
-    restored = FSDPActor(cfg)
+    restored = build_actor(cfg)
     restored.load_checkpoint(ckpt)
     assert restored.optimizer_steps == 1 and restored.skipped_steps == 1
     assert all(torch.equal(v, after[k]) for k, v in exported(restored).items())
@@ -248,12 +248,12 @@ def check_moe(hf_dir):
     cfg = make_config(hf_dir, max_tokens_per_micro_batch=40, ppo_mini_batch_size=3, train_batch_size=3)
     cfg.model.recompute_granularity = "full"
     try:  # routing replay (the MoE default) is the Megatron actor's only: refused by name
-        FSDPActor(cfg)
-        raise AssertionError("FSDPActor accepted algo.routing_replay=rollout")
+        build_actor(cfg)
+        raise AssertionError("the FSDP2 actor accepted algo.routing_replay=rollout")
     except ValueError as e:
         assert "algo.routing_replay" in str(e), e
     cfg.algo.routing_replay = "none"
-    actor = FSDPActor(cfg)
+    actor = build_actor(cfg)
     got = exported(actor)
     assert set(got) == set(on_disk), sorted(set(got) ^ set(on_disk))
     assert all(torch.equal(got[k], on_disk[k].float()) for k in on_disk)

@@ -18,13 +18,13 @@ import sys
 
 import torch
 
-import megatron_dapo.trainer.actor as actor_mod
+import megatron_dapo.trainer.megatron_engine as engine_mod
 from megatron_dapo.runtime.distributed import init_model_parallel
-from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.actor import build_actor
 from tests.workers.actor_checks import exported, log, make_batch, make_config, max_err, run_checks, tiny_dir
 
 CALLS = {"fused": 0, "shapes": set()}
-_fused = actor_mod.fused_linear_logprobs
+_fused = engine_mod.fused_linear_logprobs
 
 
 def _counting(hidden, weight, *args, **kwargs):
@@ -33,7 +33,7 @@ def _counting(hidden, weight, *args, **kwargs):
     return _fused(hidden, weight, *args, **kwargs)
 
 
-actor_mod.fused_linear_logprobs = _counting
+engine_mod.fused_linear_logprobs = _counting
 
 
 def check_same_step(hf_dir, tp: int, pp: int = 1, sequence_parallel: bool = False):
@@ -42,15 +42,15 @@ def check_same_step(hf_dir, tp: int, pp: int = 1, sequence_parallel: bool = Fals
     configs = [make_config(hf_dir, tp=tp, pp=pp, fused_lm_head=fused, **kw) for fused in (False, True)]
     for cfg in configs:
         cfg.parallel.sequence_parallel = sequence_parallel
-    plain, fused = (MegatronActor(cfg) for cfg in configs)
-    assert bool(fused.config.sequence_parallel) == sequence_parallel
-    assert fused.fused_lm_head and not plain.fused_lm_head
+    plain, fused = (build_actor(cfg) for cfg in configs)
+    assert bool(fused.engine.config.sequence_parallel) == sequence_parallel
+    assert fused.engine.fused_lm_head and not plain.engine.fused_lm_head
     batch = make_batch(seed=5, temperature=0.7)
     CALLS["fused"] = 0
     old_plain = plain.compute_logprobs(batch)
     assert CALLS["fused"] == 0, "the unfused actor must not use the fused op"
     old_fused = fused.compute_logprobs(batch)
-    assert CALLS["fused"] > 0 or not fused.is_last_stage, "the fused actor did not use the fused op"
+    assert CALLS["fused"] > 0 or not fused.layout.is_last_stage, "the fused actor did not use the fused op"
     lp_err = max_err(old_plain, old_fused)
     assert lp_err < 1e-5, lp_err
     g = torch.Generator().manual_seed(9)
@@ -62,7 +62,7 @@ def check_same_step(hf_dir, tp: int, pp: int = 1, sequence_parallel: bool = Fals
     assert CALLS["fused"] == calls
     CALLS["shapes"].clear()
     m_fused = fused.train_step(batch)
-    if fused.is_last_stage:
+    if fused.layout.is_last_stage:
         assert CALLS["fused"] > calls, "the fused actor's train step did not use the fused op"
         # hidden rows [T, h] and the vocab-parallel output weight [V / tp, h], a parameter with grad
         arch = fused.arch

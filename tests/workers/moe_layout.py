@@ -11,7 +11,7 @@ TransformerConfig + get_gpt_layer_local_spec, default moe_layer_freq, nothing of
                  stacked model and gives HF's logits; the bridge export returns HF's tensors
   plain_save     a randomly initialised plain model saved as Megatron-LM saves it (iter_0000010 +
                  tracker): its logits go to WORKDIR/plain_logits.pt for the test to compare through HF
-  actor_resume   MegatronActor checkpoints (model + optimizer) of the stacked model, and of the
+  actor_resume   actor checkpoints (model + optimizer) of the stacked model, and of the
                  per-layer model of before, resume exactly into today's actor, and load into a
                  bridge model the way `convert megatron-to-hf` reads them
 Each prints `RESULT <check> rel=<err>` or `CHECK PASSED <check>`; any failure exits non-zero.
@@ -203,7 +203,7 @@ def check_actor_resume(hf_dir, workdir):
     import megatron_dapo.models.provider as provider
     from megatron_dapo.bridge import export_hf_weights, load_megatron_checkpoint
     from megatron_dapo.models import build_gpt_model
-    from megatron_dapo.trainer.actor import MegatronActor
+    from megatron_dapo.trainer.actor import build_actor
 
     # the batches carry no routed experts: route with the trainer's own routers (replay is checked elsewhere)
     cfg = make_config(
@@ -215,7 +215,7 @@ def check_actor_resume(hf_dir, workdir):
         if layout == "per-layer":  # the provider of before
             provider.moe_layer_freq = lambda arch: [1] * arch.num_layers
         try:
-            actor = MegatronActor(cfg)
+            actor = build_actor(cfg)
         finally:
             provider.moe_layer_freq = stacked
         batch.rollout_logprobs = [o.tolist() for o in actor.compute_logprobs(batch)]
@@ -224,8 +224,8 @@ def check_actor_resume(hf_dir, workdir):
         actor.save_checkpoint(ckpt)
         keys = saved_keys(ckpt)
         assert any(PER_LAYER.search(k) for k in keys) == (layout == "per-layer"), layout
-        restored = MegatronActor(cfg)
-        assert restored.config.moe_layer_freq == 1
+        restored = build_actor(cfg)
+        assert restored.engine.config.moe_layer_freq == 1
         restored.load_checkpoint(ckpt)
         before = exported(actor)
         assert all(torch.equal(v, before[k]) for k, v in exported(restored).items()), layout

@@ -25,7 +25,7 @@ from actor_checks import make_config
 from forced_routing import forced_routing
 
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
-from megatron_dapo.trainer.actor import MegatronActor
+from megatron_dapo.trainer.actor import build_actor
 from megatron_dapo.types import RolloutBatch
 
 PROMPTS = [[5, 9, 13, 2, 7], [3, 1, 4, 1, 5, 9], [2, 7, 1, 8]]
@@ -134,7 +134,7 @@ def main(argv):
     print(f"RESULT flipped {n_flipped} of {n_tokens} response positions (HF agreement {hf_agreement:.4f})", flush=True)
     assert 0 < n_flipped < n_tokens, "the perturbation must flip some tokens' routing, not all"
 
-    replayed = MegatronActor(make_config(w1, **BATCHING))
+    replayed = build_actor(make_config(w1, **BATCHING))
     got = replayed.compute_logprobs(batch)
     err = max((a - b).abs().max().item() for a, b in zip(got, server))
     err_flipped = max((a - b)[f].abs().max().item() for a, b, f in zip(got, server, flips) if f.any())
@@ -146,7 +146,7 @@ def main(argv):
     assert abs(agreement - hf_agreement) < 1e-9 and agreement < 1.0, (agreement, hf_agreement)
     assert metrics["actor/train_rollout_logprob_abs_diff"] < 1e-5, metrics
 
-    own = MegatronActor(make_config(w1, routing_replay="none", **BATCHING))
+    own = build_actor(make_config(w1, routing_replay="none", **BATCHING))
     assert own.replay is None
     mine = own.compute_logprobs(batch)
     diffs = torch.cat([(a - b)[f].abs() for a, b, f in zip(mine, server, flips)])

@@ -1,0 +1,59 @@
+"""How a trainer rank sits in the parallel layout: sizes, its own ranks, its process groups.
+
+One frozen value, read once after the process groups exist (in the spirit of torchtitan's
+`ParallelDims`), instead of every component asking megatron-core's `parallel_state` on its own:
+
+    layout = ParallelLayout.from_megatron()          # after init_model_parallel
+    layout = ParallelLayout.data_parallel_only()     # every rank a data-parallel rank (FSDP2)
+
+A group of None is the default group where the size spans the world (data parallel only), and is
+never used where its size is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    dp: int = 1  # data-parallel size (without context parallelism, as megatron-core's DDP reduces over)
+    dp_rank: int = 0
+    cp_rank: int = 0
+    tp_rank: int = 0
+    is_last_stage: bool = True  # the pipeline stage that computes logits (and the loss)
+    tp_group: Any = field(default=None, compare=False, repr=False)
+    dp_group: Any = field(default=None, compare=False, repr=False)
+    cp_group: Any = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_megatron(cls) -> ParallelLayout:
+        """This rank's layout as megatron-core's parallel state holds it (init_model_parallel first)."""
+        from megatron.core import parallel_state as ps
+
+        return cls(
+            tp=ps.get_tensor_model_parallel_world_size(),
+            pp=ps.get_pipeline_model_parallel_world_size(),
+            cp=ps.get_context_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            dp=ps.get_data_parallel_world_size(),
+            dp_rank=ps.get_data_parallel_rank(),
+            cp_rank=ps.get_context_parallel_rank(),
+            tp_rank=ps.get_tensor_model_parallel_rank(),
+            is_last_stage=ps.is_pipeline_last_stage(),
+            tp_group=ps.get_tensor_model_parallel_group(),
+            dp_group=ps.get_data_parallel_group(),
+            cp_group=ps.get_context_parallel_group(),
+        )
+
+    @classmethod
+    def data_parallel_only(cls) -> ParallelLayout:
+        """Every rank of the default group a data-parallel rank (torch.distributed initialised)."""
+        import torch.distributed as dist
+
+        return cls(dp=dist.get_world_size(), dp_rank=dist.get_rank())
