@@ -8,13 +8,9 @@ start with the next batch (`batching="static"`, the default), or, with `batching
 SGLang schedules), are prefilled between two decode steps and join the running batch (its cache
 left-padded to a common length) up to `max_batch` sequences.
 
-Pause modes, as SGLang's `PauseGenerationReqInput` defines them:
-- in_place: the running batch stops between steps and keeps its KV cache; after continue it goes on
-  (with whatever weights are loaded by then; the sample's `weight_versions` spans record the switch).
-- retract: the running batch is dissolved; its requests keep their tokens so far and go back to the
-  front of the queue; after continue they are prefilled again (prompt + tokens so far, new weights).
-- abort: every running and waiting request finishes at once with finish_reason abort.
-While paused, new requests wait in the queue. All control methods are thread-safe.
+Pause modes (in_place, retract, abort) are SGLang's `PauseGenerationReqInput`'s; what each does to running
+requests and the KV cache: docs/rollout-and-weight-sync.md, "The session protocol and pause modes". While
+paused, new requests wait in the queue. All control methods are thread-safe.
 
 Batch-invariant mode (`batch_invariant=True`, the server's --enable-deterministic-inference, named
 after SGLang's flag): every sequence runs its own forward with its own cache, unpadded, so its logits,

@@ -7,14 +7,9 @@ group's n samples are back it is scored (reward runner, overlong shaping) and ju
 sampling; kept groups occupy staleness slots, and the trainer takes step t's full buffer with
 `take_batch(t)`.
 
-Bounded staleness, by reservation (megatron_dapo.coordinator.staleness). The trainer at step t holds
-weights version t and consumes buffer t. A group is dispatched only if it can reserve a slot in a
-buffer no later than V_traj + s (V_traj: the servers' version at dispatch, bound s); when it
-completes it occupies the earliest slot it may take, never a later buffer than it reserved. So no
-group is ever too old when trained, and none is thrown away for it (a slow group holds its buffer
-back instead). A group dropped by dynamic sampling frees its slot and a fresh prompt is dispatched
-at once. With s = 0 the producer generates exactly the next batch (on-policy); with s = 1 it works
-on step v + 1's batch while step v trains.
+Bounded staleness by reservation (megatron_dapo.coordinator.staleness): a group is dispatched only if
+it can reserve a slot in a buffer no later than V_traj + s, so none is ever too old when trained and none
+is thrown away for it; the protocol: docs/design/staleness-by-reservation.md.
 
 Partial rollout (`partial_rollout`, megatron_dapo.coordinator.partial). A sample the server aborted
 (e.g. a weight update that aborts requests) continues from its tokens and logprobs, on the same

@@ -2,10 +2,8 @@
 /end_weight_update), weight-update groups (/init_weights_update_group, /destroy_weights_update_group),
 /update_weights_from_distributed, /update_weights_from_tensor, /update_weight_version and /flush_cache.
 
-Locking follows SGLang's: while generation is paused an update proceeds at once; otherwise it waits for
-in-flight requests to finish and holds new ones back until it is done. Updates are refused outside a
-session, and an update with `flush_cache` loads the weights but fails when requests are still running (or
-queued, unless paused), as after an in_place pause: SGLang would keep serving their stale cache.
+Locking, the session rule and the flush rule follow SGLang's (docs/rollout-and-weight-sync.md, "The
+session protocol and pause modes").
 
 Calls that wait on a peer (forming, destroying or receiving over a group) run in daemon threads of their
 own: they never hold up the admin routes or a SIGTERM. Group formation answers within
