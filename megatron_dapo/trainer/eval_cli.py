@@ -119,12 +119,12 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
 def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
     """Send the checkpoint's weights to the servers, as the trainer's weight sync does."""
     from megatron_dapo.bridge.hf_io import HFCheckpointReader
-    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.sync.broadcast import BroadcastTransport
 
     r = cfg.rollout
     reader = HFCheckpointReader(model_dir)
     tp = r.server_tp if r.engine == "sglang" else 1
-    bridge = WeightSyncBridge(
+    bridge = BroadcastTransport(
         urls, r.sync, api_key=r.api_key, server_tp_sizes=[tp] * len(urls), master_address=cfg.trainer.bind_host
     )
     bridge.connect()
