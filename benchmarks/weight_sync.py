@@ -2,7 +2,7 @@
 
 Starts `--servers` embedded servers holding a Qwen3-shaped model of the requested size, forms the
 weight-update group with the bridge, then times
-  * bridge (per-tensor / flattened): `WeightSyncBridge.sync()` of the trainer's full state, including
+  * bridge (per-tensor / flattened): `BroadcastTransport.sync()` of the trainer's full state, including
     pause/continue, the HTTP calls, every broadcast and the servers' loads into their models;
   * raw: one `broadcast` of a flat uint8 buffer of the same total bytes over the same process group,
     received by the same server processes (an update announcing one tensor the model does not have:
@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_dapo.config.schema import SyncConfig  # noqa: E402
 from megatron_dapo.rollout import weight_group as wgroup  # noqa: E402
 from megatron_dapo.rollout.launcher import launch_embedded_servers  # noqa: E402
-from megatron_dapo.sync.bridge import WeightSyncBridge  # noqa: E402
+from megatron_dapo.sync.broadcast import BroadcastTransport  # noqa: E402
 
 RAW_NAME = "__raw_broadcast_baseline__"
 
@@ -78,7 +78,7 @@ def build_models(args, out_dir: Path):
     return trainer
 
 
-def raw_broadcast_seconds(bridge: WeightSyncBridge, flat: torch.Tensor) -> float:
+def raw_broadcast_seconds(bridge: BroadcastTransport, flat: torch.Tensor) -> float:
     nbytes = flat.numel()
 
     async def announce():
@@ -91,25 +91,25 @@ def raw_broadcast_seconds(bridge: WeightSyncBridge, flat: torch.Tensor) -> float
                         "names": [RAW_NAME],
                         "dtypes": ["uint8"],
                         "shapes": [[nbytes]],
-                        "group_name": bridge.group_name,
+                        "group_name": bridge.group.group_name,
                         "flush_cache": False,
                         "abort_all_requests": False,
                         "load_format": "flattened_bucket",
                     },
                 )
-                for c in bridge.clients
+                for c in bridge.calls.clients
             ),
             return_exceptions=True,
         )
 
-    bridge._each("begin_weight_update")  # untimed: the baseline is the broadcast alone
+    bridge.calls.ask_all_and_raise_failed("begin_weight_update")  # untimed: the baseline is the broadcast alone
     t0 = time.perf_counter()
-    answers = bridge._loop.submit(announce())
-    wgroup.broadcast(flat, bridge.pg)
+    answers = bridge.calls.submit(announce())
+    wgroup.broadcast(flat, bridge.group.pg)
     seconds = time.perf_counter() - t0
     for a in answers.result(600):  # the servers refuse to *load* it, after receiving every byte
         assert RAW_NAME in str(a), f"unexpected answer to the raw baseline: {a!r}"
-    bridge._each("end_weight_update")
+    bridge.calls.ask_all_and_raise_failed("end_weight_update")
     return seconds
 
 
@@ -193,7 +193,7 @@ def single_rank(args, tmp: Path) -> dict:
         results = {}
         for mode in ("per_tensor", "flattened"):
             cfg = SyncConfig(bucket_mb=args.bucket_mb, flatten_bucket=mode == "flattened", pause_generation=True)
-            bridge = WeightSyncBridge([s.url for s in servers], cfg, group_name=f"bench_{mode}")
+            bridge = BroadcastTransport([s.url for s in servers], cfg, group_name=f"bench_{mode}")
             bridge.connect()
             try:
                 bridge.sync(named, version=f"{mode}-warmup")

@@ -6,7 +6,7 @@ usage (torchrun, tp * pp * ep ranks):
 Loads HF_DIR into a GPTModel of that layout, connects a bridge per `--sources` mode (rank0: everything
 through trainer rank 0; per_stage: every export source over its own update group), syncs once per mode
 untimed (warm-up), then `--repeats` rounds of one sync per mode (interleaved), each timed from a barrier to
-the end of `WeightSyncBridge.sync` on every rank (the export's TP gathers and hops, every broadcast and the
+the end of `BroadcastTransport.sync` on every rank (the export's TP gathers and hops, every broadcast and the
 servers' loads). Each rank
 records what went through it: the export's hops beyond TP gathers (`Traffic`) and what it broadcast.
 """
@@ -38,14 +38,14 @@ def measure(chunks, urls, modes: list[str], repeats: int) -> dict:
     syncs interleaved, so that each mode sees the same machine load."""
     from megatron_dapo.bridge.export import export_sources
     from megatron_dapo.config.schema import SyncConfig
-    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.sync.broadcast import BroadcastTransport
 
     bridges = {}
     try:
         for mode in modes:
             sources = export_sources(chunks) if mode == "per_stage" else [0]
             cfg = SyncConfig(flatten_bucket=False)
-            bridges[mode] = WeightSyncBridge(urls, cfg, group_name=f"bench_{mode}", sources=sources)
+            bridges[mode] = BroadcastTransport(urls, cfg, group_name=f"bench_{mode}", sources=sources)
             bridges[mode].connect()
         results = {m: {"sources": b.sources, "seconds": []} for m, b in bridges.items()}
         for i in range(-1, repeats):  # -1: the warm-up, untimed

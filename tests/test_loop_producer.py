@@ -48,7 +48,7 @@ def _set_server_version(urls, version):
     from megatron_dapo.rollout.client import SGLangClient
 
     async def go():
-        # as the weight-sync bridge's global sync: every server paused (in place) before any changes
+        # as the broadcast transport's global sync: every server paused (in place) before any changes
         # version and none goes on before all have, so no request continues on the older weights
         async with contextlib.AsyncExitStack() as stack:
             clients = [await stack.enter_async_context(SGLangClient(u)) for u in urls]

@@ -250,7 +250,7 @@ def test_a_failed_sync_on_a_pool_thread_is_kept_and_raised_by_check_even_when_re
     import time
 
     from megatron_dapo.config.schema import SyncConfig
-    from megatron_dapo.sync.bridge import WeightSyncError
+    from megatron_dapo.sync.errors import WeightSyncError
     from megatron_dapo.sync.per_server import PerServerSync, WeightStore
 
     reported = threading.Event()

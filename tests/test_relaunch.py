@@ -27,7 +27,7 @@ def _wait(cond, what: str, timeout_s: float = 120.0) -> None:
 @pytest.mark.slow
 def test_a_lost_server_is_re_admitted_stalled_or_relaunched_with_the_current_weights_then_given_up(servers, caplog):  # noqa: F811
     from megatron_dapo.rollout.supervisor import ServerSupervisor
-    from megatron_dapo.sync.bridge import ServersLost
+    from megatron_dapo.sync.errors import ServersLost
 
     servers, model = servers
     urls = [s.url for s in servers]
@@ -131,7 +131,7 @@ def test_a_live_server_routing_holds_down_is_routed_again_after_the_sync():
     registry.mark_down(urls[1], "restarted: holds weight version default, not 2")
     registry.mark_down(urls[2], "weight sync: unreachable")
     bridge, coord = types.SimpleNamespace(live=urls[:2]), types.SimpleNamespace(registry=registry)
-    sync = types.SimpleNamespace(bridge=bridge, coord=coord)
+    sync = types.SimpleNamespace(transport=bridge, coord=coord)
     AllAtOnceSync._route_again(sync, [], 3)
     assert registry.records[urls[1]].down is None and registry.records[urls[1]].version == 3
     assert registry.records[urls[2]].down is not None

@@ -19,8 +19,9 @@ from megatron_dapo.embedded_server.tensor_payload import serialize_named_tensors
 from megatron_dapo.rollout import payloads
 from megatron_dapo.rollout.client import SGLangClient, SGLangHTTPError
 from megatron_dapo.rollout.types import SamplingParams
-from megatron_dapo.sync import bridge as bridge_mod
-from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError
+from megatron_dapo.sync import session as session_mod
+from megatron_dapo.sync.broadcast import BroadcastTransport
+from megatron_dapo.sync.errors import WeightSyncError
 from tests.conftest import SGLANG_PEER_KEY as KEY
 
 pytestmark = pytest.mark.slow
@@ -64,7 +65,7 @@ def _sync_into_peer(peer, flatten: bool, pause: str | None, version: str, bucket
     cfg = SyncConfig(
         bucket_mb=bucket_mb, flatten_bucket=flatten, pause_generation=pause is not None, pause_mode=pause or "in_place"
     )
-    bridge = WeightSyncBridge([peer.url], cfg, api_key=KEY, group_name=f"peer_{version}", backend="gloo")
+    bridge = BroadcastTransport([peer.url], cfg, api_key=KEY, group_name=f"peer_{version}", backend="gloo")
     bridge.connect()
     try:
         return bridge.sync(_weights(), version=version)
@@ -139,7 +140,7 @@ def test_flush_after_an_in_place_pause_fails_alike_in_sglang_and_the_embedded_se
 ):
     """The old bridge (flush_cache on the last bucket after an in_place pause) fails in SGLang with its own
     message, and the embedded server says the same; the bridge's error names the server and the tensor."""
-    monkeypatch.setattr(bridge_mod, "flushes_cache", lambda pause_generation, pause_mode: True)
+    monkeypatch.setattr(session_mod, "flushes_cache", lambda pause_generation, pause_mode: True)
     with _http(sglang_peer) as http:
         http.post("/peer/reset", params={"running": 1}).raise_for_status()
         with pytest.raises(WeightSyncError) as e:

@@ -87,11 +87,11 @@ def servers(tmp_path):
 
 def _bridge(urls, min_live, registry=None, timeout_s=None):
     from megatron_dapo.config.schema import SyncConfig
-    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.sync.broadcast import BroadcastTransport
 
     cfg = SyncConfig(bucket_mb=0.1, timeout_s=timeout_s)  # several buckets of the tiny model
     on_lost = registry.mark_down if registry is not None else None
-    bridge = WeightSyncBridge(urls, cfg, min_live=min_live, on_lost=on_lost)
+    bridge = BroadcastTransport(urls, cfg, min_live=min_live, on_lost=on_lost)
     bridge.connect()
     return bridge
 
@@ -102,7 +102,7 @@ PROBE = [5, 17, 3, 29, 11, 8, 40, 2, 19]
 @pytest.mark.slow
 def test_killed_mid_broadcast_names_the_update_and_the_rest_go_on(servers):
     servers, model = servers
-    from megatron_dapo.sync.bridge import ServersLost
+    from megatron_dapo.sync.errors import ServersLost
 
     urls = [s.url for s in servers]
     registry = ServerRegistry(urls, version=0)
@@ -136,7 +136,7 @@ def test_killed_mid_broadcast_names_the_update_and_the_rest_go_on(servers):
 @pytest.mark.slow
 def test_a_loss_below_min_healthy_servers_stops_naming_the_update_and_server(servers):
     servers, model = servers
-    from megatron_dapo.sync.bridge import WeightSyncError
+    from megatron_dapo.sync.errors import WeightSyncError
 
     urls = [s.url for s in servers]
     bridge = _bridge(urls, min_live=2)
@@ -158,7 +158,7 @@ def test_a_loss_below_min_healthy_servers_stops_naming_the_update_and_server(ser
 @pytest.mark.slow
 def test_a_stalled_server_is_left_out_after_the_sync_timeout(servers):
     servers, model = servers
-    from megatron_dapo.sync.bridge import ServersLost
+    from megatron_dapo.sync.errors import ServersLost
 
     urls = [s.url for s in servers]
     registry = ServerRegistry(urls, version=0)
@@ -207,7 +207,7 @@ def test_registry_mark_down_takes_a_server_out_of_routing_and_syncs():
 @pytest.mark.slow
 def test_a_server_lost_at_the_verify_probe_is_left_out_after_the_others_are_checked(servers):
     servers, model = servers
-    from megatron_dapo.sync.bridge import ServersLost
+    from megatron_dapo.sync.errors import ServersLost
 
     urls = [s.url for s in servers]
     bridge = _bridge(urls, min_live=1)

@@ -67,7 +67,7 @@ def test_a_killed_server_under_greedy_sync_surfaces_as_a_named_error(servers):
     from megatron_dapo.config.schema import SyncConfig
     from megatron_dapo.coordinator.process import start_process_coordinator
     from megatron_dapo.rollout.client import SGLangConnectionError
-    from megatron_dapo.sync.bridge import ServersLost, WeightSyncError
+    from megatron_dapo.sync.errors import ServersLost, WeightSyncError
     from megatron_dapo.sync.per_server import PerServerSync, WeightStore
 
     urls = [s.url for s in servers]

@@ -6,7 +6,7 @@ model directory. Megatron checkpoints are converted to HF safetensors (a tempora
 `<logging.run_dir>/eval/`, removed afterwards) while the servers start. Servers are those of
 `rollout.servers` (they keep the checkpoint's weights afterwards), or else `rollout.num_servers`
 servers (`rollout.engine`) started on this machine from `model.hf_path` and stopped at the end; as
-in a run, the weights reach them through the weight-sync bridge. Every prompt of `data.val_files` is
+in a run, the weights reach them through the broadcast weight transport. Every prompt of `data.val_files` is
 sampled as `trainer.val` says and judged by `reward.*`; a table goes to stdout and a JSON (settings,
 prompt counts, metrics) to `--output` (default `<logging.run_dir>/eval/<checkpoint>.json`).
 """
@@ -119,12 +119,12 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
 def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
     """Send the checkpoint's weights to the servers, as the trainer's weight sync does."""
     from megatron_dapo.bridge.hf_io import HFCheckpointReader
-    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.sync.broadcast import BroadcastTransport
 
     rollout = cfg.rollout
     reader = HFCheckpointReader(model_dir)
     tp = rollout.server_tp if rollout.engine == "sglang" else 1
-    bridge = WeightSyncBridge(
+    bridge = BroadcastTransport(
         urls,
         rollout.sync,
         api_key=rollout.api_key,

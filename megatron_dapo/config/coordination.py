@@ -21,7 +21,7 @@ SERVER_ORDERS = ("version", "reserve_capability")
 @dataclass
 class SyncPolicyConfig:
     """When each server takes new weights: the policy part of `rollout.sync` (the schema's SyncConfig
-    adds how the bridge moves the weights)."""
+    adds how the weight transport moves the weights)."""
 
     # all_at_once = every server after each step, inline (the default); greedy = a server as soon as it
     # lags; status_based = a lagging server when idle enough (indicator <= threshold). greedy / status_based

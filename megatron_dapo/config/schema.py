@@ -173,7 +173,7 @@ class SamplingConfig:
 @dataclass
 class SyncConfig(SyncPolicyConfig):
     """Weight sync trainer -> rollout servers after each step: when each server syncs (the policy fields,
-    megatron_dapo.coordinator.sync_policy.SyncPolicyConfig) and how the bridge moves the weights."""
+    megatron_dapo.coordinator.sync_policy.SyncPolicyConfig) and how the weight transport moves the weights."""
 
     bucket_mb: int = 512  # tensors are broadcast in buckets of about this many MiB
     pause_generation: bool = True  # pause servers during an update; False = let in-flight requests finish

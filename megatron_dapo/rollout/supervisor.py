@@ -5,7 +5,7 @@ is not, it waits a backoff (doubling per relaunch, capped), restarts it on its o
 the router, the registry and the weight sync know it by the same name) and waits until it is healthy.
 A server that exits again after `max_relaunches` relaunches is given up, with a log line naming it:
 no crash loop. Re-admission (its update group, the current weights, the logprob check, routing) is
-the trainer's weight sync's job at its next sync point (megatron_dapo.sync.bridge `readmit`).
+the trainer's weight sync's job at its next sync point (megatron_dapo.sync.broadcast `readmit`).
 
 A watched server is anything with `url`, `alive()` and `restart()`: a `ServerProcess`, or the Ray
 launcher's handle on the actor owning one. Stop the supervisor before stopping the servers, or it

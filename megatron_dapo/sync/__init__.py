@@ -1,5 +1,7 @@
-"""Weight sync trainer -> rollout servers over a torch.distributed group (see bridge.py)."""
+"""Weight transports trainer -> rollout servers (transport.py: the interface; broadcast.py, per_server.py)."""
 
-from megatron_dapo.sync.bridge import SyncStats, WeightSyncBridge, WeightSyncError
+from megatron_dapo.sync.broadcast import BroadcastTransport
+from megatron_dapo.sync.errors import ServersLost, WeightSyncError
+from megatron_dapo.sync.transport import SyncStats, WeightTransport
 
-__all__ = ["WeightSyncBridge", "SyncStats", "WeightSyncError"]
+__all__ = ["BroadcastTransport", "ServersLost", "SyncStats", "WeightSyncError", "WeightTransport"]

@@ -9,7 +9,7 @@ copies of the model (the wait happens only when one sync outlasts a whole traini
 
 `PerServerSync` runs on a thread of trainer rank 0. Every `check_interval_ms` (or at once when a new
 version is stored, or a sync ends) it asks the policy (megatron_dapo.coordinator.sync_policy) which
-lagging servers sync now, and syncs each on its own thread through its own `WeightSyncBridge`
+lagging servers sync now, and syncs each on its own thread through its own `BroadcastTransport`
 (one update group per server, the same session / bucket protocol): stop routing to the server
 (`ServerRegistry.begin_sync`), pause it (its requests, aborted or paused per `sync.pause_mode`,
 come back through partial rollout or go on with the new weights), load, verify against the
@@ -19,6 +19,9 @@ A failure on any of these threads (a sync, the policy loop, a registry call) is 
 thread nobody joins: it is logged, kept as `error` (the policy loop then stops), reported through
 `on_error` (the coordinator's `fail`: the producer's take_batch raises it), and `check()`, which the
 trainer calls every step, raises it as a WeightSyncError naming it.
+
+`PerServerStoreTransport` is the two as a `WeightTransport` (sync/transport.py): its `sync` puts the weights
+into the store; the first one also brings every server to them, then starts the policy loop.
 """
 
 from __future__ import annotations
@@ -32,12 +35,16 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from megatron_dapo.coordinator.load_poller import LOAD_TIMEOUT_S
 from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.sync_policy import make_sync_policy
 from megatron_dapo.runtime.net import LOOPBACK
-from megatron_dapo.sync.bridge import ServersLost, WeightSyncBridge, WeightSyncError, _is_sender, _LoopThread
+from megatron_dapo.sync.broadcast import BroadcastTransport
+from megatron_dapo.sync.errors import ServersLost, WeightSyncError
+from megatron_dapo.sync.server_calls import LoopThread
+from megatron_dapo.sync.transport import SyncStats
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +75,7 @@ class WeightStore:
         probe_logprobs: Sequence[float] | None = None,
     ) -> None:
         """Every trainer rank calls this (the export's gathers are collective); rank 0 keeps a host copy."""
-        keep = _is_sender()
+        keep = not dist.is_initialized() or dist.get_rank() == 0
         if keep:
             with self._cv:  # at most two copies: the current snapshot (maybe being read) and the new one
                 self._cv.wait_for(
@@ -118,7 +125,7 @@ class PerServerSync:
         api_key: str | None = None,
         server_tp_sizes: Sequence[int] | None = None,
         master_address: str = LOOPBACK,  # where trainer rank 0 hosts each weight-update group's store
-        timeout_s: float | None = None,  # each call of a sync (rollout.sync.timeout_s); default the bridge's
+        timeout_s: float | None = None,  # each call of a sync (rollout.sync.timeout_s); default the transport's
         min_live: int = 1,  # fewer servers in service than this after a loss: the run stops (min_healthy_servers)
         probe: Sequence[int] | None = None,
         on_publish: Callable[[str, int], None] | None = None,
@@ -128,8 +135,8 @@ class PerServerSync:
         self.cfg, self.registry, self.store = sync_cfg, registry, store
         self.policy = make_sync_policy(sync_cfg, clock)
         tps = list(server_tp_sizes or [1] * len(urls))
-        self.bridges = {
-            u.rstrip("/"): WeightSyncBridge(
+        self.transports = {
+            u.rstrip("/"): BroadcastTransport(
                 [u],
                 sync_cfg,
                 api_key=api_key,
@@ -148,34 +155,34 @@ class PerServerSync:
         self._error_lock = threading.Lock()
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.bridges)), "server-sync")
-        self._http: _LoopThread | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, len(self.transports)), "server-sync")
+        self._http: LoopThread | None = None
         self._clients = {}
         self._readmitting: set[str] = set()  # lost servers being asked (or re-admitted) now
         self._next_readmit: dict[str, float] = {}  # url -> monotonic time it may be asked again
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def connect(self) -> None:
-        for b in self.bridges.values():
-            b.connect()
+        for t in self.transports.values():
+            t.connect()
         if self.cfg.policy == "status_based":
             self._open_load_clients()
 
     def _open_load_clients(self) -> None:
         from megatron_dapo.rollout.client import SGLangClient
 
-        self._http = _LoopThread()
+        self._http = LoopThread()
         # the poller's timeout, no retries: a hung server must not hold the other servers' syncs
         self._clients = {
-            u: SGLangClient(u, api_key=self.api_key, timeout_s=LOAD_TIMEOUT_S, retries=0) for u in self.bridges
+            u: SGLangClient(u, api_key=self.api_key, timeout_s=LOAD_TIMEOUT_S, retries=0) for u in self.transports
         }
 
     def sync_all(self) -> None:
         """Bring every server to the store's version now (before rollout starts), in parallel."""
-        for url in self.bridges:
+        for url in self.transports:
             self.registry.begin_sync(url)
-        snaps = {u: self.store.acquire() for u in self.bridges}
-        list(self._pool.map(lambda u: self._sync_one(u, snaps[u], raise_errors=True), list(self.bridges)))
+        snaps = {u: self.store.acquire() for u in self.transports}
+        list(self._pool.map(lambda u: self._sync_one(u, snaps[u], raise_errors=True), list(self.transports)))
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="per-server-sync", daemon=True)
@@ -204,8 +211,8 @@ class PerServerSync:
 
             self._http.run(close_clients(), 10)
             self._http.close()
-        for b in self.bridges.values():
-            b.close()
+        for t in self.transports.values():
+            t.close()
 
     # ---- the policy loop -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -225,7 +232,7 @@ class PerServerSync:
             if snap is None:
                 continue
             statuses = self.registry.statuses()  # the servers in service
-            self._readmit_down(set(self.bridges) - {s.url for s in statuses})
+            self._readmit_down(set(self.transports) - {s.url for s in statuses})
             statuses = self._with_loads(statuses, snap.version)
             for url in self.policy.choose(statuses, snap.version):
                 self.registry.begin_sync(url)
@@ -263,9 +270,9 @@ class PerServerSync:
         """A server out of service that answers again: its group re-formed, the current weights, the logprob
         check (with sync.verify), then routing (`mark_up`); a failure is reported like a failed sync."""
         try:
-            bridge = self.bridges[url]
-            bridge.readmit()
-            if bridge.live:  # answering (a lost one that does not stays out, asked again later)
+            transport = self.transports[url]
+            transport.readmit()
+            if transport.live:  # answering (a lost one that does not stays out, asked again later)
                 self.registry.begin_sync(url)
                 self._sync_one(url, self.store.acquire(), readmitting=True)
         except BaseException as e:
@@ -282,15 +289,16 @@ class PerServerSync:
             self._fail(e)
 
     def _sync_one(self, url: str, snap, raise_errors: bool = False, readmitting: bool = False) -> None:
-        bridge = self.bridges[url]
+        transport = self.transports[url]
         version = None
         try:
-            bridge.readmit()  # restarted since its last sync (it holds no group): a new group first
-            if not bridge.live:
-                raise ServersLost(f"{url}: {bridge.lost[url]}", dict(bridge.lost)) from bridge.lost_causes.get(url)
-            bridge.sync(iter(snap.tensors), version=snap.version)
+            transport.readmit()  # restarted since its last sync (it holds no group): a new group first
+            if not transport.live:
+                lost = transport.lost
+                raise ServersLost(f"{url}: {lost[url]}", dict(lost)) from transport.lost_causes.get(url)
+            transport.sync(iter(snap.tensors), version=snap.version)
             if self.cfg.verify and self.probe is not None and snap.probe_logprobs is not None:
-                bridge.verify(self.probe, list(snap.probe_logprobs))
+                transport.verify(self.probe, list(snap.probe_logprobs))
             version = snap.version
         except ServersLost as e:
             if raise_errors:
@@ -314,9 +322,9 @@ class PerServerSync:
         """`url` failed its sync (gone or stalled): out of routing and of later syncs, the run goes on with
         the others while at least `min_live` are in service."""
         self.registry.mark_down(url, lost.reasons[url])
-        live = [u for u, b in self.bridges.items() if b.live]
+        live = [u for u, t in self.transports.items() if t.live]
         if len(live) < self.min_live:
-            gone = "; ".join(f"{u}: {why}" for b in self.bridges.values() for u, why in b.lost.items())
+            gone = "; ".join(f"{u}: {why}" for t in self.transports.values() for u, why in t.lost.items())
             error = WeightSyncError(
                 f"{len(live)} rollout server(s) in service, fewer than rollout.min_healthy_servers="
                 f"{self.min_live}; lost: {gone}"
@@ -333,3 +341,42 @@ class PerServerSync:
                 self.on_error(e)
             except Exception as report:  # check() still raises it on the trainer's next step
                 log.error("per-server weight sync: reporting the failure failed: %r", report)
+
+
+class PerServerStoreTransport:
+    """The store and its syncer as one WeightTransport; `syncer` on trainer rank 0, None elsewhere."""
+
+    def __init__(self, store: WeightStore, syncer: PerServerSync | None):
+        self.store, self.syncer = store, syncer
+        self._started = False
+
+    def connect(self) -> None:
+        if self.syncer is not None:
+            self.syncer.connect()
+
+    def sync(
+        self,
+        named_tensors: Iterable[tuple[str, torch.Tensor | None]],
+        version: int,
+        probe_logprobs: Sequence[float] | None = None,  # the trainer's, for each server's check (sync.verify)
+    ) -> SyncStats | None:
+        """Store the weights of `version`; the first sync also brings every server to them (in parallel) and
+        starts the policy loop. Raises a failure of the syncer's threads first (the trainer's next step)."""
+        if self.syncer is not None:
+            self.syncer.check()
+        t0 = time.perf_counter()
+        self.store.put(version, named_tensors, probe_logprobs)
+        if self.syncer is None:
+            return None
+        snap = self.store.snapshot()
+        stats = SyncStats(str(version), len(snap.tensors), snap.nbytes, 0, time.perf_counter() - t0)
+        self.syncer.notify()
+        if not self._started:  # every server starts from the trainer's weights, then follows its policy
+            self._started = True
+            self.syncer.sync_all()
+            self.syncer.start()
+        return stats
+
+    def close(self) -> None:
+        if self.syncer is not None:
+            self.syncer.close()

@@ -1,4 +1,5 @@
-"""How the trainer's new weights reach the rollout servers: one interface, two implementations.
+"""How the trainer's new weights reach the rollout servers: one interface, two policies, each composing a
+weight transport (megatron_dapo.sync.transport.WeightTransport).
 
 `WeightSync.start(v)` puts every server on the trainer's weights at version v (servers may hold
 anything before: another run's weights, a resumed run's older ones); `after_step(v)` hands over the
@@ -6,12 +7,12 @@ weights of version v after an optimizer step and returns the step's sync metrics
 calls both (exporting weights is collective); rank 0 talks to the coordinator and controls the servers
 (with per_stage sources each pipeline-stage / expert source also broadcasts its own tensors).
 
-- `AllAtOnceSync` (`rollout.sync.policy: all_at_once`): the bridge broadcasts the weights to every
-  server inline, then the coordinator dispatches at version v; with `rollout.sync.sources` per_stage
-  from every export source (pipeline stage / expert rank), else all through rank 0.
-- `PerServerStoreSync` (`greedy`, `status_based`): the weights go to a host-memory store on rank 0; a
-  syncer thread moves each server to them when its policy says (megatron_dapo.sync.per_server), and
-  the coordinator learns each server's version as it is published.
+- `AllAtOnceSync` (`rollout.sync.policy: all_at_once`): a `BroadcastTransport` broadcasts the weights to
+  every server inline, then the coordinator dispatches at version v; with `rollout.sync.sources` per_stage
+  from every export source (pipeline stage / expert rank) in turn, else all through rank 0.
+- `PerServerStoreSync` (`greedy`, `status_based`): a `PerServerStoreTransport` puts the weights into a
+  host-memory store on rank 0; a syncer thread moves each server to them when its policy says
+  (megatron_dapo.sync.per_server), and the coordinator learns each server's version as it is published.
 
 With `rollout.sync.verify`, a fixed probe sequence's logprobs are computed by the trainer after every
 sync; the servers' logprobs of it must equal them (all at once: checked here; per server: by the syncer).
@@ -30,14 +31,18 @@ from megatron_dapo.bridge import EACH_SOURCE
 from megatron_dapo.config import derived
 from megatron_dapo.coordinator.batch import probe_batch
 from megatron_dapo.sync.addresses import source_store_addresses
-from megatron_dapo.sync.bridge import ServersLost, WeightSyncBridge
-from megatron_dapo.sync.per_server import PerServerSync, WeightStore
+from megatron_dapo.sync.broadcast import BroadcastTransport
+from megatron_dapo.sync.errors import ServersLost
+from megatron_dapo.sync.per_server import PerServerStoreTransport, PerServerSync, WeightStore
 
 log = logging.getLogger(__name__)
 
 
 class WeightSync:
-    """The interface (and what both implementations share: the actor, the byte budget, the probe)."""
+    """The interface (and what both implementations share: the actor, the byte budget, the probe, the
+    transport they compose)."""
+
+    transport = None  # the WeightTransport, set by each implementation
 
     def __init__(self, cfg, actor, rank: int, coord):
         self.cfg, self.actor, self.rank, self.coord = cfg, actor, rank, coord  # coord: rank 0's client, else None
@@ -61,7 +66,7 @@ class WeightSync:
         return {}
 
     def close(self) -> None:
-        raise NotImplementedError
+        self.transport.close()
 
     def _probe_logprobs(self, version: int) -> torch.Tensor:
         return self.actor.compute_logprobs(probe_batch(self.probe, version))[0]
@@ -79,7 +84,7 @@ class AllAtOnceSync(WeightSync):
         address = cfg.trainer.bind_host  # rank 0's; each other source hosts its group on its own node
         if sources is not None:
             address = source_store_addresses(sources, address, server_urls).get(rank, address)
-        self.bridge = WeightSyncBridge(
+        self.transport = BroadcastTransport(
             server_urls,
             cfg.rollout.sync,
             api_key=cfg.rollout.api_key,
@@ -90,32 +95,32 @@ class AllAtOnceSync(WeightSync):
             min_live=cfg.rollout.min_healthy_servers,
             on_lost=coord.registry.mark_down if rank == 0 else None,  # out of routing too
         )
-        self.bridge.connect()
+        self.transport.connect()
 
     def _export(self):
         if not self.per_stage:
             return super()._export()
         return self.actor.export_weights(byte_budget=self.byte_budget, dst_rank=EACH_SOURCE)
 
-    def _bridge_sync(self, version: int):
-        """The bridge's sync; after it lost servers (and left them out, its group re-formed for the rest),
-        again with a fresh export: bounded, as each try has fewer servers and the bridge stops the run
+    def _sync_until_delivered(self, version: int):
+        """The transport's sync; after it lost servers (and left them out, its group re-formed for the rest),
+        again with a fresh export: bounded, as each try has fewer servers and the transport stops the run
         below rollout.min_healthy_servers. With several sources every rank raises the loss (each source has
         left the server out and re-formed its group), so every rank exports again."""
         while True:
             stats, lost = None, None
             try:
-                stats = self.bridge.sync(self._export(), version=version)
+                stats = self.transport.sync(self._export(), version=version)
             except ServersLost as e:  # raised on rank 0 only (on every rank with several sources)
                 lost = e
-            if not self._again(lost is not None):
+            if not self._export_again(lost is not None):
                 return stats
             if lost is not None:
                 log.warning("weight sync of version %d lost %s; again with the other servers", version, lost.urls)
 
     @staticmethod
-    def _again(lost: bool) -> bool:
-        """Rank 0's outcome, on every trainer rank: whether all export again for a second try."""
+    def _export_again(lost: bool) -> bool:
+        """Whether rank 0 lost servers, on every trainer rank: then all export again for another try."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return lost
         flag = [lost]
@@ -126,8 +131,8 @@ class AllAtOnceSync(WeightSync):
         t0 = time.perf_counter()
         # rank 0 decides and talks to the servers; with per_stage sources every rank takes part (each source
         # re-forms its own group), else the others' part of a re-formed group is the same export
-        back = self.bridge.readmit() if self.rank == 0 or self.per_stage else []
-        stats = self._bridge_sync(version)
+        back = self.transport.readmit() if self.rank == 0 or self.per_stage else []
+        stats = self._sync_until_delivered(version)
         out = stats.as_metrics() if stats is not None else {}
         out["time/sync_s"] = time.perf_counter() - t0
         if self.cfg.rollout.sync.verify:
@@ -143,25 +148,25 @@ class AllAtOnceSync(WeightSync):
     def _route_again(self, back: list[str], version: int) -> None:
         """The re-admitted servers still live after this sync (and its check) hold `version`: route to them.
         So does any other live server routing still holds down: the router saw it restarted, and the sync
-        (its retry re-formed the group with it) gave it `version` before the bridge noticed."""
+        (its retry re-formed the group with it) gave it `version` before the transport noticed."""
         in_service = {s.url for s in self.coord.registry.statuses()}
-        for url in self.bridge.live:
+        for url in self.transport.live:
             if url in back or url not in in_service:
                 self.coord.registry.mark_up(url, version)
                 log.warning(
                     "rollout server %s re-admitted at weight version %d (%d in service)",
                     url,
                     version,
-                    len(self.bridge.live),
+                    len(self.transport.live),
                 )
 
     def _verify(self, ref: list[float]) -> float:
         """The live servers' probe logprobs against the trainer's; a server lost meanwhile is left out."""
         try:
-            return self.bridge.verify(self.probe, ref)
+            return self.transport.verify(self.probe, ref)
         except ServersLost as e:  # the others were verified
             log.warning("weight sync verify lost %s; the run goes on with the other servers", e.urls)
-            return self.bridge.verify(self.probe, ref)
+            return self.transport.verify(self.probe, ref)
 
     def start(self, version: int) -> None:
         self._sync(version)
@@ -172,21 +177,17 @@ class AllAtOnceSync(WeightSync):
             self.coord.set_version(version)
         return out
 
-    def close(self) -> None:
-        self.bridge.close()
-
 
 class PerServerStoreSync(WeightSync):
     def __init__(self, cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None):
         super().__init__(cfg, actor, rank, coord)
-        self.store = WeightStore()
-        self.syncer = None
+        store, syncer = WeightStore(), None
         if rank == 0:
-            self.syncer = PerServerSync(
+            syncer = PerServerSync(
                 server_urls,
                 cfg.rollout.sync,
                 coord.registry,
-                self.store,
+                store,
                 api_key=cfg.rollout.api_key,
                 server_tp_sizes=server_tp_sizes,
                 master_address=cfg.trainer.bind_host,
@@ -196,36 +197,28 @@ class PerServerStoreSync(WeightSync):
                 on_publish=lambda url, v: coord.set_version(v),
                 on_error=coord.fail,
             )
-            self.syncer.connect()
+        self.transport = PerServerStoreTransport(store, syncer)
+        self.transport.connect()
 
     def _store(self, version: int) -> dict[str, float]:
-        """The new weights go to the store; each server takes them when its policy says."""
+        """The new weights go to the store; each server takes them when its policy says (the first time:
+        every server now). A server's failed sync ends the run here, named, at the latest."""
         t0 = time.perf_counter()
         ref = self._probe_logprobs(version).tolist() if self.cfg.rollout.sync.verify else None
-        self.store.put(version, self._export(), ref)
+        stats = self.transport.sync(self._export(), version, probe_logprobs=ref)
         out = {"time/sync_s": time.perf_counter() - t0}
-        if self.rank == 0:
-            out["sync/store_bytes"] = float(self.store.snapshot().nbytes)
-            self.syncer.notify()
+        if stats is not None:
+            out["sync/store_bytes"] = float(stats.nbytes)
         return out
 
     def start(self, version: int) -> None:
         self._store(version)
-        if self.syncer is not None:  # every server starts from the trainer's weights, then follows its policy
-            self.syncer.sync_all()
-            self.syncer.start()
 
     def after_step(self, version: int) -> dict[str, float]:
-        if self.syncer is not None:  # a server's failed sync ends the run here, named, at the latest
-            self.syncer.check()
         return self._store(version)
 
     def step_extra(self) -> dict:
         return {"server_syncs": self.coord.registry.take_events()}
-
-    def close(self) -> None:
-        if self.syncer is not None:
-            self.syncer.close()
 
 
 def build_weight_sync(cfg, actor, rank: int, coord, server_urls, server_tp_sizes=None) -> WeightSync:

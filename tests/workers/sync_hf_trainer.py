@@ -19,7 +19,8 @@ import torch
 from safetensors import safe_open
 
 from megatron_dapo.config.schema import SyncConfig
-from megatron_dapo.sync.bridge import WeightSyncBridge, WeightSyncError
+from megatron_dapo.sync.broadcast import BroadcastTransport
+from megatron_dapo.sync.errors import WeightSyncError
 
 
 def main():
@@ -56,7 +57,7 @@ def main():
                     yield k, s.get_tensor(k)
 
     cfg = SyncConfig(bucket_mb=a.bucket_mb, flatten_bucket=a.flatten, pause_generation=not a.no_pause)
-    bridge = WeightSyncBridge(a.urls, cfg, api_key=a.api_key)
+    bridge = BroadcastTransport(a.urls, cfg, api_key=a.api_key)
     bridge.connect()
     if a.ready_file:
         open(a.ready_file, "w").close()

@@ -72,7 +72,7 @@ def killing_after(export, n: int, pgid: int):
 def losing_a_server(bridge, export, version, info) -> dict:
     """A sync in which a server is lost: the ServersLost each rank raised, what the bridge left in, and
     (rank 0) whether the others were left out of their session, at their old version, right after it."""
-    from megatron_dapo.sync.bridge import ServersLost
+    from megatron_dapo.sync.errors import ServersLost
 
     try:
         bridge.sync(export, version=version)
@@ -83,15 +83,15 @@ def losing_a_server(bridge, export, version, info) -> dict:
     dist.all_gather_object(each, seen)
     out = {"lost": each}
     if info.rank == 0:
-        out["versions_after_loss"] = [v["weight_version"] for v in bridge._all("get_model_info")]
-        opened = bridge._all("begin_weight_update", return_exceptions=True)  # refused if one was left open
+        out["versions_after_loss"] = [v["weight_version"] for v in bridge.calls.ask_all("get_model_info")]
+        opened = bridge.calls.ask_all("begin_weight_update", return_exceptions=True)  # refused if one was left open
         out["sessions_after_loss"] = [repr(a) if isinstance(a, BaseException) else "opened" for a in opened]
-        bridge._all("end_weight_update")
+        bridge.calls.ask_all("end_weight_update")
     return out
 
 
 def expect_failure(bridge, export, version, info, out):
-    from megatron_dapo.sync.bridge import WeightSyncError
+    from megatron_dapo.sync.errors import WeightSyncError
 
     try:
         bridge.sync(export, version=version)
@@ -136,7 +136,7 @@ def main():
     from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
     from megatron_dapo.runtime.net import LOOPBACK
     from megatron_dapo.sync.addresses import source_store_addresses
-    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.sync.broadcast import BroadcastTransport
 
     info = init_distributed("gloo")
     init_model_parallel(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
@@ -153,7 +153,7 @@ def main():
     # as the trainer does: rank 0 hosts at its bind host (loopback here), each other source at its node's
     # address (MEGATRON_DAPO_NODE_ADDRESS when set, else its route to the servers)
     address = source_store_addresses(sources, LOOPBACK, args.urls).get(info.rank, LOOPBACK)  # collective
-    bridge = WeightSyncBridge(args.urls, cfg, api_key=args.api_key, sources=sources, master_address=address)
+    bridge = BroadcastTransport(args.urls, cfg, api_key=args.api_key, sources=sources, master_address=address)
     bridge.connect()
     stores = [None] * info.world_size
     dist.all_gather_object(stores, bridge.master_address)
@@ -191,7 +191,7 @@ def main():
         if info.rank == 0:
             served = bridge.server_logprobs(probe)
             hf_ref = hf_logprobs(hf_model, probe)
-            versions = bridge._all("get_model_info")
+            versions = bridge.calls.ask_all("get_model_info")
             report["rounds"].append(
                 {
                     "version": version,

@@ -14,14 +14,16 @@ import torch.distributed as dist
 def main():
     url, api_key, version, split, *flags = sys.argv[1:]
     from megatron_dapo.config.schema import SyncConfig
-    from megatron_dapo.sync.bridge import WeightSyncBridge
+    from megatron_dapo.sync.broadcast import BroadcastTransport
     from tests.test_sglang_peer import _weights
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     stream = [(n, t if (i < int(split)) == (rank == 0) else None) for i, (n, t) in enumerate(_weights())]
     cfg = SyncConfig(bucket_mb=0.004, flatten_bucket="--flatten" in flags, pause_mode="retract")
-    bridge = WeightSyncBridge([url], cfg, api_key=api_key, group_name=f"peer_{version}", backend="gloo", sources=[0, 1])
+    bridge = BroadcastTransport(
+        [url], cfg, api_key=api_key, group_name=f"peer_{version}", backend="gloo", sources=[0, 1]
+    )
     bridge.connect()
     try:
         stats = bridge.sync(stream, version=version)
