@@ -23,7 +23,7 @@ nvidia-smi >> "$OUT/env.txt" 2>&1 || true
 
 echo "== 1. kernel correctness on CUDA (pytest -m gpu: triton-cuda cases of the shared suite + Qwen3-size checks)"
 if python -m pytest --version >/dev/null 2>&1; then
-    python -m pytest -q -m gpu -p no:cacheprovider -k "not fused_lm_head" tests/test_algo.py tests/test_kernels_gpu.py 2>&1 \
+    python -m pytest -q -m gpu -p no:cacheprovider -k "not fused_lm_head" tests/algo/test_backends.py tests/kernels/test_kernels_gpu.py 2>&1 \
         | tee "$OUT/kernel_tests.txt" || status=1
 else
     echo "pytest is not installed: kernel correctness tests NOT run" | tee "$OUT/kernel_tests.txt"; status=1
@@ -36,12 +36,12 @@ python benchmarks/loss_kernels.py --variants $variants --json "$OUT/loss_kernels
     | tee "$OUT/loss_kernels.md" || status=1
 
 echo "== 2b. fused LM head + logprob + entropy (loss_kernels --mode lm-head: H=4096, V=151936, bf16, fwd+bwd)"
-# correctness on CUDA: tests/test_fused_linear.py's torch-cuda and triton-cuda cases (against float64), and
+# correctness on CUDA: tests/kernels/test_fused_linear.py's torch-cuda and triton-cuda cases (against float64), and
 # test_kernels_gpu.py's fused_lm_head cases (step 1 leaves them out): triton vs torch backend at Qwen3 size
 # (T=1024, 4096, H=4096, bf16) and each backend's peak extra memory against its workspace bound
-python -m pytest -q -m gpu -p no:cacheprovider tests/test_fused_linear.py \
-    tests/test_kernels_gpu.py::test_fused_lm_head_triton_matches_torch_qwen3_size_on_cuda \
-    tests/test_kernels_gpu.py::test_fused_lm_head_memory_stays_in_its_workspace 2>&1 \
+python -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_fused_linear.py \
+    tests/kernels/test_kernels_gpu.py::test_fused_lm_head_triton_matches_torch_qwen3_size_on_cuda \
+    tests/kernels/test_kernels_gpu.py::test_fused_lm_head_memory_stays_in_its_workspace 2>&1 \
     | tee "$OUT/fused_linear_tests.txt" \
     || status=1
 # speed: "x today" of the fused rows (fused = torch row ops, fused-triton = Triton row kernels) is their

@@ -42,7 +42,7 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
 
 def run_overrides(model: Path, train: Path, run_dir: Path, steps: int, *extra: str) -> list[str]:
     """The tiny MoE config on `model` and `train`: short responses, one server, no validation (also the
-    end-to-end test's run, tests/test_routing_replay_data.py)."""
+    end-to-end test's run, tests/coordinator/test_routing_replay_data.py)."""
     return [
         f"model.hf_path={model}",
         "model.hf_config=null",

@@ -1,10 +1,10 @@
-"""The kernel backends one test suite runs against (tests/test_algo.py, tests/test_fused_linear.py).
+"""The kernel backends one test suite runs against (tests/algo/test_backends.py, tests/kernels/test_fused_linear.py).
 
   "torch"            the pure torch reference on CPU (always);
   "torch-cuda"       the torch path on a GPU, where a suite asks for it (marked gpu);
   "triton-cuda"      the Triton kernels on a GPU (marked gpu; skipped without CUDA);
   "triton-interpret" the Triton kernels on CPU under TRITON_INTERPRET=1, the only backend when
-                     MEGATRON_DAPO_TEST_BACKENDS=triton-interpret: tests/test_kernels_interpret.py runs a
+                     MEGATRON_DAPO_TEST_BACKENDS=triton-interpret: tests/kernels/test_kernels_interpret.py runs a
                      suite that way in a fresh subprocess, because triton reads the variable when a kernel
                      is decorated, i.e. before this process could set it.
 A parameter is (backend, torch.device).

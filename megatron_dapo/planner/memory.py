@@ -2,7 +2,7 @@
 
 Pure arithmetic on a `ModelShape` and a config; `megatron-dapo plan` prints and checks the
 results. The model is deliberately simple and every term is written out so it can be checked by
-hand (tests/test_plan.py does):
+hand (tests/planner/test_plan.py does):
 
 Training, Megatron (per GPU, per pipeline stage), following Megatron-LM's
 `megatron/training/theoretical_memory_usage.py` for the static part:

@@ -4,7 +4,7 @@ Extracted from SGLang 0.5.23's own source (`pip download sglang==0.5.23 --no-dep
 request classes from `sglang/srt/managers/io_struct.py`, sampling parameters from
 `sglang/srt/sampling/sampling_params.py`, routes and answers from
 `sglang/srt/entrypoints/http_server.py`, server flags from `sglang/srt/arg_groups/fields/*.py`.
-`tests/data/sglang_0.5.23_fields.json` is the snapshot `python -m megatron_dapo.rollout.protocol
+`tests/fixtures/sglang_0.5.23_fields.json` is the snapshot `python -m megatron_dapo.rollout.protocol
 --sglang-src DIR` writes; the conformance test compares the client's payloads against it and,
 where SGLang's source is present, re-extracts it first.
 
@@ -85,7 +85,7 @@ IO_STRUCT = "sglang/srt/managers/io_struct.py"
 SAMPLING_PARAMS = "sglang/srt/sampling/sampling_params.py"
 SERVER_ARG_FIELDS = "sglang/srt/arg_groups/fields"
 
-DEFAULT_SNAPSHOT = Path(__file__).resolve().parents[2] / "tests" / "data" / f"sglang_{SGLANG_VERSION}_fields.json"
+DEFAULT_SNAPSHOT = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / f"sglang_{SGLANG_VERSION}_fields.json"
 
 
 @dataclass(frozen=True)

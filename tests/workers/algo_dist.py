@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, gloo) for tests/test_algo_dist.py. Two checks in one launch:
+"""torchrun worker (2 ranks, gloo) for tests/algo/test_distributed.py. Two checks in one launch:
 
 1. TP=2: vocab_parallel_logprobs on each rank's half of the vocabulary (logprobs, entropy and
    the gradient of each shard) equals the unsharded float64 result; torch backend in float64

@@ -1,4 +1,4 @@
-"""torchrun worker (2 ranks, gloo) for tests/test_fused_linear.py: fused_linear_logprobs with the
+"""torchrun worker (2 ranks, gloo) for tests/kernels/test_fused_linear.py: fused_linear_logprobs with the
 (padded) vocabulary split over a TP group of 2 equals the unsharded float64 reference -- logprobs,
 entropy, dH (after the op's all-reduce) and each rank's dW shard. Two layouts: padding in rank 1's
 half, and rank 1 holding padding only; and sequence parallel: each rank passes its half of the tokens,
@@ -6,7 +6,7 @@ gets every token's values and its half of dH, and the op saves only that half fo
 argv[1]: the op's backend ("torch" or "triton"; "triton" on CPU needs TRITON_INTERPRET=1).
 Exits non-zero (assertion) on any mismatch.
 
-`naive_reference` is also the TP=1 reference of tests/test_fused_linear.py.
+`naive_reference` is also the TP=1 reference of tests/kernels/test_fused_linear.py.
 """
 
 from __future__ import annotations

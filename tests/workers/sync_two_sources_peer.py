@@ -1,4 +1,4 @@
-"""Two trainer ranks sync `tests.test_sglang_peer._weights()` into a server, each source its own part.
+"""Two trainer ranks sync `tests.sync.test_sglang_peer._weights()` into a server, each source its own part.
 
 usage (torchrun, 2 ranks): sync_two_sources_peer.py URL API_KEY VERSION SPLIT [--flatten]
 Rank 0 holds the tensors before index SPLIT, rank 1 the rest; each iterates the whole list with None in
@@ -15,7 +15,7 @@ def main():
     url, api_key, version, split, *flags = sys.argv[1:]
     from megatron_dapo.config.schema import SyncConfig
     from megatron_dapo.sync.broadcast import BroadcastTransport
-    from tests.test_sglang_peer import _weights
+    from tests.sync.test_sglang_peer import _weights
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

@@ -1,4 +1,4 @@
-"""torchrun worker of tests/test_sync_parts.py: `TurnTaking` over 3 gloo ranks, sources [0, 1, 2].
+"""torchrun worker of tests/sync/test_parts.py: `TurnTaking` over 3 gloo ranks, sources [0, 1, 2].
 
 usage: turn_taking.py OUT_JSON ORDER_FILE
 Each source appends its rank to ORDER_FILE when its turn comes (rank 2 is ready first, rank 0 last); then a
