@@ -53,14 +53,14 @@ def dapo_loss_options(cfg) -> dict:
     token_sum_norm is a constant (algo.loss_scale_factor or data.max_response_length): left unset,
     seq-mean-token-sum-norm would divide by each micro-batch's padded width instead."""
 
-    a = cfg.algo
+    algo = cfg.algo
     return dict(
-        clip_ratio_low=a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode,
+        clip_ratio_low=algo.clip_ratio_low,
+        clip_ratio_high=algo.clip_ratio_high,
+        clip_ratio_c=algo.clip_ratio_c,
+        loss_agg_mode=algo.loss_agg_mode,
         token_sum_norm=token_sum_norm(cfg),
-        rollout_is_cap=a.rollout_is.cap if a.rollout_is.enable else None,
+        rollout_is_cap=algo.rollout_is.cap if algo.rollout_is.enable else None,
     )
 
 

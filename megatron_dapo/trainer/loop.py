@@ -102,8 +102,16 @@ def train_rank(
     """
     resume = cfg.checkpoint.resume if resume is None else resume
     rank = init_distributed().rank
-    p = cfg.parallel
-    init_model_parallel(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, ep=p.ep, etp=p.etp, seed=cfg.trainer.seed)
+    parallel = cfg.parallel
+    init_model_parallel(
+        tp=parallel.tp,
+        pp=parallel.pp,
+        vpp=parallel.vpp,
+        cp=parallel.cp,
+        ep=parallel.ep,
+        etp=parallel.etp,
+        seed=cfg.trainer.seed,
+    )
     torch.manual_seed(cfg.trainer.seed)
     coord = writer = None
     try:

@@ -16,18 +16,18 @@ def build_lr_scheduler(optimizer, cfg):
     # megatron-core pulls in its whole optimizer stack; only an actor being built needs it
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    o = cfg.optimizer
+    opt = cfg.optimizer
     decay = derived.lr_decay_steps(cfg)
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if o.lr_warmup_steps else o.lr,
-        max_lr=o.lr,
-        min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_steps,
-        lr_decay_steps=max(decay, o.lr_warmup_steps + 1),
-        lr_decay_style=o.lr_decay_style,
-        start_wd=o.weight_decay,
-        end_wd=o.weight_decay,
+        init_lr=0.0 if opt.lr_warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.lr_warmup_steps,
+        lr_decay_steps=max(decay, opt.lr_warmup_steps + 1),
+        lr_decay_style=opt.lr_decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
         wd_incr_steps=max(decay, 1),
         wd_incr_style="constant",
     )

@@ -64,27 +64,30 @@ def output_layer_returns_hidden(model):
 # ---------------------------------------------------------------- build
 def model_overrides(cfg, arch: QwenArch, use_te: bool) -> dict:
     """TransformerConfig fields the config sets beyond the architecture and the parallel sizes."""
-    p, m = cfg.parallel, cfg.model
+    parallel, model = cfg.parallel, cfg.model
     # grouped GEMM of the experts exists only with Transformer Engine (TEGroupedMLP)
     out = (
-        {"moe_token_dispatcher_type": p.moe_token_dispatcher, "moe_grouped_gemm": m.moe_grouped_gemm and use_te}
+        {
+            "moe_token_dispatcher_type": parallel.moe_token_dispatcher,
+            "moe_grouped_gemm": model.moe_grouped_gemm and use_te,
+        }
         if arch.is_moe
         else {}
     )
-    if m.recompute_granularity != "none":
-        out["recompute_granularity"] = m.recompute_granularity
-        if m.recompute_granularity == "full":
-            out.update(recompute_method=m.recompute_method, recompute_num_layers=m.recompute_num_layers)
-    if m.moe_aux_loss_coeff is not None:
-        out["moe_aux_loss_coeff"] = m.moe_aux_loss_coeff
+    if model.recompute_granularity != "none":
+        out["recompute_granularity"] = model.recompute_granularity
+        if model.recompute_granularity == "full":
+            out.update(recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers)
+    if model.moe_aux_loss_coeff is not None:
+        out["moe_aux_loss_coeff"] = model.moe_aux_loss_coeff
     # algo.routing_replay: null means rollout for an MoE model (R3, trainer/routing_replay.py)
     if replays_routing(cfg, arch):
         out["moe_enable_routing_replay"] = True
-    if p.cp > 1 and use_te:  # Transformer Engine's CP attention; the local spec's gathers K/V
-        out["cp_comm_type"] = p.cp_comm_type or "p2p"
-    elif p.cp > 1 and p.cp_comm_type not in (None, "all_gather"):
+    if parallel.cp > 1 and use_te:  # Transformer Engine's CP attention; the local spec's gathers K/V
+        out["cp_comm_type"] = parallel.cp_comm_type or "p2p"
+    elif parallel.cp > 1 and parallel.cp_comm_type not in (None, "all_gather"):
         raise ValueError(
-            f"parallel.cp_comm_type={p.cp_comm_type} needs Transformer Engine on a GPU; this rank runs the "
+            f"parallel.cp_comm_type={parallel.cp_comm_type} needs Transformer Engine on a GPU; this rank runs the "
             f"local spec, whose context-parallel attention all-gathers K/V (set it to all_gather or null)"
         )
     return out
@@ -95,16 +98,16 @@ def replays_routing(cfg, arch: QwenArch) -> bool:
 
 
 def model_parallel(cfg) -> ModelParallel:
-    p = cfg.parallel
+    parallel = cfg.parallel
     return ModelParallel(
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        ep=p.ep,
-        etp=p.etp,
-        cp=p.cp,
+        tp=parallel.tp,
+        pp=parallel.pp,
+        vpp=parallel.vpp,
+        ep=parallel.ep,
+        etp=parallel.etp,
+        cp=parallel.cp,
         dtype=cfg.model.dtype,
-        sequence_parallel=p.sequence_parallel,
+        sequence_parallel=parallel.sequence_parallel,
     )
 
 
@@ -213,9 +216,9 @@ def restore_adam_steps(optimizer) -> None:
 class MegatronEngine:
     def __init__(self, cfg, hf_dir: str | None = None):
         self.cfg = cfg
-        m = cfg.model
-        self.use_te = m.transformer_impl == "transformer_engine" and te_available() and torch.cuda.is_available()
-        chunks = build_chunks(cfg, hf_dir or m.hf_path or None, self.use_te)
+        impl = cfg.model.transformer_impl
+        self.use_te = impl == "transformer_engine" and te_available() and torch.cuda.is_available()
+        chunks = build_chunks(cfg, hf_dir or cfg.model.hf_path or None, self.use_te)
         self.arch, self.config = chunks[0].arch, chunks[0].config
         self.model = wrap_ddp(chunks, cfg)
         self.optimizer = build_optimizer(self.model, cfg)
