@@ -19,8 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import te_stub  # noqa: E402
+# tests/ itself must not be on sys.path: its per-package folders (tests/kernels, ...) would shadow
+# top-level packages of those names (transformers probes the `kernels` package)
+from tests import te_stub  # noqa: E402
 
 te_stub.install()  # before megatron.core is imported
 
