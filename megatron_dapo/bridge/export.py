@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.bridge.mapping import MappingError, Unit, hf_from_shards, hf_names, hf_shape
-from megatron_dapo.bridge.parallel import RankLayout, local_units, model_arch
+from megatron_dapo.bridge.parallel import local_units, model_arch, tp_split_ranks
 from megatron_dapo.planner.spread import spread_by_bytes
+from megatron_dapo.runtime.layout import ParallelLayout
 
 
 class _EachSource:
@@ -56,7 +57,7 @@ class _Plan:
     dtype: torch.dtype
 
 
-def _plan(units, arch, layout: RankLayout, spread: bool = False) -> list[_Plan]:
+def _plan(units, arch, layout: ParallelLayout, spread: bool = False) -> list[_Plan]:
     """The global export plan, agreed by all ranks: per unit, its source rank and dtype. By default a unit's
     source is the first rank of its first replica (data-parallel rank 0, TP rank 0; for experts expert-data-
     parallel rank 0, expert-TP rank 0). With `spread`, the dense units of each pipeline stage are spread by
@@ -64,8 +65,8 @@ def _plan(units, arch, layout: RankLayout, spread: bool = False) -> list[_Plan]:
     so that no source broadcasts the stage's whole dense part (`_spread_dense`)."""
     mine = {}
     for unit, param in units:
-        rank, _ = layout.split(unit.rule.expert)
-        if unit.export and rank == 0 and layout.is_source(unit.rule.expert):
+        rank, _ = layout.tp_split(unit.rule.expert)
+        if unit.export and rank == 0 and layout.holds_first_replica(unit.rule.expert):
             mine[unit.key] = (unit.hf_names, str(param.dtype).removeprefix("torch."))
     held = sorted(u.key for u, _ in units if u.export and not u.rule.expert) if spread else []
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -114,13 +115,13 @@ def _spread_dense(plans: list[_Plan], arch, held: dict[int, set[str]]) -> None:
         p.source = chosen[p.key]
 
 
-def _gather_full(unit: Unit, param: torch.Tensor, arch, layout: RankLayout, dst: int) -> list[torch.Tensor] | None:
+def _gather_full(unit: Unit, param: torch.Tensor, arch, layout: ParallelLayout, dst: int) -> list[torch.Tensor] | None:
     """Gather `param`'s TP shards on global rank `dst` of its TP group -> HF tensors there, None on the others."""
-    _, size = layout.split(unit.rule.expert)
+    _, size = layout.tp_split(unit.rule.expert)
     local = param.detach()
     if size == 1:
         return hf_from_shards(unit, arch, [local])
-    group = layout.split_group(unit.rule.expert)
+    group = layout.tp_split_group(unit.rule.expert)
     here = layout.rank == dst
     shards = [torch.empty_like(local) for _ in range(size)] if here else None
     dist.gather(local.contiguous(), shards, dst=dst, group=group)
@@ -169,7 +170,7 @@ def export_hf_weights(
     `traffic`: counts the bytes this rank sends / receives beyond its TP gathers.
     """
     arch = model_arch(model_chunks)
-    layout = RankLayout.current()
+    layout = ParallelLayout.from_megatron()
     units = {u.key: (u, p) for u, p in local_units(model_chunks, arch, layout) if u.export}
     plans = _plan(list(units.values()), arch, layout, spread=dst_rank is EACH_SOURCE)
     if dst_rank is EACH_SOURCE:
@@ -181,17 +182,17 @@ def export_sources(model_chunks) -> list[int]:
     """The distinct ranks that rebuild HF tensors (one per pipeline stage, plus each expert-parallel rank
     holding experts), ascending. Collective over the default group, like `export_hf_weights`."""
     arch = model_arch(model_chunks)
-    layout = RankLayout.current()
+    layout = ParallelLayout.from_megatron()
     units = [(u, p) for u, p in local_units(model_chunks, arch, layout) if u.export]
     return sorted({p.source for p in _plan(units, arch, layout)})  # `spread` moves units, never sources
 
 
 @torch.no_grad()
-def _stream(units, plans, arch, layout: RankLayout, byte_budget, dst_rank, traffic: Traffic):
+def _stream(units, plans, arch, layout: ParallelLayout, byte_budget, dst_rank, traffic: Traffic):
     world = dist.get_world_size() if dist.is_initialized() else 1
     me = layout.rank
     each_source = dst_rank is EACH_SOURCE
-    peers = {expert: layout.split_ranks(expert) for expert in (False, True)}
+    peers = {expert: tp_split_ranks(layout, expert) for expert in (False, True)}
     for bucket in _buckets(plans, arch, byte_budget):
         fulls: list[list[torch.Tensor] | None] = []
         for p in bucket:

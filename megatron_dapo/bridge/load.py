@@ -8,7 +8,8 @@ import torch
 
 from megatron_dapo.bridge.hf_io import CheckpointError, HFCheckpointReader
 from megatron_dapo.bridge.mapping import hf_names, hf_shape, shard_from_hf
-from megatron_dapo.bridge.parallel import RankLayout, local_units, model_arch
+from megatron_dapo.bridge.parallel import local_units, model_arch
+from megatron_dapo.runtime.layout import ParallelLayout
 
 
 def check_hf_checkpoint(arch, hf_dir: str | Path) -> HFCheckpointReader:
@@ -32,7 +33,7 @@ def load_hf_into_megatron(model_chunks, hf_dir: str | Path, progress: bool = Fal
     """
     arch = model_arch(model_chunks)
     reader = check_hf_checkpoint(arch, hf_dir)
-    layout = RankLayout.current()
+    layout = ParallelLayout.from_megatron()
 
     def read(name, dim, start, stop):
         return reader.read(name, dim, start, stop)
@@ -43,7 +44,7 @@ def load_hf_into_megatron(model_chunks, hf_dir: str | Path, progress: bool = Fal
 
         units = tqdm(units, desc="load HF tensors", unit="param")
     for unit, param in units:
-        rank, size = layout.split(unit.rule.expert)
+        rank, size = layout.tp_split(unit.rule.expert)
         shard = shard_from_hf(unit, arch, read, rank, size, param.shape)
         if tuple(shard.shape) != tuple(param.shape):
             raise CheckpointError(

@@ -28,15 +28,17 @@ class ValSettings:
 
     @classmethod
     def from_config(cls, cfg) -> "ValSettings":
-        v, s = cfg.trainer.val, cfg.rollout.sampling
+        val, sampling_cfg = cfg.trainer.val, cfg.rollout.sampling
         sampling = SamplingParams(
-            temperature=v.temperature,
-            top_p=v.top_p,
+            temperature=val.temperature,
+            top_p=val.top_p,
             max_new_tokens=val_max_new_tokens(cfg),
-            stop=list(s.stop) or None,
-            stop_token_ids=list(s.stop_token_ids) or None,
+            stop=list(sampling_cfg.stop) or None,
+            stop_token_ids=list(sampling_cfg.stop_token_ids) or None,
         )
-        return cls(n=v.n, sampling=sampling, greedy=v.greedy, seed=cfg.trainer.seed if s.seeded else None)
+        return cls(
+            n=val.n, sampling=sampling, greedy=val.greedy, seed=cfg.trainer.seed if sampling_cfg.seeded else None
+        )
 
 
 @dataclass

@@ -165,7 +165,7 @@ class DapoStep:
     def train_step(self, data) -> dict[str, float]:
         """One trainer step. Collective. `data`: this rank's `DPShard` of the step batch (as the
         coordinator hands it out), or the whole `RolloutBatch` (the same on every rank; cut here)."""
-        a, layout = self.cfg.algo, self.layout
+        algo, layout = self.cfg.algo, self.layout
         if isinstance(data, DPShard):
             if (data.dp_rank, data.dp_size) != (layout.dp_rank, layout.dp):
                 raise ValueError(
@@ -174,7 +174,7 @@ class DapoStep:
             shard = data
         else:
             self._check_batch(data)
-            shard = shard_batch(data, layout.dp, a.ppo_mini_batch_size)[layout.dp_rank]
+            shard = shard_batch(data, layout.dp, algo.ppo_mini_batch_size)[layout.dp_rank]
         batch = shard.batch
         self._check_batch(batch)
         # the old policy's logprobs for all of this rank's rows, before any update
@@ -183,7 +183,7 @@ class DapoStep:
         maxima: dict[str, float] = {}
         n_steps = skipped = 0
         grad_norms = []
-        for _epoch in range(a.ppo_epochs):
+        for _epoch in range(algo.ppo_epochs):
             for mine, counts in zip(shard.mini_batches, shard.mini_batch_counts):
                 lr = self.engine.current_lr()  # the lr this step applies (the scheduler moves after it)
                 metrics, ok, grad_norm = self._mini_batch_step(batch, mine, old, counts)
@@ -269,12 +269,12 @@ class DapoStep:
     def _loss_fn(self, batch, old: dict[int, torch.Tensor], counts: tuple[int, int], sums: dict, maxima: dict):
         """The mini-batch's loss function (trainer/engine.py's LossFn); it adds each micro-batch's
         metrics into `sums` and `maxima`."""
-        a, dp = self.cfg.algo, self.layout.dp
+        algo, dp = self.cfg.algo, self.layout.dp
         loss_options = dapo_loss_options(self.cfg)
         # The exact global normalisers of the mini-batch (loss tokens / sequences over every
         # micro-batch of every DP rank), known before the first backward: they come with the shard.
         global_tokens, global_seqs = float(counts[0]), float(counts[1])
-        use_is = a.rollout_is.enable
+        use_is = algo.rollout_is.enable
 
         def loss_fn(mb: PackedMicroBatch, lp_pos: torch.Tensor, ent_pos: torch.Tensor) -> torch.Tensor:
             if not mb.rows:  # all padding (this rank has fewer micro-batches than others): no loss
@@ -298,8 +298,8 @@ class DapoStep:
             ent = mb.gather(ent_pos.float())
             # Token-mean entropy over the mini-batch, with the same global normalisation as the loss.
             ent_mean = (ent * mask).sum() * dp / max(global_tokens, 1.0)
-            if a.entropy_coeff:
-                loss = loss - a.entropy_coeff * ent_mean
+            if algo.entropy_coeff:
+                loss = loss - algo.entropy_coeff * ent_mean
             with torch.no_grad():
                 add = self._loss_metrics(loss, ent_mean, metrics)
                 per_token = dp / max(global_tokens, 1.0)
@@ -308,7 +308,7 @@ class DapoStep:
                     float(((old_rows - roll_rows).abs() * mask).sum()) * per_token
                 )
                 if use_is:
-                    w = torch.clamp(is_weights, max=a.rollout_is.cap) if a.rollout_is.cap else is_weights
+                    w = torch.clamp(is_weights, max=algo.rollout_is.cap) if algo.rollout_is.cap else is_weights
                     add["actor/rollout_is_weight_mean"] = float((w * mask).sum()) * per_token
                 for k, v in add.items():
                     sums[k] = sums.get(k, 0.0) + v
