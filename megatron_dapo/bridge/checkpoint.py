@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_dapo.errors import CheckpointError
+from megatron_dapo.runtime.files import write_failure_text
+
 TRACKER = "latest_checkpointed_iteration.txt"
 HF_CONFIG_DIR = "hf_config"
 
@@ -40,9 +43,12 @@ def checkpoint_dir(ckpt: str | Path) -> Path:
 
 
 def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int | str = "release") -> Path:
-    """Collective: save the chunks' weights to `out_dir` (its tracker file is written by rank 0)."""
+    """Collective: save the chunks' weights to `out_dir` (its tracker file is written by rank 0). A write
+    that fails is a CheckpointError naming the directory and the OS error (a full disk: No space left on
+    device (ENOSPC)), also where torch's own file writer hid it."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
 
     out_dir = Path(out_dir)
     sub = out_dir / ("release" if iteration == "release" else f"iter_{int(iteration):07d}")
@@ -53,11 +59,23 @@ def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int |
     state = {_model_key(i, n): c.sharded_state_dict() for i, c in enumerate(model_chunks)}
     state["checkpoint_version"] = 3.0
     state["iteration"] = 0 if iteration == "release" else int(iteration)
-    dist_checkpointing.save(state, str(sub))
-    if dist.get_rank() == 0:
-        (out_dir / TRACKER).write_text(f"{iteration}\n")
+    try:
+        dist_checkpointing.save(state, str(sub))
+        if dist.get_rank() == 0:
+            (out_dir / TRACKER).write_text(f"{iteration}\n")
+    except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
+        raise CheckpointError(f"saving the megatron-core checkpoint into {sub} failed ({_cause(e, sub)})") from e
     dist.barrier()
     return sub
+
+
+def _cause(error: BaseException, where: Path) -> str:
+    """Why the save failed, the OS error named (every rank's, from megatron-core's coordinator rank)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {r}: {_cause(e, where)}" for r, (e, _) in sorted(error.failures.items()))
+    return write_failure_text(error, where)
 
 
 @torch.no_grad()

@@ -131,6 +131,19 @@ def routing_shape(cfg: DapoConfig) -> RoutingShape | None:
     return RoutingShape(shape.num_layers, shape.moe_layers, shape.moe_topk, shape.num_experts)
 
 
+# rollout.sync.timeout_s unset: a quarter of rollout.request_timeout_s, at most SYNC_TIMEOUT_CAP_S. Under
+# all_at_once every healthy server stays paused while a stalled one is awaited (up to one sync timeout for
+# its pause, another if it stalls mid-update), and a paused request's time counts against its own request
+# timeout: a quarter leaves it three quarters of it to generate in. The cap bounds what one stalled server
+# costs the whole run (all servers paused) when the request timeout is long; a healthy server's slowest
+# sync call (a new update group, one bucket of rollout.sync.bucket_mb) takes seconds, not minutes.
+SYNC_TIMEOUT_SHARE = 0.25
+SYNC_TIMEOUT_CAP_S = 300.0
+
+
 def sync_timeout_s(cfg: DapoConfig) -> float:
-    """Bound on each call of a weight sync: rollout.sync.timeout_s, else rollout.request_timeout_s."""
-    return cfg.rollout.sync.timeout_s or cfg.rollout.request_timeout_s
+    """Bound on each call of a weight sync: rollout.sync.timeout_s, else a quarter of
+    rollout.request_timeout_s, at most SYNC_TIMEOUT_CAP_S (see above)."""
+    if cfg.rollout.sync.timeout_s is not None:
+        return cfg.rollout.sync.timeout_s
+    return min(SYNC_TIMEOUT_SHARE * cfg.rollout.request_timeout_s, SYNC_TIMEOUT_CAP_S)

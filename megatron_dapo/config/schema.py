@@ -191,8 +191,10 @@ class SyncConfig(SyncPolicyConfig):
     # trainer.backend=megatron (both refused otherwise).
     sources: Literal["auto", "rank0", "per_stage"] = "auto"
     # Bound on each HTTP call and broadcast of a sync (pause, update, end, continue): a server that does not
-    # answer within it is left out of the sync and of routing (see docs/operations.md). None = the value of
-    # rollout.request_timeout_s.
+    # answer within it is left out of the sync and of routing (see docs/operations.md). None = a quarter of
+    # rollout.request_timeout_s, at most 300 s. Under policy all_at_once it must be below
+    # rollout.request_timeout_s: healthy servers stay paused while a stalled one is awaited, and their
+    # paused requests must not time out meanwhile.
     timeout_s: Optional[float] = None
 
 

@@ -312,7 +312,19 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         )
     if rollout.sync.timeout_s is not None and rollout.sync.timeout_s <= 0:
         errors.append(
-            f"rollout.sync.timeout_s={rollout.sync.timeout_s} must be > 0 (or null: rollout.request_timeout_s)"
+            f"rollout.sync.timeout_s={rollout.sync.timeout_s} must be > 0 (or null: a quarter of "
+            f"rollout.request_timeout_s, at most 300 s)"
+        )
+    elif (
+        rollout.sync.timeout_s is not None
+        and rollout.sync.policy == "all_at_once"
+        and rollout.sync.timeout_s >= rollout.request_timeout_s
+    ):
+        errors.append(
+            f"rollout.sync.timeout_s={rollout.sync.timeout_s} must be below rollout.request_timeout_s="
+            f"{rollout.request_timeout_s} under rollout.sync.policy=all_at_once: the healthy servers stay paused "
+            f"while a stalled one is awaited, and their paused requests would time out and mark them unhealthy "
+            f"(null: a quarter of rollout.request_timeout_s, at most 300 s)"
         )
     servers = len(rollout.servers) or rollout.num_servers
     if not 1 <= rollout.min_healthy_servers <= servers:

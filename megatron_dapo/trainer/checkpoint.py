@@ -18,13 +18,16 @@ before anything is read, and nothing but JSON and megatron-core's files is deser
 pickle among those (torch_dist's `.metadata`) is first read with an allow-list (`bridge.dcp_metadata`).
 `latest` may only name a `step_*` directory directly inside save_dir.
 
-`save_collective` runs a save on every trainer rank: a write that fails on any rank (a full disk
-gives torch's "enforce fail at inline_container.cc" or ENOSPC in a writer process) removes the
-partial `.tmp` and raises one CheckpointError, naming the `.tmp` and the cause, on every rank.
+`save_collective` runs a save on every trainer rank: a write that fails on any rank removes the
+partial `.tmp` and raises one CheckpointError, naming the `.tmp` and the cause, on every rank. The
+cause names the OS error (No space left on device (ENOSPC), Disk quota exceeded (EDQUOT), Read-only
+file system (EROFS)), also where torch's own file writer hid it ("unexpected pos 704 vs 598"): a test
+write into the `.tmp`, before it is removed, says how the file system refuses writes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -38,7 +41,7 @@ from pathlib import Path
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megatron_dapo.errors import CheckpointError
-from megatron_dapo.runtime.files import write_text_atomic
+from megatron_dapo.runtime.files import write_failure_text, write_text_atomic
 
 LATEST = "latest"
 TRAINER_STATE_KEYS = ("step", "version", "world_size")
@@ -186,22 +189,14 @@ def _attempt(write: Callable[[], object]) -> BaseException | None:
     return None
 
 
-_TORCH_ENFORCE = re.compile(r"\[enforce fail at [^\]]*\]\s*\.?\s*")
-
-
-def _cause(error: BaseException, rank: int) -> str:
-    """'rank N: why the write failed' ('' when this rank only learnt that another one failed)."""
+def _cause(error: BaseException, rank: int, tmp: Path) -> str:
+    """'rank N: why the write failed', the OS error named ('' when this rank only learnt that another one
+    failed); runtime.files.write_failure_text, whose test write for a cause without an errno goes into `tmp`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     if isinstance(error, CheckpointException):  # every rank's details, on megatron-core's coordinator only
-        return "; ".join(_cause(exc, r) for r, (exc, _) in sorted(error.failures.items()))
-    while error.__cause__ is not None:
-        error = error.__cause__
-    text = str(error).splitlines()[0] if str(error) else ""
-    if _TORCH_ENFORCE.match(text) or "basic_ios::clear" in text:
-        # torch's C++ file writer hides the errno (zip writer / iostream): say what it most often means
-        text = f"torch could not write the file ({_TORCH_ENFORCE.sub('', text)}): is the disk full?"
-    return f"rank {rank}: {type(error).__name__}: {text}"
+        return "; ".join(_cause(exc, r, tmp) for r, (exc, _) in sorted(error.failures.items()))
+    return f"rank {rank}: {write_failure_text(error, tmp)}"
 
 
 def _agree(tmp: Path, error: BaseException | None) -> None:
@@ -209,7 +204,7 @@ def _agree(tmp: Path, error: BaseException | None) -> None:
     removed the partial save."""
     import torch.distributed as dist
 
-    mine = None if error is None else _cause(error, _rank()) or f"rank {_rank()}: failed"
+    mine = None if error is None else _cause(error, _rank(), tmp) or f"rank {_rank()}: failed"
     causes: list = [mine]
     if dist.is_available() and dist.is_initialized():
         causes = [None] * dist.get_world_size()
@@ -220,7 +215,8 @@ def _agree(tmp: Path, error: BaseException | None) -> None:
     cause = next((c for c in failed if not c.endswith(": failed")), failed[0])
     if _rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
-        (tmp.parent / (LATEST + ".tmp")).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a read-only file system refuses even this (EROFS, not ENOENT)
+            (tmp.parent / (LATEST + ".tmp")).unlink(missing_ok=True)
     free = shutil.disk_usage(tmp.parent).free / 2**20 if tmp.parent.exists() else float("nan")
     raise CheckpointError(
         f"checkpoint save into {tmp} failed ({cause}). The partial save was removed "

@@ -316,9 +316,19 @@ def test_trainer_world_size_excludes_launched_sglang_gpus():
 
 def test_sync_timeout_and_min_healthy_servers_are_checked_and_resolved():
     cfg = config_from_dict({"model": {"hf_path": "Qwen/Qwen3-8B"}, "rollout": {"num_servers": 2}})
-    assert derived.sync_timeout_s(cfg) == cfg.rollout.request_timeout_s  # unset: the request timeout
+    # unset: a quarter of the request timeout, at most 300 s (below it, so that a paused healthy server's
+    # requests outlive the wait for a stalled one: docs/operations.md)
+    assert cfg.rollout.request_timeout_s == 3600.0 and derived.sync_timeout_s(cfg) == 300.0
+    cfg.rollout.request_timeout_s = 20.0
+    assert derived.sync_timeout_s(cfg) == 5.0
     cfg.rollout.sync.timeout_s = 30.0
     assert derived.sync_timeout_s(cfg) == 30.0
+    # set at or above the request timeout under all_at_once: refused, naming both keys
+    with pytest.raises(ConfigError, match=r"rollout.sync.timeout_s=30.0 must be below rollout.request_timeout_s=20.0"):
+        validate_config(cfg)
+    cfg.rollout.sync.policy = "greedy"  # a per-server sync pauses no other server: allowed
+    assert validate_config(cfg) == []
+    cfg.rollout.sync.policy, cfg.rollout.request_timeout_s = "all_at_once", 3600.0
     cfg.rollout.sync.timeout_s, cfg.rollout.min_healthy_servers = 0.0, 3
     with pytest.raises(ConfigError) as err:
         validate_config(cfg)

@@ -226,3 +226,83 @@ def test_a_server_lost_at_the_verify_probe_is_left_out_after_the_others_are_chec
             bridge.verify(PROBE, _reference_logprobs(model, _weights(model, 2), PROBE))
     finally:
         bridge.close()
+
+
+REQUEST_TIMEOUT_S = 24.0  # rollout.request_timeout_s of the test below: its default sync timeout is 6 s
+
+
+async def _generate_through_a_stall(healthy_url, stalled, sync):
+    """One long request on the healthy server through the router (the client timeout the coordinator gives
+    it: rollout.request_timeout_s); once it runs there, `stalled` is SIGSTOPped and `sync()` runs (on a
+    thread). The request's outcome, its seconds, the sync's outcome and the router's state of the server."""
+    from megatron_dapo.coordinator.router import Router
+    from megatron_dapo.rollout.client import SGLangClient
+    from megatron_dapo.rollout.types import SamplingParams
+
+    router = Router([healthy_url], client_kwargs={"timeout_s": REQUEST_TIMEOUT_S}, health_interval_s=0.5)
+    async with router, SGLangClient(healthy_url, retries=0) as probe:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        request = asyncio.ensure_future(router.generate(PROBE, SamplingParams(max_new_tokens=300, ignore_eos=True)))
+        while (await probe.get_loads()).running == 0:  # in the server's running batch: the pause will hold it
+            assert not request.done() and loop.time() - start < 30, "the request never ran"
+            await asyncio.sleep(0.05)
+        os.killpg(stalled.proc.pid, signal.SIGSTOP)
+        synced = await asyncio.to_thread(_bounded, sync)
+        samples = await asyncio.wait_for(request, BOUND_S)
+        return samples, loop.time() - start, synced, router.servers[0]
+
+
+@pytest.fixture
+def slow_servers(tmp_path):
+    """Two embedded servers at half pace: a 300-token request runs for seconds, so a pause lands mid-request."""
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.launcher import launch_embedded_servers
+
+    model = save_tiny_hf_model("qwen3", tmp_path / "model", eos_token_id=2)
+    procs = launch_embedded_servers(str(model), 2, tmp_path / "logs", timeout_s=240, extra_args=["--slowdown", "0.5"])
+    try:
+        yield procs, model
+    finally:
+        for s in procs:
+            if s.alive():
+                os.killpg(s.proc.pid, signal.SIGCONT)
+            s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sync_timeout", ["default", "request_timeout"])
+def test_a_stalled_server_does_not_time_out_the_healthy_ones_paused_requests(slow_servers, sync_timeout):
+    """Issue 41: with rollout.sync.timeout_s at its default (derived from rollout.request_timeout_s: a quarter
+    of it) a request paused on the healthy server while the sync awaits the stalled one ends well within its
+    own timeout, and the router never marks the healthy server unhealthy. The control, the old default (the
+    sync timeout equal to the request timeout), shows what the test catches: the paused request times out and
+    the healthy server is marked unhealthy (the config now refuses that setting under all_at_once)."""
+    from megatron_dapo.config import config_from_dict, derived
+    from megatron_dapo.sync.errors import ServersLost
+
+    servers, model = slow_servers
+    urls = [s.url for s in servers]
+    cfg = config_from_dict({"model": {"hf_path": str(model)}, "rollout": {"request_timeout_s": REQUEST_TIMEOUT_S}})
+    timeout_s = derived.sync_timeout_s(cfg) if sync_timeout == "default" else REQUEST_TIMEOUT_S
+    assert timeout_s == (REQUEST_TIMEOUT_S / 4 if sync_timeout == "default" else REQUEST_TIMEOUT_S)
+    bridge = _bridge(urls, min_live=1, timeout_s=timeout_s)
+    try:
+        bridge.sync(_weights(model, 1), version=1)
+        w2 = _weights(model, 2)
+        samples, seconds, synced, healthy = asyncio.run(
+            _generate_through_a_stall(urls[0], servers[1], lambda: bridge.sync(w2, version=2))
+        )
+        e = synced.get("error")
+        assert isinstance(e, ServersLost) and e.urls == [urls[1]], synced  # the stalled one was left out
+        assert seconds >= timeout_s  # the request was held paused while the sync awaited the stalled server
+        assert len(samples) == 1 and len(samples[0].output_ids) == 300  # it completed
+        if sync_timeout == "default":
+            assert healthy.healthy and healthy.stats["failovers_from"] == 0, healthy
+            assert seconds < REQUEST_TIMEOUT_S  # ended within its own timeout, on its first try
+        else:
+            assert healthy.stats["failovers_from"] == 1, healthy  # it timed out once: marked unhealthy
+        assert _bounded(lambda: bridge.sync(w2, version=2)).get("value") is not None  # the trainer's retry
+    finally:
+        os.killpg(servers[1].proc.pid, signal.SIGCONT)
+        bridge.close()

@@ -270,6 +270,58 @@ def test_full_disk_is_one_checkpoint_error_and_removes_the_partial_save(tmp_path
     assert final == ck.latest_checkpoint(tmp_path) and ck.read_trainer_state(final)["step"] == 2
 
 
+def _in_a_tmpfs_of_its_own(mount_point: Path, size: str, command: list[str]) -> list[str]:
+    """`command` in a mount namespace of its own (unshare; a user namespace too when not root) with a
+    tmpfs of `size` on `mount_point`: the mount ends with the process, whatever happens to the test. Skips
+    the test, saying why, where no such namespace can be made (no unshare, no user namespaces, a container
+    without the capability)."""
+    import os
+    import shlex
+    import subprocess
+
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        pytest.skip("no `unshare` here: the test needs a small file system (a tmpfs in a mount namespace)")
+    prefix = [unshare, "--mount", *(() if os.geteuid() == 0 else ("--map-root-user",))]
+    mount = f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(mount_point))}"
+    tried = subprocess.run([*prefix, "sh", "-c", mount], capture_output=True, text=True, timeout=30)
+    if tried.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs in a mount namespace here ({tried.stderr.strip()[:200]}): the test "
+            "needs a small file system"
+        )
+    return [*prefix, "sh", "-c", f"{mount} && exec {shlex.join(command)}"]
+
+
+@pytest.mark.slow
+def test_a_full_or_read_only_file_system_names_the_os_error_and_keeps_latest(tmp_path):
+    """Issue 41: saves onto a real 4 MiB tmpfs, full (torch's writer failing mid-shard with only "unexpected
+    pos ..."; trainer.json's own OSError) and read-only, each a CheckpointError naming the OS error (ENOSPC,
+    EROFS), with `latest` and the previous checkpoint intact; then the same step saves. The bridge's save
+    names ENOSPC too (tests/workers/checkpoint_small_fs.py asserts each case)."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.dist_utils import WORKERS
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    command = _in_a_tmpfs_of_its_own(fs, "4m", [sys.executable, str(WORKERS / "checkpoint_small_fs.py"), str(fs)])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.setdefault("OMP_NUM_THREADS", "1")
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0 and "small fs OK" in out, out[-6000:]
+    cases = dict(line[len("CASE ") :].split(": ", 1) for line in out.splitlines() if line.startswith("CASE "))
+    assert set(cases) == {"full-shard", "full-trainer-json", "read-only", "bridge"}, out[-4000:]
+    assert all("unexpected pos" in cases[c] and "(ENOSPC)" in cases[c] for c in ("full-shard", "bridge")), cases
+    assert "(EROFS)" in cases["read-only"]
+
+
 @pytest.mark.slow
 def test_full_disk_in_a_two_rank_megatron_save_fails_every_rank_alike(tmp_path):
     from tests.dist_utils import run_torchrun

@@ -1,9 +1,11 @@
 """A training run survives a dead or stalled rollout server: the TP=2 torchrun trainer of test_loop_run
 with two embedded servers of its own, one SIGKILLed (under each sync policy) or SIGSTOPped (all_at_once,
-small rollout.sync.timeout_s) once the first step is trained. The run finishes all its steps on the other
-server (left out of the weight sync and of routing), which ends at the trainer's final weights: its
-logprobs equal an HF forward with the weights the trainer dumped after the last step. A hang or a crash
-fails the run's own bound (run_torchrun's timeout); a stopped server is continued and stopped at the end."""
+a short rollout.request_timeout_s and the default sync timeout derived from it) once the first step is
+trained. The run finishes all its steps on the other server (left out of the weight sync and of routing),
+which ends at the trainer's final weights: its logprobs equal an HF forward with the weights the trainer
+dumped after the last step. A stall leaves the other server healthy: its requests, paused while the trainer
+awaits the stalled one, do not time out (the router never marks it unhealthy). A hang or a crash fails the
+run's own bound (run_torchrun's timeout); a stopped server is continued and stopped at the end."""
 
 import asyncio
 import json
@@ -90,15 +92,19 @@ def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_p
         run_dir,
         policy,
         pause_mode,
-        "rollout.sync.timeout_s=5" if fault == "stall" else "rollout.sync.timeout_s=30",
-        # a stalled server's requests fail over once they time out
-        "rollout.request_timeout_s=20" if fault == "stall" else "rollout.request_timeout_s=3600",
+        # a stall: rollout.sync.timeout_s left at its default, a quarter of the request timeout (5 s); a
+        # stalled server's requests fail over once they time out
+        *(
+            ("rollout.request_timeout_s=20",)
+            if fault == "stall"
+            else ("rollout.sync.timeout_s=30", "rollout.request_timeout_s=3600")
+        ),
     )
     stop = threading.Event()
     killer = threading.Thread(target=_fault_after_first_step, args=(out, own_servers[1], fault, stop), daemon=True)
     killer.start()
     try:
-        run_torchrun("loop_run.py", 2, str(CONFIG), str(out), "-", *args, timeout=420)
+        log = run_torchrun("loop_run.py", 2, str(CONFIG), str(out), "-", *args, timeout=420)
     finally:
         stop.set()
         killer.join(10)
@@ -106,6 +112,8 @@ def test_a_run_finishes_all_steps_after_a_server_is_lost(env, own_servers, tmp_p
         assert not own_servers[1].alive()  # the fault happened
     else:
         assert own_servers[1].proc is not None and _stopped(own_servers[1].proc.pid)
+        # the stalled server was left out; the healthy one's paused requests outlived the wait for it
+        assert f"server {urls[0]} marked unhealthy" not in log, log[-6000:]
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(STEPS))
     assert json.loads((out / "result.json").read_text())["steps_done"] == STEPS
