@@ -19,8 +19,9 @@ import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import te_stub  # noqa: E402
+# the repository root, not tests/: tests/kernels would shadow the `kernels` package transformers imports
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from tests import te_stub  # noqa: E402
 
 te_stub.install()  # before megatron.core is imported
 
