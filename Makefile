@@ -31,7 +31,8 @@ test-fast: $(STAMP)
 
 # The top of the supported megatron-core range (runtime/megatron_compat.py), in a second environment with
 # the GPU install's transformers (SGLang 0.5.23's pin): the tests that run megatron-core (models, bridge and
-# conversion, actor, context parallel, checkpoints, Megatron-LM interop, router replay, CPU mode).
+# conversion, actor, context parallel, checkpoints, Megatron-LM interop, router replay, CPU mode), and the
+# embedded server's, which run transformers' models.
 # megatron-core 0.19.2 declares Python >= 3.12; its cp311 wheel runs on 3.11, installed without that check.
 VENV_LATEST ?= .venv-mc19
 PY_LATEST := $(VENV_LATEST)/bin/python
@@ -39,7 +40,7 @@ STAMP_LATEST := $(VENV_LATEST)/.installed
 MCORE_LATEST := 0.19.2
 MEGATRON_TESTS := tests/models tests/bridge tests/runtime/test_cpu_runtime.py tests/runtime/test_megatron_compat.py \
 	tests/trainer/test_megatron_engine.py tests/trainer/test_dapo_step.py tests/trainer/test_context_parallel.py \
-	tests/trainer/test_checkpoint.py tests/trainer/test_routing_replay.py
+	tests/trainer/test_checkpoint.py tests/trainer/test_routing_replay.py tests/embedded_server
 
 $(STAMP_LATEST): pyproject.toml
 	python3 -m venv $(VENV_LATEST)

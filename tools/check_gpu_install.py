@@ -8,9 +8,9 @@ usage: python tools/check_gpu_install.py [--sglang-metadata METADATA] [--pins-on
    admitted by our ranges, and the versions SGLang pins for torch / transformers / tokenizers are ours.
 2. resolve (skipped with --pins-only): the whole dependency set of the GPU install resolved by `uv pip compile`
    for Python 3.11 and 3.12 on x86_64 Linux, from package metadata only (uv reads a wheel's METADATA with
-   HTTP range requests; `--no-build` builds nothing). Transformer Engine's PyTorch extension is an sdist
-   whose setup.py picks its core library by torch's CUDA major (13 for torch 2.14.1 from PyPI): its metadata
-   is declared to the resolver from its own PKG-INFO, the core requirement put as setup.py would.
+   HTTP range requests, and builds nothing). Transformer Engine's PyTorch extension is the one sdist in the
+   set, whose setup.py picks its core library by torch's CUDA major (13 for torch 2.14.1 from PyPI): its
+   metadata is declared to the resolver (TE_TORCH_REQUIRES), so it is not built either.
    Needs `uv` (the `test` extra installs it) and PyPI.
 
 Exit status 1 on any conflict, each named.
@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import email.parser
+import os
 import subprocess
 import sys
-import tarfile
 import tempfile
 import tomllib
 import zipfile
@@ -138,25 +138,21 @@ def sglang_metadata(cache: Path) -> str:
         return z.read(f"sglang-{SGLANG}.dist-info/METADATA").decode()
 
 
-def te_torch_metadata(version: Version, cache: Path) -> dict:
-    """transformer-engine-torch's metadata as its setup.py produces it against torch 2.14.1 (CUDA 13):
-    PKG-INFO's requirements with the core library of the CUDA major it was built for replaced."""
-    sdist = _download(f"transformer-engine-torch=={version}", cache, f"transformer_engine_torch-{version}.tar.gz")
-    with tarfile.open(sdist) as tar:
-        member = next(m for m in tar.getmembers() if m.name.count("/") == 1 and m.name.endswith("/PKG-INFO"))
-        text = tar.extractfile(member).read().decode()
-    msg = email.parser.Parser().parsestr(text, headersonly=True)
-    reqs = [
-        r
-        for r in msg.get_all("Requires-Dist") or []
-        if not _norm(Requirement(r).name).startswith("transformer-engine-")
-    ]
-    reqs.append(f"transformer-engine-cu{TORCH_CUDA_MAJOR}=={version}")
+# transformer-engine-torch's requirements as its setup.py states them (2.11.0: build_tools/pytorch.py's
+# install_requirements() plus the core library it picks by torch's CUDA major), read from its sdist by hand.
+# Not read by this script: `pip download` of that sdist prepares its metadata, which installs torch (some
+# GB with its CUDA libraries) into a build environment and runs setup.py.
+TE_TORCH_REQUIRES = ["torch>=2.1", "einops", "onnxscript", "onnx", "packaging", "pydantic"]
+TE_TORCH_REQUIRES_PYTHON = ">=3.10.0"
+
+
+def te_torch_metadata(version: Version) -> dict:
+    """transformer-engine-torch's metadata as its setup.py produces it against torch 2.14.1 (CUDA 13)."""
     return {
         "name": "transformer-engine-torch",
         "version": str(version),
-        "requires-dist": reqs,
-        "requires-python": msg.get("Requires-Python", ""),
+        "requires-dist": [*TE_TORCH_REQUIRES, f"transformer-engine-cu{TORCH_CUDA_MAJOR}=={version}"],
+        "requires-python": TE_TORCH_REQUIRES_PYTHON,
     }
 
 
@@ -177,7 +173,9 @@ def resolve(python: str, te_meta: dict, workdir: Path) -> tuple[bool, str]:
         "--python-version", python, "--python-platform", PLATFORM, "--quiet",
         "-o", str(workdir / f"gpu-{python}.txt"),
     ]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True)
+    # the target interpreter is only named: uv must not fetch one (only package registries are reached)
+    env = {**os.environ, "UV_PYTHON_DOWNLOADS": "never"}
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     return run.returncode == 0, (run.stdout + run.stderr).strip()
 
 
@@ -200,7 +198,7 @@ def main(argv=None) -> int:
     if args.pins_only:
         return int(failed)
     te = constraint_pins(CONSTRAINTS, PYTHONS[-1])["transformer-engine-torch"]
-    te_meta = te_torch_metadata(te, args.cache)
+    te_meta = te_torch_metadata(te)
     with tempfile.TemporaryDirectory() as tmp:
         for python in PYTHONS:
             ok, out = resolve(python, te_meta, Path(tmp))
