@@ -87,9 +87,10 @@ class DotProductAttention(_TEModule):
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, hidden_size, eps=1e-5, **_):
+    # TE's signature: `normalized_shape` (megatron-core 0.19 passes it), `hidden_size` its older name (0.16.1)
+    def __init__(self, normalized_shape=None, eps=1e-5, hidden_size=None, **_):
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size))
+        self.weight = torch.nn.Parameter(torch.ones(normalized_shape if hidden_size is None else hidden_size))
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

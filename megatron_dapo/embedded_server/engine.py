@@ -141,6 +141,7 @@ class Engine:
         # (with one torch thread) so a step's time is the engine thread's own work, not the scheduler's
         self.step_clock = step_clock
         self.model = model.eval().requires_grad_(False)  # inference only; weights are written in place
+        self._cache_kw = kv_cache_keyword(self.model)
         # SGLang's --enable-return-routed-experts: hooks on the routers (raises for a model without experts)
         self.routing = RoutingCapture(model) if return_routed_experts else None
         self.tokenizer = tokenizer
@@ -418,18 +419,17 @@ class Engine:
 
     @torch.inference_mode()
     def _forward(self, ids, mask, pos, cache, logits_to_keep=1):
-        # transformers 5.24 names the KV cache argument `cache` (formerly past_key_values)
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=pos,
-            cache=cache,
             use_cache=True,
             logits_to_keep=logits_to_keep,
+            **{self._cache_kw: cache},
         )
         if self.routing is not None:
             self._routed = self.routing.take(*ids.shape)
-        return out.logits.float(), out.cache
+        return out.logits.float(), getattr(out, self._cache_kw)
 
     def _input_logprobs(self, r: GenRequest, s: tuple, logits: torch.Tensor) -> None:
         """`logits`: the rows of sequence `s` (len(s) x vocab)."""
@@ -728,6 +728,15 @@ class Engine:
             spaces_between_special_tokens=r.spaces_between_special_tokens,
         )
         return trim_stop_text(text, matched, r.no_stop_trim)
+
+
+def kv_cache_keyword(model) -> str:
+    """The name of the KV cache in `model`'s forward (argument and output field): `cache` from transformers
+    5.24 on, `past_key_values` before (5.19.0 is SGLang 0.5.23's pin, so GPU nodes run it). An older name
+    passed to a newer forward would land in its **kwargs unused, each decode step starting from nothing."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _seq_len(r: GenRequest) -> int:

@@ -226,8 +226,10 @@ def build_gpt_model(
     Each returned model has `.arch` (the QwenArch) and `.vp_stage` set.
     """
     from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
 
+    from megatron_dapo.runtime.megatron_compat import gpt_model_class
+
+    GPTModel = gpt_model_class()  # deprecated in megatron-core 0.19: see runtime/megatron_compat.py
     arch = hf_config_or_dir if isinstance(hf_config_or_dir, QwenArch) else QwenArch.from_hf(hf_config_or_dir)
     if parallel is None:
         # MoE layers refuse to train with TP > 1 unless sequence parallel is on.

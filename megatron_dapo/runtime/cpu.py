@@ -1,4 +1,4 @@
-"""CPU mode: run unmodified megatron-core 0.16.1 on a machine without CUDA.
+"""CPU mode: run unmodified megatron-core (0.16.1 to 0.19, runtime/megatron_compat.py) on a machine without CUDA.
 
 megatron-core assumes CUDA throughout: it allocates with ``device=torch.cuda.current_device()``,
 calls ``Tensor.cuda()``, asks ``param.type()`` for ``torch.cuda.FloatTensor``, creates streams and
@@ -14,9 +14,12 @@ makes those calls mean "the CPU":
 * the mode is re-entered around the autograd engine: a mode is off while its own handler runs,
   and ``Tensor.backward`` goes through the handler, so backward (megatron's MoE all-to-all
   allocates on "cuda" there) would otherwise run without it;
-* two gaps of megatron-core 0.16.1 without Transformer Engine: ``moe_utils.te_general_gemm`` is never
-  defined, and ``maybe_move_tensor_to_cpu`` leaves CPU tensors as tensors where the alltoall
-  dispatcher needs numpy split sizes.
+* two gaps of megatron-core without Transformer Engine: ``moe_utils.te_general_gemm`` is never
+  defined (0.16.1; 0.19 sets it to None), and ``maybe_move_tensor_to_cpu`` leaves CPU tensors as
+  tensors where the alltoall dispatcher needs numpy split sizes.
+
+The megatron-core functions replaced here are listed in ``megatron_compat.CPU_MODE_REPLACES``: a
+release without one of them is refused by name rather than left silently unpatched.
 
 Entry points call :func:`enable_cpu_mode` explicitly. It does nothing when CUDA is available: on GPUs
 megatron-core runs untouched.
@@ -167,6 +170,14 @@ def _patch_megatron_core() -> None:
         from megatron.core.transformer.moe import moe_utils
     except ImportError:
         return  # megatron-core not installed: nothing to patch
+    from megatron_dapo.runtime.megatron_compat import CPU_MODE_REPLACES, megatron_core_version, missing_names
+
+    missing = missing_names(CPU_MODE_REPLACES)
+    if missing:
+        raise RuntimeError(
+            f"CPU mode replaces {', '.join(missing)}, which megatron-core {megatron_core_version()} does not "
+            "have: this release is outside the tested range (runtime/megatron_compat.py)"
+        )
 
     def _get_rng_state(device=-1, clone=False, graph_safe=False):
         return torch.get_rng_state()

@@ -131,42 +131,19 @@ def save_collective(
 
 
 def megatron_save(sharded_state_dict: dict, path: str | Path) -> None:
-    """megatron-core's `dist_checkpointing.save`, except that a failure of the two files rank 0 writes alone
-    is raised only after the collectives that follow them, so the other ranks never wait for it in one:
-    `common.pt` (written before the sharded save's collectives) and `metadata.json` (written by rank 0 just
-    before the closing barrier). Both are written as megatron-core writes them; only their errors are held
-    back. (0.16.1 refuses a `common_strategy` argument: the deferring one is registered as the default for
-    the call, through megatron-core's `register_default_strategy`; metadata.json's writer has no hook, so
-    the serialization module's `save_config` is wrapped for the call.)"""
+    """megatron-core's `dist_checkpointing.save`, except that a failure of a file rank 0 writes alone, outside
+    the save's collectives, is raised only after the collectives that follow it, so the other ranks never
+    wait for it in one: `metadata.json` (written by rank 0 just before the closing barrier) and, on
+    megatron-core 0.16.1, `common.pt` (written before the sharded save's collectives; 0.19 saves the common
+    state inside the collective DCP save). Both are written as megatron-core writes them; only their errors
+    are held back (runtime.megatron_compat.deferred_rank0_writes). A failed shard write keeps its message
+    (megatron_compat.writer_errors_kept)."""
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import serialization
-    from megatron.core.dist_checkpointing.serialization import get_default_save_common_strategy
-    from megatron.core.dist_checkpointing.strategies.base import StrategyAction, register_default_strategy
-    from megatron.core.dist_checkpointing.strategies.common import TorchCommonSaveStrategy
 
-    errors: list[BaseException] = []
+    from megatron_dapo.runtime.megatron_compat import deferred_rank0_writes, writer_errors_kept
 
-    def deferring(write):
-        def call(*args):
-            try:
-                write(*args)
-            except Exception as e:
-                errors.append(e)
-
-        return call
-
-    class DeferredCommonSave(TorchCommonSaveStrategy):
-        save_common = deferring(TorchCommonSaveStrategy.save_common)
-
-    default, deferred = get_default_save_common_strategy(), DeferredCommonSave("torch", 1)
-    save_config = serialization.save_config
-    register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, deferred)
-    serialization.save_config = deferring(save_config)
-    try:
+    with deferred_rank0_writes() as errors, writer_errors_kept():
         dist_checkpointing.save(sharded_state_dict, str(path))
-    finally:
-        serialization.save_config = save_config
-        register_default_strategy(StrategyAction.SAVE_COMMON, "torch", 1, default)
     if errors:
         raise errors[0]
 

@@ -1,5 +1,6 @@
-"""Issue 24 item 2: checkpoints saved as Megatron-LM saves them by default (args Namespace in common.pt,
-numpy RNG state in the `rng_state` ShardedObject, plain or distributed optimizer state) convert through
+"""Issue 24 item 2: checkpoints saved as Megatron-LM saves them by default (args Namespace in the common
+state: `common.pt` up to megatron-core 0.16.1, the `common_state` object in the DCP files in 0.19; numpy RNG
+state in the `rng_state` ShardedObject, plain or distributed optimizer state) convert through
 `megatron-dapo convert megatron-to-hf`, bit-identically; code hidden in those same places is refused by
 name before anything runs it. The checkpoints come from tests/workers/megatron_lm_checkpoint.py."""
 
@@ -17,6 +18,7 @@ from megatron_dapo.bridge.cli import main as convert_main
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata, megatron_safe_globals
 from megatron_dapo.bridge.manifest import ManifestError
 from megatron_dapo.models.tiny import save_tiny_hf_model
+from megatron_dapo.runtime.megatron_compat import COMMON_PT, COMMON_STATE_KEY, common_state_file, read_common_state
 from tests.dist_utils import run_torchrun
 
 RNG_ITEM = "rng_state/shard_0.0_1.1"  # ShardedObject('rng_state', ..., (pp, tp) = (1, 1), (0, 0))
@@ -52,7 +54,7 @@ def test_megatron_lm_default_checkpoint_converts_bit_identically(saved, tmp_path
     ((rng,),) = _rng_item(iter_dir)  # megatron-core stores [ShardedObject.data]; Megatron-LM's data is [state]
     assert rng["np_rng_state"][0] == "MT19937" and {"random_rng_state", "torch_rng_state"} <= set(rng)
     with megatron_safe_globals():
-        common = torch.load(iter_dir / "common.pt", weights_only=True)
+        common = read_common_state(iter_dir)  # torch's weights_only loader, in either format
     assert isinstance(common["args"], argparse.Namespace) and common["iteration"] == 5
     assert "optimizer" in common and "opt_param_scheduler" in common
 
@@ -77,12 +79,16 @@ def test_megatron_lm_default_checkpoint_converts_bit_identically(saved, tmp_path
     [
         ("hostile_rng", rf"__0_\d\.distcp: item '{RNG_ITEM}' is not plain data"),
         ("hostile_nested", rf"__0_\d\.distcp: item '{RNG_ITEM}' is not plain data"),
-        ("hostile_args", r"iter_0000005/common.pt: is not plain data"),
+        ("hostile_args", "COMMON_STATE"),  # where the installed megatron-core saved the common state
         ("hostile_extra_state", r"item 'decoder\.layers\.self_attention\.linear_qkv\._extra_state/shard_0_4' is not"),
     ],
 )
 def test_code_in_a_megatron_lm_checkpoint_is_refused_by_name(saved, tmp_path, capsys, name, refused):
     hf, work = saved
+    if refused == "COMMON_STATE":
+        where = common_state_file(work / name / "iter_0000005")
+        item = "" if where == COMMON_PT else f"item '{COMMON_STATE_KEY}/shard_0_1' "
+        refused = rf"iter_0000005/{re.escape(where)}: {item}is not plain data"
     marker = work / "pwned"
     rc = convert_main(
         ["megatron-to-hf", "--ckpt", str(work / name), "--hf-config", str(hf), "--out", str(tmp_path / "o")]

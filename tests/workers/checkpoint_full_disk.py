@@ -17,6 +17,7 @@ import torch.distributed as dist
 from megatron_dapo.bridge.manifest import verify_manifest
 from megatron_dapo.errors import CheckpointError
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
+from megatron_dapo.runtime.megatron_compat import common_state_in_dcp
 from megatron_dapo.trainer import checkpoint as ckpt
 
 
@@ -78,9 +79,13 @@ def main(save_dir: str) -> None:
     assert (final is not None) == (dist.get_rank() == 0)
     # rank 1's shard file: megatron-core's writer process fails, the coordinator rank holds the details
     expect_failure(save_dir, 2, {1: "__1_0.distcp"}, "No space left on device")
-    # rank 0's common.pt, which megatron-core writes alone before its collectives (megatron_save defers
-    # the error past them): torch.save fails with a C++ message and no errno
-    expect_failure(save_dir, 3, {0: "common.pt"}, "torch could not write the file")
+    if common_state_in_dcp():
+        # megatron-core 0.19 writes the common state into rank 0's shard file, in the collective save
+        expect_failure(save_dir, 3, {0: "__0_0.distcp"}, "No space left on device")
+    else:
+        # rank 0's common.pt, which megatron-core 0.16.1 writes alone before its collectives (megatron_save
+        # defers the error past them): torch.save fails with a C++ message and no errno
+        expect_failure(save_dir, 3, {0: "common.pt"}, "torch could not write the file")
     # rank 0's own trainer.json, after every rank wrote its shards
     expect_failure(save_dir, 4, {0: "trainer.json"}, "No space left on device")
     # rank 0's metadata.json, which megatron-core writes alone right before its closing barrier (megatron_save
