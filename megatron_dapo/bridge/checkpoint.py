@@ -17,6 +17,7 @@ import torch
 
 from megatron_dapo.errors import CheckpointError
 from megatron_dapo.runtime.files import write_failure_text
+from megatron_dapo.runtime.megatron_compat import writer_errors_kept
 
 TRACKER = "latest_checkpointed_iteration.txt"
 HF_CONFIG_DIR = "hf_config"
@@ -60,7 +61,8 @@ def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int |
     state["checkpoint_version"] = 3.0
     state["iteration"] = 0 if iteration == "release" else int(iteration)
     try:
-        dist_checkpointing.save(state, str(sub))
+        with writer_errors_kept():  # megatron-core 0.19 would report a failed write by its type alone
+            dist_checkpointing.save(state, str(sub))
         if dist.get_rank() == 0:
             (out_dir / TRACKER).write_text(f"{iteration}\n")
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
