@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_dapo.errors import CheckpointError
-from megatron_dapo.runtime.files import write_failure_text
+from megatron_dapo.runtime.files import save_failure_text
 from megatron_dapo.runtime.megatron_compat import writer_errors_kept
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -66,18 +66,11 @@ def save_megatron_checkpoint(model_chunks, out_dir: str | Path, iteration: int |
         if dist.get_rank() == 0:
             (out_dir / TRACKER).write_text(f"{iteration}\n")
     except (Exception, CheckpointException) as e:  # torch's CheckpointException is a BaseException
-        raise CheckpointError(f"saving the megatron-core checkpoint into {sub} failed ({_cause(e, sub)})") from e
+        raise CheckpointError(
+            f"saving the megatron-core checkpoint into {sub} failed ({save_failure_text(e, sub)})"
+        ) from e
     dist.barrier()
     return sub
-
-
-def _cause(error: BaseException, where: Path) -> str:
-    """Why the save failed, the OS error named (every rank's, from megatron-core's coordinator rank)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(error, CheckpointException):
-        return "; ".join(f"rank {r}: {_cause(e, where)}" for r, (e, _) in sorted(error.failures.items()))
-    return write_failure_text(error, where)
 
 
 @torch.no_grad()

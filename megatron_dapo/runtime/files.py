@@ -56,6 +56,18 @@ def write_probe(directory: str | Path, size: int = PROBE_BYTES) -> OSError | Non
     return None
 
 
+def save_failure_text(error: BaseException, directory: str | Path, rank: int | None = None) -> str:
+    """`write_failure_text` of a failed checkpoint save, as 'rank N: ...' (when `rank` is given); torch's
+    CheckpointException (a BaseException megatron-core raises when a writer failed) gives each failed
+    rank's, joined. Every such rank's test write goes into `directory`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(error, CheckpointException):
+        return "; ".join(save_failure_text(e, directory, r) for r, (e, _) in sorted(error.failures.items()))
+    text = write_failure_text(error, directory)
+    return text if rank is None else f"rank {rank}: {text}"
+
+
 def write_failure_text(error: BaseException, directory: str | Path) -> str:
     """'Type: message' of why a write into `directory` failed, with the OS error named (No space left on
     device (ENOSPC), Disk quota exceeded (EDQUOT), Read-only file system (EROFS), ...). The innermost cause

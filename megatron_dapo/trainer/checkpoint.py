@@ -41,7 +41,7 @@ from pathlib import Path
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megatron_dapo.errors import CheckpointError
-from megatron_dapo.runtime.files import write_failure_text, write_text_atomic
+from megatron_dapo.runtime.files import save_failure_text, write_text_atomic
 
 LATEST = "latest"
 TRAINER_STATE_KEYS = ("step", "version", "world_size")
@@ -166,22 +166,12 @@ def _attempt(write: Callable[[], object]) -> BaseException | None:
     return None
 
 
-def _cause(error: BaseException, rank: int, tmp: Path) -> str:
-    """'rank N: why the write failed', the OS error named ('' when this rank only learnt that another one
-    failed); runtime.files.write_failure_text, whose test write for a cause without an errno goes into `tmp`."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    if isinstance(error, CheckpointException):  # every rank's details, on megatron-core's coordinator only
-        return "; ".join(_cause(exc, r, tmp) for r, (exc, _) in sorted(error.failures.items()))
-    return f"rank {rank}: {write_failure_text(error, tmp)}"
-
-
 def _agree(tmp: Path, error: BaseException | None) -> None:
     """Collective: raise the first failure of any rank, the same CheckpointError everywhere, after rank 0
     removed the partial save."""
     import torch.distributed as dist
 
-    mine = None if error is None else _cause(error, _rank(), tmp) or f"rank {_rank()}: failed"
+    mine = None if error is None else save_failure_text(error, tmp, _rank()) or f"rank {_rank()}: failed"
     causes: list = [mine]
     if dist.is_available() and dist.is_initialized():
         causes = [None] * dist.get_world_size()
