@@ -4,6 +4,7 @@ request; with weights changing between interruptions, every token's recorded ver
 whose weights (checked against HF models in float64) produced its logprob."""
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -35,9 +36,9 @@ def server(models, tmp_path_factory):
     srv.stop()
 
 
-async def _interrupted(url, sampling, between_pauses):
+async def _interrupted(url, sampling, between_pauses, every_s=0.25):
     """Generate through partial rollout while another client pauses the server in abort mode every
-    0.25 s, calling `between_pauses(client, k)` while it is paused; returns (sample, resumes)."""
+    `every_s`, calling `between_pauses(client, k)` while it is paused; returns (sample, resumes)."""
     done = asyncio.Event()
     resumes = []
 
@@ -45,7 +46,7 @@ async def _interrupted(url, sampling, between_pauses):
         async with SGLangClient(url) as admin:
             k = 0
             while not done.is_set():
-                await asyncio.sleep(0.25)
+                await asyncio.sleep(every_s)
                 if done.is_set():
                     break
                 await admin.pause_generation("abort")
@@ -71,18 +72,34 @@ async def _interrupted(url, sampling, between_pauses):
     return out, len(resumes)
 
 
+async def _interrupted_enough(url, sampling, between_pauses, enough, after_try=None):
+    """`_interrupted` with pauses at a fraction of an uninterrupted request's time, so they fall inside the
+    request on a fast machine as on a slow one; a burst of load may still let it finish between two pauses
+    (`enough(sample, resumes)` false): then it runs again with pauses twice as often (four tries), calling
+    `after_try()` after each. Returns (uninterrupted sample, sample, resumes)."""
+    async with SGLangClient(url) as c:
+        t0 = time.monotonic()
+        (ref,) = await c.generate(PROMPT, sampling)
+        every_s = (time.monotonic() - t0) / 8
+    for _ in range(4):
+        got, resumes = await _interrupted(url, sampling, between_pauses, every_s)
+        if after_try is not None:
+            await after_try()
+        if enough(got, resumes):
+            break
+        every_s /= 2
+    return ref, got, resumes
+
+
 def test_interrupted_seeded_request_equals_the_uninterrupted_one(server):
     sampling = SamplingParams(temperature=1.0, max_new_tokens=400, sampling_seed=1234)
 
     async def nothing(admin, k):
         pass
 
-    async def go():
-        async with SGLangClient(server.url) as c:
-            (ref,) = await c.generate(PROMPT, sampling)
-        return ref, *(await _interrupted(server.url, sampling, nothing))
-
-    ref, got, resumes = asyncio.run(go())
+    ref, got, resumes = asyncio.run(
+        _interrupted_enough(server.url, sampling, nothing, lambda got, resumes: resumes >= 2)
+    )
     assert ref.finish_reason == "length" and len(ref.output_ids) == 400
     assert resumes >= 2, "the request was never interrupted twice: nothing was tested"
     assert got.output_ids == ref.output_ids and got.finish_reason == "length"
@@ -115,13 +132,19 @@ def test_weights_changing_mid_request_give_exact_token_versions(server, models):
                     [serialize_named_tensors(new_weights[k + 1])], weight_version=str(k + 1)
                 )
 
-    async def go():
-        out = await _interrupted(server.url, sampling, update)
-        async with SGLangClient(server.url) as admin, admin.weight_update_session():  # back to the first model
+    async def back_to_the_first_model():
+        async with SGLangClient(server.url) as admin, admin.weight_update_session():
             await admin.update_weights_from_tensor([serialize_named_tensors(new_weights[0])], weight_version="0")
-        return out
 
-    got, _ = asyncio.run(go())
+    _, got, _ = asyncio.run(
+        _interrupted_enough(
+            server.url,
+            sampling,
+            update,
+            lambda got, resumes: set(token_versions(got)) == {0, 1, 2},
+            after_try=back_to_the_first_model,
+        )
+    )
     versions = torch.tensor(token_versions(got))
     assert len(got.output_ids) == 400 and set(versions.tolist()) == {0, 1, 2}, versions.unique_consecutive()
     assert versions.tolist() == sorted(versions.tolist())

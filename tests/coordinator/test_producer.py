@@ -200,8 +200,8 @@ def test_seeded_producers_regenerate_the_same_batches(setup):
     assert [o for _, _, o in c[0]] != [o for _, _, o in a[0]]
 
 
-def _interrupt_until(urls, stop, pauses: int):
-    """Pause every server in abort mode every 0.3 s (what a sync that aborts requests does), `pauses` times."""
+def _interrupt_until(urls, stop, pauses: int, every_s: float = 0.3):
+    """Pause every server in abort mode every `every_s` (what a sync that aborts requests does), `pauses` times."""
     import asyncio
 
     from megatron_dapo.rollout.client import SGLangClient
@@ -210,7 +210,7 @@ def _interrupt_until(urls, stop, pauses: int):
         clients = [SGLangClient(u) for u in urls]
         try:
             for _ in range(pauses):
-                if stop.wait(0.3):
+                if stop.wait(every_s):
                     break
                 await asyncio.gather(*(c.pause_generation("abort") for c in clients))
                 await asyncio.gather(*(c.continue_generation() for c in clients))
@@ -223,10 +223,11 @@ def _interrupt_until(urls, stop, pauses: int):
 def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path):
     """throughput_optimal routing (reserve_capability order) on the servers' polled /v1/loads, priority
     queues (shortest first) and one request in flight per server, while both servers are paused in
-    abort mode every 0.3 s (the continuations re-enter the queues by version, ahead of new groups):
+    abort mode again and again (the continuations re-enter the queues by version, ahead of new groups):
     requests wait at the router (admission control) and still every group completes, none lost or
     duplicated, and the seeded batches equal those of the default router on undisturbed servers."""
     import threading
+    import time
 
     from megatron_dapo.config.coordination import QueueConfig, RoutingConfig
     from megatron_dapo.config.cost_model import QWEN_7B_1GPU
@@ -244,7 +245,7 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
         registry=registry,
     )
 
-    def run(router_kw, pauses, steps=2):
+    def run(router_kw, pauses, steps=2, every_s=0.3):
         routers = []
         p = _producer(
             ds,
@@ -258,7 +259,7 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
             routers=routers,
         )
         stop = threading.Event()
-        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
+        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses, every_s))
         batches, resumes, refusals = [], 0, 0
         p.start()
         t.start()
@@ -282,9 +283,11 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
             p.stop()
         return batches, resumes, routers[0], refusals
 
+    t0 = time.monotonic()
     plain, _, _, none = run({}, pauses=0)
+    every_s = min(0.3, (time.monotonic() - t0) / 16)  # pauses inside the run on a fast machine too
     with LoadPoller(registry, 0.05) as poller:
-        batches, resumes, router, refusals = run(advanced, pauses=1000)
+        batches, resumes, router, refusals = run(advanced, pauses=1000, every_s=every_s)
     draws = [d for batch in batches for d, _, _ in batch]
     assert len(draws) == len(set(draws)) == 6
     assert batches == plain
@@ -294,18 +297,19 @@ def test_throughput_routing_and_priority_queues_keep_every_group(setup, tmp_path
 
 
 def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
-    """Both servers paused in abort mode every 0.3 s while a seeded producer runs (what a sync that
+    """Both servers paused in abort mode again and again while a seeded producer runs (what a sync that
     aborts requests does to it): with partial rollout the aborted samples continue from their tokens
     (resumes counted, nothing regenerated) and the batch equals an uninterrupted run's; without it
     the aborted groups start over (their tokens counted as regenerated; two pauses only, or groups
     longer than the pause interval would never finish), again with an equal batch."""
     import threading
+    import time
 
     from megatron_dapo.rollout.client import SGLangClient
 
     ds, urls = setup
 
-    def run(pauses, partial):
+    def run(pauses, partial, every_s=0.3):
         p = _producer(
             ds,
             urls,
@@ -317,7 +321,7 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
             max_resubmits=50,
         )
         stop = threading.Event()
-        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses))
+        t = threading.Thread(target=_interrupt_until, args=(urls, stop, pauses, every_s))
         out, resumes, regenerated = [], 0, 0
         p.start()
         t.start()
@@ -396,17 +400,24 @@ def test_partial_rollout_keeps_aborted_work_and_the_batches(setup):
         batch = [(g.prompt_index, [tuple(s.output_ids) for s in g.samples]) for g in info.groups]
         return batch, state, partial_samples(state), info
 
-    def run_until_a_pause_catches_work(pauses):
-        """A pause may miss every sample part-way on a loaded machine (all still prefilling when each pause
-        comes, or the batch done before the interrupter's first pause): such a run shows nothing about
-        partial rollout, so it runs again (three tries)."""
-        for _ in range(3):
-            out = run(pauses, True)
-            if out[1] > 0:
+    def until_a_pause_catches_work(pauses, partial, caught, plain_s):
+        """Pauses come at a fraction of the undisturbed run's time, so they fall inside the batch on a fast
+        machine as on a slow one; a run may still miss (each pause coming while every sample is prefilling,
+        or a burst of load): such a run shows nothing about the aborted work, so it runs again with pauses
+        twice as often (four tries)."""
+        every_s = plain_s / 8
+        for _ in range(4):
+            out = run(pauses, partial, every_s)
+            if caught(out):
                 break
+            every_s /= 2
         return out
 
-    plain, partial, restarted = run(0, True), run_until_a_pause_catches_work(1000), run(2, False)
+    t0 = time.monotonic()
+    plain = run(0, True)
+    plain_s = time.monotonic() - t0
+    partial = until_a_pause_catches_work(1000, True, lambda out: out[1] > 0, plain_s)
+    restarted = until_a_pause_catches_work(2, False, lambda out: out[2] > 0, plain_s)
     assert plain[1:] == (0, 0)
     batch, state, saved_partial, info = checkpointed()
     assert state["in_flight"] and saved_partial and any(s["output_ids"] for s in saved_partial)
