@@ -29,3 +29,13 @@ class RemoteError(RuntimeError):
         t = type(error)
         text = "".join(traceback.format_exception(error)) if error.__traceback__ is not None else ""
         return cls(f"{t.__module__}.{t.__qualname__}", str(error), text)
+
+
+class CoordinatorGone(RuntimeError):
+    """The rollout coordinator's process (or Ray actor) no longer answers: its connection closed or the
+    actor died. Raised by the transport, never by a call the coordinator ran; what a restart acts on."""
+
+
+class CoordinatorLost(RuntimeError):
+    """The rollout coordinator died and was not brought back within the run's restart budget; the message
+    names what died and the checkpoint the run can resume from."""

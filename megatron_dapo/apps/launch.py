@@ -51,6 +51,7 @@ def _local_ray_init(bind_host: str):
         )
     with _ray_single_machine(is_loopback(bind_host)):
         ray.init(
+            address="local",  # a new cluster even where `ray start` left one (ray.init() would join it)
             _node_ip_address=bind_host,
             include_dashboard=False,
             num_cpus=os.cpu_count() or 1,

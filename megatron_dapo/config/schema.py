@@ -329,6 +329,10 @@ class TrainerConfig:
     bind_host: str = "127.0.0.1"
     val_every: int = 0  # steps between validations (and one before the first step); 0 = off
     val: ValConfig = field(default_factory=ValConfig)  # how validation and `megatron-dapo eval` sample
+    # Times trainer rank 0 starts the rollout coordinator again when its process (or Ray actor) dies, from
+    # the state it keeps after every step (coordinator/restart.py); then the run stops naming the checkpoint
+    # to resume from. 0 = the first death stops the run.
+    max_coordinator_restarts: int = 3
 
 
 @dataclass

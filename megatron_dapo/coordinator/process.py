@@ -39,7 +39,7 @@ from collections.abc import Callable
 from multiprocessing.managers import BaseManager
 
 from megatron_dapo.coordinator.service import REMOTE_CALLS, CoordinatorService
-from megatron_dapo.errors import RemoteError
+from megatron_dapo.errors import CoordinatorGone, RemoteError
 from megatron_dapo.runtime.lifetime import exit_with_parent
 
 log = logging.getLogger(__name__)
@@ -198,8 +198,16 @@ def start_process_coordinator(
         end()
         raise
 
-    log.info("rollout coordinator: process %d", proc.pid)
-    return CoordinatorClient(host.call, end, f"process {proc.pid}")  # the manager proxy's call is the transport
+    where = f"process {proc.pid}"
+
+    def send(*request) -> bytes:
+        try:
+            return host.call(*request)  # the manager proxy's call (this thread's own connection)
+        except (EOFError, OSError) as e:  # the call itself never raises these: its answer carries them
+            raise CoordinatorGone(f"the rollout coordinator ({where}) is gone: {type(e).__name__}: {e}") from e
+
+    log.info("rollout coordinator: %s", where)
+    return CoordinatorClient(send, end, where)
 
 
 def _read_address(proc, timeout_s: float) -> str:
@@ -241,7 +249,10 @@ def start_ray_coordinator(
     handle = ray.get_actor(name)
 
     def send(*request) -> bytes:
-        return ray.get(handle.call.remote(*request))
+        try:
+            return ray.get(handle.call.remote(*request))
+        except ray.exceptions.RayActorError as e:  # died, or unreachable; the call's own errors come pickled
+            raise CoordinatorGone(f"the rollout coordinator (Ray actor {name}) is gone: {e}") from e
 
     def close():
         ray.kill(actor)

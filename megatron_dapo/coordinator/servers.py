@@ -172,6 +172,23 @@ class ServerRegistry:
                 r.version, r.syncs, r.sync_s = version, r.syncs + 1, r.sync_s + seconds
         self._notify()
 
+    # ---- what a restarted coordinator resumes from ---------------------------------------------------
+    def state(self) -> dict:
+        """Each server's version, and why it is out of service if it is: what the registry of a restarted
+        coordinator needs so that routing and syncs go on as before (loads are polled again)."""
+        with self._lock:
+            return {r.url: {"version": r.version, "down": r.down} for r in self.records.values()}
+
+    def load_state(self, state: dict) -> None:
+        """The versions and out-of-service marks of `state()`; a server it does not name is a ValueError."""
+        with self._lock:
+            if unknown := set(state) - set(self.records):
+                raise ValueError(f"registry state names servers this run does not have: {sorted(unknown)}")
+            for url, saved in state.items():
+                r = self.records[url]
+                r.version, r.down = int(saved["version"]), saved["down"]
+        self._notify()
+
     # ---- views ---------------------------------------------------------------------------------
     def max_version(self) -> int:
         with self._lock:

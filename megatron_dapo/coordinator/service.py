@@ -47,9 +47,21 @@ COORDINATOR_CALLS = (
     "set_version",
     "fail",
     "checkpoint_state",
+    "snapshot",
     "validate",
 )
-REGISTRY_CALLS = ("begin_sync", "end_sync", "mark_down", "mark_up", "publish_all", "statuses", "metrics", "take_events")
+REGISTRY_CALLS = (
+    "begin_sync",
+    "end_sync",
+    "mark_down",
+    "mark_up",
+    "publish_all",
+    "statuses",
+    "metrics",
+    "take_events",
+    "state",
+    "load_state",
+)
 REMOTE_CALLS = {"coordinator": COORDINATOR_CALLS, "registry": REGISTRY_CALLS}
 
 
@@ -214,9 +226,15 @@ class CoordinatorService:
     def checkpoint_state(self, next_step: int | None) -> dict:
         """The producer's state plus step `next_step`'s batch, taken now (None: the run ends here),
         so that a resumed run trains the next step on exactly this data."""
-        info = None
         if next_step is not None:
-            info = self._pending[next_step] = self._take(next_step)
+            self._pending[next_step] = self._take(next_step)
+        return self.snapshot(next_step)
+
+    def snapshot(self, next_step: int | None) -> dict:
+        """The producer's state plus step `next_step`'s batch if it was taken already (by a checkpoint),
+        never waiting for one: what a restarted coordinator resumes from (`restore`), kept by trainer
+        rank 0 after every step (coordinator/restart.py)."""
+        info = self._pending.get(next_step)
         state = self.producer.state_dict()
         state["next_batch"] = None if info is None else batch_info_state(info)
         return state

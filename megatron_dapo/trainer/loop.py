@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron_dapo.config import config_to_dict, dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
 from megatron_dapo.coordinator.process import start_coordinator
+from megatron_dapo.coordinator.restart import RestartingCoordinator, abort_every_request
 from megatron_dapo.coordinator.val_metrics import by_source
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.runtime.distributed import init_distributed, init_model_parallel
@@ -155,7 +156,12 @@ def _start_rollout_side(cfg, server_urls, resume: bool):
         prepare_output_dirs(cfg)
         dump_yaml(cfg, Path(cfg.logging.run_dir) / "config.yaml")
         resumed = _read_resume_checkpoint(cfg, dist.get_world_size()) if resume else None
-        coord = start_coordinator(cfg, server_urls)
+        coord = RestartingCoordinator(
+            lambda: start_coordinator(cfg, server_urls),
+            cfg.trainer.max_coordinator_restarts,
+            abort_servers=lambda: abort_every_request(server_urls, cfg.rollout.api_key),
+            resume_hint=lambda: _resume_hint(cfg),
+        )
         sizes = coord.setup()
         log.info(
             "rollout coordinator: %s; train prompts: %d (%d dropped, %d truncated as longer than %d tokens)",
@@ -176,6 +182,15 @@ def _start_rollout_side(cfg, server_urls, resume: bool):
             coord.close()
         raise
     return coord, found, None
+
+
+def _resume_hint(cfg) -> str:
+    """Where a run that lost its coordinator can resume from, for the error that says so."""
+    try:
+        found = ckpt.find_resume_checkpoint(checkpoint_dir(cfg))
+    except ckpt.CheckpointError as e:
+        return str(e)
+    return f"{found} (checkpoint.resume=true)" if found is not None else f"no checkpoint yet in {checkpoint_dir(cfg)}"
 
 
 class Trainer:

@@ -74,6 +74,7 @@ def test_the_host_answers_declared_calls_only():
 def ray_cluster():
     ray = pytest.importorskip("ray")
     ray.init(
+        address="local",  # never another test's (or a `ray start`) cluster
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         num_cpus=1,
@@ -161,3 +162,21 @@ def test_close_stops_once():
     client.close()
     client.close()
     assert [c[:2] for c in calls] == [("coordinator", "stop")] and ended == [True]
+
+
+@pytest.mark.slow
+def test_a_dead_ray_coordinator_is_gone_not_a_call_error(ray_cluster):
+    """Under Ray, a killed coordinator actor is CoordinatorGone (what coordinator/restart.py restarts on),
+    never one of the call's own errors. (The process transport: tests/coordinator/test_restart.py.)"""
+    import ray
+
+    from megatron_dapo.errors import CoordinatorGone
+
+    client = start_ray_coordinator(None, [], name="coordinator_to_kill", objects=echo_objects)
+    try:
+        assert client.registry.metrics() == ("registry", "metrics", (), {})
+        ray.kill(ray.get_actor("coordinator_to_kill"))
+        with pytest.raises(CoordinatorGone, match=r"the rollout coordinator \(Ray actor coordinator_to_kill\) is gone"):
+            client.take_step(0, 1)
+    finally:
+        client.close()
