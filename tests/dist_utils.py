@@ -56,10 +56,15 @@ def kill_tree(proc: subprocess.Popen, timeout: float = 30.0) -> None:
 
 
 def start_torchrun(
-    script: str | Path, nproc: int, *args: str, env: dict | None = None, stdout=subprocess.PIPE
+    script: str | Path,
+    nproc: int,
+    *args: str,
+    env: dict | None = None,
+    stdout=subprocess.PIPE,
+    torchrun_args: tuple[str, ...] = (),
 ) -> subprocess.Popen:
     """Start `script` on `nproc` ranks, the launcher in a new session; returns at once (stop it with
-    `kill_tree`)."""
+    `kill_tree`). `torchrun_args`: more of torchrun's own options (e.g. --max-restarts=1)."""
     script = Path(script)
     if not script.is_absolute():
         script = WORKERS / script
@@ -71,6 +76,7 @@ def start_torchrun(
         "--nnodes=1",
         f"--master-addr={LOOPBACK}",
         f"--master-port={free_port()}",
+        *torchrun_args,
         str(script),
         *map(str, args),
     ]

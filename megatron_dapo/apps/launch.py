@@ -26,7 +26,8 @@ import threading
 from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
-from megatron_dapo.config.derived import routing_shape, trainer_world_size
+from megatron_dapo.config.derived import ray_max_restarts, routing_shape, trainer_world_size
+from megatron_dapo.coordinator.restart import abort_every_request
 from megatron_dapo.rollout.supervisor import ServerSupervisor
 from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
 from megatron_dapo.sync.addresses import NODE_ADDRESS_ENV
@@ -187,14 +188,26 @@ def run_with_ray(cfg, resume: bool = False):
         launched_urls = urls[len(cfg.rollout.servers) :]  # external ones first
         supervisor = _supervise(cfg, [_RayServerHandle(s, u) for s, u in zip(servers, launched_urls)])
         tp_sizes = [cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1] * len(urls)
-        trainers = layout.start_trainers(pg)
-        master_addr, master_port = ray.get(trainers[0].node_address.remote())
-        cfg_dict = config_to_dict(cfg)
-        futures = [
-            t.run.remote(cfg_dict, layout.rank_env(r, master_addr, master_port), urls, tp_sizes, resume)
-            for r, t in enumerate(trainers)
-        ]
-        return ray.get(futures)[0]
+        max_restarts = ray_max_restarts(cfg)
+        for restart in range(max_restarts + 1):
+            trainers = layout.start_trainers(pg)
+            try:
+                return _train_ranks(cfg, layout, trainers, urls, tp_sizes, resume)
+            except Exception as e:
+                if not restartable(e) or restart == max_restarts:
+                    e.add_note(f"trainer ranks restarted {restart} time(s) (trainer.max_restarts={max_restarts})")
+                    raise
+                log.warning(
+                    "a trainer rank failed (%s): restart %d of %d from the latest checkpoint",
+                    e,
+                    restart + 1,
+                    max_restarts,
+                )
+            finally:
+                for t in trainers:  # the survivors wait in a collective for the dead one: never returning
+                    ray.kill(t)
+            abort_every_request(urls, cfg.rollout.api_key)  # the dead rank 0's coordinator was generating
+            resume = True
     finally:
         if supervisor is not None:  # first: it would relaunch the servers stopped next
             supervisor.stop()
@@ -202,6 +215,48 @@ def run_with_ray(cfg, resume: bool = False):
         remove_placement_group(pg)
         if started:
             ray.shutdown()
+
+
+def _train_ranks(cfg, layout, trainers, urls, tp_sizes, resume: bool):
+    """Run the trainer actors; rank 0's RunResult, or the first rank's failure as soon as it happens (the
+    others may wait for the failed one in a collective forever)."""
+    import ray
+
+    master_addr, master_port = ray.get(trainers[0].node_address.remote())
+    cfg_dict = config_to_dict(cfg)
+    futures = [
+        t.run.remote(cfg_dict, layout.rank_env(r, master_addr, master_port), urls, tp_sizes, resume)
+        for r, t in enumerate(trainers)
+    ]
+    pending = list(futures)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)  # raises the rank's exception (RayTaskError) or its death (RayActorError)
+    return ray.get(futures[0])
+
+
+def restartable(error: BaseException) -> bool:
+    """Whether restarting the trainer ranks may get past `error`: a rank that died or raised during training,
+    not a run that cannot start (bad config, data or checkpoint: the same again on every restart)."""
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.errors import CheckpointError
+    from megatron_dapo.trainer.loop import RunSetupError
+
+    cause = getattr(error, "cause", None) or error  # a Ray task error carries the rank's own exception
+    return not isinstance(cause, (RunSetupError, ConfigError, CheckpointError, LaunchError))
+
+
+def elastic_restart(cfg) -> int:
+    """Under torchrun: which restart of the ranks this is (torchrun's elastic agent restarts them all when one
+    fails, `--max-restarts` times); a restart resumes from the latest checkpoint. A trainer.max_restarts that
+    differs from torchrun's is a LaunchError naming both (None: torchrun's)."""
+    agent_max, want = os.environ.get("TORCHELASTIC_MAX_RESTARTS"), cfg.trainer.max_restarts
+    if agent_max is not None and want is not None and int(agent_max) != want:
+        raise LaunchError(
+            f"trainer.max_restarts={cfg.trainer.max_restarts}, but torchrun restarts the ranks {agent_max} times: "
+            f"start torchrun with --max-restarts={cfg.trainer.max_restarts}, or set trainer.max_restarts={agent_max}"
+        )
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 EXTERNAL_ONLY = (
@@ -346,5 +401,8 @@ def run_with_torchrun(cfg, resume: bool = False):
         )
     if cfg.rollout.relaunch:
         log.info(EXTERNAL_ONLY)
+    if restart := elastic_restart(cfg):
+        log.warning("torchrun restart %d: resuming from the latest checkpoint", restart)
+        resume = True
     tp = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
     return train_rank(cfg, list(cfg.rollout.servers), [tp] * len(cfg.rollout.servers), resume=resume)

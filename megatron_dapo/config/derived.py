@@ -147,3 +147,11 @@ def sync_timeout_s(cfg: DapoConfig) -> float:
     if cfg.rollout.sync.timeout_s is not None:
         return cfg.rollout.sync.timeout_s
     return min(SYNC_TIMEOUT_SHARE * cfg.rollout.request_timeout_s, SYNC_TIMEOUT_CAP_S)
+
+
+RAY_MAX_RESTARTS = 2
+
+
+def ray_max_restarts(cfg: DapoConfig) -> int:
+    """Times a Ray run's driver starts the trainer ranks again (trainer.max_restarts, None = 2)."""
+    return RAY_MAX_RESTARTS if cfg.trainer.max_restarts is None else cfg.trainer.max_restarts

@@ -333,6 +333,10 @@ class TrainerConfig:
     # the state it keeps after every step (coordinator/restart.py); then the run stops naming the checkpoint
     # to resume from. 0 = the first death stops the run.
     max_coordinator_restarts: int = 3
+    # Times the trainer ranks are started again, all of them, from the latest checkpoint when one dies or
+    # raises during training; servers stay up. Ray: by the driver, None = 2. torchrun: by its elastic agent
+    # (`--max-restarts`), None = torchrun's; a value here must equal torchrun's. 0 = the first failure stops the run.
+    max_restarts: Optional[int] = None
 
 
 @dataclass

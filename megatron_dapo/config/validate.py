@@ -427,6 +427,8 @@ def _check_rest(cfg: DapoConfig, errors: list[str]) -> None:
             errors.append(f"{key}={seed} must be in [0, 2**32)")
     if trainer.total_steps < 1:
         errors.append(f"trainer.total_steps={trainer.total_steps} must be >= 1")
+    if trainer.max_restarts is not None and trainer.max_restarts < 0:
+        errors.append(f"trainer.max_restarts={trainer.max_restarts} must be >= 0")
     if trainer.max_coordinator_restarts < 0:
         errors.append(f"trainer.max_coordinator_restarts={trainer.max_coordinator_restarts} must be >= 0")
     if trainer.val_every < 0:

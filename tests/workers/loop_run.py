@@ -39,6 +39,7 @@ def take_ahead(step: int) -> None:
 def main():
     config, out, stop_after, *overrides = sys.argv[1:]
     out = Path(out)
+    from megatron_dapo.apps.launch import elastic_restart
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer.loop import RunSetupError, train_rank
 
@@ -81,7 +82,7 @@ def main():
         result = train_rank(
             cfg,
             list(cfg.rollout.servers),
-            resume=cfg.checkpoint.resume,
+            resume=cfg.checkpoint.resume or elastic_restart(cfg) > 0,  # what `train` does under torchrun
             stop_after=None if stop_after == "-" else int(stop_after),
             on_step_end=dump_weights,
         )
