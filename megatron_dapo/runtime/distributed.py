@@ -55,12 +55,20 @@ def _init_default_group(backend: str, timeout: datetime.timedelta) -> None:
     on MASTER_ADDR alone (torch's env:// rendezvous would listen on every interface).
 
     Under torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) the store is torchrun's own, listening
-    where torchrun binds it (every interface; torch offers no option): env:// is what joins it.
+    where torchrun binds it (every interface; torch offers no option). The same store serves every restart
+    of the ranks (torchrun --max-restarts): each attempt's keys go under a prefix of its own, or a
+    restarted rank would read a dead rank's gloo address from the attempt before and never connect.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        dist.init_process_group(backend=backend, timeout=timeout)
-        return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        agent_store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+        )
+        store = dist.PrefixStore(
+            f"megatron_dapo/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", agent_store
+        )
+        dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        return
     store = tcp_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, rank == 0, timeout)
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, timeout=timeout)
 

@@ -241,3 +241,38 @@ def test_shellcheck_clean():
         ["shellcheck", "-x", *SCRIPTS, "_common.sh"], cwd=LAUNCH, capture_output=True, text=True, timeout=60
     )
     assert proc.returncode == 0, proc.stdout
+
+
+def test_torchrun_restarts_resume_and_a_differing_budget_is_refused(monkeypatch):
+    """Under torchrun the elastic agent restarts the ranks: `elastic_restart` says which restart this is (a
+    restart resumes from the latest checkpoint), and a trainer.max_restarts other than torchrun's
+    --max-restarts is refused naming both (None takes torchrun's)."""
+    from megatron_dapo.apps.launch import LaunchError, elastic_restart
+
+    cfg = load_config(str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml"), [])
+    assert cfg.trainer.max_restarts is None
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert elastic_restart(cfg) == 1
+    cfg.trainer.max_restarts = 2
+    assert elastic_restart(cfg) == 1
+    cfg.trainer.max_restarts = 1
+    with pytest.raises(
+        LaunchError, match=r"trainer.max_restarts=1, but torchrun restarts the ranks 2 times.*--max-restarts=1"
+    ):
+        elastic_restart(cfg)
+    monkeypatch.delenv("TORCHELASTIC_MAX_RESTARTS")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT")
+    assert elastic_restart(cfg) == 0  # not under torchrun's agent
+
+
+def test_setup_errors_are_not_restarted_training_failures_are():
+    from megatron_dapo.apps.launch import LaunchError, restartable
+    from megatron_dapo.config import ConfigError
+    from megatron_dapo.errors import CheckpointError, CoordinatorLost
+    from megatron_dapo.trainer.loop import RunSetupError
+
+    for error in (RunSetupError("no data"), ConfigError("bad key"), CheckpointError("torn"), LaunchError("no room")):
+        assert not restartable(error)
+    for error in (RuntimeError("gloo: connection closed by peer"), CoordinatorLost("gone"), ValueError("nan")):
+        assert restartable(error)

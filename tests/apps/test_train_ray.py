@@ -133,3 +133,78 @@ def _kill_server_1_after_step_0(run_dir: Path, model: Path, hold: Path, stop: th
             (hold / "released").touch()
             return
         time.sleep(0.2)
+
+
+def test_a_killed_trainer_rank_is_restarted_by_the_ray_driver(tmp_path):
+    """`megatron-dapo train` on Ray with a trainer rank's process SIGKILLed after checkpoint 0 (the rewards
+    held meanwhile, so the run cannot end first): the driver kills the other rank (waiting for the dead one in
+    a collective), aborts the servers' requests, starts both ranks again from the latest checkpoint with the
+    servers kept, and the run ends after its 3 steps with one metrics row per step."""
+    import psutil
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+
+    model = build_char_tokenizer(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    save_tiny_hf_model("qwen3", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
+    run_dir, hold = tmp_path / "run", tmp_path / "hold"
+    hold.mkdir()
+    cmd = [
+        *(sys.executable, "-m", "megatron_dapo.cli", "train"),
+        *("--config", str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml")),
+        f"model.hf_path={model}",
+        f"data.train_files=[{train}]",
+        "data.val_files=[]",
+        "trainer.total_steps=3",
+        "trainer.val_every=0",
+        "trainer.max_restarts=1",
+        "checkpoint.save_every=1",
+        "data.max_response_length=8",
+        "algo.overlong_buffer.len=2",
+        "algo.train_batch_size=2",
+        "algo.ppo_mini_batch_size=2",
+        "reward.name=tests.workers.loop_rewards:held_parity_reward",
+        "reward.timeout_s=600",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LOOP_REWARD_HOLD": str(hold)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    killed = []
+
+    def kill_a_rank_after_checkpoint_0():
+        latest = run_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 300
+        while not (latest.exists() and latest.read_text().strip() == "step_000000"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return
+            time.sleep(0.05)
+        (hold / "killed").touch()
+        ranks = [
+            p for p in psutil.process_iter(["cmdline"]) if "ray::_TrainerActor" in " ".join(p.info["cmdline"] or [])
+        ]
+        if ranks:
+            ranks[0].kill()
+            killed.append(ranks[0].pid)
+        (hold / "released").touch()
+
+    fault = threading.Thread(target=kill_a_rank_after_checkpoint_0, daemon=True)
+    fault.start()
+    try:
+        out, _ = proc.communicate(timeout=480)
+    finally:
+        proc.kill()
+        fault.join(10)
+    assert proc.returncode == 0, out[-6000:]
+    assert killed, out[-6000:]
+    assert "a trainer rank failed" in out and "restart 1 of 1 from the latest checkpoint" in out, out[-6000:]
+    assert "resumed from" in out
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2], out[-6000:]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    ps = subprocess.run(["pgrep", "-f", f"serve --model {model}"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", f"rollout servers left running: {ps.stdout}"

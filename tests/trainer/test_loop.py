@@ -489,8 +489,9 @@ def test_a_killed_trainer_rank_restarts_the_ranks_from_the_latest_checkpoint(env
             assert proc.wait(300) == 0, (run_dir / "torchrun.log").read_text()[-6000:]
         finally:
             kill_tree(proc)
-    out = (run_dir / "torchrun.log").read_text()
-    assert "resumed from" in out and "step_000001" in out
+    assert "failed (exitcode: -9) local_rank: 1" in (run_dir / "torchrun.log").read_text()
+    # the attempt that finished resumed after checkpoint 1: it trained steps 2 and 3
+    assert json.loads((run_dir / "out" / "result.json").read_text()) == {"steps_done": 2, "last_step": 3}
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]  # the rows after the checkpoint, written again
     for r, u in zip(rows, rows_u):
