@@ -29,3 +29,8 @@ class RemoteError(RuntimeError):
         t = type(error)
         text = "".join(traceback.format_exception(error)) if error.__traceback__ is not None else ""
         return cls(f"{t.__module__}.{t.__qualname__}", str(error), text)
+
+
+class EngineOffloadedError(RuntimeError):
+    """A training engine call needs state that is offloaded to host memory (colocated placement); the
+    message names the call and the parts to reload."""
