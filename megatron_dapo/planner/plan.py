@@ -443,8 +443,9 @@ def _format_memory(plan: Plan) -> list[str]:
     if cfg.optimizer.cpu_offload:
         st = worst
         out.append(
-            f"  optimizer.cpu_offload (offload_fraction {cfg.optimizer.offload_fraction}): {st.optimizer_cpu / scale:.2f} "
-            f"{unit} of host memory per GPU (Adam states, fp32 master weights and a pinned fp32 gradient copy); "
+            f"  optimizer.cpu_offload (offload_fraction {cfg.optimizer.offload_fraction}): "
+            f"{st.optimizer_cpu / scale:.2f} {unit} of host memory per GPU (Adam states, fp32 master weights and "
+            f"a pinned fp32 gradient copy); "
             f"{st.optimizer / scale:.2f} {unit} stay on the GPU"
         )
     elif trainer.backend == "megatron":
