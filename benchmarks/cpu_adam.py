@@ -82,7 +82,8 @@ def main() -> None:
     args = p.parse_args()
     cores = torch.get_num_threads()
     print(
-        f"torch AdamW step on {args.params / 1e6:.0f} M fp32 parameters ({args.tensors} tensors), median of {args.repeats}"
+        f"torch AdamW step on {args.params / 1e6:.0f} M fp32 parameters ({args.tensors} tensors), "
+        f"median of {args.repeats}"
     )
     print("| kernel | threads | params/s | vs per-tensor loop |")
     print("|---|---|---|---|")
@@ -103,7 +104,8 @@ def main() -> None:
     )
     print("\nplan's estimate per training step (planner/colocation.py), H100 node:")
     print(
-        "| config | params on CPU per GPU | optimizer steps | CPU optimizer | offload + reload | trainer step | overhead |"
+        "| config | params on CPU per GPU | optimizer steps | CPU optimizer | offload + reload | trainer step "
+        "| overhead |"
     )
     print("|---|---|---|---|---|---|---|")
     for row in plan_rows():
