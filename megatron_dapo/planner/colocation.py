@@ -36,12 +36,12 @@ from megatron_dapo.planner.memory import RolloutMemory, StageMemory
 # switches and memory; 25 GB/s is the rate verl and slime users report for offload on such nodes.
 PCIE_GB_S = 25.0
 # Parameters per second one GPU's share of the host steps with torch AdamW (fused, fp32, what megatron-core
-# 0.16.1's HybridDeviceOptimizer uses): the lesser of its cores' rate (benchmarks/cpu_adam.py measured
-# ~1e9 parameters/s on one core of this project's CI machine; an HGX H100 node has 2 x 56-core Xeon 8480
-# for 8 GPUs: 14 cores a GPU) and its share of host memory bandwidth (an Adam step reads parameter,
-# gradient and both moments and writes three of them: 28 bytes a parameter; 2 sockets x 8 channels of
-# DDR5-4800 = 614 GB/s for 8 GPUs). Memory bandwidth is the limit.
-CPU_ADAM_PARAMS_S_PER_CORE = 1.0e9
+# 0.16.1's HybridDeviceOptimizer uses): the lesser of its cores' rate (benchmarks/cpu_adam.py: 0.2e9 a
+# core on this project's shared CI machine under load, 1e9 idle; RESULTS.md; the loaded figure is taken)
+# times the 14 cores a GPU of an HGX H100 node (2 x 56-core Xeon 8480 for 8 GPUs), and its share of host
+# memory bandwidth (an Adam step reads parameter, gradient and both moments and writes three of them: 28
+# bytes a parameter; 2 sockets x 8 channels of DDR5-4800 = 614 GB/s for 8 GPUs). Both give ~2.7e9.
+CPU_ADAM_PARAMS_S_PER_CORE = 2.0e8
 CORES_PER_GPU = 14
 HOST_MEM_GB_S_PER_GPU = 614.0 / 8
 CPU_ADAM_PARAMS_S = min(CPU_ADAM_PARAMS_S_PER_CORE * CORES_PER_GPU, HOST_MEM_GB_S_PER_GPU * 1e9 / 28)
