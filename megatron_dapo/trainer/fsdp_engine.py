@@ -43,6 +43,11 @@ def check_config(cfg, arch: QwenArch) -> None:
     ]
     if bad:
         raise ValueError(f"trainer.backend=fsdp2 shards over data parallel only; set {', '.join(bad)} to 1")
+    if cfg.optimizer.cpu_offload:
+        raise ValueError(
+            "optimizer.cpu_offload=true needs trainer.backend=megatron (megatron-core's HybridDeviceOptimizer); "
+            "trainer.backend=fsdp2 steps torch AdamW on its own shards"
+        )
     if arch.is_moe and cfg.algo.routing_replay != "none":
         raise ValueError(
             "trainer.backend=fsdp2 does not replay the rollout's routing (algo.routing_replay=rollout, the "

@@ -36,3 +36,14 @@ def test_megatron_core_builds_the_hybrid_optimizer_only_with_cuda():
         HybridDeviceOptimizer([torch.nn.Parameter(torch.zeros(4))], cpu_optimizer_cls=torch.optim.AdamW)
     with pytest.raises(ValueError, match="optimizer.cpu_offload=true needs CUDA"):
         build_optimizer([], load_config(TINY, ["optimizer.cpu_offload=true"]))
+
+
+def test_the_fsdp2_engine_refuses_cpu_offload_by_name():
+    from types import SimpleNamespace
+
+    from megatron_dapo.trainer.fsdp_engine import check_config
+
+    cfg = load_config(TINY, ["trainer.backend=fsdp2", "parallel.tp=1"])
+    cfg.optimizer.cpu_offload = True  # past validation, which refuses it too (tests/config/test_placement.py)
+    with pytest.raises(ValueError, match="optimizer.cpu_offload=true needs trainer.backend=megatron"):
+        check_config(cfg, SimpleNamespace(is_moe=False))  # a dense model's QwenArch, as check_config reads it
