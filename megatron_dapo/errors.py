@@ -39,3 +39,8 @@ class CoordinatorGone(RuntimeError):
 class CoordinatorLost(RuntimeError):
     """The rollout coordinator died and was not brought back within the run's restart budget; the message
     names what died and the checkpoint the run can resume from."""
+
+
+class EngineOffloadedError(RuntimeError):
+    """A training engine call needs state that is offloaded to host memory (colocated placement); the
+    message names the call and the parts to reload."""

@@ -41,6 +41,15 @@ class LaunchError(RuntimeError):
     pass
 
 
+def refuse_unbuilt_placement(cfg) -> None:
+    """`plan` and `simulate` know trainer.placement=colocated; a training run cannot use it yet."""
+    if cfg.trainer.placement == "colocated":
+        raise LaunchError(
+            "trainer.placement=colocated: the colocated step cycle is not built yet (`megatron-dapo plan` and "
+            "`simulate` estimate it); use trainer.placement=split"
+        )
+
+
 def _local_ray_init(bind_host: str):
     """A local Ray cluster whose node address is `bind_host`, no dashboard, all of this machine's CPUs."""
     import ray
@@ -176,6 +185,7 @@ def run_with_ray(cfg, resume: bool = False):
     import ray
     from ray.util.placement_group import remove_placement_group
 
+    refuse_unbuilt_placement(cfg)
     exit_on_sigterm()
     started = _init_ray(cfg)
     world = trainer_world_size(cfg)
@@ -393,6 +403,7 @@ def run_with_torchrun(cfg, resume: bool = False):
     """Inside a torchrun group: every rank trains; the servers are `rollout.servers`."""
     from megatron_dapo.trainer.loop import train_rank
 
+    refuse_unbuilt_placement(cfg)
     if not cfg.rollout.servers:
         raise LaunchError(
             "trainer.launcher=torchrun needs rollout.servers: the URLs of running rollout servers "

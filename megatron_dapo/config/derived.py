@@ -4,7 +4,9 @@ Trainer world size: `trainer.world_size` when set; otherwise all GPUs of the job
 (`trainer.nnodes * trainer.gpus_per_node`) minus the GPUs of the SGLang servers the driver launches
 (`rollout.num_servers * rollout.server_tp`, only when `rollout.engine` is sglang and no external
 `rollout.servers` are listed). External servers and embedded (CPU / small-model) servers take no
-trainer GPUs. On CPU, `trainer.gpus_per_node` counts trainer processes.
+trainer GPUs. On CPU, `trainer.gpus_per_node` counts trainer processes. With `trainer.placement:
+colocated` the launched servers share the trainer's GPUs (one per `rollout.server_tp` of them), so
+they take none of their own either.
 """
 
 from __future__ import annotations
@@ -17,10 +19,20 @@ from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.types import RoutingShape
 
 
+def colocated(cfg: DapoConfig) -> bool:
+    """Trainer and rollout servers on the same GPUs, taking turns (docs/placement.md)."""
+    return cfg.trainer.placement == "colocated"
+
+
+def colocated_servers(cfg: DapoConfig) -> int:
+    """The rollout servers of a colocated run: one per rollout.server_tp trainer GPUs."""
+    return trainer_world_size(cfg) // max(1, cfg.rollout.server_tp)
+
+
 def launched_rollout_gpus(cfg: DapoConfig) -> int:
-    """GPUs taken by SGLang servers that the driver starts itself."""
+    """GPUs taken (for themselves alone) by SGLang servers that the driver starts itself."""
     rollout = cfg.rollout
-    if rollout.engine == "sglang" and not rollout.servers:
+    if rollout.engine == "sglang" and not rollout.servers and not colocated(cfg):
         return rollout.num_servers * rollout.server_tp
     return 0
 

@@ -73,6 +73,11 @@ class OptimizerConfig:
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"  # verl's DAPO: constant after warm-up
     lr_decay_steps: Optional[int] = None  # None = trainer.total_steps
     use_distributed_optimizer: bool = True  # shard optimizer states over data-parallel ranks
+    # Keep (a share of) the fp32 master weights and Adam states in CPU memory and step them on the CPU:
+    # megatron-core's HybridDeviceOptimizer (Megatron engine, distributed optimizer, CUDA only); see
+    # docs/placement.md for its cost
+    cpu_offload: bool = False
+    offload_fraction: float = 1.0  # with cpu_offload: the share of the optimizer state (by parameters) on the CPU
 
 
 @dataclass
@@ -316,6 +321,9 @@ class ValConfig:
 class TrainerConfig:
     backend: Literal["megatron", "fsdp2"] = "megatron"
     launcher: Literal["ray", "torchrun"] = "ray"  # torchrun: trainer ranks from torchrun, external servers
+    # split: trainer and rollout servers on separate GPUs; colocated: one server per rollout.server_tp trainer
+    # GPUs on the same GPUs, taking turns (synchronous, offload between phases); docs/placement.md
+    placement: Literal["split", "colocated"] = "split"
     total_steps: int = 100
     seed: int = 42
     nnodes: int = 1

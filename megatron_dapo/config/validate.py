@@ -265,6 +265,23 @@ def _check_optimizer(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(f"optimizer.lr_warmup_steps={optim.lr_warmup_steps} must be >= 0")
     if optim.lr_decay_steps is not None and optim.lr_decay_steps < 1:
         errors.append(f"optimizer.lr_decay_steps={optim.lr_decay_steps} must be >= 1 or null")
+    if not 0.0 <= optim.offload_fraction <= 1.0:  # also refuses NaN
+        errors.append(f"optimizer.offload_fraction={optim.offload_fraction} must be in [0, 1]")
+    elif not optim.cpu_offload and optim.offload_fraction != 1.0:
+        errors.append(
+            f"optimizer.offload_fraction={optim.offload_fraction} applies only with optimizer.cpu_offload=true"
+        )
+    if optim.cpu_offload:
+        if cfg.trainer.backend != "megatron":
+            errors.append(
+                f"optimizer.cpu_offload=true needs trainer.backend=megatron (megatron-core's HybridDeviceOptimizer); "
+                f"trainer.backend={cfg.trainer.backend} steps torch AdamW on its own shards"
+            )
+        elif not optim.use_distributed_optimizer:
+            errors.append(
+                "optimizer.cpu_offload=true needs optimizer.use_distributed_optimizer=true (megatron-core runs its "
+                "HybridDeviceOptimizer as a precision-aware distributed optimizer)"
+            )
 
 
 def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
@@ -359,6 +376,43 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
             errors.append(str(e))
     _check_rollout_coordination(cfg, errors)
     _check_routing(cfg, errors)
+    _check_placement(cfg, errors)
+
+
+def _check_placement(cfg: DapoConfig, errors: list[str]) -> None:
+    """trainer.placement=colocated: trainer and servers take turns on the same GPUs, so nothing may need
+    them both at once (docs/placement.md says why each rule holds)."""
+    if not derived.colocated(cfg):
+        return
+    rollout, why = cfg.rollout, "trainer.placement=colocated"
+    if cfg.algo.staleness != 0:
+        errors.append(
+            f"{why} needs algo.staleness=0 (got {cfg.algo.staleness}): rollout and training take turns on the same "
+            f"GPUs, so no rollout can run ahead of training"
+        )
+    if rollout.servers:
+        errors.append(f"{why} launches its servers on the trainer's GPUs; external rollout.servers cannot share them")
+    if rollout.sync.policy != "all_at_once":
+        errors.append(
+            f"{why} needs rollout.sync.policy=all_at_once (got {rollout.sync.policy}): greedy / status_based update "
+            f"each server on its own while training runs, but colocated servers are released during training"
+        )
+    if rollout.sync.pause_generation and rollout.sync.pause_mode != "abort":
+        errors.append(
+            f"{why} needs rollout.sync.pause_mode=abort (got {rollout.sync.pause_mode}): the servers release their "
+            f"KV cache before training, so requests still running then are aborted (with rollout.partial_rollout "
+            f"they continue from their tokens after the update) instead of kept on the server"
+        )
+    if rollout.server_tp >= 1 and cfg.trainer.gpus_per_node % rollout.server_tp:
+        errors.append(
+            f"{why}: rollout.server_tp={rollout.server_tp} must divide trainer.gpus_per_node="
+            f"{cfg.trainer.gpus_per_node} (one server per server_tp GPUs of a node)"
+        )
+    elif rollout.server_tp >= 1 and rollout.num_servers != derived.colocated_servers(cfg):
+        errors.append(
+            f"{why}: rollout.num_servers={rollout.num_servers} must be {derived.colocated_servers(cfg)}, one "
+            f"server per rollout.server_tp={rollout.server_tp} of the {derived.trainer_world_size(cfg)} trainer GPUs"
+        )
 
 
 def _check_rollout_coordination(cfg: DapoConfig, errors: list[str]) -> None:

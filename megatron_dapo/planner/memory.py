@@ -9,7 +9,9 @@ Training, Megatron (per GPU, per pipeline stage), following Megatron-LM's
   params      P_local * 2 bytes (bf16/fp16) or 4 (fp32)
   grads       P_local * 4       (fp32 gradient buffers: DDP grad_reduce_in_fp32)
   optimizer   P_local * 12      (fp32 master copy + Adam m, v; 8 without the master copy for fp32)
-              / (dp * cp) for dense params and / expert-dp for expert params with the distributed optimizer
+              / (dp * cp) for dense params and / expert-dp for expert params with the distributed optimizer;
+              with optimizer.cpu_offload, offload_fraction of it lives in CPU memory instead
+              (`optimizer_cpu`, with a pinned fp32 copy of those parameters' gradients: 4 bytes each)
   activations tokens * bytes-per-token-per-layer * layers-per-stage * micro-batches in flight
   logits      tokens * vocab / tp * 4 bytes (bf16 logits and their gradient, last stage only)
 where P_local counts the stage's parameters after TP / EP / ETP sharding (norms and the router are
@@ -125,6 +127,7 @@ class StageMemory:
     activations_no_recompute: int
     activations_full_recompute: int
     logits: int
+    optimizer_cpu: int = 0  # host bytes of the optimizer's CPU part (optimizer.cpu_offload)
 
     @property
     def total(self) -> int:
@@ -188,6 +191,11 @@ def megatron_stage_memory(cfg: DapoConfig, shape: ModelShape, stage: int) -> Sta
         optimizer = opt_bytes * dense / dp_cp + opt_bytes * expert / edp
     else:
         optimizer = opt_bytes * n_params
+    optimizer_cpu = 0.0
+    if cfg.optimizer.cpu_offload:
+        fraction = cfg.optimizer.offload_fraction
+        optimizer_cpu = fraction * optimizer * (opt_bytes + 4) / opt_bytes  # + the pinned fp32 gradients
+        optimizer = (1 - fraction) * optimizer
 
     tokens = derived.max_tokens_per_micro_batch(cfg) / parallel.cp
     act_bytes = dtype_bytes(cfg.model.dtype)
@@ -210,6 +218,7 @@ def megatron_stage_memory(cfg: DapoConfig, shape: ModelShape, stage: int) -> Sta
         activations_no_recompute=int(none),
         activations_full_recompute=int(full),
         logits=int(logits),
+        optimizer_cpu=int(optimizer_cpu),
     )
 
 

@@ -7,7 +7,9 @@ DP / EP groups, which GPUs host which SGLang engines) and a per-GPU memory estim
 
 Placement: trainer ranks take the first GPUs of the job, node-major (rank r on node r // G,
 local GPU r % G); launched SGLang servers take the following GPUs in blocks of
-rollout.server_tp, and a server never spans nodes. Rank groups come from megatron-core's own
+rollout.server_tp, and a server never spans nodes. With trainer.placement=colocated the servers take
+the trainer's own GPUs instead, one per rollout.server_tp consecutive ones, and the memory estimate is
+per phase of the step cycle (`megatron_dapo.planner.colocation`). Rank groups come from megatron-core's own
 `RankGenerator` with its default order "tp-cp-ep-dp-pp", so they are the groups the trainer builds.
 The step-time estimate (`megatron_dapo.planner.speed`, at `--mfu` of the peak of `--trainer-gpu` or
 `--gpu-tflops`) is the one the simulator trains at.
@@ -22,6 +24,13 @@ from megatron_dapo.config import derived
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.planner.colocation import (
+    ColocatedPhases,
+    colocated_phases,
+    cpu_optimizer_step_s,
+    cycle_s,
+    optimizer_steps_per_step,
+)
 from megatron_dapo.planner.memory import (
     GiB,
     RolloutMemory,
@@ -93,6 +102,9 @@ def plan_layout(cfg: DapoConfig) -> Layout:
 
     trainer_gpus = [where(g) for g in range(world)]
     servers = []
+    if derived.colocated(cfg) and rollout.engine == "sglang":  # on the trainer's GPUs (validated to fit)
+        tp = rollout.server_tp
+        servers = [trainer_gpus[s * tp : (s + 1) * tp] for s in range(derived.colocated_servers(cfg))]
     if launched:
         for s in range(rollout.num_servers):
             start = world + s * rollout.server_tp
@@ -163,6 +175,7 @@ class Plan:
     step: StepEstimate | None = None  # None: the layout leaves no trainer GPU
     refit: RefitEstimate | None = None
     refit_link: str = ""  # which link the refit estimate assumes, in words
+    colocated: ColocatedPhases | None = None  # trainer.placement=colocated: memory by phase, transfers
 
     @property
     def usable_bytes(self) -> int:
@@ -216,6 +229,8 @@ def make_plan(
     refit = refit_estimate(cfg, resolved.shape, link_gbps)
     plan = Plan(cfg, resolved.shape, resolved.source, layout, gpu_mem_gib, headroom, stages, rollout, step)
     plan.refit, plan.refit_link = refit, link
+    if derived.colocated(cfg) and rollout is not None:
+        plan.colocated = colocated_phases(cfg, stages, rollout)
     return plan
 
 
@@ -228,7 +243,8 @@ def fit_errors(plan: Plan) -> list[str]:
         terms = worst.terms()
         big = max(terms, key=terms.get)
         hint = {
-            "optimizer": "use optimizer.use_distributed_optimizer=true or more data-parallel ranks",
+            "optimizer": "use optimizer.use_distributed_optimizer=true, optimizer.cpu_offload=true or more "
+            "data-parallel ranks",
             "activations": "set model.recompute_granularity=full or lower algo.max_tokens_per_micro_batch",
             "logits": "raise parallel.tp or lower algo.max_tokens_per_micro_batch",
             "params": "raise parallel.tp / parallel.pp / parallel.ep",
@@ -238,6 +254,13 @@ def fit_errors(plan: Plan) -> list[str]:
             f"training GPU (pipeline stage {worst.stage}) needs {worst.total / GiB:.1f} GiB > {usable / GiB:.1f} GiB "
             f"usable ({plan.gpu_mem_gib:g} GiB - {plan.headroom:.0%} headroom); largest term: {big} "
             f"{terms[big] / GiB:.1f} GiB ({hint})"
+        )
+    co = plan.colocated
+    if co is not None and co.update > usable:
+        errors.append(
+            f"colocated GPU during the weight update: trainer parameters + server weights + one bucket = "
+            f"{co.update / GiB:.1f} GiB > {usable / GiB:.1f} GiB usable (raise parallel.tp / parallel.ep, "
+            f"rollout.server_tp, or lower rollout.sync.bucket_mb)"
         )
     rollout = plan.rollout
     if rollout is not None:
@@ -260,14 +283,72 @@ def fit_errors(plan: Plan) -> list[str]:
 
 def format_plan(plan: Plan) -> str:
     out = _format_layout(plan) + [""] + _format_memory(plan)
+    if plan.colocated is not None:
+        out += _format_colocated(plan)
     if plan.step is not None:
         out += ["", _format_step(plan)]
+        if plan.colocated is not None:
+            out.append(_format_colocated_step(plan))
         routing = derived.routing_shape(plan.cfg)
         if routing is not None:
             out.append(_format_routing(plan, routing))
     if plan.refit is not None:
         out += _format_refit(plan)
     return "\n".join(out)
+
+
+def _format_colocated(plan: Plan) -> list[str]:
+    """Each phase's memory on a colocated GPU, the host memory and the offload traffic per step."""
+    co, cfg = plan.colocated, plan.cfg
+    usable = plan.usable_bytes
+
+    def fits(n: int) -> str:
+        return "fits" if n <= usable else "DOES NOT FIT"
+
+    out = [
+        f"colocated GPU by phase, GiB (usable {usable / GiB:.2f}; peak {co.peak / GiB:.2f}):",
+        f"  rollout   {co.rollout / GiB:8.2f}  server weights {co.rollout_weights / GiB:.2f} + KV cache "
+        f"{max(co.rollout_kv, 0) / GiB:.2f} (mem_fraction_static {cfg.rollout.mem_fraction_static}); trainer offloaded"
+        f" -- {fits(co.rollout)}",
+        f"  training  {co.training / GiB:8.2f}  the training GPU above; servers released -- {fits(co.training)}",
+        f"  update    {co.update / GiB:8.2f}  trainer params + server weights + a {cfg.rollout.sync.bucket_mb} MiB "
+        f"bucket; grads and optimizer offloaded -- {fits(co.update)}",
+        f"  host memory per GPU: {co.host / GiB:.2f} GiB (pinned copies of params and the optimizer's GPU part"
+        + (", the optimizer's CPU part" if cfg.optimizer.cpu_offload else "")
+        + f"); per node of {cfg.trainer.gpus_per_node} GPUs: {co.host * cfg.trainer.gpus_per_node / GiB:.0f} GiB",
+        f"  offload / reload per step and GPU over PCIe at {co.pcie_gb_s:g} GB/s (assumed): "
+        f"{co.offload_bytes / 1e9:.2f} GB out, {co.reload_bytes / 1e9:.2f} GB back -> {co.transfer_s:.2f} s "
+        f"(gradients freed, not copied)",
+    ]
+    return out
+
+
+def _update_s(plan: Plan) -> float:
+    """The weight update's time: the refit estimate of the chosen sync source (on one node, over NVLink)."""
+    if plan.refit is None:
+        return 0.0
+    return plan.refit.per_stage_s if derived.sync_sources(plan.cfg) == "per_stage" else plan.refit.rank0_s
+
+
+def _format_colocated_step(plan: Plan) -> str:
+    co, cfg, st = plan.colocated, plan.cfg, plan.step
+    train = st.speed.step_s(st.tokens(cfg))
+    update = _update_s(plan)
+    text = (
+        f"colocated step, trainer side (estimate): train {train:.0f} s on all {st.speed.gpus} GPUs + offload / reload "
+        f"{co.transfer_s:.1f} s"
+    )
+    if cfg.optimizer.cpu_offload:
+        text += (
+            f" + CPU optimizer {cpu_optimizer_step_s(cfg, co):.1f} s ({optimizer_steps_per_step(cfg)} optimizer steps "
+            f"x {co.cpu_optimizer_params / 1e9:.2f} B params per GPU at {co.cpu_adam_params_s / 1e9:.2f} B/s, their "
+            f"fp32 grads and params over PCIe)"
+        )
+    total = train + cycle_s(cfg, co, update)
+    return (
+        text + f" + weight update {update:.2f} s = {total:.0f} s; rollout runs between steps on all GPUs, not beside "
+        f"training (`megatron-dapo simulate` times the whole step)"
+    )
 
 
 def _format_refit(plan: Plan) -> list[str]:
@@ -359,7 +440,15 @@ def _format_memory(plan: Plan) -> list[str]:
             f"{mem(st.logits)} {mem(st.total)} |  {mem(st.activations_no_recompute)} "
             f"{mem(st.activations_full_recompute)}"
         )
-    if trainer.backend == "megatron":
+    if cfg.optimizer.cpu_offload:
+        st = worst
+        out.append(
+            f"  optimizer.cpu_offload (offload_fraction {cfg.optimizer.offload_fraction}): "
+            f"{st.optimizer_cpu / scale:.2f} {unit} of host memory per GPU (Adam states, fp32 master weights and "
+            f"a pinned fp32 gradient copy); "
+            f"{st.optimizer / scale:.2f} {unit} stay on the GPU"
+        )
+    elif trainer.backend == "megatron":
         alt = _optimizer_alternative(plan)
         state = "off" if cfg.optimizer.use_distributed_optimizer else "on"
         out.append(f"  optimizer states with the distributed optimizer {state}: {alt / scale:.2f} {unit} (stage 0)")

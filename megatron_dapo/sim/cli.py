@@ -22,11 +22,14 @@ import math
 import sys
 from pathlib import Path
 
+from megatron_dapo.config import derived
 from megatron_dapo.config.cost_model import QWEN_7B_1GPU, CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.load import load_config
 from megatron_dapo.planner.cluster_args import MAX_COUNT, add_cluster_args, cluster_overrides
+from megatron_dapo.planner.colocation import colocated_phases, cpu_optimizer_step_s
 from megatron_dapo.planner.lengths import lengths_by_mean, load_lengths, mean_length
+from megatron_dapo.planner.memory import GiB, rollout_memory, training_memory
 from megatron_dapo.planner.speed import (
     DEFAULT_LINK_GB_S,
     peak_tflops,
@@ -195,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--staleness", type=_staleness_list, default=[0, 1, 2, 3], help="comma list (0,1,2,3)")
     p.add_argument(
         "--modes",
-        default="sync,async,advanced",
-        help="comma list of sync, async, advanced, ceiling (async with a free trainer and syncs)",
+        help="comma list of sync, async, advanced, ceiling (async with a free trainer and syncs); default "
+        "sync,async,advanced (trainer.placement=colocated: sync, the only one it can run)",
     )
     p.add_argument(
         "--advanced-config",
@@ -276,6 +279,9 @@ def build_world(cfg, args, seed: int | None = None):
         mean_seq = args.prompt_len + mean_length(lengths)
         speed = trainer_speed(cfg, model_shape(cfg), mean_seq, peak, args.mfu)
         train_s = speed.step_s
+    overhead = trainer_overhead_s(cfg, args.gpu_mem_gib)
+    if overhead:
+        base_s, train_s = train_s, (lambda tokens: base_s(tokens) + overhead)
     unit = args.token_unit or max(1, max_len // 1024)
     pool = kv_tokens_per_engine(cfg, args.gpu_mem_gib)
     engines = cfg.rollout.num_servers
@@ -300,6 +306,32 @@ def build_world(cfg, args, seed: int | None = None):
     )
     world.check(engines, max_len)
     return world, speed
+
+
+def trainer_overhead_s(cfg, gpu_mem_gib: float) -> float:
+    """Seconds a step adds to the trainer's compute, by the plan's estimate (planner/colocation.py): with
+    trainer.placement=colocated the offload / reload over PCIe, with optimizer.cpu_offload the CPU optimizer."""
+    if not (derived.colocated(cfg) or cfg.optimizer.cpu_offload):
+        return 0.0
+    shape = model_shape(cfg)
+    co = colocated_phases(cfg, training_memory(cfg, shape), rollout_memory(cfg, shape, int(gpu_mem_gib * GiB)))
+    return (co.transfer_s if derived.colocated(cfg) else 0.0) + cpu_optimizer_step_s(cfg, co)
+
+
+def modes_of(cfg, text: str | None) -> list[str]:
+    """--modes (default by placement); a colocated config runs synchronously only. Its simulation is the
+    synchronous one: at staleness 0 the producer has nothing in flight once a step's batch is complete
+    (every reservation of the version is in it or was dropped), so the engines are idle while the trainer
+    trains, as colocated servers (released then) must be; what differs from a split run is the engines and
+    trainer GPUs (all of them each), the KV pool and the per-step offload / reload (trainer_overhead_s)."""
+    colocated = derived.colocated(cfg)
+    modes = [m.strip() for m in (text or ("sync" if colocated else "sync,async,advanced")).split(",") if m.strip()]
+    if colocated and modes != ["sync"]:
+        raise ValueError(
+            f"--modes {','.join(modes)}: trainer.placement=colocated runs synchronously (trainer and engines take "
+            f"turns on the same GPUs): --modes sync; simulate the split config for async / advanced / ceiling"
+        )
+    return modes
 
 
 def settings(modes: list[str], staleness: list[int]) -> list[tuple[str, int]]:
@@ -403,10 +435,20 @@ def _describe(config: str, cfg, world, speed, args) -> str:
         if args.sync_s is not None
         else f"model bytes over {DEFAULT_LINK_GB_S if args.link_gb_s is None else args.link_gb_s:g} GB/s"
     )
+    placement = ""
+    if derived.colocated(cfg) or cfg.optimizer.cpu_offload:
+        placement = (
+            f"; {'colocated (engines released while training)' if derived.colocated(cfg) else 'split'}, trainer "
+            f"+{trainer_overhead_s(cfg, args.gpu_mem_gib):.1f} s per step for "
+            + " and ".join(
+                (["offload / reload"] if derived.colocated(cfg) else [])
+                + (["the CPU optimizer"] if cfg.optimizer.cpu_offload else [])
+            )
+        )
     return (
         f"simulate {config}: {cfg.rollout.num_servers} engines x tp {cfg.rollout.server_tp}, {kv}{speeds}{slow}; "
         f"{cfg.algo.train_batch_size} prompts x {cfg.rollout.n_resp_per_prompt} per step; {w.lengths.describe()}; "
-        f"{keep}; trainer {trainer}; sync {w.sync_s:.2f} s ({how}); {w.warmup_steps}+{w.steps} steps"
+        f"{keep}; trainer {trainer}{placement}; sync {w.sync_s:.2f} s ({how}); {w.warmup_steps}+{w.steps} steps"
     )
 
 
@@ -421,9 +463,9 @@ def run_all(config: str, overrides: list[str], args, out=None) -> list[dict]:
         base.append(f"rollout.num_servers={args.engines}")
     if args.seeds < 1:
         raise ValueError(f"--seeds={args.seeds} must be >= 1")
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     staleness = args.staleness
     cfg0 = load_config(config, base, validate=False)
+    modes = modes_of(cfg0, args.modes)
     changes = {m: mode_overrides(m, args.advanced_config, cfg0.algo.train_batch_size) for m in modes}
     seeds = [args.seed + k for k in range(args.seeds)]
     worlds = [build_world(cfg0, args, seed) for seed in seeds]

@@ -75,18 +75,14 @@ class TrainEngine(Protocol):
         """The ranks that rebuild HF tensors in an export, ascending. Collective."""
         ...
 
-    def offload(self) -> None:
-        """Move weights, gradients and optimizer state off the GPU (colocated placement)."""
+    def offload(self, what=None) -> dict[str, int]:
+        """Move `what` (a subset of {"params", "grads", "optimizer"}; None: all three) off the device,
+        freeing its storage (colocated placement; trainer/offload.py tells how). Returns the device bytes
+        freed per part. Gradients are freed, not kept (they come back as zeros). Calls that need an
+        offloaded part raise errors.EngineOffloadedError until `reload`. Local (not collective)."""
         ...
 
-    def reload(self) -> None:
-        """Bring back what offload moved."""
+    def reload(self, what=None) -> dict[str, int]:
+        """Bring back what `offload` moved (`what` as there; None: all offloaded parts), bitwise. Returns the
+        device bytes reallocated per part. Local (not collective)."""
         ...
-
-
-def offload_not_built(engine) -> NotImplementedError:
-    """What offload / reload raise until colocated placement (trainer and servers on the same GPUs) exists."""
-    return NotImplementedError(
-        f"{type(engine).__name__} cannot offload or reload yet: that comes with colocated placement "
-        "(trainer and rollout servers on the same GPUs), which this version does not support"
-    )

@@ -28,8 +28,9 @@ from megatron_dapo.bridge.export import EACH_SOURCE
 from megatron_dapo.kernels.backend import vocab_parallel_logprobs
 from megatron_dapo.models import QwenArch
 from megatron_dapo.runtime.layout import ParallelLayout
-from megatron_dapo.trainer.engine import LossFn, offload_not_built
+from megatron_dapo.trainer.engine import LossFn
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
+from megatron_dapo.trainer.offload import DeviceOffload, optimizer_tensors
 from megatron_dapo.trainer.packing import PackedMicroBatch, PackingRules
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -42,6 +43,11 @@ def check_config(cfg, arch: QwenArch) -> None:
     ]
     if bad:
         raise ValueError(f"trainer.backend=fsdp2 shards over data parallel only; set {', '.join(bad)} to 1")
+    if cfg.optimizer.cpu_offload:
+        raise ValueError(
+            "optimizer.cpu_offload=true needs trainer.backend=megatron (megatron-core's HybridDeviceOptimizer); "
+            "trainer.backend=fsdp2 steps torch AdamW on its own shards"
+        )
     if arch.is_moe and cfg.algo.routing_replay != "none":
         raise ValueError(
             "trainer.backend=fsdp2 does not replay the rollout's routing (algo.routing_replay=rollout, the "
@@ -125,6 +131,14 @@ class FSDPEngine:
         shard_model(self.module, cfg.model.dtype, self.device)
         self.optimizer = build_adamw(self.module, cfg.optimizer)
         self.scheduler = build_lr_scheduler(self.optimizer, cfg)
+        self._offload = DeviceOffload(
+            self.device,
+            {
+                "params": lambda: [*self.module.parameters(), *self.module.buffers()],
+                "grads": lambda: [p.grad for p in self.module.parameters()],
+                "optimizer": lambda: optimizer_tensors(self.optimizer),
+            },
+        )
 
     # ---------------------------------------------------------------- forward / backward
     def forward_backward(
@@ -137,6 +151,7 @@ class FSDPEngine:
         batch=None,
     ) -> None:
         """Forward (and backward) of each micro-batch in turn; gradients accumulate in the shards."""
+        self._offload.require("forward_backward", ("params",) if forward_only else ("params", "grads"))
         del batch  # no routing replay here
         if forward_only:
             self.module.eval()
@@ -165,9 +180,11 @@ class FSDPEngine:
 
     # ---------------------------------------------------------------- optimizer
     def zero_grad(self) -> None:
+        self._offload.require("zero_grad", ("grads",))
         self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
+        self._offload.require("optimizer_step", ("params", "grads", "optimizer"))
         params = [p for p in self.module.parameters() if p.grad is not None]
         clip = self.cfg.optimizer.clip_grad
         norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
@@ -193,6 +210,7 @@ class FSDPEngine:
     def save_checkpoint(self, path: str, extra: dict) -> None:
         """Model, optimizer and lr schedule as a torch.distributed.checkpoint (DCP) directory, each
         rank writing its shards."""
+        self._offload.require("save_checkpoint", ("params", "optimizer"))
         import torch.distributed.checkpoint as dcp
 
         if dist.get_rank() == 0:
@@ -203,6 +221,7 @@ class FSDPEngine:
 
     def load_checkpoint(self, path: str, extra: dict) -> dict:
         """Load what save_checkpoint wrote (DCP reshards: any number of ranks)."""
+        self._offload.require("load_checkpoint", ("params", "optimizer"))
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -226,6 +245,7 @@ class FSDPEngine:
         checkpoint names. `byte_budget` is accepted for interface parity: each parameter is one gather.
         """
         del byte_budget
+        self._offload.require("export_hf_weights", ("params",))
         dst_rank = 0 if dst_rank is EACH_SOURCE else dst_rank
         params = dict(self.module.named_parameters())
         dtype = _DTYPES[self.cfg.model.dtype]
@@ -246,8 +266,12 @@ class FSDPEngine:
         """Rank 0 gathers every full tensor: the one source."""
         return [0]
 
-    def offload(self) -> None:
-        raise offload_not_built(self)
+    # ---------------------------------------------------------------- offload (colocated placement)
+    def offload(self, what=None) -> dict[str, int]:
+        """trainer/offload.py on the local shards (FSDP2 frees the unsharded parameters after each
+        forward and backward, so the shards are all that stays on the device between steps)."""
+        self.module.reshard()  # a forward-only pass may leave the root's parameters unsharded
+        return self._offload.offload(what)
 
-    def reload(self) -> None:
-        raise offload_not_built(self)
+    def reload(self, what=None) -> dict[str, int]:
+        return self._offload.reload(what)

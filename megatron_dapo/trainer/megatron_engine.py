@@ -27,8 +27,9 @@ from megatron_dapo.models import ModelParallel, QwenArch, build_gpt_model, mask_
 from megatron_dapo.models.specs import te_available
 from megatron_dapo.runtime.layout import ParallelLayout
 from megatron_dapo.trainer.cp_split import ContextParallelSlice, gather_token_order, split_micro_batch
-from megatron_dapo.trainer.engine import LossFn, offload_not_built
+from megatron_dapo.trainer.engine import LossFn
 from megatron_dapo.trainer.lr_schedule import build_lr_scheduler
+from megatron_dapo.trainer.offload import DeviceOffload, optimizer_tensors
 from megatron_dapo.trainer.packing import PackedMicroBatch, PackingRules, per_sequence_rope
 from megatron_dapo.trainer.routing_replay import RoutingReplay, routing_shape_of
 
@@ -140,27 +141,53 @@ def wrap_ddp(chunks, cfg) -> list:
     return [DistributedDataParallel(config, ddp_config, c) for c in chunks]
 
 
+def optimizer_config_kwargs(cfg) -> dict:
+    """The fields of megatron-core's OptimizerConfig for `cfg.optimizer`. With optimizer.cpu_offload,
+    megatron-core's own CPU offload: its HybridDeviceOptimizer keeps `offload_fraction` of the fp32 master
+    weights and Adam states in pinned CPU memory and steps them there with torch AdamW, overlapping the
+    gradient / parameter copies on side streams. It runs on the precision-aware distributed optimizer's
+    code path (Megatron-LM refuses --optimizer-cpu-offload without --use-precision-aware-optimizer, whose
+    OptimizerConfig checks read Transformer Engine's version): the settings slime runs Qwen3-30B-A3B with
+    on one node."""
+    o, dtype = cfg.optimizer, model_parallel(cfg).torch_dtype
+    offload = (
+        dict(
+            optimizer_cpu_offload=True,
+            optimizer_offload_fraction=o.offload_fraction,
+            use_precision_aware_optimizer=True,
+            overlap_cpu_optimizer_d2h_h2d=True,
+        )
+        if o.cpu_offload
+        else {}
+    )
+    return dict(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        use_distributed_optimizer=o.use_distributed_optimizer,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        **offload,
+    )
+
+
 def build_optimizer(model: list, cfg):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    o, dtype = cfg.optimizer, model_parallel(cfg).torch_dtype
-    return get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.adam_beta1,
-            adam_beta2=o.adam_beta2,
-            adam_eps=o.adam_eps,
-            clip_grad=o.clip_grad,
-            use_distributed_optimizer=o.use_distributed_optimizer,
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            fp16=dtype == torch.float16,
-        ),
-        model,
-    )
+    if cfg.optimizer.cpu_offload and not torch.cuda.is_available():
+        # HybridDeviceOptimizer.__init__ takes torch.cuda.current_stream() / torch.cuda.Stream() and its
+        # step copies on them: megatron-core's CPU offload exists for GPU training only.
+        raise ValueError(
+            "optimizer.cpu_offload=true needs CUDA: megatron-core's HybridDeviceOptimizer copies gradients and "
+            "parameters between GPU and CPU on CUDA streams; on a CPU-only machine set optimizer.cpu_offload=false"
+        )
+    return get_megatron_optimizer(OptimizerConfig(**optimizer_config_kwargs(cfg)), model)
 
 
 def packing_rules(layout: ParallelLayout, sequence_parallel: bool, num_chunks: int) -> PackingRules:
@@ -228,6 +255,10 @@ class MegatronEngine:
         )
         self.layout = ParallelLayout.from_megatron()
         self.packing = packing_rules(self.layout, bool(self.config.sequence_parallel), len(self.model))
+        self._offload = DeviceOffload(
+            self.device,
+            {"params": self._param_tensors, "grads": self._grad_tensors, "optimizer": self._optimizer_tensors},
+        )
         # algo.fused_lm_head: the last stage returns hidden states; logprobs come from
         # fused_linear_logprobs (chunked, never the [T, V] logits).
         self.fused_lm_head = derived.fused_lm_head(cfg)
@@ -255,6 +286,7 @@ class MegatronEngine:
     ) -> None:
         """Run the pipeline schedule over `packs`; with `batch` carrying routed experts (R3) every
         micro-batch's forward (and its recompute in backward) replays the rollout's routing."""
+        self._offload.require("forward_backward", ("params",) if forward_only else ("params", "grads"))
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         replay = self.replay if batch is not None and batch.routed_experts is not None else None
@@ -356,11 +388,13 @@ class MegatronEngine:
 
     # ---------------------------------------------------------------- optimizer
     def zero_grad(self) -> None:
+        self._offload.require("zero_grad", ("grads",))
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def optimizer_step(self, loss_finite: bool) -> tuple[bool, float]:
+        self._offload.require("optimizer_step", ("params", "grads", "optimizer"))
         self.optimizer.prepare_grads()
         norm = float(self.optimizer.get_grad_norm())
         if not (loss_finite and math.isfinite(norm)):
@@ -396,6 +430,7 @@ class MegatronEngine:
 
     def save_checkpoint(self, path: str, extra: dict) -> None:
         """Model, optimizer and lr schedule in megatron-core dist_checkpointing (torch_dist) format."""
+        self._offload.require("save_checkpoint", ("params", "optimizer"))
         from megatron_dapo.trainer.checkpoint import megatron_save
 
         if dist.get_rank() == 0:
@@ -406,6 +441,7 @@ class MegatronEngine:
 
     def load_checkpoint(self, path: str, extra: dict) -> dict:
         """Load what save_checkpoint wrote (any data- or context-parallel size; same TP/PP/EP)."""
+        self._offload.require("load_checkpoint", ("params", "optimizer"))
         from megatron.core import dist_checkpointing
 
         from megatron_dapo.bridge.layer_layout import sharded_state_dict_metadata
@@ -426,6 +462,7 @@ class MegatronEngine:
 
     def export_hf_weights(self, byte_budget: int | None = None, dst_rank=0) -> Iterator:
         """See bridge.export_hf_weights (its plan is agreed by all ranks here, not at the first item)."""
+        self._offload.require("export_hf_weights", ("params",))
         from megatron_dapo.bridge import export_hf_weights
 
         return export_hf_weights(self.model, byte_budget=byte_budget, dst_rank=dst_rank)
@@ -436,8 +473,23 @@ class MegatronEngine:
 
         return export_sources(self.model)
 
-    def offload(self) -> None:
-        raise offload_not_built(self)
+    # ---------------------------------------------------------------- offload (colocated placement)
+    def _param_tensors(self) -> list:
+        # m.module: DDP's own `buffers` attribute (its grad buffers) hides nn.Module.buffers()
+        return [t for m in self.model for t in (*m.module.parameters(), *m.module.buffers())]
 
-    def reload(self) -> None:
-        raise offload_not_built(self)
+    def _grad_tensors(self) -> list:
+        # DDP's contiguous grad buffers (param.main_grad views them), expert-parallel ones included.
+        return [b.grad_data for m in self.model for b in (*m.buffers, *m.expert_parallel_buffers)]
+
+    def _optimizer_tensors(self) -> list:
+        chain = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+        return [
+            t for opt in chain if getattr(opt, "optimizer", None) is not None for t in optimizer_tensors(opt.optimizer)
+        ]
+
+    def offload(self, what=None) -> dict[str, int]:
+        return self._offload.offload(what)
+
+    def reload(self, what=None) -> dict[str, int]:
+        return self._offload.reload(what)
