@@ -180,7 +180,7 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig, agreement: li
         a.loss_agg_mode,
         None,
         w,
-        rollout_is_cap=a.rollout_is.cap,
+        rollout_is_cap=a.rollout_correction.upper,
         token_sum_norm=cfg.data.max_response_length,
     )
     loss.backward()
