@@ -7,7 +7,7 @@ lr_t = clamp(old_t - roll_t, -20, 20) and rho_t = exp(lr_t) = pi_old / pi_roll:
     token_tis   w_t = min(rho_t, upper)                                   (truncated IS; Ionides 2008)
     token_mis   w_t = rho_t * 1[lower <= rho_t <= upper]                  (masked IS; lower None = 0)
     icepop      w_t = rho_t * 1[lower <= rho_t <= upper]                  (IcePop, Ring-1T arXiv:2510.18855:
-                the same masked weight, two-sided by default [0.5, 5.0])
+                M(k) = k inside [alpha, beta], 0 outside; the same masked weight, named for the two-sided use)
     seq_tis     w_t = min(rho_i, upper),  rho_i = exp(clamp(sum_t lr_t, -20, 20))   (every token of i)
     seq_mis     w_t = rho_i * 1[lower <= rho_i <= upper]
     none        w_t = 1

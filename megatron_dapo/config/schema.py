@@ -111,8 +111,8 @@ class RolloutCorrectionConfig:
     # token_tis: truncated token weights (min(rho, upper)); token_mis / icepop: token weights zeroed
     # outside [lower, upper]; seq_tis / seq_mis: the same on the response's product of ratios; none: off.
     mode: Literal["none", "token_tis", "token_mis", "icepop", "seq_tis", "seq_mis"] = "token_tis"
-    lower: Optional[float] = None  # lower bound of the *_mis / icepop weight (None = 0); IcePop paper: 0.5
-    upper: float = 2.0  # truncation (tis) or upper mask bound (mis, icepop); IcePop paper: 5.0
+    lower: Optional[float] = None  # lower bound of the *_mis / icepop weight (None = 0; IcePop's alpha)
+    upper: float = 2.0  # truncation (tis) or upper mask bound (mis, icepop: IcePop's beta)
     geo_reject: GeoRejectConfig = field(default_factory=GeoRejectConfig)
     # Take the rollout logprobs as the old policy and skip the trainer's old-logprob forward (one forward
     # less per step); the correction's ratio is then pi_current / pi_rollout, detached. Sound only when the

@@ -278,6 +278,11 @@ def _check_rollout_correction(cfg: DapoConfig, errors: list[str]) -> None:
             f"algo.rollout_correction.lower={rc.lower} is used only by modes token_mis, icepop and seq_mis "
             f"(mode={rc.mode}); set it null"
         )
+    if rc.mode == "icepop" and rc.lower is None:
+        errors.append(
+            "algo.rollout_correction.mode=icepop needs algo.rollout_correction.lower (IcePop's alpha; with no lower "
+            "bound it is token_mis)"
+        )
     if rc.lower is not None and masked and not 0 <= rc.lower < rc.upper:
         errors.append(f"algo.rollout_correction.lower={rc.lower} must be in [0, upper={rc.upper})")
     geo = rc.geo_reject

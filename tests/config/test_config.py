@@ -652,6 +652,7 @@ def test_rollout_is_key_names_its_replacement(tmp_path):
             ],
             r"algo.rollout_correction.lower=6.0 must be in \[0, upper=5.0\)",
         ),
+        (["algo.rollout_correction.mode=icepop"], "algo.rollout_correction.mode=icepop needs"),
         (
             ["algo.rollout_correction.geo_reject.enable=true", "algo.rollout_correction.geo_reject.lower=1.1"],
             "algo.rollout_correction.geo_reject: need 0 < lower < 1 < upper",
