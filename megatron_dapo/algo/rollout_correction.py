@@ -27,6 +27,8 @@ step's global token or sequence counts, so they add up over micro-batches and DP
     chi2_token = mean_t rho_t^2 - 1;   chi2_seq = mean_i rho_i^2 - 1
     log_ppl_diff = mean_i (mean_t roll_t - mean_t old_t)  (log PPL_old - log PPL_roll)
     token_rejected_frac, seq_rejected_frac: loss tokens / sequences with weight 0 (any token, for seqs)
+Per weight-version lag k (`lag_sums`): k3 and the rejected-token fraction over the tokens generated k
+versions behind the trainer (partial rollouts mix lags inside one response).
 """
 
 from __future__ import annotations
@@ -109,6 +111,25 @@ def rollout_correction(
         weights = torch.where(mask, weights, zero)
         token_rejected = mask & (weights == 0)
     return Correction(weights, token_rejected, token_rejected.any(-1))
+
+
+def lag_sums(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    correction: Correction,
+    lags: torch.Tensor,
+) -> dict[int, tuple[float, float, float]]:
+    """Per weight-version lag k (lags [B, S]: versions between the token's generating weights and the
+    trainer's): (loss tokens, sum of k3, rejected tokens) over the tokens of lag k."""
+    mask = loss_mask.bool()
+    lr = (old_logprobs.detach().double() - rollout_logprobs.detach().double()).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    k3 = torch.exp(lr) - 1 - lr
+    out = {}
+    for k in sorted(set(lags[mask].tolist())):
+        sel = mask & (lags == k)
+        out[int(k)] = (float(sel.sum()), float(k3[sel].sum()), float((correction.token_rejected & sel).sum()))
+    return out
 
 
 def mismatch_sums(

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_dapo.algo.rollout_correction import (
     MISMATCH_TOKEN_METRICS,
+    lag_sums,
     mismatch_sums,
     rollout_correction,
 )
@@ -51,6 +52,19 @@ log = logging.getLogger(__name__)
 
 _MAX_METRICS = ("actor/ratio_max",)
 _STATE_KEY = "actor"  # the step's counters in the engine's checkpoint
+_LAG_PREFIX = "actor/_lag"  # per-lag sums, turned into ratios by per_lag_metrics
+
+
+def per_lag_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """`actor/mismatch_k3_lag{k}` and `actor/mismatch_token_rejected_frac_lag{k}` (over the tokens of lag k)
+    from the reduced per-lag sums, which leave the dict."""
+    out = {k: v for k, v in metrics.items() if not k.startswith(_LAG_PREFIX)}
+    for key, n in metrics.items():
+        if key.startswith(_LAG_PREFIX) and key.endswith("/tokens") and n > 0:
+            lag = key[len(_LAG_PREFIX) : -len("/tokens")]
+            out[f"actor/mismatch_k3_lag{lag}"] = metrics[f"{_LAG_PREFIX}{lag}/k3"] / n
+            out[f"actor/mismatch_token_rejected_frac_lag{lag}"] = metrics[f"{_LAG_PREFIX}{lag}/rejected"] / n
+    return out
 
 
 def dapo_loss_options(cfg) -> dict:
@@ -294,7 +308,7 @@ class DapoStep:
         self.engine.forward_backward(
             packs, loss_fn, forward_only=False, temperature=batch.temperature, with_entropy=True, batch=batch
         )
-        metrics = self._reduce_metrics(sums, maxima)
+        metrics = per_lag_metrics(self._reduce_metrics(sums, maxima))
         loss_finite = math.isfinite(metrics.get("actor/pg_loss", 0.0))
         ok, grad_norm = self.engine.optimizer_step(loss_finite)
         if ok:
@@ -352,6 +366,13 @@ class DapoStep:
                     add["actor/rollout_corr_weight_mean"] = float((correction.weights * mask).sum()) * per_token
                 for k, v in mismatch_sums(behaviour, roll_rows, mask, correction).items():
                     add[f"actor/mismatch_{k}"] = v * (per_token if k in MISMATCH_TOKEN_METRICS else per_seq)
+                # per weight-version lag: numerator and token count, divided after the DP reduction
+                for lag, (n, k3, rejected) in lag_sums(
+                    behaviour, roll_rows, mask, correction, self._token_lags(batch, mb, lp)
+                ).items():
+                    add[f"{_LAG_PREFIX}{lag}/tokens"] = n
+                    add[f"{_LAG_PREFIX}{lag}/k3"] = k3
+                    add[f"{_LAG_PREFIX}{lag}/rejected"] = rejected
                 for k, v in add.items():
                     sums[k] = sums.get(k, 0.0) + v
                 ratio_max = float(metrics.get("ratio_max", 0.0)) if metrics.get("num_tokens", 1) > 0 else 0.0
@@ -359,6 +380,16 @@ class DapoStep:
             return loss  # this micro-batch's exact share of the mini-batch loss
 
         return loss_fn
+
+    @staticmethod
+    def _token_lags(batch, mb: PackedMicroBatch, lp: torch.Tensor) -> torch.Tensor:
+        """[rows, tokens] (lp's layout and device) weight versions between each response token's generating
+        weights and this step's (-1 on padding)."""
+        lags = torch.full(lp.shape, -1, dtype=torch.long)
+        for i, r in enumerate(mb.rows):
+            v = batch.token_versions[r]
+            lags[i, : len(v)] = batch.step - torch.as_tensor(v, dtype=torch.long)
+        return lags.to(lp.device)
 
     def _loss_inputs(self, batch, mb: PackedMicroBatch, old: dict[int, torch.Tensor], lp: torch.Tensor):
         """The micro-batch's old and rollout logprobs, loss mask and advantages, in `lp`'s [rows, tokens]

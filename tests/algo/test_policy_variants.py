@@ -20,6 +20,14 @@ from megatron_dapo.algo import (
     rollout_correction,
 )
 from megatron_dapo.kernels import backend as kernel_backend
+from tests.backends import backend_params
+
+
+@pytest.fixture(params=backend_params())
+def be(request):
+    """The shared backends (tests/backends.py): the dispatcher runs dapo on the Triton kernel where it can,
+    gspo and cispo on torch everywhere."""
+    return request.param
 
 
 def close(actual, expected, atol, rtol=0.0, what=""):
@@ -139,15 +147,16 @@ LOSSES = {
 
 @pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_micro_batches_and_dp_ranks_sum_to_one_batch(name, mode):
+def test_micro_batches_and_dp_ranks_sum_to_one_batch(be, name, mode):
     """2 simulated DP ranks x uneven micro-batches, with rollout weights: the micro-batch losses (and
     their gradients) averaged over ranks equal the one-batch loss."""
+    backend, dev = be
     fn, extra, spread = LOSSES[name]
     lp, old, adv, mask, w = _batch(7, b=9, s=7, spread=spread)
-    lp, old, adv, mask, w = lp.float(), old.float(), adv.float(), mask.float(), w.float()
+    lp, old, adv, mask, w = (t.float().to(dev) for t in (lp, old, adv, mask, w))
     splits = [[0, 1], [2, 3, 4], [5], [6, 7, 8]]
     full_x = lp.clone().requires_grad_()
-    full, _ = fn(full_x, old, adv, mask, loss_agg_mode=mode, rollout_is_weights=w, backend="torch", **extra)
+    full, _ = fn(full_x, old, adv, mask, loss_agg_mode=mode, rollout_is_weights=w, backend=backend, **extra)
     full.backward()
     n_tok, n_seq = mask.sum().item(), (mask.sum(-1) > 0).sum().item()
     x = lp.clone().requires_grad_()
@@ -164,7 +173,7 @@ def test_micro_batches_and_dp_ranks_sum_to_one_batch(name, mode):
                 global_num_tokens=n_tok,
                 global_num_seqs=n_seq,
                 dp_world_size=2,
-                backend="torch",
+                backend=backend,
                 **extra,
             )
             (loss / 2).backward()
@@ -176,25 +185,30 @@ def test_micro_batches_and_dp_ranks_sum_to_one_batch(name, mode):
 # ---------------------------------------------------------------- extreme inputs
 @pytest.mark.parametrize("name", list(LOSSES))
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_extreme_inputs_stay_finite(name, sign):
+def test_extreme_inputs_stay_finite(be, name, sign):
+    backend, dev = be
     fn, extra, _ = LOSSES[name]
     lp = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, 0.0, 0.0], [-3.0, -1.0, -2.0], [0.0, 0.0, 0.0]])
     old = lp + torch.tensor([[100.0, -100.0, 100.0], [-100.0, 0.0, 0.0], [-100.0, -100.0, -100.0], [0.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])  # one-token, empty
     adv = torch.full((4,), sign)
     w = torch.full((4, 3), math.exp(20.0))  # the largest weight a correction hands out (its clamp)
+    lp, old, mask, adv, w = (t.to(dev) for t in (lp, old, mask, adv, w))
     for mode in ("token-mean", "seq-mean-token-mean"):
         for weights in (None, w):
             x = lp.clone().requires_grad_()
-            loss, metrics = fn(x, old, adv, mask, loss_agg_mode=mode, rollout_is_weights=weights, **extra)
+            loss, metrics = fn(
+                x, old, adv, mask, loss_agg_mode=mode, rollout_is_weights=weights, backend=backend, **extra
+            )
             loss.backward()
             assert torch.isfinite(loss), (name, mode)
             assert torch.isfinite(x.grad).all(), (name, mode, x.grad)
             assert all(torch.isfinite(v) for v in metrics.values()), metrics
     # all masked, and no sequences at all
-    for rows in (torch.zeros(2, 3), torch.zeros(0, 3)):
-        x = torch.zeros(rows.shape).requires_grad_()
-        loss, _ = fn(x, x.detach(), torch.ones(rows.shape[0]), rows, loss_agg_mode="seq-mean-token-mean", **extra)
+    for rows in (torch.zeros(2, 3, device=dev), torch.zeros(0, 3, device=dev)):
+        x = torch.zeros(rows.shape, device=dev).requires_grad_()
+        ones = torch.ones(rows.shape[0], device=dev)
+        loss, _ = fn(x, x.detach(), ones, rows, loss_agg_mode="seq-mean-token-mean", backend=backend, **extra)
         loss.backward()
         assert float(loss.detach()) == 0.0 and torch.isfinite(x.grad).all()
 
@@ -355,3 +369,58 @@ def test_reinforce_plus_plus_vs_formula():
     assert torch.equal(reinforce_plus_plus_advantages(rewards, torch.tensor([1, 0, 0, 0, 0])), torch.zeros(5).double())
     with pytest.raises(ValueError, match="reinforce_plus_plus_advantages: rewards holds non-finite"):
         reinforce_plus_plus_advantages(torch.tensor([math.nan, 1.0]), torch.tensor([1, 1]))
+
+
+def test_mismatch_per_weight_version_lag():
+    """k3 and the rejected fraction over the tokens of each lag (a partial rollout mixes lags in one
+    response), and the trainer's ratio of the reduced sums."""
+    from megatron_dapo.algo.rollout_correction import lag_sums
+    from megatron_dapo.trainer.dapo_step import per_lag_metrics
+
+    g = torch.Generator().manual_seed(6)
+    old = -torch.rand(3, 5, generator=g).double()
+    roll = old + torch.randn(3, 5, generator=g).double() * 0.4
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]).double()
+    lags = torch.tensor([[0, 0, 1, 1, -1], [2, 2, 2, 2, 2], [1, 1, -1, -1, -1]])
+    corr = rollout_correction(old - roll, mask, "token_mis", None, 1.1)
+    got = lag_sums(old, roll, mask, corr, lags)
+    assert sorted(got) == [0, 1, 2]
+    for k, (n, k3, rejected) in got.items():
+        sel = [(i, t) for i in range(3) for t in range(5) if mask[i, t] > 0 and lags[i, t] == k]
+        d = [float(old[i, t] - roll[i, t]) for i, t in sel]
+        assert n == len(sel)
+        assert math.isclose(k3, sum(math.exp(x) - 1 - x for x in d), rel_tol=1e-12)
+        assert rejected == sum(math.exp(x) > 1.1 for x in d)
+    reduced = {"actor/pg_loss": 1.0}
+    for k, (n, k3, rejected) in got.items():
+        reduced |= {f"actor/_lag{k}/tokens": n, f"actor/_lag{k}/k3": k3, f"actor/_lag{k}/rejected": rejected}
+    out = per_lag_metrics(reduced)
+    assert out["actor/pg_loss"] == 1.0 and not any(key.startswith("actor/_lag") for key in out)
+    for k, (n, k3, rejected) in got.items():
+        assert out[f"actor/mismatch_k3_lag{k}"] == k3 / n
+        assert out[f"actor/mismatch_token_rejected_frac_lag{k}"] == rejected / n
+
+
+def test_trainer_takes_the_variant_and_its_clip_range():
+    """DapoStep's loss options and loss function per algo.policy_loss (a hook is imported by name)."""
+    from pathlib import Path
+
+    from megatron_dapo.config import load_config
+    from megatron_dapo.trainer.dapo_step import correction_options, dapo_loss_options, policy_loss_fn
+
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "qwen3" / "tiny_qwen3_cpu.yaml"
+    cfg = load_config(tiny, ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean"])
+    opts = dapo_loss_options(cfg)
+    assert (opts["clip_ratio_low"], opts["clip_ratio_high"], opts["clip_ratio_c"]) == (3e-4, 4e-4, 10.0)
+    assert policy_loss_fn(cfg).args == ("gspo",) and opts["rollout_is_cap"] is None
+    cfg = load_config(tiny, ["algo.policy_loss=cispo", "algo.cispo.clip_ratio_high=2.0"])
+    opts = dapo_loss_options(cfg)
+    assert (opts["clip_ratio_low"], opts["clip_ratio_high"], opts["clip_ratio_c"]) == (None, 2.0, None)
+    cfg = load_config(tiny, ["algo.policy_loss=tests.algo.test_policy_variants:_my_loss"])
+    assert policy_loss_fn(cfg) is _my_loss
+    cfg = load_config(tiny, ["algo.rollout_correction.mode=seq_mis", "algo.rollout_correction.geo_reject.enable=true"])
+    assert correction_options(cfg) == dict(mode="seq_mis", lower=None, upper=2.0, geo_lower=0.999, geo_upper=1.001)
+
+
+def _my_loss(*args, **kwargs):
+    return cispo_policy_loss(*args, **kwargs)
