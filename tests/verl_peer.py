@@ -4,14 +4,16 @@
 `verl.trainer.ppo.core_algos` imports at module level; its config classes are OmegaConf-based), into a
 cache directory reused when present. `import_verl()` then makes `verl.trainer.ppo.core_algos` and
 `verl.trainer.ppo.rollout_corr_helper` importable unmodified in this process: the GPU-only or heavy
-packages on their import paths (STUBBED: tensordict, ray, ...) are replaced by empty modules; none of
-them is on the paths the tests call (pure torch functions on CPU tensors).
+packages on their import paths (STUBBED: tensordict, ray, ...) that this environment lacks are replaced by
+empty modules while verl imports; none of them is on the paths the tests call (pure torch functions on
+CPU tensors).
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import importlib.util
 import os
 import subprocess
 import sys
@@ -88,8 +90,11 @@ class _StubModule(types.ModuleType):
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self, names: set[str]):
+        self.names = names
+
     def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in STUBBED:
+        if name.split(".")[0] in self.names:
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
@@ -101,13 +106,22 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def import_verl(cache: Path = CACHE):
-    """verl's `core_algos` and `rollout_corr_helper` modules, imported unmodified (stubs stay installed in
-    this process: call it from a test process, not a long-lived one that needs the real packages)."""
+    """verl's `core_algos` and `rollout_corr_helper` modules, imported unmodified. Only the STUBBED packages
+    this environment lacks are stubbed, and only while verl imports: the stubs leave sys.modules and the
+    finder leaves sys.meta_path afterwards, so later tests in this process import the real packages."""
     ensure_installed(cache)
     if str(cache) not in sys.path:
-        sys.path.insert(0, str(cache))
-    if not any(isinstance(f, _StubFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _StubFinder())
-    core_algos = importlib.import_module("verl.trainer.ppo.core_algos")
-    rollout_corr = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
+        sys.path.append(str(cache))  # after the environment's own packages: verl adds, never shadows
+    missing = {name for name in STUBBED if importlib.util.find_spec(name) is None}
+    finder = _StubFinder(missing)
+    before = set(sys.modules)
+    sys.meta_path.insert(0, finder)
+    try:
+        core_algos = importlib.import_module("verl.trainer.ppo.core_algos")
+        rollout_corr = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
+    finally:
+        sys.meta_path.remove(finder)
+        for name in set(sys.modules) - before:
+            if isinstance(sys.modules[name], _StubModule):
+                del sys.modules[name]
     return core_algos, rollout_corr

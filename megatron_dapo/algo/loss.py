@@ -117,8 +117,9 @@ def check_loss_settings(
     rollout_is_cap,
     name="dapo_policy_loss",
 ) -> None:
-    low_ok = clip_ratio_low is None if name == "cispo_policy_loss" else False
-    if not (low_ok or 0 <= clip_ratio_low < 1) or not clip_ratio_high >= 0:
+    # only CISPO takes no lower bound (None): its weight is clipped above only, as in the paper
+    no_low = clip_ratio_low is None and name == "cispo_policy_loss"
+    if not (no_low or (clip_ratio_low is not None and 0 <= clip_ratio_low < 1)) or not clip_ratio_high >= 0:
         raise ValueError(
             f"{name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}"
         )

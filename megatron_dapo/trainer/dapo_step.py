@@ -249,7 +249,8 @@ class DapoStep:
                         maxima[k] = max(maxima.get(k, -math.inf), v)
                     else:
                         totals[k] = totals.get(k, 0.0) + v
-        out = {k: v / n_steps for k, v in totals.items()}
+        # per-lag ratios from the sums of every mini-batch (a lag may be absent from some)
+        out = per_lag_metrics({k: v / n_steps for k, v in totals.items()})
         out.update(maxima)
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["actor/optimizer_steps"] = float(n_steps - skipped)
@@ -308,7 +309,7 @@ class DapoStep:
         self.engine.forward_backward(
             packs, loss_fn, forward_only=False, temperature=batch.temperature, with_entropy=True, batch=batch
         )
-        metrics = per_lag_metrics(self._reduce_metrics(sums, maxima))
+        metrics = self._reduce_metrics(sums, maxima)
         loss_finite = math.isfinite(metrics.get("actor/pg_loss", 0.0))
         ok, grad_norm = self.engine.optimizer_step(loss_finite)
         if ok:
@@ -406,7 +407,6 @@ class DapoStep:
         dev = lp.device
         return old_rows.to(dev), roll_rows.to(dev), mask.to(dev), adv.to(dev)
 
-    @staticmethod
     @staticmethod
     def _loss_metrics(loss: torch.Tensor, ent_mean: torch.Tensor, metrics: dict) -> dict[str, float]:
         """One micro-batch's contribution to the step's actor/* metrics (summed over micro-batches); a

@@ -219,6 +219,8 @@ def test_named_errors():
         cispo_policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3), clip_ratio_c=3.0)
     with pytest.raises(ValueError, match="gspo_policy_loss: need 0 <= clip_ratio_low"):
         gspo_policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3), clip_ratio_low=1.5)
+    with pytest.raises(ValueError, match="gspo_policy_loss: need 0 <= clip_ratio_low"):
+        gspo_policy_loss(lp, lp, torch.ones(2), torch.ones(2, 3), clip_ratio_low=None)
     with pytest.raises(ValueError, match="gspo_policy_loss: old_logprobs shape"):
         gspo_policy_loss(lp, torch.zeros(2, 4), torch.ones(2), torch.ones(2, 3))
     with pytest.raises(ValueError, match="rollout_correction: mode="):
