@@ -7,6 +7,15 @@ For a group g of n samples with rewards r_1..r_n:
     A_i    = (r_i - mean_g) / (std_g + eps)                 norm_by_std=True  (GRPO / DAPO)
     A_i    = r_i - mean_g                                   norm_by_std=False (Dr.GRPO)
 
+Other estimators (algo.adv_estimator):
+
+    rloo:                A_i = r_i - sum_{j != i} r_j / (n - 1) = n / (n - 1) (r_i - mean_g)
+                         (leave-one-out baseline; Ahmadian et al. 2024, arXiv:2402.14740)
+    reinforce_plus_plus: A_i = (r_i - mu) / sqrt(var + 1e-8), mu and var over the whole batch's loss
+                         tokens (each sample weighted by its token count w_i; var unbiased:
+                         sum_i w_i (r_i - mu)^2 / (sum_i w_i - 1)): REINFORCE++'s global batch
+                         normalisation (Hu 2025, arXiv:2501.03262) with an outcome reward, gamma = 1.
+
 A single-sample group has no baseline (std undefined): its advantage is 0 in both modes, so it
 contributes no gradient. A group of equal rewards has advantage 0 (dynamic sampling drops it).
 """
@@ -80,3 +89,39 @@ def token_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch
             f"token_advantages: loss_mask shape {tuple(loss_mask.shape)} must be [{advantages.shape[0]}, S]"
         )
     return advantages[:, None] * loss_mask.to(advantages.dtype)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """Leave-one-out advantages [N] (module doc); 0 for a single-sample group."""
+    check_group_inputs(rewards, group_ids, "rloo_advantages", "rewards")
+    values = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    index = index_groups(group_ids)
+    mean, _ = group_mean_std(values, index)
+    n = index.counts[index.inverse].to(values.dtype)
+    adv = (values - mean[index.inverse]) * n / (n - 1).clamp(min=1)
+    return torch.where(n > 1, adv, torch.zeros_like(adv))
+
+
+def reinforce_plus_plus_advantages(
+    rewards: torch.Tensor, token_counts: torch.Tensor, eps: float = 1e-8
+) -> torch.Tensor:
+    """REINFORCE++ advantages [N] (module doc): rewards whitened over the batch's tokens. A sample with
+    token count 0 gets advantage 0; fewer than two tokens in all: every advantage 0 (no variance)."""
+    if rewards.dim() != 1 or token_counts.shape != rewards.shape:
+        raise ValueError(
+            f"reinforce_plus_plus_advantages: rewards {tuple(rewards.shape)} and token_counts "
+            f"{tuple(token_counts.shape)} must be the same 1-D [N]"
+        )
+    if not torch.isfinite(rewards).all():
+        raise ValueError("reinforce_plus_plus_advantages: rewards holds non-finite values")
+    if (token_counts < 0).any():
+        raise ValueError("reinforce_plus_plus_advantages: token_counts must be >= 0")
+    values = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    w = token_counts.to(values.dtype)
+    total = w.sum()
+    if total < 2:
+        return torch.zeros_like(values)
+    mu = (w * values).sum() / total
+    var = (w * (values - mu) ** 2).sum() / (total - 1)
+    adv = (values - mu) * torch.rsqrt(var + eps)
+    return torch.where(w > 0, adv, torch.zeros_like(adv))

@@ -16,6 +16,22 @@ The log-ratio is clamped to [-LOG_RATIO_BOUND, LOG_RATIO_BOUND] = [-20, 20] befo
 and its zero-weight branch still yields 0 * inf = NaN in backward. A token beyond the bound gets no
 gradient (the clamp is flat there), whichever branch is active; metrics use the clamped value too.
 
+GSPO (Zheng et al. 2025, arXiv:2507.18071 "Group Sequence Policy Optimization", eq. 5-7 and 10)
+-------------------------------------------------------------------------------------------------
+    log s_i  = clamp(sum_t m_t (logprob_t - old_t) / n_i, -20, 20)        (geometric-mean sequence ratio)
+    s_i,t    = sg[s_i] * pi_t / sg[pi_t]      value s_i, gradient s_i * grad log pi_t
+    L_it     = max(-A_i s_i,t, -A_i clip(s_i,t, 1 - clip_ratio_low, 1 + clip_ratio_high)) (dual clip as DAPO)
+Aggregated by loss_agg_mode (the paper's objective is seq-mean-token-mean: the mean over a sequence's
+tokens of a value constant in t is the sequence term, and its gradient is the paper's eq. 10). A
+sequence whose mean log-ratio is beyond the bound gets no gradient. Defaults 3e-4 / 4e-4 (paper, sec. 5.1).
+
+CISPO (MiniMax 2025, arXiv:2506.13585 "MiniMax-M1", eq. 4-5)
+------------------------------------------------------------
+    w_t = sg[clip(r_t, 1 - clip_ratio_low, 1 + clip_ratio_high)]   (clip_ratio_low None: no lower bound)
+    L_t = -A w_t logprob_t
+No token is dropped from the gradient (the weight is clipped, not the update). The loss value depends
+on the logprobs themselves; its gradient -A w_t grad log pi_t is what matters.
+
 Global normalisation (micro-batch losses that sum to the one-big-batch loss)
 ------------------------------------------------------------------------------
 A training step sees M micro-batches on each of D data-parallel ranks. DDP averages gradients
@@ -66,8 +82,9 @@ LOG_RATIO_BOUND = 20.0
 RowStats = Callable[..., torch.Tensor]
 
 
-def check_loss_shapes(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights, loss_agg_mode) -> None:
-    name = "dapo_policy_loss"
+def check_loss_shapes(
+    logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights, loss_agg_mode, name="dapo_policy_loss"
+) -> None:
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"{name}: loss_agg_mode={loss_agg_mode!r}, expected one of {LOSS_AGG_MODES}")
     for field, t in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask)):
@@ -91,10 +108,18 @@ def check_loss_shapes(logprobs, old_logprobs, advantages, loss_mask, rollout_is_
 
 
 def check_loss_settings(
-    clip_ratio_low, clip_ratio_high, clip_ratio_c, global_num_tokens, global_num_seqs, dp_world_size, rollout_is_cap
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    global_num_tokens,
+    global_num_seqs,
+    dp_world_size,
+    rollout_is_cap,
+    name="dapo_policy_loss",
 ) -> None:
-    name = "dapo_policy_loss"
-    if not (0 <= clip_ratio_low < 1 and clip_ratio_high >= 0):
+    # only CISPO takes no lower bound (None): its weight is clipped above only, as in the paper
+    no_low = clip_ratio_low is None and name == "cispo_policy_loss"
+    if not (no_low or (clip_ratio_low is not None and 0 <= clip_ratio_low < 1)) or not clip_ratio_high >= 0:
         raise ValueError(
             f"{name}: need 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0, got {clip_ratio_low}, {clip_ratio_high}"
         )
@@ -120,6 +145,57 @@ def as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights):
     return logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights
 
 
+def _compute_dtype(logprobs):
+    return torch.promote_types(logprobs.dtype, torch.float32)
+
+
+def _token_log_ratio(logprobs, old_logprobs, mask, cdtype):
+    """log(pi / pi_old) per token, 0 on padding (any value may sit there), clamped to +-LOG_RATIO_BOUND
+    so exp() stays finite on loss tokens (a token beyond the bound gets no gradient)."""
+    log_ratio = torch.where(mask, logprobs.to(cdtype) - old_logprobs.to(cdtype), torch.zeros((), dtype=cdtype))
+    return log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def _clipped_rows(
+    ratio, kl_log_ratio, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, rollout_is_weights, rollout_is_cap
+):
+    """The PPO clip (asymmetric, optional dual) of per-token `ratio` (carrying the gradient) and the
+    per-sequence partials [B, NUM_ROW_STATS]: shared by DAPO (token ratio) and GSPO (sequence ratio)."""
+    cdtype = ratio.dtype
+    upper = mask & (adv > 0) & (ratio > 1 + clip_ratio_high)
+    lower = mask & (adv < 0) & (ratio < 1 - clip_ratio_low)
+    pg = -adv * torch.where(upper | lower, ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high).detach(), ratio)
+    if clip_ratio_c is not None:
+        dual_bound = -adv * clip_ratio_c
+        dual = mask & (adv < 0) & (pg > dual_bound)
+        pg = torch.where(dual, dual_bound, pg)
+    else:
+        dual = torch.zeros_like(mask)
+    return _rows(pg, ratio, kl_log_ratio, mask, upper, lower, dual, rollout_is_weights, rollout_is_cap, cdtype)
+
+
+def _rows(pg, ratio, kl_log_ratio, mask, upper, lower, dual, rollout_is_weights, rollout_is_cap, cdtype):
+    """Per-sequence partials [B, NUM_ROW_STATS] of per-token losses `pg` (ROW_LOSS carries the gradient)."""
+    if rollout_is_weights is not None:
+        w = rollout_is_weights.detach().to(cdtype)
+        pg = pg * (w if rollout_is_cap is None else w.clamp(max=rollout_is_cap))
+    zero = torch.zeros((), dtype=cdtype, device=pg.device)
+    pg = torch.where(mask, pg, zero)
+    with torch.no_grad():
+        r = ratio.detach()
+        k3 = torch.where(mask, torch.exp(kl_log_ratio) - 1 - kl_log_ratio, zero)
+        stats = [
+            mask.sum(-1).to(cdtype),
+            upper.sum(-1).to(cdtype),
+            lower.sum(-1).to(cdtype),
+            dual.sum(-1).to(cdtype),
+            torch.where(mask, r, zero).sum(-1),
+            k3.sum(-1),
+            torch.where(mask, r, zero).amax(-1),
+        ]
+    return torch.stack([pg.sum(-1), *stats], dim=-1)
+
+
 def row_stats_torch(
     logprobs,
     old_logprobs,
@@ -131,41 +207,93 @@ def row_stats_torch(
     rollout_is_weights,
     rollout_is_cap,
 ) -> torch.Tensor:
-    """Per-sequence partial sums [B, NUM_ROW_STATS]; column ROW_LOSS carries the gradient."""
-    cdtype = torch.promote_types(logprobs.dtype, torch.float32)
+    """DAPO's per-sequence partial sums [B, NUM_ROW_STATS]; column ROW_LOSS carries the gradient."""
+    cdtype = _compute_dtype(logprobs)
     mask = loss_mask.bool()
-    adv = advantages.to(cdtype)
-    # Padding may hold any value: zero the log-ratio there; the clamp keeps exp() finite on loss tokens.
-    log_ratio = torch.where(mask, logprobs.to(cdtype) - old_logprobs.to(cdtype), torch.zeros((), dtype=cdtype))
-    log_ratio = log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-    ratio = torch.exp(log_ratio)
-    upper = mask & (adv > 0) & (ratio > 1 + clip_ratio_high)
-    lower = mask & (adv < 0) & (ratio < 1 - clip_ratio_low)
-    pg = -adv * torch.where(upper | lower, ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high).detach(), ratio)
-    if clip_ratio_c is not None:
-        dual_bound = -adv * clip_ratio_c
-        dual = mask & (adv < 0) & (pg > dual_bound)
-        pg = torch.where(dual, dual_bound, pg)
-    else:
-        dual = torch.zeros_like(mask)
-    if rollout_is_weights is not None:
-        w = rollout_is_weights.detach().to(cdtype)
-        pg = pg * (w if rollout_is_cap is None else w.clamp(max=rollout_is_cap))
+    log_ratio = _token_log_ratio(logprobs, old_logprobs, mask, cdtype)
+    return _clipped_rows(
+        torch.exp(log_ratio),
+        log_ratio.detach(),
+        advantages.to(cdtype),
+        mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        rollout_is_weights,
+        rollout_is_cap,
+    )
+
+
+def row_stats_gspo(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    rollout_is_weights,
+    rollout_is_cap,
+) -> torch.Tensor:
+    """GSPO's per-sequence partials (module doc, "GSPO"): the clip acts on the sequence ratio s_i, each
+    token carrying s_i,t = sg[s_i] * pi_t / sg[pi_t] (value s_i, gradient s_i * grad log pi_t)."""
+    cdtype = _compute_dtype(logprobs)
+    mask = loss_mask.bool()
     zero = torch.zeros((), dtype=cdtype, device=logprobs.device)
-    pg = torch.where(mask, pg, zero)
-    with torch.no_grad():
-        r = ratio.detach()
-        k3 = torch.where(mask, r - 1 - log_ratio.detach(), zero)
-        stats = [
-            mask.sum(-1).to(cdtype),
-            upper.sum(-1).to(cdtype),
-            lower.sum(-1).to(cdtype),
-            dual.sum(-1).to(cdtype),
-            torch.where(mask, r, zero).sum(-1),
-            k3.sum(-1),
-            torch.where(mask, r, zero).amax(-1),
-        ]
-    return torch.stack([pg.sum(-1), *stats], dim=-1)
+    lp = torch.where(mask, logprobs.to(cdtype), zero)
+    token_log_ratio = torch.where(mask, lp - old_logprobs.to(cdtype), zero)
+    n = mask.sum(-1).to(cdtype)
+    seq_log_ratio = (token_log_ratio.sum(-1) / n.clamp(min=1)).detach()
+    # Beyond the bound the sequence ratio is flat (no gradient), as DAPO's clamped token ratio is.
+    inside = seq_log_ratio.abs() <= LOG_RATIO_BOUND
+    seq_log_ratio = seq_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_s = seq_log_ratio[:, None] + torch.where(inside[:, None] & mask, lp - lp.detach(), zero)
+    kl_log_ratio = token_log_ratio.detach().clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return _clipped_rows(
+        torch.exp(log_s),
+        kl_log_ratio,
+        advantages.to(cdtype),
+        mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        rollout_is_weights,
+        rollout_is_cap,
+    )
+
+
+def row_stats_cispo(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    rollout_is_weights,
+    rollout_is_cap,
+) -> torch.Tensor:
+    """CISPO's per-sequence partials (module doc, "CISPO"): REINFORCE on log pi weighted by the clipped,
+    detached token ratio. clip_ratio_low None = no lower bound (the paper's setting); no dual clip."""
+    if clip_ratio_c is not None:
+        raise ValueError("cispo_policy_loss: clip_ratio_c (dual clip) does not apply to CISPO; pass None")
+    cdtype = _compute_dtype(logprobs)
+    mask = loss_mask.bool()
+    zero = torch.zeros((), dtype=cdtype, device=logprobs.device)
+    log_ratio = _token_log_ratio(logprobs, old_logprobs, mask, cdtype).detach()
+    ratio = torch.exp(log_ratio)
+    upper = mask & (ratio > 1 + clip_ratio_high)
+    if clip_ratio_low is None:
+        lower = torch.zeros_like(mask)
+        weight = ratio.clamp(max=1 + clip_ratio_high)
+    else:
+        lower = mask & (ratio < 1 - clip_ratio_low)
+        weight = ratio.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    adv = advantages.to(cdtype)
+    pg = -adv * weight * torch.where(mask, logprobs.to(cdtype), zero)
+    return _rows(
+        pg, ratio, log_ratio, mask, upper, lower, torch.zeros_like(mask), rollout_is_weights, rollout_is_cap, cdtype
+    )
 
 
 def aggregate_rows(
@@ -239,12 +367,144 @@ def dapo_policy_loss(
     so both backends share these checks, the row views and the aggregation).
     Returns (scalar loss, metrics dict of detached scalars).
     """
-    check_loss_shapes(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights, loss_agg_mode)
+    return policy_loss(
+        "dapo_policy_loss",
+        row_stats,
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        global_num_tokens,
+        rollout_is_weights,
+        global_num_seqs,
+        dp_world_size,
+        rollout_is_cap,
+        token_sum_norm,
+    )
+
+
+def policy_loss(
+    name,
+    row_stats,
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    clip_ratio_low,
+    clip_ratio_high,
+    clip_ratio_c,
+    loss_agg_mode,
+    global_num_tokens,
+    rollout_is_weights,
+    global_num_seqs,
+    dp_world_size,
+    rollout_is_cap,
+    token_sum_norm,
+):
+    """The checks, row views and global aggregation every policy loss shares; `row_stats` is the variant."""
+    check_loss_shapes(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights, loss_agg_mode, name)
     check_loss_settings(
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, global_num_tokens, global_num_seqs, dp_world_size, rollout_is_cap
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        global_num_tokens,
+        global_num_seqs,
+        dp_world_size,
+        rollout_is_cap,
+        name,
     )
     lp, old, adv, mask, w = as_rows(logprobs, old_logprobs, advantages, loss_mask, rollout_is_weights)
     rows = row_stats(lp, old, adv, mask, clip_ratio_low, clip_ratio_high, clip_ratio_c, w, rollout_is_cap)
     return aggregate_rows(
         rows, loss_agg_mode, global_num_tokens, global_num_seqs, dp_world_size, token_sum_norm, seq_len=lp.shape[-1]
     )
+
+
+# GSPO's clip range (Zheng et al. 2025, arXiv:2507.18071, sec. 5.1: 3e-4 left, 4e-4 right).
+GSPO_CLIP_RATIO_LOW, GSPO_CLIP_RATIO_HIGH = 3e-4, 4e-4
+
+
+def gspo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float = GSPO_CLIP_RATIO_LOW,
+    clip_ratio_high: float = GSPO_CLIP_RATIO_HIGH,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    global_num_tokens: int | float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    global_num_seqs: int | float | None = None,
+    dp_world_size: int = 1,
+    rollout_is_cap: float | None = None,
+    token_sum_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO clipped loss on the sequence ratio (module doc, "GSPO"); arguments as `dapo_policy_loss`.
+    A [T] token-mean input is one sequence. ratio_mean / ratio_max report the sequence ratio; approx_kl
+    is the token k3 as for DAPO."""
+    return policy_loss(
+        "gspo_policy_loss",
+        row_stats_gspo,
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        global_num_tokens,
+        rollout_is_weights,
+        global_num_seqs,
+        dp_world_size,
+        rollout_is_cap,
+        token_sum_norm,
+    )
+
+
+def cispo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float = 0.28,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    global_num_tokens: int | float | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    global_num_seqs: int | float | None = None,
+    dp_world_size: int = 1,
+    rollout_is_cap: float | None = None,
+    token_sum_norm: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO loss (module doc, "CISPO"); arguments as `dapo_policy_loss`, clip_ratio_low None = no lower
+    bound on the weight, clip_ratio_c must be None. clipfrac_upper / _lower count clipped weights."""
+    return policy_loss(
+        "cispo_policy_loss",
+        row_stats_cispo,
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        global_num_tokens,
+        rollout_is_weights,
+        global_num_seqs,
+        dp_world_size,
+        rollout_is_cap,
+        token_sum_norm,
+    )
+
+
+POLICY_LOSSES = {"dapo": dapo_policy_loss, "gspo": gspo_policy_loss, "cispo": cispo_policy_loss}

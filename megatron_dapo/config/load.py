@@ -246,8 +246,20 @@ def _field_paths(cls: type, prefix: str = "") -> list[str]:
     return paths
 
 
+# Keys that were replaced: the error names the new key and how to translate the old values.
+MOVED_KEYS = {
+    "algo.rollout_is": (
+        "algo.rollout_is was replaced by algo.rollout_correction: rollout_is.enable=true, cap=C is "
+        "rollout_correction.mode=token_tis, upper=C; enable=false is rollout_correction.mode=none"
+    ),
+}
+
+
 def _unknown_key(cls: type, path: str) -> ConfigError:
     """Error for an unknown dotted `path` inside the section `cls`, with the closest valid key."""
+    for old, message in MOVED_KEYS.items():
+        if path == old or path.startswith(old + "."):
+            return ConfigError(f"key {path!r}: {message}")
     parent, _, name = path.rpartition(".")
     siblings = [f.name for f in dataclasses.fields(cls)]
     close = difflib.get_close_matches(name, siblings, n=1, cutoff=0.6)

@@ -99,16 +99,62 @@ class OverlongBufferConfig:
 
 
 @dataclass
-class RolloutISConfig:
-    """Truncated importance weights pi_train / pi_rollout for off-policy (stale) samples."""
+class GeoRejectConfig:
+    """Geometric rejection: drop a whole response whose geometric-mean ratio pi_old / pi_rollout
+    (exp of the mean token log-ratio) leaves [lower, upper] (verl's seq_mean_k1 preset 0.999 / 1.001)."""
 
-    enable: bool = True
-    cap: float = 2.0  # weights are clipped to at most this value
+    enable: bool = False
+    lower: float = 0.999
+    upper: float = 1.001
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Correction of the rollout / trainer mismatch, from the trainer's old-policy logprobs over the
+    rollout's (megatron_dapo.algo.rollout_correction; formulas and sources in docs/algorithm.md)."""
+
+    # token_tis: truncated token weights (min(rho, upper)); token_mis / icepop: token weights zeroed
+    # outside [lower, upper]; seq_tis / seq_mis: the same on the response's product of ratios; none: off.
+    mode: Literal["none", "token_tis", "token_mis", "icepop", "seq_tis", "seq_mis"] = "token_tis"
+    lower: Optional[float] = None  # lower bound of the *_mis / icepop weight (None = 0; IcePop's alpha)
+    upper: float = 2.0  # truncation (tis) or upper mask bound (mis, icepop: IcePop's beta)
+    geo_reject: GeoRejectConfig = field(default_factory=GeoRejectConfig)
+    # Take the rollout logprobs as the old policy and skip the trainer's old-logprob forward (one forward
+    # less per step); the correction's ratio is then pi_current / pi_rollout, detached. Sound only when the
+    # rollout is the old policy (algo.staleness=0) or a correction bounds the mismatch: refused otherwise.
+    bypass: bool = False
+
+
+@dataclass
+class GSPOConfig:
+    """GSPO's own clip range on the sequence ratio (Zheng et al. 2025, arXiv:2507.18071, sec. 5.1)."""
+
+    clip_ratio_low: float = 3e-4
+    clip_ratio_high: float = 4e-4
+
+
+@dataclass
+class CISPOConfig:
+    """CISPO's clip of the detached token IS weight (MiniMax-M1, arXiv:2506.13585, eq. 4-5)."""
+
+    # None = no lower bound: the paper sets epsilon_low^IS large and tunes only the upper bound
+    clip_ratio_low: Optional[float] = None
+    # 1 + this caps the weight; the paper publishes no value: 0.28 is DAPO's clip-higher bound, which is
+    # also what verl's cispo loss takes (the actor's clip_ratio_high)
+    clip_ratio_high: float = 0.28
 
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: Literal["grpo"] = "grpo"  # group-normalised advantage
+    # grpo (group-normalised), rloo (leave-one-out), reinforce_plus_plus (batch-normalised), or a
+    # 'package.module:function' called as fn(rewards [N], group_ids [N], response_lengths [N]) -> [N]
+    adv_estimator: str = "grpo"
+    # dapo (token ratio, clip-higher), gspo (sequence ratio, algo.gspo), cispo (clipped IS weight x
+    # REINFORCE, algo.cispo), or a 'package.module:function' taking dapo_policy_loss's arguments and
+    # returning (loss, metrics)
+    policy_loss: str = "dapo"
+    gspo: GSPOConfig = field(default_factory=GSPOConfig)
+    cispo: CISPOConfig = field(default_factory=CISPOConfig)
     norm_adv_by_std: bool = True  # False = Dr.GRPO (r - mean) without the std division
     # Symmetric shorthand (verl's clip_ratio): sets both clip_ratio_low and clip_ratio_high; giving
     # either of those explicitly with another value is an error. None = use the pair.
@@ -133,7 +179,7 @@ class AlgoConfig:
     # psrl.data.train_batch_size only sizes data loading. So here it must equal train_batch_size; a buffer
     # with more slots than the batch is PSRL's batch-level redundancy (rollout.redundancy.extra_prompts).
     staleness_buffer_groups: Optional[int] = None
-    rollout_is: RolloutISConfig = field(default_factory=RolloutISConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # Must be 0: DAPO removes the KL term (arXiv:2503.14476, sec. 2.3), so there is no reference policy.
     kl_coef: float = 0.0
     entropy_coeff: float = 0.0
@@ -170,7 +216,7 @@ class SamplingConfig:
     # the data stream, so a resumed synchronous run (algo.staleness=0) regenerates exactly the samples
     # of the uninterrupted one. The embedded server always honours it; SGLang only when launched with
     # --enable-deterministic-inference (rollout.deterministic_inference; it slows generation down),
-    # else it ignores the seed. Bitwise-equal logprobs (they enter the loss via rollout_is) also need
+    # else it ignores the seed. Bitwise-equal logprobs (they enter the loss via rollout_correction) also need
     # that flag, on either server. False = one /generate with n samples per prompt, server-side randomness.
     seeded: bool = True
 

@@ -15,6 +15,7 @@ from megatron_dapo.config.cost_model import CostModel
 from megatron_dapo.config.errors import ConfigError
 from megatron_dapo.config.schema import DapoConfig
 from megatron_dapo.config.shapes import ModelShape, resolve_model_shape
+from megatron_dapo.runtime.hooks import import_function, is_function_spec
 from megatron_dapo.runtime.net import is_loopback, is_this_host, is_wildcard
 
 
@@ -160,6 +161,7 @@ def _check_algo(cfg: DapoConfig, errors: list[str]) -> None:
         )
     _check_batches(cfg, errors)
     _check_shaping(cfg, errors)
+    _check_policy_loss(cfg, errors)
     _check_dp_share(cfg, errors)
 
 
@@ -221,8 +223,79 @@ def _check_shaping(cfg: DapoConfig, errors: list[str]) -> None:
             )
         if ob.penalty_factor < 0:
             errors.append(f"algo.overlong_buffer.penalty_factor={ob.penalty_factor} must be >= 0")
-    if algo.rollout_is.enable and algo.rollout_is.cap < 1.0:
-        errors.append(f"algo.rollout_is.cap={algo.rollout_is.cap} must be >= 1")
+    _check_rollout_correction(cfg, errors)
+
+
+POLICY_LOSSES = ("dapo", "gspo", "cispo")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus")
+
+
+def _check_hook(field: str, value: str, names: tuple[str, ...], errors: list[str]) -> None:
+    """A built-in name, or a `package.module:function` that imports."""
+    if value in names:
+        return
+    if not is_function_spec(value):
+        errors.append(f"{field}={value!r}: expected one of {names} or 'package.module:function'")
+        return
+    try:
+        import_function(value, field)
+    except ValueError as e:
+        errors.append(str(e))
+
+
+def _check_policy_loss(cfg: DapoConfig, errors: list[str]) -> None:
+    """algo.policy_loss and algo.adv_estimator (built-in names or hooks) and the variants' clip ranges."""
+    algo = cfg.algo
+    _check_hook("algo.policy_loss", algo.policy_loss, POLICY_LOSSES, errors)
+    _check_hook("algo.adv_estimator", algo.adv_estimator, ADV_ESTIMATORS, errors)
+    if algo.policy_loss == "gspo" and algo.loss_agg_mode != "seq-mean-token-mean":
+        errors.append(
+            f"algo.policy_loss=gspo needs algo.loss_agg_mode=seq-mean-token-mean (got {algo.loss_agg_mode}): GSPO's "
+            "objective is the mean over sequences of the sequence-ratio term (arXiv:2507.18071, eq. 5)"
+        )
+    g, c = algo.gspo, algo.cispo
+    if not (0 <= g.clip_ratio_low < 1 and g.clip_ratio_high >= 0):
+        errors.append(
+            f"algo.gspo.clip_ratio_low={g.clip_ratio_low} / clip_ratio_high={g.clip_ratio_high}: need 0 <= low < 1 "
+            "and high >= 0"
+        )
+    if not ((c.clip_ratio_low is None or 0 <= c.clip_ratio_low < 1) and c.clip_ratio_high >= 0):
+        errors.append(
+            f"algo.cispo.clip_ratio_low={c.clip_ratio_low} / clip_ratio_high={c.clip_ratio_high}: need low null or "
+            "in [0, 1) and high >= 0"
+        )
+
+
+def _check_rollout_correction(cfg: DapoConfig, errors: list[str]) -> None:
+    rc = cfg.algo.rollout_correction
+    masked = rc.mode in ("token_mis", "icepop", "seq_mis")
+    if rc.mode in ("token_tis", "seq_tis") and rc.upper < 1.0:
+        errors.append(f"algo.rollout_correction.upper={rc.upper} must be >= 1 for mode={rc.mode} (a truncation)")
+    if masked and not rc.upper > 0:
+        errors.append(f"algo.rollout_correction.upper={rc.upper} must be > 0")
+    if rc.lower is not None and not masked:
+        errors.append(
+            f"algo.rollout_correction.lower={rc.lower} is used only by modes token_mis, icepop and seq_mis "
+            f"(mode={rc.mode}); set it null"
+        )
+    if rc.mode == "icepop" and rc.lower is None:
+        errors.append(
+            "algo.rollout_correction.mode=icepop needs algo.rollout_correction.lower (IcePop's alpha; with no lower "
+            "bound it is token_mis)"
+        )
+    if rc.lower is not None and masked and not 0 <= rc.lower < rc.upper:
+        errors.append(f"algo.rollout_correction.lower={rc.lower} must be in [0, upper={rc.upper})")
+    geo = rc.geo_reject
+    if geo.enable and not 0 < geo.lower < 1 < geo.upper:
+        errors.append(
+            f"algo.rollout_correction.geo_reject: need 0 < lower < 1 < upper, got lower={geo.lower}, upper={geo.upper}"
+        )
+    if rc.bypass and cfg.algo.staleness > 0 and rc.mode == "none" and not geo.enable:
+        errors.append(
+            f"algo.rollout_correction.bypass=true with algo.staleness={cfg.algo.staleness} and no correction "
+            "(mode=none, geo_reject off): the rollout logprobs would stand for the old policy of samples up to "
+            f"{cfg.algo.staleness} versions stale, uncorrected; use staleness 0 or turn a correction on"
+        )
 
 
 def _check_dp_share(cfg: DapoConfig, errors: list[str]) -> None:

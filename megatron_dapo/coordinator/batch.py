@@ -19,16 +19,20 @@ def build_batch(
     temperature: float,
     norm_adv_by_std: bool = True,
     overlong_filter: bool = False,
+    adv_estimator: str = "grpo",
 ) -> RolloutBatch:
     samples = [s for g in groups for s in g.samples]
+    # Truncated responses stay in their group's baseline (advantages below) but may leave the loss.
+    loss_mask = [0 if overlong_filter and s.finish_reason == "length" else 1 for s in samples]
     return RolloutBatch(
         input_ids=[list(s.prompt_ids) + list(s.output_ids) for s in samples],
         prompt_lengths=[len(s.prompt_ids) for s in samples],
         response_lengths=[len(s.output_ids) for s in samples],
-        advantages=batch_advantages(groups, norm_adv_by_std),
+        advantages=batch_advantages(
+            groups, norm_adv_by_std, adv_estimator, [m * len(s.output_ids) for m, s in zip(loss_mask, samples)]
+        ),
         rollout_logprobs=[list(s.logprobs) for s in samples],
-        # Truncated responses stay in their group's baseline (advantages above) but may leave the loss.
-        response_loss_mask=[0 if overlong_filter and s.finish_reason == "length" else 1 for s in samples],
+        response_loss_mask=loss_mask,
         token_versions=[v for g in groups for v in g.token_versions],
         group_index=torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long),
         temperature=temperature,

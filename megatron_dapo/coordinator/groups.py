@@ -12,8 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_dapo.algo import dynamic_sampling_filter, group_advantages, overlong_reward
+from megatron_dapo.algo import (
+    dynamic_sampling_filter,
+    group_advantages,
+    overlong_reward,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
 from megatron_dapo.rollout.types import Sample
+from megatron_dapo.runtime.hooks import import_function
 from megatron_dapo.types import routing_from_state, routing_to_state
 
 if TYPE_CHECKING:
@@ -142,8 +149,33 @@ def judge_group(
     return g
 
 
-def batch_advantages(groups: list[JudgedGroup], norm_by_std: bool = True) -> torch.Tensor:
-    """Group-normalised advantage per sample, groups concatenated in order (float32 [sum n])."""
+def batch_advantages(
+    groups: list[JudgedGroup],
+    norm_by_std: bool = True,
+    estimator: str = "grpo",
+    loss_token_counts: list[int] | None = None,
+) -> torch.Tensor:
+    """Per-sample advantages by `estimator` (algo.adv_estimator), groups concatenated in order (float32
+    [sum n]). grpo: group-normalised (norm_by_std); rloo: leave-one-out; reinforce_plus_plus: whitened over
+    the batch's loss tokens (`loss_token_counts`, default the response lengths); else a `module:function`
+    called as fn(rewards [N], group_ids [N], loss_token_counts [N]) -> [N]."""
     rewards = torch.tensor([r for g in groups for r in g.seq_rewards], dtype=torch.float32)
     ids = torch.tensor([i for i, g in enumerate(groups) for _ in g.samples], dtype=torch.long)
-    return group_advantages(rewards, ids, norm_by_std=norm_by_std)
+    counts = torch.tensor(
+        [len(s.output_ids) for g in groups for s in g.samples] if loss_token_counts is None else loss_token_counts,
+        dtype=torch.long,
+    )
+    if estimator == "grpo":
+        return group_advantages(rewards, ids, norm_by_std=norm_by_std)
+    if estimator == "rloo":
+        return rloo_advantages(rewards, ids)
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus_advantages(rewards, counts)
+    out = import_function(estimator, "algo.adv_estimator")(rewards, ids, counts)
+    out = torch.as_tensor(out, dtype=torch.float32)
+    if out.shape != rewards.shape or not torch.isfinite(out).all():
+        raise ValueError(
+            f"algo.adv_estimator {estimator!r} returned shape {tuple(out.shape)} (finite: "
+            f"{bool(torch.isfinite(out).all())}); expected {tuple(rewards.shape)} finite advantages"
+        )
+    return out

@@ -204,7 +204,12 @@ class CoordinatorService:
         cfg = self.cfg
         info = self._take(step)
         batch = build_batch(
-            info.groups, step, cfg.rollout.sampling.temperature, cfg.algo.norm_adv_by_std, cfg.algo.overlong_filter
+            info.groups,
+            step,
+            cfg.rollout.sampling.temperature,
+            cfg.algo.norm_adv_by_std,
+            cfg.algo.overlong_filter,
+            cfg.algo.adv_estimator,
         )
         return StepData(
             shards=shard_batch(batch, dp_size, cfg.algo.ppo_mini_batch_size),

@@ -6,9 +6,12 @@ imported when a Triton backend is used.
 """
 
 from .backend import (
+    cispo_policy_loss,
     dapo_policy_loss,
     dynamic_sampling_filter,
     group_advantages,
+    gspo_policy_loss,
+    policy_loss_backend,
     resolve_backend,
     token_advantages,
     vocab_parallel_logprobs,
@@ -16,7 +19,10 @@ from .backend import (
 from .fused_linear import fused_linear_logprobs
 
 __all__ = [
+    "cispo_policy_loss",
     "dapo_policy_loss",
+    "gspo_policy_loss",
+    "policy_loss_backend",
     "dynamic_sampling_filter",
     "fused_linear_logprobs",
     "group_advantages",

@@ -10,6 +10,7 @@ except under TRITON_INTERPRET=1 with an explicit "triton" (how the kernels are t
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 
 import torch
@@ -18,6 +19,8 @@ from megatron_dapo.algo import advantages as _adv
 from megatron_dapo.algo import filter as _filter
 from megatron_dapo.algo import logprobs as _logprobs
 from megatron_dapo.algo import loss as _loss
+
+log = logging.getLogger(__name__)
 
 ENV_VAR = "MEGATRON_DAPO_KERNELS"
 BACKENDS = ("auto", "torch", "triton")
@@ -79,11 +82,56 @@ def vocab_parallel_logprobs(
     return _logprobs.vocab_parallel_logprobs(logits_shard, target_ids, tp_group, temperature, with_entropy)
 
 
-def dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs):
-    if resolve_backend(logprobs.device, backend) == "triton":
+POLICY_LOSS_NAMES = tuple(_loss.POLICY_LOSSES)
+# Policy losses the Triton loss kernel does not cover, and why: they run the torch path on every device.
+TORCH_ONLY_LOSSES = {
+    "gspo": "GSPO's sequence ratio needs each row's mean log-ratio before any token's clip (two passes); "
+    "the fused kernel streams a row once",
+    "cispo": "CISPO's loss is a REINFORCE term on the logprobs, not the clipped-ratio term the fused kernel computes",
+}
+_told: set[str] = set()
+
+
+def policy_loss_backend(name: str, device: torch.device, backend: str | None = None) -> tuple[str, str | None]:
+    """(backend, why) for the policy loss `name` on `device`: a loss in TORCH_ONLY_LOSSES that would have
+    taken the Triton path runs the torch path, and `why` says so by name (else None)."""
+    if name not in _loss.POLICY_LOSSES:
+        raise ValueError(f"policy loss {name!r}: expected one of {POLICY_LOSS_NAMES}")
+    chosen = resolve_backend(device, backend)
+    if chosen == "triton" and name in TORCH_ONLY_LOSSES:
+        return (
+            "torch",
+            f"policy loss {name!r} runs the torch path: the Triton loss kernel covers dapo only "
+            f"({TORCH_ONLY_LOSSES[name]})",
+        )
+    return chosen, None
+
+
+def kernel_policy_loss(
+    name, logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs
+):
+    """The policy loss `name` (dapo, gspo, cispo) on the backend `policy_loss_backend` picks; a variant the
+    kernel does not cover is logged once (by name) where it falls back to torch."""
+    chosen, why = policy_loss_backend(name, logprobs.device, backend)
+    if why is not None and name not in _told:
+        _told.add(name)
+        log.warning(why)
+    if chosen == "triton":
         loss_triton = triton_module("loss_triton")
         return loss_triton.dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
-    return _loss.dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
+    return _loss.POLICY_LOSSES[name](logprobs, old_logprobs, advantages, loss_mask, *args, **kwargs)
+
+
+def dapo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs):
+    return kernel_policy_loss("dapo", logprobs, old_logprobs, advantages, loss_mask, *args, backend=backend, **kwargs)
+
+
+def gspo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs):
+    return kernel_policy_loss("gspo", logprobs, old_logprobs, advantages, loss_mask, *args, backend=backend, **kwargs)
+
+
+def cispo_policy_loss(logprobs, old_logprobs, advantages, loss_mask, *args, backend: str | None = None, **kwargs):
+    return kernel_policy_loss("cispo", logprobs, old_logprobs, advantages, loss_mask, *args, backend=backend, **kwargs)
 
 
 def group_advantages(rewards, group_ids, norm_by_std=True, eps=1e-6, *, backend: str | None = None):

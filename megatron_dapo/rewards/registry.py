@@ -20,7 +20,6 @@ hanging call's worker is killed, a crashed one replaced, both scored as failures
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
@@ -32,6 +31,7 @@ from functools import partial
 from typing import Callable
 
 from megatron_dapo.rewards.threads import MAX_HUNG, NUM_THREADS, RewardThreads
+from megatron_dapo.runtime.hooks import import_function
 
 log = logging.getLogger(__name__)
 
@@ -72,14 +72,7 @@ def get_reward(name: str) -> RewardFn:
     if fn is not None:
         return fn
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"reward function {name!r} cannot be imported: {e}") from e
-        if not callable(fn):
-            raise ValueError(f"reward function {name!r} is not callable")
-        return fn
+        return import_function(name, "reward function")
     known = sorted(set(_REGISTRY) | {"math_dapo", "dapo_math", "math_verify"})
     raise ValueError(f"unknown reward function {name!r}; known: {known}, or give 'package.module:function'")
 

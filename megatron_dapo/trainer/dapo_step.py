@@ -26,6 +26,7 @@ those of the whole mini-batch as one batch on one process.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from typing import Iterator
@@ -33,9 +34,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.algo.loss import LOG_RATIO_BOUND
+from megatron_dapo.algo.rollout_correction import (
+    MISMATCH_TOKEN_METRICS,
+    lag_sums,
+    mismatch_sums,
+    rollout_correction,
+)
 from megatron_dapo.config.derived import token_sum_norm
-from megatron_dapo.kernels.backend import dapo_policy_loss
+from megatron_dapo.kernels.backend import POLICY_LOSS_NAMES, kernel_policy_loss
+from megatron_dapo.runtime.hooks import import_function
 from megatron_dapo.shards import shard_batch, split_groups_over_ranks
 from megatron_dapo.trainer.engine import TrainEngine
 from megatron_dapo.trainer.packing import PackedMicroBatch, pack, padded_length, plan_micro_batches
@@ -45,22 +52,64 @@ log = logging.getLogger(__name__)
 
 _MAX_METRICS = ("actor/ratio_max",)
 _STATE_KEY = "actor"  # the step's counters in the engine's checkpoint
+_LAG_PREFIX = "actor/_lag"  # per-lag sums, turned into ratios by per_lag_metrics
+
+
+def per_lag_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """`actor/mismatch_k3_lag{k}` and `actor/mismatch_token_rejected_frac_lag{k}` (over the tokens of lag k)
+    from the reduced per-lag sums, which leave the dict."""
+    out = {k: v for k, v in metrics.items() if not k.startswith(_LAG_PREFIX)}
+    for key, n in metrics.items():
+        if key.startswith(_LAG_PREFIX) and key.endswith("/tokens") and n > 0:
+            lag = key[len(_LAG_PREFIX) : -len("/tokens")]
+            out[f"actor/mismatch_k3_lag{lag}"] = metrics[f"{_LAG_PREFIX}{lag}/k3"] / n
+            out[f"actor/mismatch_token_rejected_frac_lag{lag}"] = metrics[f"{_LAG_PREFIX}{lag}/rejected"] / n
+    return out
 
 
 def dapo_loss_options(cfg) -> dict:
-    """The config's keyword arguments of `dapo_policy_loss` (the same for every micro-batch).
+    """The config's keyword arguments of the policy loss (the same for every micro-batch).
 
     token_sum_norm is a constant (algo.loss_scale_factor or data.max_response_length): left unset,
-    seq-mean-token-sum-norm would divide by each micro-batch's padded width instead."""
+    seq-mean-token-sum-norm would divide by each micro-batch's padded width instead. The clip range is
+    the variant's own (algo.gspo / algo.cispo for those; CISPO has no dual clip). rollout_is_cap is None:
+    the rollout correction hands the loss finished weights (megatron_dapo.algo.rollout_correction)."""
 
     algo = cfg.algo
+    low, high, dual = algo.clip_ratio_low, algo.clip_ratio_high, algo.clip_ratio_c
+    if algo.policy_loss == "gspo":
+        low, high = algo.gspo.clip_ratio_low, algo.gspo.clip_ratio_high
+    elif algo.policy_loss == "cispo":
+        low, high, dual = algo.cispo.clip_ratio_low, algo.cispo.clip_ratio_high, None
     return dict(
-        clip_ratio_low=algo.clip_ratio_low,
-        clip_ratio_high=algo.clip_ratio_high,
-        clip_ratio_c=algo.clip_ratio_c,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=dual,
         loss_agg_mode=algo.loss_agg_mode,
         token_sum_norm=token_sum_norm(cfg),
-        rollout_is_cap=algo.rollout_is.cap if algo.rollout_is.enable else None,
+        rollout_is_cap=None,
+    )
+
+
+def policy_loss_fn(cfg):
+    """The policy loss of algo.policy_loss: a built-in through the kernel dispatcher, or the user's
+    `module:function` (called with dapo_policy_loss's arguments, returning (loss, metrics))."""
+    name = cfg.algo.policy_loss
+    if name in POLICY_LOSS_NAMES:
+        return functools.partial(kernel_policy_loss, name)
+    return import_function(name, "algo.policy_loss")
+
+
+def correction_options(cfg) -> dict:
+    """The keyword arguments of `rollout_correction` from algo.rollout_correction."""
+    rc = cfg.algo.rollout_correction
+    geo = rc.geo_reject
+    return dict(
+        mode=rc.mode,
+        lower=rc.lower,
+        upper=rc.upper,
+        geo_lower=geo.lower if geo.enable else None,
+        geo_upper=geo.upper if geo.enable else None,
     )
 
 
@@ -177,8 +226,11 @@ class DapoStep:
             shard = shard_batch(data, layout.dp, algo.ppo_mini_batch_size)[layout.dp_rank]
         batch = shard.batch
         self._check_batch(batch)
-        # the old policy's logprobs for all of this rank's rows, before any update
-        old = self._local_logprobs(batch, list(range(batch.num_samples)), measure_routing=True)
+        if algo.rollout_correction.bypass:
+            # the rollout's logprobs stand for the old policy: one forward pass less per step
+            old = {r: torch.as_tensor(batch.rollout_logprobs[r], dtype=torch.float32) for r in range(batch.num_samples)}
+        else:  # the old policy's logprobs for all of this rank's rows, before any update
+            old = self._local_logprobs(batch, list(range(batch.num_samples)), measure_routing=True)
         totals: dict[str, float] = {}
         maxima: dict[str, float] = {}
         n_steps = skipped = 0
@@ -197,7 +249,8 @@ class DapoStep:
                         maxima[k] = max(maxima.get(k, -math.inf), v)
                     else:
                         totals[k] = totals.get(k, 0.0) + v
-        out = {k: v / n_steps for k, v in totals.items()}
+        # per-lag ratios from the sums of every mini-batch (a lag may be absent from some)
+        out = per_lag_metrics({k: v / n_steps for k, v in totals.items()})
         out.update(maxima)
         out["actor/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
         out["actor/optimizer_steps"] = float(n_steps - skipped)
@@ -271,26 +324,28 @@ class DapoStep:
         metrics into `sums` and `maxima`."""
         algo, dp = self.cfg.algo, self.layout.dp
         loss_options = dapo_loss_options(self.cfg)
+        loss_of = policy_loss_fn(self.cfg)
+        correct = correction_options(self.cfg)
+        bypass = algo.rollout_correction.bypass
         # The exact global normalisers of the mini-batch (loss tokens / sequences over every
         # micro-batch of every DP rank), known before the first backward: they come with the shard.
         global_tokens, global_seqs = float(counts[0]), float(counts[1])
-        use_is = algo.rollout_is.enable
 
         def loss_fn(mb: PackedMicroBatch, lp_pos: torch.Tensor, ent_pos: torch.Tensor) -> torch.Tensor:
             if not mb.rows:  # all padding (this rank has fewer micro-batches than others): no loss
                 return lp_pos.sum() * 0.0
             lp = mb.gather(lp_pos.float())
             old_rows, roll_rows, mask, adv = self._loss_inputs(batch, mb, old, lp)
-            # clamped like the policy log-ratio, so a far-off rollout logprob cannot overflow exp
-            log_w = (old_rows - roll_rows).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-            is_weights = torch.exp(log_w) * (mask > 0) if use_is else None
-            loss, metrics = dapo_policy_loss(
+            # bypass: the old policy is the rollout's, so the correction weighs the current policy against it
+            behaviour = lp.detach() if bypass else old_rows
+            correction = rollout_correction(behaviour - roll_rows, mask, **correct)
+            loss, metrics = loss_of(
                 lp,
                 old_rows,
                 adv,
                 mask,
                 global_num_tokens=max(global_tokens, 1.0),
-                rollout_is_weights=is_weights,
+                rollout_is_weights=correction.weights,
                 global_num_seqs=max(global_seqs, 1.0),
                 dp_world_size=dp,
                 **loss_options,
@@ -303,20 +358,39 @@ class DapoStep:
             with torch.no_grad():
                 add = self._loss_metrics(loss, ent_mean, metrics)
                 per_token = dp / max(global_tokens, 1.0)
+                per_seq = dp / max(global_seqs, 1.0)
                 # with routing replay on and off alike: how far the trainer's old logprobs are from the rollout's
                 add["actor/train_rollout_logprob_abs_diff"] = (
                     float(((old_rows - roll_rows).abs() * mask).sum()) * per_token
                 )
-                if use_is:
-                    w = torch.clamp(is_weights, max=algo.rollout_is.cap) if algo.rollout_is.cap else is_weights
-                    add["actor/rollout_is_weight_mean"] = float((w * mask).sum()) * per_token
+                if correction.weights is not None:
+                    add["actor/rollout_corr_weight_mean"] = float((correction.weights * mask).sum()) * per_token
+                for k, v in mismatch_sums(behaviour, roll_rows, mask, correction).items():
+                    add[f"actor/mismatch_{k}"] = v * (per_token if k in MISMATCH_TOKEN_METRICS else per_seq)
+                # per weight-version lag: numerator and token count, divided after the DP reduction
+                for lag, (n, k3, rejected) in lag_sums(
+                    behaviour, roll_rows, mask, correction, self._token_lags(batch, mb, lp)
+                ).items():
+                    add[f"{_LAG_PREFIX}{lag}/tokens"] = n
+                    add[f"{_LAG_PREFIX}{lag}/k3"] = k3
+                    add[f"{_LAG_PREFIX}{lag}/rejected"] = rejected
                 for k, v in add.items():
                     sums[k] = sums.get(k, 0.0) + v
-                ratio_max = float(metrics["ratio_max"]) if metrics["num_tokens"] > 0 else 0.0
+                ratio_max = float(metrics.get("ratio_max", 0.0)) if metrics.get("num_tokens", 1) > 0 else 0.0
                 maxima["actor/ratio_max"] = max(maxima.get("actor/ratio_max", 0.0), ratio_max)
             return loss  # this micro-batch's exact share of the mini-batch loss
 
         return loss_fn
+
+    @staticmethod
+    def _token_lags(batch, mb: PackedMicroBatch, lp: torch.Tensor) -> torch.Tensor:
+        """[rows, tokens] (lp's layout and device) weight versions between each response token's generating
+        weights and this step's (-1 on padding)."""
+        lags = torch.full(lp.shape, -1, dtype=torch.long)
+        for i, r in enumerate(mb.rows):
+            v = batch.token_versions[r]
+            lags[i, : len(v)] = batch.step - torch.as_tensor(v, dtype=torch.long)
+        return lags.to(lp.device)
 
     def _loss_inputs(self, batch, mb: PackedMicroBatch, old: dict[int, torch.Tensor], lp: torch.Tensor):
         """The micro-batch's old and rollout logprobs, loss mask and advantages, in `lp`'s [rows, tokens]
@@ -335,16 +409,18 @@ class DapoStep:
 
     @staticmethod
     def _loss_metrics(loss: torch.Tensor, ent_mean: torch.Tensor, metrics: dict) -> dict[str, float]:
-        """One micro-batch's contribution to the step's actor/* metrics (summed over micro-batches)."""
-        return {
-            "actor/pg_loss": float(loss),
-            "actor/entropy": float(ent_mean),
-            "actor/pg_clipfrac_upper": float(metrics["clipfrac_upper"]),
-            "actor/pg_clipfrac_lower": float(metrics["clipfrac_lower"]),
-            "actor/pg_clipfrac_dual": float(metrics["clipfrac_dual"]),
-            "actor/approx_kl": float(metrics["approx_kl"]),
-            "actor/ratio_mean": float(metrics["ratio_mean"]),
-        }
+        """One micro-batch's contribution to the step's actor/* metrics (summed over micro-batches); a
+        custom policy loss may leave metrics out (0)."""
+        out = {"actor/pg_loss": float(loss), "actor/entropy": float(ent_mean)}
+        for key, name in (
+            ("clipfrac_upper", "pg_clipfrac_upper"),
+            ("clipfrac_lower", "pg_clipfrac_lower"),
+            ("clipfrac_dual", "pg_clipfrac_dual"),
+            ("approx_kl", "approx_kl"),
+            ("ratio_mean", "ratio_mean"),
+        ):
+            out[f"actor/{name}"] = float(metrics.get(key, 0.0))
+        return out
 
     def _reduce_metrics(self, sums: dict[str, float], maxima: dict[str, float]) -> dict[str, float]:
         """Metrics of the last pipeline stage, summed over micro-batches, averaged over DP, on every rank."""

@@ -616,3 +616,91 @@ def test_rollout_coordination_switches_load():
 )
 def test_sync_sources_auto_is_per_stage_with_stages_and_all_at_once(overrides, expected):
     assert derived.sync_sources(load_config(TINY, overrides)) == expected
+
+
+# ---------------------------------------------------------------- policy losses, advantages, rollout correction
+def test_rollout_is_key_names_its_replacement(tmp_path):
+    """algo.rollout_is (replaced by algo.rollout_correction) fails with the translation, from a file and
+    from an override alike."""
+    path = tmp_path / "old.yaml"
+    path.write_text("algo:\n  rollout_is:\n    enable: true\n    cap: 2.0\n")
+    with pytest.raises(ConfigError, match=r"algo.rollout_is was replaced by algo.rollout_correction.*mode=token_tis"):
+        load_config(path)
+    with pytest.raises(
+        ConfigError, match="key 'algo.rollout_is': algo.rollout_is was replaced by algo.rollout_correction"
+    ):
+        load_config(TINY, ["algo.rollout_is.cap=3.0"])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["algo.policy_loss=gspo"], "algo.policy_loss=gspo needs algo.loss_agg_mode=seq-mean-token-mean"),
+        (["algo.policy_loss=ppo"], "algo.policy_loss='ppo': expected one of"),
+        (["algo.policy_loss=no_such_module_xyz:loss"], "algo.policy_loss 'no_such_module_xyz:loss' cannot be imported"),
+        (["algo.adv_estimator=gae"], "algo.adv_estimator='gae': expected one of"),
+        (["algo.adv_estimator=math:no_such_function"], "algo.adv_estimator 'math:no_such_function' cannot be imported"),
+        (["algo.gspo.clip_ratio_low=1.5"], "algo.gspo.clip_ratio_low=1.5"),
+        (["algo.cispo.clip_ratio_low=-0.1"], "algo.cispo.clip_ratio_low=-0.1"),
+        (["algo.rollout_correction.upper=0.5"], "algo.rollout_correction.upper=0.5 must be >= 1 for mode=token_tis"),
+        (["algo.rollout_correction.lower=0.5"], "algo.rollout_correction.lower=0.5 is used only by modes"),
+        (
+            [
+                "algo.rollout_correction.mode=icepop",
+                "algo.rollout_correction.lower=6",
+                "algo.rollout_correction.upper=5",
+            ],
+            r"algo.rollout_correction.lower=6.0 must be in \[0, upper=5.0\)",
+        ),
+        (["algo.rollout_correction.mode=icepop"], "algo.rollout_correction.mode=icepop needs"),
+        (
+            ["algo.rollout_correction.geo_reject.enable=true", "algo.rollout_correction.geo_reject.lower=1.1"],
+            "algo.rollout_correction.geo_reject: need 0 < lower < 1 < upper",
+        ),
+        (
+            ["algo.rollout_correction.bypass=true", "algo.rollout_correction.mode=none", "algo.staleness=2"],
+            "algo.rollout_correction.bypass=true with algo.staleness=2 and no correction",
+        ),
+    ],
+)
+def test_policy_loss_and_correction_refusals(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(TINY, overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algo.policy_loss=gspo", "algo.loss_agg_mode=seq-mean-token-mean"],
+        ["algo.policy_loss=cispo", "algo.cispo.clip_ratio_high=4.0"],
+        ["algo.adv_estimator=rloo"],
+        ["algo.adv_estimator=reinforce_plus_plus"],
+        ["algo.rollout_correction.mode=icepop", "algo.rollout_correction.lower=0.5", "algo.rollout_correction.upper=5"],
+        ["algo.rollout_correction.mode=token_mis"],
+        ["algo.rollout_correction.mode=seq_mis", "algo.rollout_correction.lower=0.5"],
+        ["algo.rollout_correction.geo_reject.enable=true"],
+        ["algo.rollout_correction.bypass=true", "algo.staleness=0", "algo.rollout_correction.mode=none"],
+        ["algo.rollout_correction.bypass=true"],  # staleness 3 with token_tis on
+        [
+            "algo.policy_loss=megatron_dapo.algo.loss:dapo_policy_loss",
+            "algo.adv_estimator=tests.config.test_config:_adv",
+        ],
+    ],
+)
+def test_new_algorithm_keys_load(overrides):
+    cfg = load_config(TINY, overrides)
+    for item in overrides:
+        key, _, value = item.partition("=")
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        assert str(obj).lower() == value or (not isinstance(obj, (bool, str)) and float(obj) == float(value)), (
+            key,
+            obj,
+            value,
+        )
+
+
+def _adv(rewards, group_ids, token_counts):
+    """A custom advantage estimator for test_new_algorithm_keys_load (module:function hook)."""
+    return rewards - rewards.mean()

@@ -114,3 +114,51 @@ def test_reward_failures_by_type_reach_the_step_metrics_and_survive_a_checkpoint
     m = step_metrics(restored, SimpleNamespace(algo=SimpleNamespace(staleness=1)), build_batch([g], 0, 1.0))
     assert m["reward/failures"] == 3 and m["reward/calls_per_s"] == 12.5
     assert m["reward/failures/ZeroDivisionError"] == 2 and m["reward/failures/NonFiniteReward"] == 1
+
+
+def _scored_groups():
+    """Two groups of 3 and 2 samples with known rewards and response lengths 2, 4, 1 | 3, 5."""
+    out = []
+    for scores, lengths in (([1.0, 0.0, 0.5], [2, 4, 1]), ([0.0, 1.0], [3, 5])):
+        samples = [
+            Sample(
+                rid=f"{len(out)}-{i}",
+                prompt_ids=[1],
+                output_ids=[2] * n,
+                logprobs=[-0.1] * n,
+                finish_reason="stop",
+                weight_version="0",
+            )
+            for i, n in enumerate(lengths)
+        ]
+        rewards = [RewardResult(score=s, acc=s > 0) for s in scores]
+        out.append(judge_group(len(out), samples, rewards, max_response_length=8, filter_metric=None))
+    return out
+
+
+def test_batch_advantages_by_estimator():
+    """algo.adv_estimator reaches the step batch: rloo, reinforce_plus_plus (weighted by loss tokens: an
+    overlong-filtered response counts 0) and a module:function hook, whose bad output is refused by name."""
+    from megatron_dapo.algo import reinforce_plus_plus_advantages, rloo_advantages
+    from megatron_dapo.coordinator.groups import batch_advantages
+
+    groups = _scored_groups()
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0])
+    ids = torch.tensor([0, 0, 0, 1, 1])
+    assert torch.equal(batch_advantages(groups, estimator="rloo"), rloo_advantages(rewards, ids))
+    rpp = batch_advantages(groups, estimator="reinforce_plus_plus")
+    assert torch.equal(rpp, reinforce_plus_plus_advantages(rewards, torch.tensor([2, 4, 1, 3, 5])))
+    b = build_batch(groups, step=0, temperature=1.0, adv_estimator="reinforce_plus_plus")
+    assert torch.equal(b.advantages, rpp)
+    hook = batch_advantages(groups, estimator="tests.coordinator.test_groups:_centred")
+    assert torch.allclose(hook, rewards - rewards.mean())
+    with pytest.raises(ValueError, match="algo.adv_estimator 'tests.coordinator.test_groups:_wrong_shape' returned"):
+        batch_advantages(groups, estimator="tests.coordinator.test_groups:_wrong_shape")
+
+
+def _centred(rewards, group_ids, token_counts):
+    return rewards - rewards.mean()
+
+
+def _wrong_shape(rewards, group_ids, token_counts):
+    return rewards[:2]

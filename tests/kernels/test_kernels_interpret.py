@@ -1,5 +1,6 @@
-"""The shared backend suites (tests/algo/test_backends.py, tests/kernels/test_fused_linear.py) against the Triton
-kernels on CPU.
+"""The shared backend suites (tests/algo/test_backends.py, tests/algo/test_policy_variants.py,
+tests/kernels/test_fused_linear.py) against the Triton kernels on CPU (the policy variants' suite: dapo
+on the kernel, gspo / cispo through the dispatcher's torch path).
 
 Triton decides between compiling and interpreting when a kernel is decorated (at import), from
 TRITON_INTERPRET; this pytest process may already have imported triton without it, so each suite
@@ -21,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("suite,min_passed", [("algo/test_backends.py", 20), ("kernels/test_fused_linear.py", 21)])
+@pytest.mark.parametrize(
+    "suite,min_passed",
+    [("algo/test_backends.py", 20), ("algo/test_policy_variants.py", 45), ("kernels/test_fused_linear.py", 21)],
+)
 def test_triton_kernels_interpreted_match_references(suite, min_passed):
     env = dict(os.environ, TRITON_INTERPRET="1", MEGATRON_DAPO_TEST_BACKENDS="triton-interpret", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "tests" / suite)]

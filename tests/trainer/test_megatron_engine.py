@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 LOGPROB_CHECKS = ["logprobs_tp2", "logprobs_pp2", "moe_ep2", "moe_replay_pp2", "moe_replay_sp", "moe_replay_vpp"]
-UPDATE_CHECKS = ["train_dp2", "shards", "warmup", "sum_norm"]
+UPDATE_CHECKS = ["train_dp2", "shards", "warmup", "sum_norm", "variants"]
 
 
 @pytest.mark.slow

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from forced_routing import forced_routing, random_routing
 
-from megatron_dapo.config.schema import DapoConfig
+from megatron_dapo.config.schema import DapoConfig, GeoRejectConfig, RolloutCorrectionConfig
 from megatron_dapo.models.tiny import save_tiny_hf_model
 from megatron_dapo.runtime.distributed import destroy_distributed, init_distributed, init_model_parallel
 from megatron_dapo.trainer.actor import build_actor
@@ -148,7 +148,7 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig, agreement: li
     """One optimizer step on the whole batch on one process: HF model, the DAPO loss, torch AdamW."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.algo import dapo_policy_loss
+    from megatron_dapo.algo import POLICY_LOSSES, rollout_correction
 
     a = cfg.algo
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -167,20 +167,32 @@ def reference_update(hf_dir, batch: RolloutBatch, cfg: DapoConfig, agreement: li
         k = batch.response_lengths[i]
         old_rows[i, :k], roll[i, :k] = old[i], torch.tensor(batch.rollout_logprobs[i])
         mask[i, :k] = batch.response_loss_mask[i]
-    w = torch.exp(old_rows - roll) * (mask > 0)
+    # the policy loss and clip range of algo.policy_loss, the weights of algo.rollout_correction
+    low, high, dual = a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c
+    if a.policy_loss == "gspo":
+        low, high = a.gspo.clip_ratio_low, a.gspo.clip_ratio_high
+    elif a.policy_loss == "cispo":
+        low, high, dual = a.cispo.clip_ratio_low, a.cispo.clip_ratio_high, None
+    rc, geo = a.rollout_correction, a.rollout_correction.geo_reject
+    bounds = (geo.lower, geo.upper) if geo.enable else (None, None)
+    if rc.bypass:  # the rollout's logprobs are the old policy; the correction weighs the current one against them
+        old_rows, behaviour = roll.clone(), lp.detach()
+    else:
+        behaviour = old_rows
+    w = rollout_correction(behaviour - roll, mask, rc.mode, rc.lower, rc.upper, *bounds).weights
     # token_sum_norm: the one constant divisor of seq-mean-token-sum-norm (ignored by the other modes)
-    loss, _ = dapo_policy_loss(
+    loss, _ = POLICY_LOSSES[a.policy_loss](
         lp,
         old_rows,
         batch.advantages.float(),
         mask,
-        a.clip_ratio_low,
-        a.clip_ratio_high,
-        a.clip_ratio_c,
+        low,
+        high,
+        dual,
         a.loss_agg_mode,
         None,
         w,
-        rollout_is_cap=a.rollout_is.cap,
+        rollout_is_cap=None,
         token_sum_norm=cfg.data.max_response_length,
     )
     loss.backward()
@@ -311,6 +323,37 @@ def check_exact_update(
     )
     assert moved > 1e-4, "the step should move the parameters"
     return actor, cfg, batch, after
+
+
+def check_variants(hf_dir):
+    """GSPO with a sequence-level correction and geometric rejection, CISPO with IcePop: DP=2 x uneven
+    micro-batches == one big batch on one process, as for DAPO."""
+    check_exact_update(
+        hf_dir,
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-mean",
+        rollout_correction=RolloutCorrectionConfig(
+            mode="seq_tis", upper=2.0, geo_reject=GeoRejectConfig(enable=True, lower=0.8, upper=1.25)
+        ),
+    )
+    check_exact_update(
+        hf_dir, policy_loss="cispo", rollout_correction=RolloutCorrectionConfig(mode="icepop", lower=0.5, upper=1.5)
+    )
+    # bypass: the rollout logprobs stand for the old policy, and a step runs no forward-only pass
+    actor, _, batch, _ = check_exact_update(
+        hf_dir, rollout_correction=RolloutCorrectionConfig(mode="token_tis", upper=2.0, bypass=True)
+    )
+    calls = []
+    original = actor.engine.forward_backward
+
+    def counting(packs, fn, forward_only, **kw):
+        calls.append(forward_only)
+        return original(packs, fn, forward_only=forward_only, **kw)
+
+    actor.engine.forward_backward = counting
+    actor.train_step(batch)
+    assert calls and not any(calls), calls
+    log(f"bypass: a train step ran {len(calls)} forward-backward passes, none forward-only")
 
 
 def check_train(hf_dir, tmpdir):
@@ -458,6 +501,7 @@ CHECKS = {
     "shards": lambda hf_dir, tmpdir: check_shards(hf_dir),
     "warmup": lambda hf_dir, tmpdir: check_warmup(hf_dir),
     "sum_norm": lambda hf_dir, tmpdir: check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm"),
+    "variants": lambda hf_dir, tmpdir: check_variants(hf_dir),
 }
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.bridge.parallel import unwrap_model
+from megatron_dapo.config.schema import RolloutCorrectionConfig
 from megatron_dapo.runtime.distributed import init_model_parallel
 from megatron_dapo.trainer.actor import build_actor
 from tests.workers.actor_checks import (
@@ -118,6 +119,15 @@ def check_train(hf_dir, tmpdir, cp: int):
         assert actor.layout.cp == cp and actor.layout.dp == dist.get_world_size() // cp
         dist.barrier()
     check_cp_resume(actor, cfg, after, tmpdir)
+    # GSPO's per-sequence mean log-ratio and the sequence-level correction under CP: the loss sees whole
+    # sequences (each CP rank gathers every token's logprob), so the step still equals one process's
+    check_exact_update(
+        hf_dir,
+        cp=cp,
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-mean",
+        rollout_correction=RolloutCorrectionConfig(mode="seq_tis", upper=2.0),
+    )
 
 
 def check_cp_resume(actor, cfg, after, tmpdir):

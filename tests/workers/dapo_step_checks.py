@@ -34,7 +34,7 @@ def step_config(hf_dir, backend: str):
         fused_lm_head=False,  # the FSDP2 engine has no fused LM head; the Megatron one's is tested on its own
     )
     cfg.trainer.backend = backend
-    cfg.algo.rollout_is.enable = True
+    cfg.algo.rollout_correction.mode = "token_tis"
     return cfg
 
 

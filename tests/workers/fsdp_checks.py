@@ -103,7 +103,7 @@ def reference(hf_dir, batch: RolloutBatch, cfg: DapoConfig):
         a.loss_agg_mode,
         None,
         w,
-        rollout_is_cap=a.rollout_is.cap,
+        rollout_is_cap=a.rollout_correction.upper,
     )
     loss.backward()
     params = dict(model.named_parameters())
