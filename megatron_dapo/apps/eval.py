@@ -92,16 +92,8 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        servers = launcher.launch_embedded_servers(
-            str(model_dir),
-            rollout.num_servers,
-            log_dir,
-            host=rollout.host,
-            api_key=rollout.api_key,
-            device=device,
-            deterministic_inference=rollout.deterministic_inference,
-            batching=rollout.embedded_batching,
-        )
+        options = launcher.embedded_options(cfg, device)
+        servers = launcher.launch_embedded_servers(str(model_dir), rollout.num_servers, log_dir, **options)
         for s in servers:
             stack.callback(s.stop)
         return [s.url for s in servers]

@@ -26,7 +26,7 @@ import threading
 from pathlib import Path
 
 from megatron_dapo.config import config_from_dict, config_to_dict
-from megatron_dapo.config.derived import ray_max_restarts, routing_shape, trainer_world_size
+from megatron_dapo.config.derived import ray_max_restarts, trainer_world_size
 from megatron_dapo.coordinator.restart import abort_every_request
 from megatron_dapo.rollout.supervisor import ServerSupervisor
 from megatron_dapo.runtime.net import free_port, interface_of, is_loopback
@@ -110,17 +110,8 @@ class _ServerActor:
             self.proc = launcher.launch_sglang(args, log_path)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
-            self.proc = launcher.launch_embedded(
-                cfg.model.hf_path,
-                log_path,
-                host=cfg.rollout.host,
-                api_key=cfg.rollout.api_key,
-                seed=index,
-                device=device,
-                deterministic_inference=cfg.rollout.deterministic_inference,
-                batching=cfg.rollout.embedded_batching,
-                return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
-            )
+            options = launcher.embedded_options(cfg, device)
+            self.proc = launcher.launch_embedded(cfg.model.hf_path, log_path, seed=index, **options)
         self.start_timeout_s = 1200.0 if cfg.rollout.engine == "sglang" else 300.0
         return self.proc.url
 

@@ -300,7 +300,9 @@ class RolloutConfig:
     relaunch: bool = True
     relaunch_max: int = 3  # relaunches per launched server over the run; one more exit and it is given up
     host: str = "127.0.0.1"  # bind address of launched servers
-    extra_args: list[str] = field(default_factory=list)  # appended to the SGLang launch command
+    # appended to the launch command of each server the run starts: SGLang's, or `megatron-dapo serve`'s for
+    # the embedded engine (e.g. ["--dtype", "bfloat16"]: a bf16 rollout engine beside an fp32 trainer)
+    extra_args: list[str] = field(default_factory=list)
     # Launch servers (SGLang or embedded) with --enable-deterministic-inference: seeds honoured and
     # batch-invariant logprobs, so a resumed synchronous run reproduces the uninterrupted one exactly.
     # Costs generation throughput (the embedded server then runs one forward per sequence).

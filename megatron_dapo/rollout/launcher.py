@@ -275,6 +275,23 @@ def embedded_server(
     return ServerProcess(embedded_command(model_dir, port, **kw), port, host, log_path, env, api_key)
 
 
+def embedded_options(cfg, device: str) -> dict:
+    """The keyword arguments of `embedded_server` / `launch_embedded(_servers)` that a run config decides
+    (`cfg.rollout`; `rollout.extra_args` are `megatron-dapo serve` flags here, e.g. `--dtype bfloat16`)."""
+    from megatron_dapo.config.derived import routing_shape
+
+    rollout = cfg.rollout
+    return dict(
+        host=rollout.host,
+        api_key=rollout.api_key,
+        device=device,
+        deterministic_inference=rollout.deterministic_inference,
+        batching=rollout.embedded_batching,
+        return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
+        extra_args=list(rollout.extra_args),
+    )
+
+
 def launch_embedded(
     model_dir: str,
     log_path: str | Path,

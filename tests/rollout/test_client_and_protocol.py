@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -827,6 +828,22 @@ def test_embedded_command_flags_parse_in_the_server():
         == "continuous"
     )
     assert build_parser().parse_args(["--model", "/m", "--max-total-tokens", "40"]).max_total_tokens == 40
+
+
+def test_a_runs_embedded_servers_get_its_rollout_options_extra_args_included():
+    """rollout.extra_args reach `megatron-dapo serve` too (not SGLang's command only): a bf16 rollout engine
+    beside an fp32 trainer is `rollout.extra_args=[--dtype,bfloat16]`."""
+    from megatron_dapo.config import load_config
+    from megatron_dapo.embedded_server.server import build_parser
+    from megatron_dapo.rollout.launcher import embedded_command, embedded_options
+
+    cfg = load_config(
+        str(Path(__file__).resolve().parents[2] / "configs/qwen3/tiny_qwen3_cpu.yaml"),
+        ["rollout.extra_args=[--dtype,bfloat16]", "rollout.deterministic_inference=true"],
+    )
+    options = embedded_options(cfg, "cpu")
+    args = build_parser().parse_args(embedded_command("/m", 1, python="py", **options)[4:])
+    assert (args.dtype, args.device, args.enable_deterministic_inference) == ("bfloat16", "cpu", True)
 
 
 def test_embedded_server_refuses_an_empty_kv_pool(capsys):
