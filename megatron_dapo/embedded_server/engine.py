@@ -304,9 +304,7 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._qlock:
-                while not self._stop and (
-                    self._paused or self._held or (not self._waiting and self._batch is None)
-                ):
+                while not self._stop and (self._paused or self._held or (not self._waiting and self._batch is None)):
                     self._qlock.wait()
                 if self._stop:
                     return

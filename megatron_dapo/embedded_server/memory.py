@@ -6,11 +6,11 @@ Tags: `weights`, `kv_cache` (none or an empty list: both). SGLang releases only 
 saver is a no-op: the tags are recorded, nothing is freed. With it, torch_memory_saver unmaps the tagged
 regions and *drops their contents* (its default; `--enable-weights-cpu-backup` keeps a host copy of the
 weights): after resuming, the weights are whatever the next update writes (the model's buffers, rotary
-tables and the like, are kept: SGLang stashes and restores them). This does the same to the model's parameters: each one's
-storage is replaced by an empty one (the device memory, or on the CPU the heap, goes back: `malloc_trim`),
-and on resume by fresh, uninitialised storage of its shape. The KV cache of this engine is per batch (freed
-when its batch ends, no pool is reserved), so releasing `kv_cache` holds admission until it is resumed and
-returns the freed cache memory the allocator still holds.
+tables and the like, are kept: SGLang stashes and restores them). This does the same to the model's
+parameters: each one's storage is replaced by an empty one (the device memory, or on the CPU the heap, goes
+back: `malloc_trim`), and on resume by fresh, uninitialised storage of its shape. The KV cache of this
+engine is per batch (freed when its batch ends, no pool is reserved), so releasing `kv_cache` holds
+admission until it is resumed and returns the freed cache memory the allocator still holds.
 
 While either tag is released the engine starts no step (requests wait, see `Engine.hold`), and weight
 updates are refused while the weights are released (SGLang would write into unmapped memory).

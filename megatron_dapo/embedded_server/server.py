@@ -33,8 +33,8 @@ from megatron_dapo.bridge.hf_loader import HFWeightLoader
 from megatron_dapo.embedded_server import schemas as S
 from megatron_dapo.embedded_server.engine import BATCHING, Engine, GenRequest
 from megatron_dapo.embedded_server.limits import BodySizeLimit, ServerLimits
-from megatron_dapo.embedded_server.memory import ModelMemory
 from megatron_dapo.embedded_server.load_stats import StepTrace
+from megatron_dapo.embedded_server.memory import ModelMemory
 from megatron_dapo.embedded_server.routes import admin, generate, info, weights
 from megatron_dapo.embedded_server.state import ServerState
 from megatron_dapo.runtime.cli_args import number

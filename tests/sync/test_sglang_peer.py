@@ -386,9 +386,7 @@ def test_ipc_transport_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatt
     assert (state["running"], state["waiting"], state["flushes"]) == (0, 1, 1)  # retract: flushed once, at the end
 
 
-def test_release_and_resume_with_tags_are_accepted_by_sglang_as_the_embedded_server_answers(
-    sglang_peer, embedded
-):
+def test_release_and_resume_with_tags_are_accepted_by_sglang_as_the_embedded_server_answers(sglang_peer, embedded):
     """Our client's /release_memory_occupation and /resume_memory_occupation, with tags, in the colocated
     cycle's order, reach SGLang's own handlers: each tag paused and resumed in SGLang's memory saver, the
     weights updated in between. A release while a request runs is refused by SGLang's idle assertion, and

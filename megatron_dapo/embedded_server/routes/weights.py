@@ -50,7 +50,7 @@ NOT_FLUSHED = (
 FLUSH_FAILED_TEXT = "Flush cache failed.\n"
 WEIGHTS_RELEASED = (
     "{route}: the weights are released (/release_memory_occupation); call /resume_memory_occupation "
-    "with tags [\"weights\"] first"
+    'with tags ["weights"] first'
 )
 
 
