@@ -12,8 +12,9 @@ back: `malloc_trim`), and on resume by fresh, uninitialised storage of its shape
 engine is per batch (freed when its batch ends, no pool is reserved), so releasing `kv_cache` holds
 admission until it is resumed and returns the freed cache memory the allocator still holds.
 
-While either tag is released the engine starts no step (requests wait, see `Engine.hold`), and weight
-updates are refused while the weights are released (SGLang would write into unmapped memory).
+With the memory saver, while either tag is released the engine starts no step (requests wait, see
+`Engine.hold`), and weight updates are refused while the weights are released (SGLang would write into
+unmapped memory). Without it, as in SGLang, generation and updates go on (nothing was freed).
 """
 
 from __future__ import annotations

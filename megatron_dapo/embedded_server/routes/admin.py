@@ -4,7 +4,7 @@
 Abort, pause and continue run on the admin threads (never behind a tokenization or a wait on a peer),
 and are not applied when their client has already given up. Releasing and resuming memory: SGLang's
 semantics by tag (weights, kv_cache), in embedded_server/memory.py; a request arriving meanwhile waits for
-the resume (at most --release-wait-timeout-s, then 503).
+the resume (at most --release-wait-timeout-s, then 503) when --enable-memory-saver really freed it.
 """
 
 from __future__ import annotations
@@ -43,21 +43,25 @@ async def continue_generation(body: S.ContinueIn, request: Request, st: StateDep
 async def release_memory(body: S.MemoryIn, st: StateDep):
     eng = st.engine
 
+    saver = st.memory.memory_saver  # without it SGLang frees nothing, and generation goes on as before
+
     def release():
         with eng.step_lock:  # no step runs meanwhile; SGLang releases only an idle server
             if not eng.is_idle():
                 return NOT_IDLE
-            eng.hold(True)
-            if WEIGHTS in resolve_tags(body.tags):
-                st.homes.forget()  # flattened-bucket homes are the weights' storage too
+            if saver:
+                eng.hold(True)
+                if WEIGHTS in resolve_tags(body.tags):
+                    st.homes.forget()  # flattened-bucket homes are the weights' storage too
             st.memory.release(body.tags)
             return None
 
     async with st.update_lock:  # never in the middle of a weight update
-        st.resumed.clear()
+        if saver:
+            st.resumed.clear()
         refused = await asyncio.to_thread(release)
         if refused is not None:
-            if not st.memory.released:
+            if not (saver and st.memory.released):
                 st.resumed.set()
             return JSONResponse({"error": {"message": refused}}, 400)  # SGLang's _create_error_response
     return None  # SGLang's handler returns None: a JSON `null` body
