@@ -102,6 +102,34 @@ class SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in serialized_named_tensors")
 
 
+_shm_manager_started = False
+
+
+def _start_shm_manager_detached() -> None:
+    """Start torch's shared-memory manager (`torch_shm_manager`, one per sending process, started by its first
+    "file_system" storage) with its standard streams on /dev/null. It lives as long as any process maps memory
+    it handed out, a server included, so with the sender's streams it would keep the sender's stdout pipe open
+    after the sender exits, and a parent reading that pipe to its end (torchrun's launcher, a test) would
+    wait for the server. The streams are redirected for the moment of the start only."""
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        torch.empty(1, dtype=torch.uint8).share_memory_()  # starts the manager (strategy: file_system)
+        _shm_manager_started = True
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 @contextlib.contextmanager
 def _file_system_sharing():
     """CPU storages go by shared-memory file name (torch's "file_system" strategy) while pickling: the default
@@ -112,6 +140,7 @@ def _file_system_sharing():
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
+        _start_shm_manager_detached()
         yield
     finally:
         tmp.set_sharing_strategy(previous)
