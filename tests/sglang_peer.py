@@ -9,7 +9,10 @@ tests.sglang_peer serve ...`) then runs, unmodified:
 - the scheduler's weight-update manager (`SchedulerWeightUpdaterManager`: the session gate, the flush rule)
   with `Scheduler.is_fully_idle` / `Scheduler.flush_cache` as the flush test;
 - the model runner's `WeightUpdater` (process-group init, `receive_weights_from_distributed`,
-  `FlattenedTensorBucket`) and `TpModelWorker`'s group and deserialization methods.
+  `update_weights_from_tensor`, `FlattenedTensorBucket`) and `TpModelWorker`'s group and deserialization
+  methods;
+- the manager's `release_memory_occupation` / `resume_memory_occupation` (the idle assertion, the tags),
+  over a memory saver that records the regions it is told to pause and resume (torch_memory_saver is GPU-only).
 Replaced: the model (records every tensor it is given to load), the process topology (one TP rank on
 gloo) and generation (no forward pass: `scheduler.running_batch` holds placeholder requests; pause
 modes move them as SGLang's scheduler moves its requests). Stubbed, because they are GPU-only or
@@ -280,11 +283,24 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
         def abort_all(self):
             self.running_batch.reqs, self.waiting_queue = [], []
 
+    class RecordingMemorySaver:
+        """Stands in for torch_memory_saver (GPU-only): records each region SGLang pauses and resumes."""
+
+        def __init__(self):
+            self.calls: list[tuple[str, str]] = []
+
+        def pause(self, tag):
+            self.calls.append(("pause", tag))
+
+        def resume(self, tag):
+            self.calls.append(("resume", tag))
+
     sched = PeerScheduler()
+    sched.memory_saver = RecordingMemorySaver()
     manager = SchedulerWeightUpdaterManager(
         tp_worker=worker,
         draft_worker=None,
-        memory_saver_adapter=None,
+        memory_saver_adapter=sched.memory_saver,
         flush_cache=sched.flush_cache,
         is_fully_idle=sched.is_fully_idle,
         scheduler=sched,
@@ -323,6 +339,8 @@ def build_peer(api_key: str | None, running_requests: int, load_path: str):
                 ("end_weight_update", "end_weight_update"),
                 ("update_weights_from_distributed", "update_weights_from_distributed"),
                 ("update_weights_from_tensor", "update_weights_from_tensor"),
+                ("release_memory_occupation", "release_memory_occupation"),
+                ("resume_memory_occupation", "resume_memory_occupation"),
             ):
                 setattr(self, f"{name}_communicator", self._to_scheduler(getattr(manager, method)))
 
@@ -376,6 +394,8 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
             "running": len(sched.running_batch.reqs),
             "waiting": len(sched.waiting_queue),
             "session_open": sched.manager._session is not None,
+            "offload_tags": sorted(sched.manager.offload_tags),
+            "memory_saver_calls": sched.memory_saver.calls,
         }
 
     @app.get("/peer/received")
@@ -410,6 +430,7 @@ def serve(port: int, api_key: str | None, running_requests: int) -> None:
         sched.model.received.clear()
         sched.running_batch.reqs = [_placeholder_request(i) for i in range(running)]
         sched.waiting_queue, sched.flushes = [], 0
+        sched.memory_saver.calls.clear()
         return {}
 
     async def main():

@@ -114,7 +114,7 @@ def sync_sources(cfg: DapoConfig) -> str:
     sync = cfg.rollout.sync
     if sync.sources != "auto":
         return sync.sources
-    applies = sync.policy == "all_at_once" and cfg.trainer.backend == "megatron"
+    applies = sync.policy == "all_at_once" and cfg.trainer.backend == "megatron" and sync.transport != "ipc"
     return "per_stage" if applies and (cfg.parallel.pp > 1 or cfg.parallel.ep > 1) else "rank0"
 
 

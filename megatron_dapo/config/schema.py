@@ -241,6 +241,11 @@ class SyncConfig(SyncPolicyConfig):
     # per_stage needs policy all_at_once (the greedy / status_based store is rank 0's copy) and
     # trainer.backend=megatron (both refused otherwise).
     sources: Literal["auto", "rank0", "per_stage"] = "auto"
+    # How the weights move (policy all_at_once): broadcast = over an NCCL/gloo weight-update group with every
+    # server (/update_weights_from_distributed); ipc = CUDA IPC / shared-memory handles posted to
+    # /update_weights_from_tensor, for servers on trainer rank 0's host (colocated): every server must be on
+    # that host, so ipc needs trainer.nnodes 1, policy all_at_once and sources rank0/auto (refused otherwise).
+    transport: Literal["broadcast", "ipc"] = "broadcast"
     # Bound on each HTTP call and broadcast of a sync (pause, update, end, continue): a server that does not
     # answer within it is left out of the sync and of routing (see docs/operations.md). None = a quarter of
     # rollout.request_timeout_s, at most 300 s. Under policy all_at_once it must be below

@@ -439,6 +439,8 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
             "rollout.sync.sources=per_stage applies to trainer.backend=megatron (pipeline stages / expert ranks), "
             "not fsdp2; use rollout.sync.sources=rank0 or auto"
         )
+    if rollout.sync.transport == "ipc":
+        _check_ipc_transport(cfg, errors)
     if rollout.loads.interval_ms < 0:
         errors.append(f"rollout.loads.interval_ms={rollout.loads.interval_ms} must be >= 0 (0 = off)")
     # the coordinator's own sections check their values when built; the loader sets fields one by one
@@ -485,6 +487,27 @@ def _check_placement(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(
             f"{why}: rollout.num_servers={rollout.num_servers} must be {derived.colocated_servers(cfg)}, one "
             f"server per rollout.server_tp={rollout.server_tp} of the {derived.trainer_world_size(cfg)} trainer GPUs"
+        )
+
+
+def _check_ipc_transport(cfg: DapoConfig, errors: list[str]) -> None:
+    """rollout.sync.transport=ipc: trainer rank 0 hands every server handles to its own memory (CUDA IPC,
+    shared memory), which reach only processes on its host, inline at each step."""
+    sync = cfg.rollout.sync
+    if sync.policy != "all_at_once":
+        errors.append(
+            f"rollout.sync.transport=ipc needs rollout.sync.policy=all_at_once (got {sync.policy}: the per-server "
+            "store syncs each server later from a host copy, over its own update group); use transport broadcast"
+        )
+    if sync.sources == "per_stage":
+        errors.append(
+            "rollout.sync.transport=ipc sends every tensor from trainer rank 0 (rollout.sync.sources=per_stage "
+            "broadcasts from each pipeline stage); use rollout.sync.sources=rank0 or auto"
+        )
+    if cfg.trainer.nnodes > 1:
+        errors.append(
+            f"rollout.sync.transport=ipc needs every server on trainer rank 0's host (IPC handles do not cross "
+            f"hosts), but trainer.nnodes={cfg.trainer.nnodes}; use rollout.sync.transport=broadcast"
         )
 
 

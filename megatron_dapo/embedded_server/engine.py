@@ -172,6 +172,7 @@ class Engine:
         self._qlock = threading.Condition()  # guards the waiting queue and the pause flag
         self._waiting: deque[GenRequest] = deque()
         self._paused = False
+        self._held = False  # memory released (/release_memory_occupation): no step starts until resumed
         self._stop = False
         self.step_lock = threading.RLock()  # held around every forward step and every weight load
         self._batch: _Batch | None = None
@@ -271,6 +272,15 @@ class Engine:
             self._paused = False
             self._qlock.notify_all()
 
+    def hold(self, held: bool) -> None:
+        """While held (the server's memory released), the worker starts no step: queued requests wait."""
+        with self._qlock:
+            self._held = held
+            self._qlock.notify_all()
+
+    def is_held(self) -> bool:
+        return self._held
+
     def set_weight_version(self, version: str) -> None:
         """Call with step_lock held, right after new weights were loaded."""
         version = str(version)
@@ -294,13 +304,13 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._qlock:
-                while not self._stop and (self._paused or (not self._waiting and self._batch is None)):
+                while not self._stop and (self._paused or self._held or (not self._waiting and self._batch is None)):
                     self._qlock.wait()
                 if self._stop:
                     return
             try:
                 with self.step_lock:
-                    if self._paused:
+                    if self._paused or self._held:
                         continue
                     self._reap_aborted()
                     self._step()

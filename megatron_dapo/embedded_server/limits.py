@@ -18,12 +18,14 @@ class ServerLimits:
     max_request_bytes: int = 64 << 20  # --max-request-bytes: a request body, however it is sent
     max_n: int = 1024  # --max-n: sequences one /generate may start (n, or prompts x n in a batch)
     group_timeout_s: float = 60.0  # --weight-group-timeout-s: forming a weight-update group
+    release_wait_s: float = 600.0  # --release-wait-timeout-s: a request's wait for released memory to resume
 
     def __post_init__(self):
         for flag, value in (
             ("--max-request-bytes", self.max_request_bytes),
             ("--max-n", self.max_n),
             ("--weight-group-timeout-s", self.group_timeout_s),
+            ("--release-wait-timeout-s", self.release_wait_s),
         ):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{flag}: must be a positive number, got {value}")

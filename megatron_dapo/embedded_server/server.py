@@ -34,6 +34,7 @@ from megatron_dapo.embedded_server import schemas as S
 from megatron_dapo.embedded_server.engine import BATCHING, Engine, GenRequest
 from megatron_dapo.embedded_server.limits import BodySizeLimit, ServerLimits
 from megatron_dapo.embedded_server.load_stats import StepTrace
+from megatron_dapo.embedded_server.memory import ModelMemory
 from megatron_dapo.embedded_server.routes import admin, generate, info, weights
 from megatron_dapo.embedded_server.state import ServerState
 from megatron_dapo.runtime.cli_args import number
@@ -66,6 +67,8 @@ class EmbeddedServer:
         max_total_tokens: int | None = None,
         return_routed_experts: bool = False,
         speed: float = 1.0,
+        memory_saver: bool = False,  # SGLang's --enable-memory-saver: release frees the weights (memory.py)
+        weights_cpu_backup: bool = False,  # SGLang's --enable-weights-cpu-backup: ... keeping a host copy
     ):
         self.engine = Engine(
             model,
@@ -87,12 +90,15 @@ class EmbeddedServer:
             model_path=model_path,
             served_model_name=served_model_name or model_path,  # SGLang's default
             api_key=api_key,
+            memory=ModelMemory(model, memory_saver, weights_cpu_backup),
             launch_settings={
                 "random_seed": seed,
                 "max_running_requests": max_batch,
                 "max_total_tokens": max_total_tokens,
                 "enable_deterministic_inference": batch_invariant,
                 "enable_return_routed_experts": return_routed_experts,
+                "enable_memory_saver": memory_saver,
+                "enable_weights_cpu_backup": weights_cpu_backup,
             },
         )
         self.app = _build_app(self.state)
@@ -229,6 +235,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="/init_weights_update_group answers with an error if the group has not formed by then",
     )
     p.add_argument(
+        "--release-wait-timeout-s",
+        type=float,
+        default=defaults.release_wait_s,
+        help="a /generate arriving while memory is released (/release_memory_occupation) waits this long "
+        "for /resume_memory_occupation, then is answered 503 naming the released tags",
+    )
+    p.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="SGLang's flag: /release_memory_occupation frees the weights' storage (their contents are "
+        "dropped: the next weight update writes them after resume) and returns freed KV memory",
+    )
+    p.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="SGLang's flag: with --enable-memory-saver, keep a host copy of the weights while released and "
+        "restore it on resume",
+    )
+    p.add_argument(
         "--step-trace",
         default=None,
         metavar="PATH",
@@ -253,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        limits = ServerLimits(args.max_request_bytes, args.max_n, args.weight_group_timeout_s)
+        limits = ServerLimits(
+            args.max_request_bytes, args.max_n, args.weight_group_timeout_s, args.release_wait_timeout_s
+        )
     except ValueError as e:
         parser.error(str(e))
     if args.max_total_tokens is not None and args.max_total_tokens < 1:
@@ -279,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
         max_total_tokens=args.max_total_tokens,
         return_routed_experts=args.enable_return_routed_experts,
         speed=args.slowdown,
+        memory_saver=args.enable_memory_saver,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     print(
         f"embedded server: {args.model} on {server.engine.device} ({args.batching} batching), "

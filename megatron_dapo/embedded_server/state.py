@@ -21,6 +21,7 @@ from fastapi import Depends, Request
 from megatron_dapo.bridge.hf_loader import HFWeightLoader
 from megatron_dapo.embedded_server.engine import Engine
 from megatron_dapo.embedded_server.limits import ServerLimits
+from megatron_dapo.embedded_server.memory import ModelMemory
 from megatron_dapo.embedded_server.weight_receiver import FlatBucketHomes
 
 log = logging.getLogger("megatron_dapo.embedded")
@@ -64,6 +65,7 @@ class ServerState:
     model_path: str = ""
     served_model_name: str = ""
     api_key: str | None = None
+    memory: ModelMemory | None = None  # release / resume of the model's memory (None: a ModelMemory without saver)
     launch_settings: dict = field(default_factory=dict)  # ServerArgs names, for /server_info
     startup_time: float = field(default_factory=time.time)
     groups: dict[str, torch.distributed.ProcessGroup] = field(default_factory=dict)  # weight-update groups
@@ -79,8 +81,28 @@ class ServerState:
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="embedded-tokenize")
     )
 
+    resumed: asyncio.Event = field(default_factory=asyncio.Event)  # set while no memory is released
+
     def __post_init__(self):
         self.homes = FlatBucketHomes(self.loader)
+        if self.memory is None:
+            self.memory = ModelMemory(self.engine.model)
+        self.resumed.set()
+
+    async def wait_resident(self) -> str | None:
+        """Wait until no memory is released (a request arriving during a release), at most
+        --release-wait-timeout-s; then None, or the 503 message naming what is still released."""
+        if self.resumed.is_set():
+            return None
+        try:
+            await asyncio.wait_for(self.resumed.wait(), self.limits.release_wait_s)
+        except asyncio.TimeoutError:
+            return (
+                f"memory released (tags {sorted(self.memory.released)}) and not resumed within "
+                f"{self.limits.release_wait_s:g}s (server flag --release-wait-timeout-s); call "
+                "/resume_memory_occupation"
+            )
+        return None
 
     async def admin(self, request: Request, fn, *args):
         """Apply an admin command on the admin threads, unless its client has already given up on it."""

@@ -19,6 +19,8 @@ only (what `forking_dumps` sends), never by fd. SGLang's metadata class is mappe
 
 from __future__ import annotations
 
+import contextlib
+import copyreg
 import io
 import pickle
 from dataclasses import dataclass
@@ -100,29 +102,100 @@ class SafeUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in serialized_named_tensors")
 
 
-def forking_dumps(obj) -> bytes:
-    """Pickle `obj` with torch's shared-memory tensor reductions, as SGLang's MultiprocessingSerializer.
+_shm_manager_started = False
 
-    CPU storages go by shared-memory file name (torch's "file_system" strategy) for this call: the default
-    file-descriptor strategy hands descriptors over multiprocessing's resource sharer, which only a
-    process started by the sender (sharing its authkey) may connect to, not an unrelated server.
-    """
 
+def _start_shm_manager_detached() -> None:
+    """Start torch's shared-memory manager (`torch_shm_manager`, one per sending process, started by its first
+    "file_system" storage) with its standard streams on /dev/null. It lives as long as any process maps memory
+    it handed out, a server included, so with the sender's streams it would keep the sender's stdout pipe open
+    after the sender exits, and a parent reading that pipe to its end (torchrun's launcher, a test) would
+    wait for the server. The streams are redirected for the moment of the start only."""
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        torch.empty(1, dtype=torch.uint8).share_memory_()  # starts the manager (strategy: file_system)
+        _shm_manager_started = True
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+@contextlib.contextmanager
+def _file_system_sharing():
+    """CPU storages go by shared-memory file name (torch's "file_system" strategy) while pickling: the default
+    file-descriptor strategy hands descriptors over multiprocessing's resource sharer, which only a process
+    started by the sender (sharing its authkey) may connect to, not an unrelated server."""
     import torch.multiprocessing as tmp
 
     previous = tmp.get_sharing_strategy()
     tmp.set_sharing_strategy("file_system")
     try:
+        _start_shm_manager_detached()
+        yield
+    finally:
+        tmp.set_sharing_strategy(previous)
+
+
+def forking_dumps(obj) -> bytes:
+    """Pickle `obj` with torch's shared-memory tensor reductions, as SGLang's MultiprocessingSerializer
+    (CPU storages by shared-memory file name, `_file_system_sharing`)."""
+    with _file_system_sharing():
         buf = io.BytesIO()
         ForkingPickler(buf).dump(obj)
         return buf.getvalue()
-    finally:
-        tmp.set_sharing_strategy(previous)
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> bytes:
     """What SGLang's MultiprocessingSerializer.serialize produces for a list of (name, tensor)."""
     return forking_dumps(list(named))
+
+
+class _SGLangNamesPickler(pickle._Pickler):
+    """ForkingPickler's reductions (torch's shared-memory / CUDA IPC tensors), with `FlattenedTensorMetadata`
+    written under SGLang's module and class name: SGLang's SafeUnpickler admits only that name, and the
+    sender need not have SGLang installed. (The pure-Python pickler: the C one insists the name import.)"""
+
+    def __init__(self, file):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table.update(ForkingPickler._extra_reducers)
+
+    def save_global(self, obj, name=None):
+        if obj is FlattenedTensorMetadata:
+            module, cls = SGLANG_METADATA
+            self.write(pickle.GLOBAL + f"{module}\n{cls}\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+def serialize_flattened_bucket(flat: torch.Tensor, metadata: list[FlattenedTensorMetadata]) -> bytes:
+    """The payload of one `load_format="flattened_bucket"` update, as SGLang's senders pickle
+    `{"flattened_tensor": ..., "metadata": [...]}` (storages by handle, as `forking_dumps`)."""
+    with _file_system_sharing():
+        buf = io.BytesIO()
+        _SGLangNamesPickler(buf).dump({"flattened_tensor": flat, "metadata": list(metadata)})
+        return buf.getvalue()
+
+
+def flattened_metadata(named: list[tuple[str, torch.Tensor]]) -> list[FlattenedTensorMetadata]:
+    """Each tensor's place in the flat bytes of `named` back to back (SGLang's FlattenedTensorBucket)."""
+    out, start = [], 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        out.append(FlattenedTensorMetadata(name, t.shape, t.dtype, start, start + n, n))
+        start += n
+    return out
 
 
 def load_named_tensors(raw: bytes, flattened: bool) -> list[tuple[str, torch.Tensor]]:

@@ -105,6 +105,10 @@ class FlatBucketHomes:
             flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
         return flat
 
+    def forget(self) -> None:
+        """Drop every home (the weights are being released: their buffers must go with them)."""
+        self._homes.clear()
+
     def adopt(self, layout, flat: torch.Tensor, named) -> None:
         """Make `flat` (just received, `named` its views) the home of the parameters it covers whole."""
         key = self._key(layout)

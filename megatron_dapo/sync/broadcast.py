@@ -31,7 +31,8 @@ from megatron_dapo.rollout import weight_group as wgroup
 from megatron_dapo.runtime.net import LOOPBACK
 from megatron_dapo.sync.errors import ServersLost, WeightSyncError
 from megatron_dapo.sync.membership import Membership
-from megatron_dapo.sync.server_calls import DEFAULT_TIMEOUT_S, ServerCalls
+from megatron_dapo.sync.probe_check import probe_max_diff
+from megatron_dapo.sync.server_calls import DEFAULT_TIMEOUT_S, ServerCalls, readmit_answering
 from megatron_dapo.sync.session import UpdateSession
 from megatron_dapo.sync.topology import Outcome, SingleSource, Topology, TurnTaking
 from megatron_dapo.sync.transport import SyncStats
@@ -210,18 +211,10 @@ class BroadcastTransport:
 
     def _decide_readmission(self) -> tuple[list[str], list[str], dict[str, str], bool]:
         """Rank 0: (servers back, live, lost, whether the groups must be re-formed)."""
-        back = self._readmit_answering_servers() if self.calls.started else []
+        back = readmit_answering(self.members, self.calls) if self.calls.started else []
         # a restarted server back in its place needs its group re-formed too (it holds none)
         changed = self.calls.started and (bool(back) or self.members.needs_new_group)
         return back, list(self.members.live), dict(self.members.lost), changed
-
-    def _readmit_answering_servers(self) -> list[str]:
-        """Live servers restarted unnoticed are marked lost; then the lost ones answering /health again go back
-        into `live`. Returns those back."""
-        members = self.members
-        for url, (why, cause) in members.restarted(self.calls.model_infos(members.with_loaded_version())).items():
-            members.mark_lost(url, why, cause)
-        return members.readmit(self.calls.answering(list(members.lost))) if members.lost else []
 
     # ---- verification --------------------------------------------------------------------------
     def server_logprobs(self, probe_ids: Sequence[int]) -> list[list[float]]:
@@ -234,24 +227,7 @@ class BroadcastTransport:
         the rest; with several sources at the next `readmit`), then ServersLost is raised: the others' weights
         are verified, so the caller may go on."""
         tol = self.cfg.verify_tolerance if tolerance is None else tolerance
-        ref = torch.as_tensor(trainer_logprobs, dtype=torch.float64).reshape(-1)
-        worst = 0.0
-        asked = list(self.members.live)
-        answers = self.calls.ask_all("prompt_logprobs", list(probe_ids), return_exceptions=True)
-        lost = None
-        try:
-            self.calls.raise_failed("prompt_logprobs of the verify probe", answers)
-        except ServersLost as e:
-            lost = e
-        for url, lps in zip(asked, answers):
-            if lost is not None and url in lost.reasons:
-                continue
-            got = torch.tensor(lps, dtype=torch.float64)
-            if got.shape != ref.shape:
-                raise WeightSyncError(f"{url}: {got.numel()} probe logprobs, trainer has {ref.numel()}")
-            worst = max(worst, float((got - ref).abs().max()))
-        if worst > tol:
-            raise WeightSyncError(f"after sync, server logprobs differ from the trainer's by {worst:.3g} > {tol:g}")
+        worst, lost = probe_max_diff(self.calls, probe_ids, trainer_logprobs, tol)
         if lost is not None:
             self.members.leave_out(lost)
             self.topology.regroup_after_verify_loss(self.group.reform)

@@ -123,3 +123,11 @@ class ServerCalls:
         self._loop.run(close_clients())
         self._loop.close()
         self._loop = None
+
+
+def readmit_answering(members: Membership, calls: ServerCalls) -> list[str]:
+    """Live servers restarted unnoticed (another weight version than they loaded, or refusing connections) are
+    marked lost; then the lost ones answering /health again go back into `live`. Returns those back."""
+    for url, (why, cause) in members.restarted(calls.model_infos(members.with_loaded_version())).items():
+        members.mark_lost(url, why, cause)
+    return members.readmit(calls.answering(list(members.lost))) if members.lost else []

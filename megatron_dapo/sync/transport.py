@@ -3,7 +3,8 @@
 A transport moves the trainer's HF-named tensors of one weight version to the rollout servers. It takes
 them as an iterator of `(hf_name, tensor or None)` (`megatron_dapo.bridge.export_hf_weights` on every trainer
 rank), so a stage in front of any transport (e.g. quantizing) is one more iterator. Implementations:
-`sync.broadcast.BroadcastTransport` (an NCCL/gloo update group with every server, now) and
+`sync.broadcast.BroadcastTransport` (an NCCL/gloo update group with every server, now),
+`sync.ipc.IpcTransport` (CUDA IPC / shared-memory handles to servers on the trainer's host, now) and
 `sync.per_server.PerServerStoreTransport` (a host-memory store each server takes the weights from when its
 policy says). docs/rollout-and-weight-sync.md tells which policy uses which.
 """
@@ -26,6 +27,7 @@ class SyncStats:
     seconds: float
     max_logprob_diff: float | None = None
     source_bytes: dict[int, int] | None = None  # bytes each source rank broadcast (several sources)
+    payload_bytes: int | None = None  # HTTP bytes of the updates that carried handles, not tensors (ipc)
 
     @property
     def gbps(self) -> float:
@@ -41,6 +43,8 @@ class SyncStats:
         if self.source_bytes:
             m[f"{prefix}sources"] = float(len(self.source_bytes))
             m[f"{prefix}source_bytes_max"] = float(max(self.source_bytes.values()))
+        if self.payload_bytes is not None:
+            m[f"{prefix}payload_bytes"] = float(self.payload_bytes)
         if self.max_logprob_diff is not None:
             m[f"{prefix}max_logprob_diff"] = self.max_logprob_diff
         return m

@@ -9,7 +9,8 @@ calls both (exporting weights is collective); rank 0 talks to the coordinator an
 
 - `AllAtOnceSync` (`rollout.sync.policy: all_at_once`): a `BroadcastTransport` broadcasts the weights to
   every server inline, then the coordinator dispatches at version v; with `rollout.sync.sources` per_stage
-  from every export source (pipeline stage / expert rank) in turn, else all through rank 0.
+  from every export source (pipeline stage / expert rank) in turn, else all through rank 0. With
+  `rollout.sync.transport: ipc` an `IpcTransport` hands servers on rank 0's host handles instead.
 - `PerServerStoreSync` (`greedy`, `status_based`): a `PerServerStoreTransport` puts the weights into a
   host-memory store on rank 0; a syncer thread moves each server to them when its policy says
   (megatron_dapo.sync.per_server), and the coordinator learns each server's version as it is published.
@@ -33,6 +34,7 @@ from megatron_dapo.coordinator.batch import probe_batch
 from megatron_dapo.sync.addresses import source_store_addresses
 from megatron_dapo.sync.broadcast import BroadcastTransport
 from megatron_dapo.sync.errors import ServersLost
+from megatron_dapo.sync.ipc import IpcTransport
 from megatron_dapo.sync.per_server import PerServerStoreTransport, PerServerSync, WeightStore
 
 log = logging.getLogger(__name__)
@@ -84,17 +86,19 @@ class AllAtOnceSync(WeightSync):
         address = cfg.trainer.bind_host  # rank 0's; each other source hosts its group on its own node
         if sources is not None:
             address = source_store_addresses(sources, address, server_urls).get(rank, address)
-        self.transport = BroadcastTransport(
-            server_urls,
-            cfg.rollout.sync,
+        common = dict(
             api_key=cfg.rollout.api_key,
             server_tp_sizes=server_tp_sizes,
-            sources=sources,
-            master_address=address,
             timeout_s=derived.sync_timeout_s(cfg),
             min_live=cfg.rollout.min_healthy_servers,
             on_lost=coord.registry.mark_down if rank == 0 else None,  # out of routing too
         )
+        if cfg.rollout.sync.transport == "ipc":  # servers on this host: handles, no group (sync/ipc.py)
+            self.transport = IpcTransport(server_urls, cfg.rollout.sync, **common)
+        else:
+            self.transport = BroadcastTransport(
+                server_urls, cfg.rollout.sync, sources=sources, master_address=address, **common
+            )
         self.transport.connect()
 
     def _export(self):

@@ -237,6 +237,19 @@ def test_tp3_with_4_heads_names_parallel_tp():
             "rollout.sync.sources=per_stage applies to trainer.backend=megatron",
         ),
         (["rollout.sync.sources=stage"], "rollout.sync.sources"),
+        (
+            ["rollout.sync.transport=ipc", "rollout.sync.policy=greedy"],
+            "rollout.sync.transport=ipc needs rollout.sync.policy=all_at_once (got greedy",
+        ),
+        (
+            ["rollout.sync.transport=ipc", "rollout.sync.sources=per_stage"],
+            "rollout.sync.transport=ipc sends every tensor from trainer rank 0",
+        ),
+        (
+            ["rollout.sync.transport=ipc", "trainer.nnodes=2"],
+            "needs every server on trainer rank 0's host (IPC handles do not cross hosts), but trainer.nnodes=2",
+        ),
+        (["rollout.sync.transport=shm"], "rollout.sync.transport"),
         (["reward.num_workers=-1"], "reward.num_workers=-1 must be >= 0"),
         (["rollout.sampling.max_new_tokens=64"], "rollout.sampling.max_new_tokens=64 must be in [1, data.max_respon"),
         (["rollout.server_tp=2"], "rollout.server_tp=2: the embedded engine has no tensor parallelism"),
@@ -612,6 +625,7 @@ def test_rollout_coordination_switches_load():
         (["parallel.pp=2", "trainer.gpus_per_node=4", "rollout.sync.policy=greedy"], "rank0"),
         (["parallel.pp=2", "trainer.gpus_per_node=4", "rollout.sync.sources=rank0"], "rank0"),
         (["rollout.sync.sources=per_stage"], "per_stage"),
+        (["parallel.pp=2", "trainer.gpus_per_node=4", "rollout.sync.transport=ipc"], "rank0"),
     ],
 )
 def test_sync_sources_auto_is_per_stage_with_stages_and_all_at_once(overrides, expected):

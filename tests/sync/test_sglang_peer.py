@@ -353,3 +353,102 @@ def test_sglang_refuses_a_malformed_load_row(sglang_peer):
         assert peer.post("/peer/load", json={"num_running_reqs": 1.5}).status_code == 400
         assert peer.post("/peer/load", json={"num_running_kv": 1}).status_code == 400
         assert peer.post("/peer/load", json={"queues": {"waiting": 1}}).status_code == 400
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["named_tensors", "flattened_bucket"])
+def test_ipc_transport_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatten):
+    """rollout.sync.transport=ipc against SGLang's own /update_weights_from_tensor: its tokenizer manager,
+    its TpModelWorker.deserialize_own_rank (MultiprocessingSerializer, SafeUnpickler) and its WeightUpdater
+    (FlattenedTensorBucket for flattened_bucket) rebuild every tensor from our shared-memory handles with its
+    dtype, shape and bits, over several buckets bounded by the bucket size."""
+    from megatron_dapo.sync.ipc import IpcTransport
+
+    version = f"ipc-{int(flatten)}"
+    cfg = SyncConfig(flatten_bucket=flatten, pause_mode="retract")
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 1}).raise_for_status()
+        transport = IpcTransport([sglang_peer.url], cfg, api_key=KEY)
+        transport.bucket_bytes = 4096
+        transport.connect()
+        try:
+            stats = transport.sync(iter(_weights()), version=version)
+        finally:
+            transport.close()
+        state = http.get("/peer/state").json()
+        got = load(http.get("/peer/received").content)
+    want = _weights()
+    assert stats.num_buckets >= 3 and stats.num_tensors == len(want)
+    assert stats.payload_bytes < stats.nbytes  # handles, not the tensors' bytes
+    assert state["names"] == [n for n, _ in want]  # each once, in the order sent
+    for name, t in want:
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    assert state["weight_version"] == version and not state["session_open"]
+    assert (state["running"], state["waiting"], state["flushes"]) == (0, 1, 1)  # retract: flushed once, at the end
+
+
+def test_release_and_resume_with_tags_are_accepted_by_sglang_as_the_embedded_server_answers(sglang_peer, embedded):
+    """Our client's /release_memory_occupation and /resume_memory_occupation, with tags, in the colocated
+    cycle's order, reach SGLang's own handlers: each tag paused and resumed in SGLang's memory saver, the
+    weights updated in between. A release while a request runs is refused by SGLang's idle assertion, and
+    by the embedded server with the same message."""
+    from megatron_dapo.sync.ipc import IpcTransport
+
+    async def cycle(url):
+        async with SGLangClient(url, api_key=KEY) as c:
+            await c.release_memory_occupation(["kv_cache", "weights"])
+            await c.resume_memory_occupation(["weights"])
+        return url
+
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 0}).raise_for_status()
+        asyncio.run(cycle(sglang_peer.url))
+        released = http.get("/peer/state").json()["offload_tags"]
+        transport = IpcTransport([sglang_peer.url], SyncConfig(), api_key=KEY)
+        transport.connect()
+        try:
+            transport.sync(iter(_weights()), version="after-resume")
+        finally:
+            transport.close()
+
+        async def resume_kv():
+            async with SGLangClient(sglang_peer.url, api_key=KEY) as c:
+                await c.resume_memory_occupation(["kv_cache"])
+
+        asyncio.run(resume_kv())
+        state = http.get("/peer/state").json()
+        http.post("/peer/reset", params={"running": 1}).raise_for_status()
+
+        async def release_busy(url):
+            async with SGLangClient(url, api_key=KEY) as c:
+                with pytest.raises(SGLangHTTPError) as e:
+                    await c.release_memory_occupation(["weights"])
+            return e.value
+
+        sglang_refusal = asyncio.run(release_busy(sglang_peer.url))
+    assert released == ["kv_cache"]  # weights resumed; kv_cache still released
+    assert state["memory_saver_calls"] == [
+        ["pause", "kv_cache"],
+        ["pause", "weights"],
+        ["resume", "weights"],
+        ["resume", "kv_cache"],
+    ]
+    assert state["offload_tags"] == [] and state["weight_version"] == "after-resume"
+    assert state["names"] == [n for n, _ in _weights()]
+    assert "should be called only when server is idle" in sglang_refusal.server_message
+
+    async def embedded_busy():
+        async with SGLangClient(embedded.url, api_key=KEY) as c:
+            long = asyncio.ensure_future(c.generate([1, 2, 3], SamplingParams(max_new_tokens=4000)))
+            while (await c.get_loads()).running == 0:  # state, not time: the request is running
+                await asyncio.sleep(0.01)
+            with pytest.raises(SGLangHTTPError) as e:
+                await c.release_memory_occupation(["weights"])
+            await c.abort_request(abort_all=True)
+            await long
+            await c.release_memory_occupation(["weights", "kv_cache"])  # idle now: accepted
+            await c.resume_memory_occupation(None)
+        return e.value
+
+    embedded_refusal = asyncio.run(embedded_busy())
+    assert embedded_refusal.status == sglang_refusal.status == 400
+    assert embedded_refusal.server_message == sglang_refusal.server_message

@@ -551,3 +551,16 @@ def test_context_parallel_run_trains_checkpoints_and_syncs(env):
         assert r["sync/verify_max_abs_diff"] < 1e-4
         assert r["actor/train_rollout_logprob_abs_diff"] < 1e-4  # staleness 0: the CP trainer's = the servers'
     assert (run_dir / "checkpoints" / "step_000001" / "model").is_dir()
+
+
+def test_ipc_transport_run_trains_and_syncs_by_handles(env):
+    """rollout.sync.transport=ipc end to end (servers on this host): every step's weights reach the servers
+    through shared-memory handles (the HTTP bodies a small fraction of the weights' bytes), the verify probe
+    holds the servers' logprobs to the trainer's, and staleness 0 stays on-policy."""
+    overrides = ("trainer.total_steps=2", "checkpoint.save_every=0", "rollout.sync.transport=ipc")
+    _, rows = _run(env, "ipc", *SYNC_RUN, *overrides)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["sync/verify_max_abs_diff"] < 1e-4
+        assert 0 < r["sync/payload_bytes"] < r["sync/bytes"] / 20
+        assert r["actor/train_rollout_logprob_abs_diff"] < 1e-4

@@ -2,7 +2,8 @@
 
 A malformed body answers 400 with a message naming the field (`sampling_params[i].top_p`, `input_ids[i]`,
 ...). `text` is tokenized off the event loop. While generation is paused a request waits; otherwise it
-holds the update gate shared, so that an unpaused weight update waits for it to finish.
+holds the update gate shared, so that an unpaused weight update waits for it to finish. While memory is
+released (/release_memory_occupation) a request waits for the resume, at most --release-wait-timeout-s.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ async def generate(body: S.GenerateIn, st: StateDep):
     reqs = make_requests(st, await _tokenized(st, body))
     if isinstance(reqs, str):
         return _bad(reqs)
+    if (released := await st.wait_resident()) is not None:
+        return _bad(released, 503)
     while st.engine.is_paused():
         await asyncio.sleep(0.01)
     await st.gate.acquire_read()

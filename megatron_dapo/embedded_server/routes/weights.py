@@ -48,6 +48,10 @@ NOT_FLUSHED = (
     "queued. Retract or finish them, then call /flush_cache."
 )
 FLUSH_FAILED_TEXT = "Flush cache failed.\n"
+WEIGHTS_RELEASED = (
+    "{route}: the weights are released (/release_memory_occupation); call /resume_memory_occupation "
+    'with tags ["weights"] first'
+)
 
 
 def in_daemon_thread(fn, *args) -> asyncio.Future:
@@ -370,6 +374,8 @@ def _load(st: ServerState, named, weight_version, home=None, flush_cache: bool =
 def _refused(st: ServerState, route: str) -> JSONResponse | None:
     if st.update_session is None:
         return JSONResponse({"success": False, "message": NO_SESSION.format(route=route)}, 400)
+    if st.memory.weights_released and st.memory.memory_saver:
+        return JSONResponse({"success": False, "message": WEIGHTS_RELEASED.format(route=route)}, 400)
     return None
 
 
