@@ -7,7 +7,7 @@ server 1 on n2, as `megatron-dapo plan --nodes 2 --gpus-per-node 1` places them.
 from its own environment (SLURMD_NODENAME, inherited from the Slurm task that started its raylet), not from
 the driver's word. Three jobs:
 - a run of 2 steps: exit 0, its log, metrics and checkpoint where docs/cluster.md says, nothing left running;
-- `scancel` after step 0: every process of the job, on both nodes, gone within a bound;
+- `scancel` while every trainer rank and server runs: every process of the job, on both nodes, gone within a bound;
 - every process of the job on n2 SIGKILLed (by pid) after step 0: the job stops with the named error of
   docs/operations.md within a bound, and nothing of it is left on n1.
 Everything listens on loopback: checked with the job's processes running.
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import pytest
 
 from megatron_dapo.runtime.net import free_port
 from tests.launch import slurm_cluster
+from tests.launch.sockets import listening_off_loopback
 
 pytestmark = pytest.mark.slow
 
@@ -69,12 +71,18 @@ def tiny(tmp_path_factory):
     return model, train
 
 
-def _submit(slurm, tiny, out: Path, steps: int) -> str:
+@pytest.fixture
+def ray_tmp():
+    """Ray's session files (and its "current cluster" pointer) in a directory of this job, removed after it: a
+    short path (unix socket names are limited to 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="mdr", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _submit(slurm, tiny, out: Path, steps: int, ray_tmp: str) -> str:
     """sbatch the Slurm + Ray launcher on 2 nodes; the job id."""
     model, train = tiny
-    # Ray's session files (and its "current cluster" pointer) in a directory of this job: a short path,
-    # unix socket names are limited to 107 bytes
-    ray_tmp = tempfile.mkdtemp(prefix="mdr", dir="/tmp")
     env = {
         **slurm.env,
         "PATH": f"{BIN}:{os.environ['PATH']}",
@@ -173,32 +181,18 @@ def _metrics_rows(out: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _listening_off_loopback(pids) -> list[str]:
-    """Listening sockets of these processes on an address other than loopback."""
-    bad = []
-    for pid in pids:
-        try:
-            conns = psutil.Process(pid).net_connections(kind="inet")
-        except psutil.Error:
-            continue
-        for c in conns:
-            if c.status == psutil.CONN_LISTEN and not re.match(r"^(127\.|::1$|::ffff:127\.)", c.laddr.ip):
-                bad.append(f"{pid} {psutil.Process(pid).name()} {c.laddr.ip}:{c.laddr.port}")
-    return bad
-
-
 def _gone(pids) -> bool:
     return not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
-def test_sbatch_trains_on_two_ray_nodes(slurm, tiny, tmp_path):
-    job = _submit(slurm, tiny, tmp_path, steps=2)
+def test_sbatch_trains_on_two_ray_nodes(slurm, tiny, tmp_path, ray_tmp):
+    job = _submit(slurm, tiny, tmp_path, 2, ray_tmp)
     log = tmp_path / f"megatron-dapo-{job}.out"  # #SBATCH --output=logs/%x-%j.out, here under tmp_path
     roles = _wait("trainer ranks and servers on both nodes", lambda: _running_on_both(job, tiny[0]), 240, log)
     assert roles["server 0"] == "n1" and roles["server 1"] == "n2", roles  # the plan: server s on node s % 2
     # every process of the job listens on loopback only (Ray's GCS, raylets, workers, agents; servers; gloo)
     pids = list(_job_processes(job))
-    assert _listening_off_loopback(pids) == []
+    assert listening_off_loopback(pids) == []
     _wait("the job's end", lambda: _job(slurm, job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 300, log)
     text = log.read_text(errors="replace")
     assert _job(slurm, job)["JobState"] == "COMPLETED", text[-6000:]
@@ -218,20 +212,21 @@ def test_sbatch_trains_on_two_ray_nodes(slurm, tiny, tmp_path):
     _wait("every process of the job gone", lambda: _gone(pids) and not _job_processes(job), 60)
 
 
-def test_scancel_stops_every_process_on_both_nodes(slurm, tiny, tmp_path):
-    job = _submit(slurm, tiny, tmp_path, steps=50)
+def test_scancel_stops_every_process_on_both_nodes(slurm, tiny, tmp_path, ray_tmp):
+    job = _submit(slurm, tiny, tmp_path, 50, ray_tmp)
     log = tmp_path / f"megatron-dapo-{job}.out"
-    _wait("step 0", lambda: _metrics_rows(tmp_path), 300, log)
+    # mid-run: every trainer rank and server running, on both nodes
+    _wait("trainer ranks and servers on both nodes", lambda: _running_on_both(job, tiny[0]), 240, log)
     procs = _job_processes(job)
     assert {p["node"] for p in procs.values()} == {"n1", "n2"}
     slurm.run("scancel", job)
     _wait("every process of the job gone", lambda: _gone(procs) and not _job_processes(job), 90, log)
-    assert _job(slurm, job)["JobState"] == "CANCELLED"
+    _wait("the job cancelled", lambda: _job(slurm, job).get("JobState") == "CANCELLED", 60, log)
     assert len(_metrics_rows(tmp_path)) < 50
 
 
-def test_losing_node_2_stops_the_run_with_a_named_error(slurm, tiny, tmp_path):
-    job = _submit(slurm, tiny, tmp_path, steps=50)
+def test_losing_node_2_stops_the_run_with_a_named_error(slurm, tiny, tmp_path, ray_tmp):
+    job = _submit(slurm, tiny, tmp_path, 50, ray_tmp)
     log = tmp_path / f"megatron-dapo-{job}.out"
     _wait("step 0", lambda: _metrics_rows(tmp_path), 300, log)
     procs = _job_processes(job)
@@ -254,6 +249,7 @@ def test_losing_node_2_stops_the_run_with_a_named_error(slurm, tiny, tmp_path):
     assert state == "FAILED", text[-6000:]
     # docs/operations.md: the driver names the lost rank and its node, within a bound (seconds here: Ray sees
     # the actor's connection drop; its node's heartbeat timeout would take 30 s more)
-    assert re.search(r"TrainerRankLost: trainer rank 1 lost \(Ray node \w+, megatron-dapo/node=1\)", text), text[-8000:]
+    lost = r"megatron-dapo train: trainer rank 1 lost \(Ray node \w+, megatron-dapo/node=1\): Actor\w+Error"
+    assert re.search(lost, text), text[-8000:]
     assert took < 180, took
     _wait("every process of the job gone", lambda: _gone(procs) and not _job_processes(job), 90, log)
