@@ -97,7 +97,7 @@ class SlurmCluster:
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={self.ctld_port}
 SlurmctldParameters=enable_configless
-CommunicationParameters=NoInAddrAny
+CommunicationParameters=NoCtldInAddrAny,NoInAddrAny
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge

@@ -193,6 +193,7 @@ def test_sbatch_trains_on_two_ray_nodes(slurm, tiny, tmp_path, ray_tmp):
     # every process of the job listens on loopback only (Ray's GCS, raylets, workers, agents; servers; gloo)
     pids = list(_job_processes(job))
     assert listening_off_loopback(pids) == []
+    assert listening_off_loopback([p.pid for p in slurm.procs.values()]) == []  # munged, slurmctld, slurmd
     _wait("the job's end", lambda: _job(slurm, job).get("JobState") in ("COMPLETED", "FAILED", "CANCELLED"), 300, log)
     text = log.read_text(errors="replace")
     assert _job(slurm, job)["JobState"] == "COMPLETED", text[-6000:]
@@ -210,6 +211,8 @@ def test_sbatch_trains_on_two_ray_nodes(slurm, tiny, tmp_path, ray_tmp):
     assert latest == "step_000001" and (tmp_path / "run" / "checkpoints" / latest).is_dir()
     assert sorted(p.name for p in (tmp_path / "run" / "logs").glob("server_*.log")) == ["server_0.log", "server_1.log"]
     _wait("every process of the job gone", lambda: _gone(pids) and not _job_processes(job), 60)
+    # Ray's "current cluster" pointer to the stopped head is removed (a later ray.init() would try to join it)
+    assert not (Path(ray_tmp) / "ray" / "ray_current_cluster").exists()
 
 
 def test_scancel_stops_every_process_on_both_nodes(slurm, tiny, tmp_path, ray_tmp):
