@@ -29,6 +29,11 @@ if [[ -n "${MASTER_ADDR:-}" && "$MASTER_ADDR" != 127.* && "$MASTER_ADDR" != loca
   OVERRIDES+=("trainer.bind_host=${BIND_HOST:-$MASTER_ADDR}")
 fi
 OVERRIDES+=("${ARGS[@]:1}")
+# Every node on this machine (a loopback MASTER_ADDR): gloo listens on loopback's interface, not on the address
+# the host name resolves to.
+if [[ "${MASTER_ADDR:-127.0.0.1}" == 127.* || "${MASTER_ADDR:-}" == localhost ]] && [[ -z "${GLOO_SOCKET_IFNAME:-}" ]]; then
+  export GLOO_SOCKET_IFNAME=lo
+fi
 
 # Validate (config + layout) once before torchrun starts any rank.
 run "$MEGATRON_DAPO" config validate "$CONFIG" "${OVERRIDES[@]}"

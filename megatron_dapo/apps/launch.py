@@ -5,7 +5,10 @@ actors start the servers (SGLang on GPUs, the embedded server on CPU) and report
 trainer actors get torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT of rank 0's node)
 and run `train_rank`; rank 0 starts the rollout coordinator as a named actor it owns (it dies with
 rank 0; megatron_dapo.coordinator.process). On a CPU-only cluster bundles ask for fractions of a CPU so that the group
-never asks for more CPUs than exist (Ray would wait forever).
+never asks for more CPUs than exist (Ray would wait forever). On a cluster whose Ray nodes carry the label
+NODE_LABEL (launch/slurm_ray.sbatch sets it: node k of the allocation is "k"), each bundle is pinned to the
+node `megatron-dapo plan` puts its process on (megatron_dapo.planner.plan.plan_layout): trainer rank r on node
+r // trainer.gpus_per_node, servers as the plan says; without the labels Ray packs the bundles itself.
 
 torchrun: the ranks already exist; servers are the external `rollout.servers` of the config; rank 0
 starts the coordinator as its subprocess.
@@ -35,6 +38,10 @@ from megatron_dapo.sync.addresses import NODE_ADDRESS_ENV
 # ray (and torch) are imported in the functions that use them: a torchrun launch never needs ray.
 
 log = logging.getLogger(__name__)
+
+
+# The Ray node label naming a node's index in the job (0 = the head); set by launch/slurm_ray.sbatch.
+NODE_LABEL = "megatron-dapo/node"
 
 
 class LaunchError(RuntimeError):
@@ -218,22 +225,54 @@ def run_with_ray(cfg, resume: bool = False):
             ray.shutdown()
 
 
+class TrainerRankLost(LaunchError):
+    """A trainer rank's Ray actor died or became unreachable (its process, or its whole node, is gone)."""
+
+
+PLACE_TIMEOUT_S = 300.0  # for the trainer actors of a (re)start to be placed and answer
+
+
+def _rank_results(futures: list, layout: "_RayLayout") -> list:
+    """Every rank's result; the first rank whose actor is lost (its process or its node gone) raises
+    TrainerRankLost at once, naming the rank and its node, instead of the others waiting on it."""
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, WorkerCrashedError
+
+    lost = (ActorDiedError, ActorUnavailableError, NodeDiedError, WorkerCrashedError)
+    pending = list(futures)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except lost as e:
+            rank = futures.index(done[0])
+            raise TrainerRankLost(
+                f"trainer rank {rank} lost ({layout.where(rank)}): {type(e).__name__}: {str(e).splitlines()[0]}; "
+                f"the run stops (resume from the latest checkpoint with checkpoint.resume=true)"
+            ) from e
+    return ray.get(futures)
+
+
 def _train_ranks(cfg, layout, trainers, urls, tp_sizes, resume: bool):
     """Run the trainer actors; rank 0's RunResult, or the first rank's failure as soon as it happens (the
     others may wait for the failed one in a collective forever)."""
     import ray
 
-    master_addr, master_port = ray.get(trainers[0].node_address.remote())
+    try:  # a restart after a lost node may find no room for a rank: bounded, never a hang
+        master_addr, master_port = ray.get(trainers[0].node_address.remote(), timeout=PLACE_TIMEOUT_S)
+        ray.get([t.node_address.remote() for t in trainers[1:]], timeout=PLACE_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as e:
+        raise TrainerRankLost(
+            f"the trainer ranks did not all start within {PLACE_TIMEOUT_S:.0f} s (a node lost, or no room left "
+            f"for a rank of the placement group: {layout.where(0)} ...); resume from the latest checkpoint "
+            f"with checkpoint.resume=true once the cluster has room"
+        ) from e
     cfg_dict = config_to_dict(cfg)
     futures = [
         t.run.remote(cfg_dict, layout.rank_env(r, master_addr, master_port), urls, tp_sizes, resume)
         for r, t in enumerate(trainers)
     ]
-    pending = list(futures)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)  # raises the rank's exception (RayTaskError) or its death (RayActorError)
-    return ray.get(futures[0])
+    return _rank_results(futures, layout)[0]
 
 
 def restartable(error: BaseException) -> bool:
@@ -244,6 +283,8 @@ def restartable(error: BaseException) -> bool:
     from megatron_dapo.trainer.loop import RunSetupError
 
     cause = getattr(error, "cause", None) or error  # a Ray task error carries the rank's own exception
+    if isinstance(cause, TrainerRankLost):  # a rank's process died: what a restart is for
+        return True
     return not isinstance(cause, (RunSetupError, ConfigError, CheckpointError, LaunchError))
 
 
@@ -283,7 +324,11 @@ def _init_ray(cfg) -> bool:
     if ray.is_initialized():
         return False
     if cfg.trainer.ray_address:
-        ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
+        # a cluster on loopback (launch/slurm_ray.sbatch with HEAD_IP=127.0.0.1) is reached there, not at
+        # the external address Ray would put in its place
+        host = _ray_host(cfg.trainer.ray_address)
+        with _ray_single_machine(bool(host) and is_loopback(host)):
+            ray.init(address=cfg.trainer.ray_address, include_dashboard=False)
     else:
         _local_ray_init(cfg.trainer.bind_host)
     return True
@@ -298,6 +343,7 @@ class _RayLayout:
         self.trainer_bundle, self.server_bundle = trainer_bundle, server_bundle
         self.env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
         self.env.update(_gloo_env(cfg))
+        self.bundle_nodes: list[str] = []  # per bundle, once placed: "Ray node ID, NODE_LABEL=K"
 
     @classmethod
     def for_run(cls, cfg, world: int, n_servers: int) -> "_RayLayout":
@@ -317,14 +363,39 @@ class _RayLayout:
 
         bundles = [dict(self.trainer_bundle) for _ in range(self.world)]
         bundles += [dict(self.server_bundle) for _ in range(self.n_servers)]
-        pg = placement_group(bundles, strategy="PACK")
+        selectors = planned_nodes(self.cfg, self.n_servers, _labelled_nodes())
+        if selectors is not None:
+            selectors = [{NODE_LABEL: str(node)} for node in selectors]
+            log.info("placing trainer ranks and servers on the planned nodes (label %s): %s", NODE_LABEL, selectors)
+        pg = placement_group(bundles, strategy="PACK", bundle_label_selector=selectors)
         try:
             ray.get(pg.ready(), timeout=120)
         except Exception as e:
             raise LaunchError(
-                f"Ray could not place {len(bundles)} bundles {bundles} (cluster: {ray.cluster_resources()}): {e}"
+                f"Ray could not place {len(bundles)} bundles {bundles} on nodes {selectors} "
+                f"(cluster: {ray.cluster_resources()}): {e}"
             ) from e
+        self._log_placement(pg)
         return pg
+
+    def _log_placement(self, pg) -> None:
+        """One line per bundle: the Ray node (and its NODE_LABEL) that holds a trainer rank or a server."""
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        labels = {n["NodeID"]: (n.get("Labels") or {}).get(NODE_LABEL, "-") for n in ray.nodes()}
+        where = placement_group_table(pg).get("bundles_to_node_id", {})
+        self.bundle_nodes = [
+            f"Ray node {where.get(i)}, {NODE_LABEL}={labels.get(where.get(i), '-')}"
+            for i in range(self.world + self.n_servers)
+        ]
+        for i, node in enumerate(self.bundle_nodes):
+            what = f"trainer rank {i}" if i < self.world else f"rollout server {i - self.world}"
+            log.info("%s placed on %s", what, node.replace(", ", " (", 1) + ")")
+
+    def where(self, bundle: int) -> str:
+        """The node of a bundle (a trainer rank, or world + a server's index), as placed."""
+        return self.bundle_nodes[bundle] if bundle < len(self.bundle_nodes) else "node unknown"
 
     def _options(self, pg, index: int, bundle: dict) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -368,14 +439,44 @@ class _RayLayout:
         }
 
 
+def planned_nodes(cfg, n_servers: int, labelled: set[str]) -> list[int] | None:
+    """The node of each bundle (trainer ranks, then launched servers) as `megatron-dapo plan` places them,
+    or None when the Ray nodes do not carry NODE_LABEL for every node of the plan (Ray packs the bundles)."""
+    from megatron_dapo.planner.plan import plan_layout
+
+    if cfg.trainer.nnodes < 2 or not {str(k) for k in range(cfg.trainer.nnodes)} <= labelled:
+        return None
+    layout = plan_layout(cfg)
+    return [node for node, _ in layout.trainer_gpus] + layout.server_nodes[:n_servers]
+
+
+def _labelled_nodes() -> set[str]:
+    """The NODE_LABEL values of the alive Ray nodes."""
+    import ray
+
+    return {n["Labels"][NODE_LABEL] for n in ray.nodes() if n.get("Alive") and NODE_LABEL in (n.get("Labels") or {})}
+
+
 def _gloo_env(cfg) -> dict:
     """gloo (CPU runs; megatron-core's helper groups on GPU) listens on the address the host name
     resolves to, often the external one, unless GLOO_SOCKET_IFNAME names an interface. On a local
-    cluster bound to loopback every rank and server is on this machine: loopback's interface."""
-    if cfg.trainer.ray_address or "GLOO_SOCKET_IFNAME" in os.environ or not is_loopback(cfg.trainer.bind_host):
+    cluster bound to loopback, or a Ray cluster on loopback (every node on this machine), every rank and
+    server is on this machine: loopback's interface."""
+    host = _ray_host(cfg.trainer.ray_address) if cfg.trainer.ray_address else cfg.trainer.bind_host
+    if "GLOO_SOCKET_IFNAME" in os.environ or not host or not is_loopback(host):
         return {}
-    name = interface_of(cfg.trainer.bind_host)
+    name = interface_of(host)
     return {"GLOO_SOCKET_IFNAME": name} if name else {}
+
+
+def _ray_host(address: str) -> str:
+    """The host of a Ray address `HOST:PORT`; "" for a host name (never loopback here: Ray resolves it)."""
+    host = address.rpartition(":")[0] or address
+    try:
+        is_loopback(host)
+    except ValueError:
+        return ""
+    return host
 
 
 def _stop_actors(servers: list, trainers: list) -> None:

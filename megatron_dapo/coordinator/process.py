@@ -238,12 +238,15 @@ def start_ray_coordinator(
     """The coordinator as a named Ray actor (threaded: the syncer's calls run beside a waiting take_step);
     `objects(cfg, server_urls)` builds what it serves there."""
     import ray  # a Ray run's dependency only: torchrun ranks never import it
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     name = name or f"megatron_dapo_coordinator_{uuid.uuid4().hex[:8]}"
-    # num_cpus=0: placed beside the run's placement group, never waiting for a CPU the group holds
+    # num_cpus=0: placed beside the run's placement group, never waiting for a CPU the group holds; on the
+    # caller's (rank 0's) node: the two talk all the time, and a lost other node takes no coordinator with it
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     actor = (
         ray.remote(CoordinatorHost)
-        .options(name=name, max_concurrency=32, num_cpus=0)
+        .options(name=name, max_concurrency=32, num_cpus=0, scheduling_strategy=here)
         .remote(objects, cfg, list(server_urls))
     )
     handle = ray.get_actor(name)

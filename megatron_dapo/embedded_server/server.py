@@ -38,6 +38,7 @@ from megatron_dapo.embedded_server.memory import ModelMemory
 from megatron_dapo.embedded_server.routes import admin, generate, info, weights
 from megatron_dapo.embedded_server.state import ServerState
 from megatron_dapo.runtime.cli_args import number
+from megatron_dapo.runtime.lifetime import exit_with_parent_from_env
 from megatron_dapo.runtime.net import LOOPBACK
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")  # as SGLang's decide_request_auth
@@ -286,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.max_total_tokens is not None and args.max_total_tokens < 1:
         parser.error(f"--max-total-tokens {args.max_total_tokens}: must be >= 1")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    exit_with_parent_from_env()  # launched by a run (rollout.launcher): not outliving it
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()

@@ -7,9 +7,11 @@ DP / EP groups, which GPUs host which SGLang engines) and a per-GPU memory estim
 
 Placement: trainer ranks take the first GPUs of the job, node-major (rank r on node r // G,
 local GPU r % G); launched SGLang servers take the following GPUs in blocks of
-rollout.server_tp, and a server never spans nodes. With trainer.placement=colocated the servers take
+rollout.server_tp, and a server never spans nodes; launched embedded servers (no reserved GPUs) go
+round-robin over the nodes (server s on node s % nnodes). With trainer.placement=colocated the servers take
 the trainer's own GPUs instead, one per rollout.server_tp consecutive ones, and the memory estimate is
-per phase of the step cycle (`megatron_dapo.planner.colocation`). Rank groups come from megatron-core's own
+per phase of the step cycle (`megatron_dapo.planner.colocation`). The Ray launcher places the processes
+where this layout says (megatron_dapo.apps.launch). Rank groups come from megatron-core's own
 `RankGenerator` with its default order "tp-cp-ep-dp-pp", so they are the groups the trainer builds.
 The step-time estimate (`megatron_dapo.planner.speed`, at `--mfu` of the peak of `--trainer-gpu` or
 `--gpu-tflops`) is the one the simulator trains at.
@@ -60,6 +62,7 @@ class Layout:
     groups: dict[str, list[list[int]]]  # "tp", "cp", "dp", "pp", "ep", "etp", "edp" -> rank groups
     trainer_gpus: list[tuple[int, int]]  # rank -> (node, local gpu)
     servers: list[list[tuple[int, int]]]  # server -> its (node, local gpu)s
+    server_nodes: list[int] = field(default_factory=list)  # launched server -> its node (SGLang and embedded)
     idle_gpus: list[tuple[int, int]] = field(default_factory=list)
 
 
@@ -118,8 +121,13 @@ def plan_layout(cfg: DapoConfig) -> Layout:
                     f"make the trainer world size a multiple of trainer.gpus_per_node or change rollout.server_tp"
                 )
             servers.append(block)
+    if servers:
+        server_nodes = [block[0][0] for block in servers]
+    else:  # embedded servers reserve no GPU: spread over the nodes
+        n_launched = 0 if rollout.servers else rollout.num_servers
+        server_nodes = [s % trainer.nnodes for s in range(n_launched)]
     idle = [where(g) for g in range(world + launched, gpus)]
-    return Layout(world, _rank_groups(cfg), trainer_gpus, servers, idle)
+    return Layout(world, _rank_groups(cfg), trainer_gpus, servers, server_nodes, idle)
 
 
 # ------------------------------------------------------------------------------------------ report
@@ -411,6 +419,7 @@ def _format_layout(plan: Plan) -> list[str]:
         out.append(f"rollout: {len(rollout.servers)} external servers: {', '.join(rollout.servers)}")
     else:
         out.append(f"rollout: {rollout.num_servers} embedded servers (CPU / small models, no reserved GPUs)")
+        out += [f"  server {i}: node {node}" for i, node in enumerate(lay.server_nodes)]
     if lay.idle_gpus:
         out.append(f"idle GPUs: {len(lay.idle_gpus)}")
     return out

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_dapo.config.derived import routing_shape
+from megatron_dapo.runtime.lifetime import EXIT_WITH_PARENT_ENV
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
 
@@ -177,6 +178,7 @@ class ServerProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         env.update(self.env or {})
+        env[EXIT_WITH_PARENT_ENV] = str(os.getpid())  # the embedded server exits with this process
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

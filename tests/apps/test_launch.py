@@ -190,9 +190,29 @@ def test_slurm_ray_dry_run():
     assert head[6:10] == ["ray", "start", "--head", "--node-ip-address=10.0.0.1"]
     assert [w[5] for w in workers] == ["gpu02", "gpu03", "gpu04"]
     assert all("--address=10.0.0.1:6379" in w for w in workers)
+    assert [a for w in workers for a in w if a.startswith("--node-ip-address")] == []  # each finds its own
+    assert [w[-2] for w in workers] == [f"--labels=megatron-dapo/node={k}" for k in (1, 2, 3)]
     cfg = _train_config(train)
     assert (cfg.trainer.nnodes, cfg.trainer.gpus_per_node, cfg.trainer.ray_address) == (4, 8, "10.0.0.1:6379")
     assert cfg.algo.staleness == 1
+
+
+def test_slurm_ray_on_loopback_keeps_ray_there_and_labels_each_node():
+    head, worker, train = _dry_run(
+        "slurm_ray.sbatch",
+        "--dry-run",
+        "configs/qwen3/tiny_qwen3_cpu.yaml",
+        NODELIST="n1 n2",
+        HEAD_IP="127.0.0.1",
+        RAY_PORT="6390",
+        PYTHON="python3",
+    )
+    # Ray's CLI through megatron_dapo.apps.ray_node (loopback kept), each node labelled with its index
+    assert head[6:10] == ["python3", "-m", "megatron_dapo.apps.ray_node", "start"]
+    assert "--node-ip-address=127.0.0.1" in head and "--labels=megatron-dapo/node=0" in head
+    assert worker[5] == "n2" and worker[6:10] == ["python3", "-m", "megatron_dapo.apps.ray_node", "start"]
+    assert {"--address=127.0.0.1:6390", "--node-ip-address=127.0.0.1", "--labels=megatron-dapo/node=1"} <= set(worker)
+    assert _train_config(train).trainer.ray_address == "127.0.0.1:6390"
 
 
 def test_torchrun_external_sglang_dry_run():

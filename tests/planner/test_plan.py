@@ -220,6 +220,23 @@ def test_layout_groups_and_engine_placement_30b():
     assert "server 3: node 3 GPU 4-7" in text and "ep   size   8: [0-7] [8-15]" in text
 
 
+def test_embedded_servers_go_round_robin_over_the_nodes_and_the_ray_launcher_follows_the_plan():
+    from megatron_dapo.apps.launch import planned_nodes
+
+    cfg = load_config(
+        CONFIGS / "tiny_qwen3_cpu.yaml", ["trainer.nnodes=2", "trainer.gpus_per_node=1", "rollout.num_servers=3"]
+    )
+    plan = make_plan(cfg)
+    assert plan.layout.trainer_gpus == [(0, 0), (1, 0)] and plan.layout.server_nodes == [0, 1, 0]
+    assert "  server 1: node 1" in format_plan(plan) and "  server 2: node 0" in format_plan(plan)
+    # the Ray launcher pins the bundles (ranks, then servers) to those nodes when every node carries its label
+    assert planned_nodes(cfg, 3, {"0", "1"}) == [0, 1, 0, 1, 0]
+    assert planned_nodes(cfg, 3, {"0"}) is None  # node 1 unlabelled (a Ray cluster started by hand): Ray packs
+    # SGLang servers: the node of their GPUs
+    sglang = make_plan(_cluster("qwen3_30b_a3b.yaml", 4))
+    assert sglang.layout.server_nodes == [2, 2, 3, 3]
+
+
 def test_engine_spanning_nodes_is_an_error():
     from megatron_dapo.config.errors import ConfigError
 
