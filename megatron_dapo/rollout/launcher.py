@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config.derived import routing_shape
+from megatron_dapo.config.derived import colocated, routing_shape
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
 
@@ -65,6 +65,8 @@ class SGLangServerArgs:
             extra_args=list(rollout.extra_args),
             enable_deterministic_inference=rollout.deterministic_inference,
             enable_return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
+            # colocated: the step cycle releases and resumes the server's weights and KV cache
+            enable_memory_saver=colocated(cfg),
         )
         kw.update(overrides)
         return cls(**kw)

@@ -82,10 +82,3 @@ def test_cpu_offload_rules(overrides, expected):
 def test_cpu_offload_loads_in_both_placements():
     assert load_config(TINY, ["optimizer.cpu_offload=true", "optimizer.offload_fraction=0.25"]).optimizer.cpu_offload
     assert load_config(TINY, [*COLOCATED, "optimizer.cpu_offload=true"]).optimizer.offload_fraction == 1.0
-
-
-def test_train_refuses_colocated_until_the_cycle_is_built(capsys):
-    from megatron_dapo.apps.train import main
-
-    assert main(["--config", str(TINY), *COLOCATED, "trainer.launcher=torchrun"]) == 2
-    assert "the colocated step cycle is not built yet" in capsys.readouterr().err
