@@ -161,6 +161,8 @@ def test_a_server_killed_mid_cycle_degrades_as_in_split_placement(env):  # noqa:
     # the KV resume of step 0 and every later release / resume found it gone: counted, the run went on
     assert rows[0]["colocate/server_call_failures"] >= 1
     assert rows[-1]["colocate/server_call_failures"] > rows[0]["colocate/server_call_failures"]
+    # out of routing and of the weight sync from step 0 on; the other server took every update
+    assert rows[-1]["server/1/down"] == 1.0 and rows[-1]["server/0/version"] == 3.0
     for r in rows:
         assert set(r["sample_versions"]) == {r["step"]}
         assert r["sync/verify_max_abs_diff"] < 1e-4
