@@ -13,6 +13,10 @@ r // trainer.gpus_per_node, servers as the plan says; without the labels Ray pac
 torchrun: the ranks already exist; servers are the external `rollout.servers` of the config; rank 0
 starts the coordinator as its subprocess.
 
+trainer.placement=colocated (docs/placement.md): under Ray each trainer rank's bundle also holds its share
+of a server (`_RayLayout`); under torchrun the ranks launch the servers themselves, one per
+rollout.server_tp ranks of a node (`torchrun_colocated_servers`). SGLang servers get --enable-memory-saver.
+
 `rollout.relaunch`: under Ray a supervisor thread of the driver relaunches a launched server whose
 process exited (megatron_dapo.rollout.supervisor); external servers, the only ones under torchrun, are
 never relaunched here (a log line says so), but are re-admitted once they answer again.
@@ -28,7 +32,7 @@ import sys
 import threading
 from pathlib import Path
 
-from megatron_dapo.config import config_from_dict, config_to_dict
+from megatron_dapo.config import config_from_dict, config_to_dict, derived
 from megatron_dapo.config.derived import ray_max_restarts, trainer_world_size
 from megatron_dapo.coordinator.restart import abort_every_request
 from megatron_dapo.rollout.supervisor import ServerSupervisor
@@ -46,15 +50,6 @@ NODE_LABEL = "megatron-dapo/node"
 
 class LaunchError(RuntimeError):
     pass
-
-
-def refuse_unbuilt_placement(cfg) -> None:
-    """`plan` and `simulate` know trainer.placement=colocated; a training run cannot use it yet."""
-    if cfg.trainer.placement == "colocated":
-        raise LaunchError(
-            "trainer.placement=colocated: the colocated step cycle is not built yet (`megatron-dapo plan` and "
-            "`simulate` estimate it); use trainer.placement=split"
-        )
 
 
 def _local_ray_init(bind_host: str):
@@ -104,7 +99,8 @@ def _ray_single_machine(on: bool):
 class _ServerActor:
     """Owns one rollout server process."""
 
-    def start(self, cfg_dict: dict, index: int, log_dir: str) -> str:
+    def start(self, cfg_dict: dict, index: int, log_dir: str, cuda_devices: str | None = None) -> str:
+        """`cuda_devices`: the GPUs of a colocated TP > 1 server (its trainer ranks'), else Ray's assignment."""
         import torch
 
         from megatron_dapo.rollout import launcher
@@ -114,7 +110,8 @@ class _ServerActor:
         if cfg.rollout.engine == "sglang":
             port = free_port(cfg.rollout.host)
             args = launcher.SGLangServerArgs.from_config(cfg, cfg.model.hf_path, port, random_seed=index)
-            self.proc = launcher.launch_sglang(args, log_path)
+            env = {"CUDA_VISIBLE_DEVICES": cuda_devices} if cuda_devices else None
+            self.proc = launcher.launch_sglang(args, log_path, env=env)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             options = launcher.embedded_options(cfg, device)
@@ -152,6 +149,12 @@ class _RayServerHandle:
 
 
 class _TrainerActor:
+    def gpu_ids(self) -> tuple[str, list[str]]:
+        """This actor's node and the GPU ids Ray gave it (as CUDA_VISIBLE_DEVICES spells them)."""
+        import ray
+
+        return ray.util.get_node_ip_address(), [str(g) for g in ray.get_gpu_ids()]
+
     def node_address(self) -> tuple[str, int]:
         import ray
 
@@ -183,7 +186,6 @@ def run_with_ray(cfg, resume: bool = False):
     import ray
     from ray.util.placement_group import remove_placement_group
 
-    refuse_unbuilt_placement(cfg)
     exit_on_sigterm()
     started = _init_ray(cfg)
     world = trainer_world_size(cfg)
@@ -336,11 +338,15 @@ def _init_ray(cfg) -> bool:
 
 class _RayLayout:
     """One placement-group bundle per trainer rank, then one per launched server (GPUs when Ray has
-    them, else an even share of the CPUs)."""
+    them, else an even share of the CPUs). trainer.placement=colocated: one bundle per trainer rank only,
+    holding the rank and its share of a server: server i runs in the bundle of trainer rank
+    i * rollout.server_tp, each actor taking half of the bundle's GPU (the two take turns on it); an SGLang
+    server with TP > 1 is given the GPUs of its server_tp ranks' bundles (`server_gpus`)."""
 
     def __init__(self, cfg, world: int, n_servers: int, gpu: bool, trainer_bundle: dict, server_bundle: dict):
         self.cfg, self.world, self.n_servers, self.gpu = cfg, world, n_servers, gpu
-        self.trainer_bundle, self.server_bundle = trainer_bundle, server_bundle
+        self.trainer_bundle, self.server_bundle = trainer_bundle, server_bundle  # each actor's resources
+        self.colocated = derived.colocated(cfg)
         self.env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if not gpu else {}
         self.env.update(_gloo_env(cfg))
         self.bundle_nodes: list[str] = []  # per bundle, once placed: "Ray node ID, NODE_LABEL=K"
@@ -351,19 +357,31 @@ class _RayLayout:
         import torch
 
         gpu = torch.cuda.is_available() and ray.cluster_resources().get("GPU", 0) > 0
+        if gpu and derived.colocated(cfg):
+            return cls(cfg, world, n_servers, gpu, {"CPU": 1, "GPU": 0.5}, {"CPU": 1, "GPU": 0.5})
         if gpu:
             server_gpus = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
             return cls(cfg, world, n_servers, gpu, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": server_gpus})
         share = min(1.0, ray.cluster_resources().get("CPU", 1) / (world + n_servers))
         return cls(cfg, world, n_servers, gpu, {"CPU": share}, {"CPU": share})
 
+    def bundles(self) -> list[dict]:
+        if self.colocated:  # a trainer rank and its share of a server: the sum of the two actors'
+            return [{k: v + self.server_bundle.get(k, 0) for k, v in self.trainer_bundle.items()}] * self.world
+        return [dict(self.trainer_bundle)] * self.world + [dict(self.server_bundle)] * self.n_servers
+
+    def server_bundle_index(self, i: int) -> int:
+        if self.colocated:
+            return i * max(1, self.cfg.rollout.server_tp)
+        return self.world + i
+
     def place(self):
         import ray
         from ray.util.placement_group import placement_group
 
-        bundles = [dict(self.trainer_bundle) for _ in range(self.world)]
-        bundles += [dict(self.server_bundle) for _ in range(self.n_servers)]
-        selectors = planned_nodes(self.cfg, self.n_servers, _labelled_nodes())
+        bundles = [dict(b) for b in self.bundles()]
+        # colocated: a server shares its trainer ranks' bundles, so only the trainer ranks are placed by node
+        selectors = planned_nodes(self.cfg, 0 if self.colocated else self.n_servers, _labelled_nodes())
         if selectors is not None:
             selectors = [{NODE_LABEL: str(node)} for node in selectors]
             log.info("placing trainer ranks and servers on the planned nodes (label %s): %s", NODE_LABEL, selectors)
@@ -386,15 +404,15 @@ class _RayLayout:
         labels = {n["NodeID"]: (n.get("Labels") or {}).get(NODE_LABEL, "-") for n in ray.nodes()}
         where = placement_group_table(pg).get("bundles_to_node_id", {})
         self.bundle_nodes = [
-            f"Ray node {where.get(i)}, {NODE_LABEL}={labels.get(where.get(i), '-')}"
-            for i in range(self.world + self.n_servers)
+            f"Ray node {where.get(i)}, {NODE_LABEL}={labels.get(where.get(i), '-')}" for i in range(len(self.bundles()))
         ]
-        for i, node in enumerate(self.bundle_nodes):
-            what = f"trainer rank {i}" if i < self.world else f"rollout server {i - self.world}"
-            log.info("%s placed on %s", what, node.replace(", ", " (", 1) + ")")
+        placed = [(f"trainer rank {r}", r) for r in range(self.world)]
+        placed += [(f"rollout server {i}", self.server_bundle_index(i)) for i in range(self.n_servers)]
+        for what, bundle in placed:
+            log.info("%s placed on %s", what, self.bundle_nodes[bundle].replace(", ", " (", 1) + ")")
 
     def where(self, bundle: int) -> str:
-        """The node of a bundle (a trainer rank, or world + a server's index), as placed."""
+        """The node of a bundle (a trainer rank's index is its bundle's), as placed."""
         return self.bundle_nodes[bundle] if bundle < len(self.bundle_nodes) else "node unknown"
 
     def _options(self, pg, index: int, bundle: dict) -> dict:
@@ -408,19 +426,47 @@ class _RayLayout:
             runtime_env={"env_vars": self.env},
         )
 
+    def server_gpus(self, pg) -> list[str | None]:
+        """Colocated SGLang servers with TP > 1 on GPUs: each server's CUDA_VISIBLE_DEVICES, the GPUs of its
+        server_tp trainer ranks' bundles (asked of a probe actor in each; a bundle keeps its GPU for the
+        group's life, so restarted trainer ranks land on the same ones). None: Ray's own assignment."""
+        import ray
+
+        tp = self.cfg.rollout.server_tp
+        if not (self.colocated and self.gpu and self.cfg.rollout.engine == "sglang" and tp > 1):
+            return [None] * self.n_servers
+        probe = ray.remote(_TrainerActor)
+        actors = [probe.options(**self._options(pg, r, self.trainer_bundle)).remote() for r in range(self.world)]
+        try:
+            where = ray.get([a.gpu_ids.remote() for a in actors])
+        finally:
+            for a in actors:
+                ray.kill(a)
+        out = []
+        for i in range(self.n_servers):
+            ranks = where[i * tp : (i + 1) * tp]
+            if len({node for node, _ in ranks}) != 1:
+                raise LaunchError(
+                    f"trainer.placement=colocated: server {i}'s {tp} trainer ranks ({i * tp}..{(i + 1) * tp - 1}) "
+                    f"were placed on different nodes {sorted({n for n, _ in ranks})}; a server's GPUs share a node"
+                )
+            out.append(",".join(g for _, ids in ranks for g in ids))
+        return out
+
     def start_servers(self, cfg, pg) -> tuple[list, list[str]]:
         """The launched servers (after the trainer bundles) and every server URL, external ones first."""
         import ray
 
         log_dir = Path(cfg.logging.run_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
+        gpus = self.server_gpus(pg)
         actor = ray.remote(_ServerActor)
         servers = [
-            actor.options(**self._options(pg, self.world + i, self.server_bundle)).remote()
+            actor.options(**self._options(pg, self.server_bundle_index(i), self.server_bundle)).remote()
             for i in range(self.n_servers)
         ]
         cfg_dict = config_to_dict(cfg)
-        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir)) for i, s in enumerate(servers)])
+        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir), gpus[i]) for i, s in enumerate(servers)])
         return servers, list(cfg.rollout.servers) + started
 
     def start_trainers(self, pg) -> list:
@@ -495,7 +541,8 @@ def run_with_torchrun(cfg, resume: bool = False):
     """Inside a torchrun group: every rank trains; the servers are `rollout.servers`."""
     from megatron_dapo.trainer.loop import train_rank
 
-    refuse_unbuilt_placement(cfg)
+    if derived.colocated(cfg):
+        return _run_colocated_with_torchrun(cfg, resume)
     if not cfg.rollout.servers:
         raise LaunchError(
             "trainer.launcher=torchrun needs rollout.servers: the URLs of running rollout servers "
@@ -509,3 +556,68 @@ def run_with_torchrun(cfg, resume: bool = False):
         resume = True
     tp = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
     return train_rank(cfg, list(cfg.rollout.servers), [tp] * len(cfg.rollout.servers), resume=resume)
+
+
+def _run_colocated_with_torchrun(cfg, resume: bool):
+    from megatron_dapo.trainer.loop import train_rank
+
+    if cfg.rollout.relaunch:
+        log.info(TORCHRUN_COLOCATED_NO_RELAUNCH)
+    if restart := elastic_restart(cfg):
+        log.warning("torchrun restart %d: resuming from the latest checkpoint", restart)
+        resume = True
+    tp = cfg.rollout.server_tp if cfg.rollout.engine == "sglang" else 1
+    with torchrun_colocated_servers(cfg) as urls:
+        return train_rank(cfg, urls, [tp] * len(urls), resume=resume)
+
+
+TORCHRUN_COLOCATED_NO_RELAUNCH = (
+    "rollout.relaunch: under torchrun the colocated servers are the ranks' own subprocesses and are not "
+    "relaunched; a lost one is left out (rollout.min_healthy_servers), as with external servers"
+)
+
+
+@contextlib.contextmanager
+def torchrun_colocated_servers(cfg):
+    """trainer.placement=colocated under torchrun: the ranks launch the servers themselves, one per
+    rollout.server_tp consecutive ranks of a node (node-local rank % server_tp == 0 launches it on its own
+    and the next server_tp - 1 GPUs: SGLang's --base-gpu-id, with --enable-memory-saver), and every rank gets
+    every server's URL, in rank order. Each server stops with its rank. Collective (the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.rollout import launcher
+    from megatron_dapo.runtime.distributed import init_distributed
+
+    info = init_distributed()
+    tp = max(1, cfg.rollout.server_tp)
+    proc, answer = None, None
+    if info.local_rank % tp == 0:
+        index = info.rank // tp
+        log_path = Path(cfg.logging.run_dir) / "logs" / f"server_{index}.log"
+        try:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            if cfg.rollout.engine == "sglang":
+                port = free_port(cfg.rollout.host)
+                args = launcher.SGLangServerArgs.from_config(
+                    cfg, cfg.model.hf_path, port, random_seed=index, base_gpu_id=info.local_rank
+                )
+                proc = launcher.launch_sglang(args, log_path)
+            else:
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+                proc = launcher.launch_embedded(
+                    cfg.model.hf_path, log_path, seed=index, **launcher.embedded_options(cfg, device)
+                )
+            answer = ("url", proc.url)
+        except Exception as e:  # every rank must reach the gather below, or the others wait forever
+            answer = ("error", f"rank {info.rank}: server {index} did not start ({e}); its log: {log_path}")
+    answers = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, answer)
+    try:
+        errors = [a[1] for a in answers if a is not None and a[0] == "error"]
+        if errors:
+            raise LaunchError("trainer.placement=colocated: " + "; ".join(errors))
+        yield [a[1] for a in answers if a is not None]
+    finally:
+        if proc is not None:
+            proc.stop()

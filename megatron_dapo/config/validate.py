@@ -378,8 +378,10 @@ def _check_rollout(cfg: DapoConfig, errors: list[str]) -> None:
         )
     if rollout.engine == "embedded" and rollout.server_tp != 1:
         errors.append(f"rollout.server_tp={rollout.server_tp}: the embedded engine has no tensor parallelism; use 1")
+    # colocated: the torchrun ranks launch the servers themselves (apps/launch.py, torchrun_colocated_servers)
     if cfg.trainer.launcher == "torchrun" and rollout.engine == "sglang" and not rollout.servers:
-        errors.append("trainer.launcher=torchrun starts no SGLang servers: list them in rollout.servers")
+        if not derived.colocated(cfg):
+            errors.append("trainer.launcher=torchrun starts no SGLang servers: list them in rollout.servers")
     if not 0.0 < rollout.mem_fraction_static < 1.0:
         errors.append(f"rollout.mem_fraction_static={rollout.mem_fraction_static} must be in (0, 1)")
     if rollout.n_resp_per_prompt < 1:

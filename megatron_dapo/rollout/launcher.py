@@ -25,7 +25,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_dapo.config.derived import routing_shape
+from megatron_dapo.config.derived import colocated, routing_shape
 from megatron_dapo.runtime.lifetime import EXIT_WITH_PARENT_ENV
 from megatron_dapo.runtime.net import LOOPBACK, free_port
 
@@ -66,6 +66,8 @@ class SGLangServerArgs:
             extra_args=list(rollout.extra_args),
             enable_deterministic_inference=rollout.deterministic_inference,
             enable_return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
+            # colocated: the step cycle releases and resumes the server's weights and KV cache
+            enable_memory_saver=colocated(cfg),
         )
         kw.update(overrides)
         return cls(**kw)
@@ -122,6 +124,7 @@ def embedded_command(
     deterministic_inference: bool = False,
     batching: str = "static",
     return_routed_experts: bool = False,
+    memory_saver: bool = False,
     extra_args: list[str] | None = None,
     python: str = sys.executable,
 ) -> list[str]:
@@ -149,6 +152,8 @@ def embedded_command(
         cmd += ["--batching", batching]
     if return_routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if memory_saver:
+        cmd.append("--enable-memory-saver")
     return cmd + list(extra_args or [])
 
 
@@ -290,6 +295,8 @@ def embedded_options(cfg, device: str) -> dict:
         deterministic_inference=rollout.deterministic_inference,
         batching=rollout.embedded_batching,
         return_routed_experts=routing_shape(cfg) is not None,  # algo.routing_replay
+        # colocated: the step cycle's release frees the weights and KV cache (refilled by the weight update)
+        memory_saver=colocated(cfg),
         extra_args=list(rollout.extra_args),
     )
 

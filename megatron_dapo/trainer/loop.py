@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_dapo.config import config_to_dict, dump_yaml
+from megatron_dapo.config import config_to_dict, derived, dump_yaml
 from megatron_dapo.config.derived import checkpoint_dir
 from megatron_dapo.coordinator.process import start_coordinator
 from megatron_dapo.coordinator.restart import RestartingCoordinator, abort_every_request
@@ -34,6 +34,7 @@ from megatron_dapo.runtime.distributed import init_distributed, init_model_paral
 from megatron_dapo.shards import data_parallel_ranks, scatter_shards
 from megatron_dapo.trainer import checkpoint as ckpt
 from megatron_dapo.trainer.actor import build_actor
+from megatron_dapo.trainer.colocation import ColocationCycle, ServerMemory
 from megatron_dapo.trainer.metrics import MetricsWriter, console_line
 from megatron_dapo.trainer.weight_sync import build_weight_sync
 
@@ -199,7 +200,13 @@ class Trainer:
 
     def __init__(self, cfg, rank: int, coord, writer, server_urls, server_tp_sizes=None, on_step_end=None):
         self.cfg, self.rank, self.coord, self.writer, self.on_step_end = cfg, rank, coord, writer, on_step_end
+        # trainer.placement=colocated: the servers hand the GPUs over while the model is built
+        self.colocation = _colocation_cycle(cfg, rank, server_urls) if derived.colocated(cfg) else None
+        if self.colocation is not None:
+            self.colocation.release_servers()
         self.actor = build_actor(cfg)
+        if self.colocation is not None:
+            self.colocation.engine = self.actor.engine
         self.weight_sync = build_weight_sync(cfg, self.actor, rank, coord, server_urls, server_tp_sizes)
         self.dp_rank_of = data_parallel_ranks(self.actor.layout.dp_rank)
         self.history: list[dict] = []
@@ -244,7 +251,14 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------
     def fit(self, start_step: int, stop_after: int | None = None) -> RunResult | None:
         cfg, total = self.cfg, self.cfg.trainer.total_steps
-        self.weight_sync.start(start_step)  # the servers start from exactly the trainer's weights
+        if self.colocation is None:
+            self.weight_sync.start(start_step)  # the servers start from exactly the trainer's weights
+        else:  # the same, inside the cycle's end: then the first rollout
+            self.colocation.offload_train_state()
+            self.weight_sync.push(start_step)
+            self.colocation.offload_params()
+            self.weight_sync.check(start_step)
+            self.colocation.metrics()  # logged; not the first step's
         if self.rank == 0:
             self.coord.start()
         if cfg.trainer.val_every and start_step == 0:
@@ -264,8 +278,7 @@ class Trainer:
                     )
                 done += 1
                 last = step == total - 1
-                every = cfg.checkpoint.save_every
-                if (every and (step + 1) % every == 0) or last:
+                if self.colocation is None and self._save_due(step):  # colocated: saved in the step
                     self.save(step, None if last else step + 1)
                 if cfg.trainer.val_every and ((step + 1) % cfg.trainer.val_every == 0 or last):
                     self.validate(step + 1)
@@ -277,11 +290,21 @@ class Trainer:
             self.weight_sync.close()
         return RunResult(done, start_step + done - 1, self.history, self.val) if self.rank == 0 else None
 
+    def _save_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.save_every
+        return bool(every and (step + 1) % every == 0) or step == self.cfg.trainer.total_steps - 1
+
+    def take_batch(self, step: int):
+        """Step `step`'s batch from the coordinator (rank 0) and this rank's own DP shard of it."""
+        data = self.coord.take_step(step, self.actor.layout.dp) if self.rank == 0 else None
+        return data, scatter_shards(data and data.shards, self.dp_rank_of)
+
     def train_step(self, step: int) -> dict | None:
         """Step `step`: take its batch, train on this rank's shard, sync weights at version step + 1, log."""
+        if self.colocation is not None:
+            return self.colocated_step(step)
         t_step = time.perf_counter()
-        data = self.coord.take_step(step, self.actor.layout.dp) if self.rank == 0 else None
-        shard = scatter_shards(data and data.shards, self.dp_rank_of)  # each rank: its own DP shard only
+        data, shard = self.take_batch(step)
         t_gen = time.perf_counter() - t_step
         t0 = time.perf_counter()
         train_metrics = self.actor.train_step(shard)
@@ -293,6 +316,36 @@ class Trainer:
         if self.on_step_end is not None:
             self.on_step_end(step, self.actor, shard.batch)
         return metrics
+
+    def colocated_step(self, step: int) -> dict | None:
+        """Step `step` of the colocated cycle (trainer/colocation.py): the rollout ran with the trainer
+        offloaded; the servers release, the trainer reloads, trains (and checkpoints, the only phase with its
+        whole state on the GPUs), offloads gradients and optimizer state, pushes the weights to the resumed
+        servers, offloads its parameters; the servers get their KV cache back; then the coordinator learns
+        version step + 1 and the next rollout starts."""
+        cycle = self.colocation
+        t_step = time.perf_counter()
+        data, shard = self.take_batch(step)
+        t_gen = time.perf_counter() - t_step
+        cycle.release_servers()
+        cycle.reload_trainer()
+        t0 = time.perf_counter()
+        train_metrics = self.actor.train_step(shard)
+        t_train = time.perf_counter() - t0
+        if self._save_due(step):  # the next batch is not generated yet: a resumed run generates it
+            self.save(step, None)
+        cycle.offload_train_state()
+        self.weight_sync.push(step + 1)  # AllAtOnceSync: colocated runs validate rollout.sync.policy=all_at_once
+        if self.on_step_end is not None:  # it may export the weights: the parameters are still here
+            self.on_step_end(step, self.actor, shard.batch)
+        cycle.offload_params()
+        sync_metrics = self.weight_sync.check(step + 1)  # the servers' probe needs their KV cache
+        if self.rank == 0:
+            self.coord.set_version(step + 1)
+            sync_metrics = {**sync_metrics, **cycle.metrics()}
+            return self._log_step(step, data, train_metrics, sync_metrics, t_step, t_gen, t_train)
+        cycle.metrics()
+        return None
 
     def sync_weights(self, version: int) -> dict[str, float]:
         return self.weight_sync.after_step(version)
@@ -337,3 +390,9 @@ class Trainer:
         return tqdm(
             total=self.cfg.trainer.total_steps, initial=start_step, desc="DAPO", unit="step", dynamic_ncols=True
         )
+
+
+def _colocation_cycle(cfg, rank: int, server_urls) -> ColocationCycle:
+    """This rank's colocated cycle: rank 0 calls the servers, every rank meets at the default group's barriers."""
+    servers = ServerMemory(server_urls, cfg.rollout.api_key, derived.sync_timeout_s(cfg)) if rank == 0 else None
+    return ColocationCycle(servers, dist.barrier)

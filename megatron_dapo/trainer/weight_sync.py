@@ -132,6 +132,13 @@ class AllAtOnceSync(WeightSync):
         return bool(flag[0])
 
     def _sync(self, version: int) -> dict[str, float]:
+        self.push(version)
+        return self.check(version)
+
+    def push(self, version: int) -> None:
+        """The first half of a sync: the weights of `version` to the servers, and the trainer's logprobs of the
+        probe (every rank). `check` is the second half; the colocated cycle runs it once the servers have
+        their KV cache back (trainer/colocation.py), as the servers' probe needs it."""
         t0 = time.perf_counter()
         # rank 0 decides and talks to the servers; with per_stage sources every rank takes part (each source
         # re-forms its own group), else the others' part of a re-formed group is the same export
@@ -139,11 +146,17 @@ class AllAtOnceSync(WeightSync):
         stats = self._sync_until_delivered(version)
         out = stats.as_metrics() if stats is not None else {}
         out["time/sync_s"] = time.perf_counter() - t0
-        if self.cfg.rollout.sync.verify:
-            ref = self._probe_logprobs(version)
-            if self.rank == 0:
-                out["sync/verify_max_abs_diff"] = self._verify(ref.tolist())
-                out["sync/probe_logprob_mean"] = float(ref.double().mean())
+        ref = self._probe_logprobs(version) if self.cfg.rollout.sync.verify else None
+        self._pushed = (version, out, back, ref)
+
+    def check(self, version: int) -> dict[str, float]:
+        """The second half: the servers' probe logprobs against the trainer's (rank 0), the servers back in
+        routing at `version`; the sync's metrics."""
+        pushed_version, out, back, ref = self._pushed
+        assert pushed_version == version, f"check({version}) after push({pushed_version})"
+        if ref is not None and self.rank == 0:
+            out["sync/verify_max_abs_diff"] = self._verify(ref.tolist())
+            out["sync/probe_logprob_mean"] = float(ref.double().mean())
         if self.rank == 0:
             self._route_again(back, version)
             self.coord.registry.publish_all(version, out["time/sync_s"])

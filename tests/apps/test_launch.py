@@ -296,3 +296,22 @@ def test_setup_errors_are_not_restarted_training_failures_are():
         assert not restartable(error)
     for error in (RuntimeError("gloo: connection closed by peer"), CoordinatorLost("gone"), ValueError("nan")):
         assert restartable(error)
+
+
+@pytest.mark.parametrize("placement", ["split", "colocated"])
+def test_ray_bundles_by_placement(placement):
+    """Split: a bundle per trainer rank, then one per server. Colocated: a bundle per trainer rank only, holding
+    the rank and its server's share (half of the GPU each); server i in the bundle of rank i * server_tp."""
+    from megatron_dapo.apps.launch import _RayLayout
+    from megatron_dapo.config.schema import DapoConfig
+
+    cfg = DapoConfig()
+    cfg.trainer.placement, cfg.rollout.server_tp = placement, 2
+    if placement == "colocated":  # 8 trainer GPUs, 4 servers of TP 2 on them
+        layout = _RayLayout(cfg, 8, 4, True, {"CPU": 1, "GPU": 0.5}, {"CPU": 1, "GPU": 0.5})
+        assert layout.bundles() == [{"CPU": 2, "GPU": 1.0}] * 8
+        assert [layout.server_bundle_index(i) for i in range(4)] == [0, 2, 4, 6]
+    else:  # 4 trainer GPUs, 2 servers of TP 2 beside them
+        layout = _RayLayout(cfg, 4, 2, True, {"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 2})
+        assert layout.bundles() == [{"CPU": 1, "GPU": 1}] * 4 + [{"CPU": 1, "GPU": 2}] * 2
+        assert [layout.server_bundle_index(i) for i in range(2)] == [4, 5]

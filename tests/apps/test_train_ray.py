@@ -208,3 +208,63 @@ def test_a_killed_trainer_rank_is_restarted_by_the_ray_driver(tmp_path):
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
     ps = subprocess.run(["pgrep", "-f", f"serve --model {model}"], capture_output=True, text=True)
     assert ps.stdout.strip() == "", f"rollout servers left running: {ps.stdout}"
+
+
+def test_train_command_colocated_with_ray(tmp_path):
+    """`megatron-dapo train` with trainer.placement=colocated on Ray: one bundle per trainer rank holding the rank
+    and its server (no bundle of the servers' own), three synchronous steps through the step cycle, each
+    server's access log showing the cycle's memory calls in order, the transitions in the step metrics."""
+    from transformers import AutoTokenizer
+
+    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
+    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from tests.trainer.test_loop_colocated import MEMORY_CALLS, _calls
+
+    model = build_char_tokenizer(tmp_path / "model")
+    tok = AutoTokenizer.from_pretrained(model)
+    save_tiny_hf_model("qwen3", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_dapo.cli",
+        "train",
+        "--config",
+        str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml"),
+        f"model.hf_path={model}",
+        f"data.train_files=[{train}]",
+        "data.val_files=[]",
+        "trainer.total_steps=3",
+        "trainer.val_every=0",
+        "trainer.placement=colocated",
+        "algo.staleness=0",
+        "rollout.sync.pause_mode=abort",
+        "rollout.extra_args=[--log-level,info]",  # the servers' access log
+        "data.max_response_length=8",
+        "algo.overlong_buffer.len=2",
+        "algo.train_batch_size=2",
+        "algo.ppo_mini_batch_size=2",
+        "reward.name=tests.workers.loop_rewards:parity_reward",
+        "checkpoint.save_every=0",
+        "logging.progress_bar=false",
+        f"logging.run_dir={run_dir}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-6000:]
+    assert "trained 3 steps" in out
+    assert "colocated: servers release weights and KV cache in" in out  # rank 0 logs each transition
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2], out[-6000:]
+    for r in rows:
+        assert set(r["sample_versions"]) == {r["step"]} and r["sync/verify_max_abs_diff"] < 1e-4
+        assert r["colocate/offloaded_bytes"] > 0 and r["colocate/server_call_failures"] == 0
+    for i in (0, 1):
+        calls = _calls((run_dir / "logs" / f"server_{i}.log").read_text())
+        memory = [c for c in calls if c in MEMORY_CALLS]
+        assert memory == ["/release_memory_occupation", *["/resume_memory_occupation"] * 2] * 4, (i, memory)
+    ps = subprocess.run(["pgrep", "-f", f"serve --model {model}"], capture_output=True, text=True)
+    assert ps.stdout.strip() == "", f"rollout servers left running: {ps.stdout}"

@@ -84,8 +84,10 @@ def test_cpu_offload_loads_in_both_placements():
     assert load_config(TINY, [*COLOCATED, "optimizer.cpu_offload=true"]).optimizer.offload_fraction == 1.0
 
 
-def test_train_refuses_colocated_until_the_cycle_is_built(capsys):
-    from megatron_dapo.apps.train import main
-
-    assert main(["--config", str(TINY), *COLOCATED, "trainer.launcher=torchrun"]) == 2
-    assert "the colocated step cycle is not built yet" in capsys.readouterr().err
+def test_torchrun_launches_the_servers_of_a_colocated_run_itself():
+    """Split under torchrun needs external servers; colocated refuses them and the ranks launch their own."""
+    one_node = CONFIGS / "qwen3_30b_a3b_colocated.yaml"
+    assert load_config(one_node, ["trainer.launcher=torchrun"]).trainer.launcher == "torchrun"
+    assert "trainer.launcher=torchrun starts no SGLang servers" in _error(
+        CONFIGS / "qwen3_8b.yaml", ["trainer.launcher=torchrun"]
+    )

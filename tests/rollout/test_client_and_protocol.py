@@ -802,7 +802,7 @@ def test_sglang_command_uses_sglang_flag_names():
 
 def test_sglang_args_from_config():
     from megatron_dapo.config.schema import DapoConfig
-    from megatron_dapo.rollout.launcher import SGLangServerArgs
+    from megatron_dapo.rollout.launcher import SGLangServerArgs, sglang_command
 
     cfg = DapoConfig()
     cfg.rollout.server_tp, cfg.rollout.mem_fraction_static, cfg.rollout.extra_args = 2, 0.6, ["--foo"]
@@ -811,6 +811,10 @@ def test_sglang_args_from_config():
     assert not a.enable_deterministic_inference
     cfg.rollout.deterministic_inference = True
     assert SGLangServerArgs.from_config(cfg, "/m", 1234).enable_deterministic_inference
+    # colocated servers release and resume their memory every step: SGLang's memory saver
+    assert not a.enable_memory_saver
+    cfg.trainer.placement = "colocated"
+    assert "--enable-memory-saver" in sglang_command(SGLangServerArgs.from_config(cfg, "/m", 1234))
 
 
 def test_embedded_command_flags_parse_in_the_server():

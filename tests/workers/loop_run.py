@@ -12,6 +12,10 @@ With LOOP_RUN_TAKE_AHEAD=N rank 0 takes step N's batch from the coordinator (the
 just before the weight sync of step N - 1, so that step N trains on samples of the weights before that
 sync whatever the machine's speed: the staleness bound is then used by construction, not by a race
 between the producer and the trainer.
+With trainer.placement=colocated the ranks launch the servers themselves (apps/launch.py's
+torchrun_colocated_servers, as `train` does under torchrun), and each rank appends to
+OUT_DIR/resident_rank{R}.jsonl its engine's device bytes per part (offload's storages) while it waits
+for a batch (the rollout phase) and in on_step_end (the weight update phase).
 """
 
 import json
@@ -36,14 +40,43 @@ def take_ahead(step: int) -> None:
     Trainer.sync_weights = sync_after_taking
 
 
+def resident_bytes(actor) -> dict[str, int]:
+    """The device bytes each part of the engine holds now (0: offloaded)."""
+    return {part: sum(s.nbytes() for s in ss) for part, ss in actor.engine._offload.storages().items()}
+
+
+def record_resident(out: Path) -> None:
+    from megatron_dapo.trainer.loop import Trainer
+
+    take_batch = Trainer.take_batch
+
+    def take_recording(self, step):
+        record(out, step, "rollout", self.actor)
+        return take_batch(self, step)
+
+    Trainer.take_batch = take_recording
+
+
+def record(out: Path, step: int, phase: str, actor) -> None:
+    import torch.distributed as dist
+
+    out.mkdir(parents=True, exist_ok=True)
+    line = {"step": step, "phase": phase, **resident_bytes(actor)}
+    with open(out / f"resident_rank{dist.get_rank()}.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
 def main():
     config, out, stop_after, *overrides = sys.argv[1:]
     out = Path(out)
-    from megatron_dapo.apps.launch import elastic_restart
+    from megatron_dapo.apps.launch import elastic_restart, torchrun_colocated_servers
     from megatron_dapo.config import load_config
     from megatron_dapo.trainer.loop import RunSetupError, train_rank
 
     cfg = load_config(config, overrides)
+    colocated = cfg.trainer.placement == "colocated"
+    if colocated:
+        record_resident(out)
     if os.environ.get("LOOP_RUN_TAKE_AHEAD"):
         take_ahead(int(os.environ["LOOP_RUN_TAKE_AHEAD"]))
 
@@ -58,6 +91,8 @@ def main():
             time.sleep(0.1)
 
     def dump_weights(step, actor, batch):
+        if colocated:
+            record(out, step, "update", actor)
         weights = {name: t.clone() for name, t in actor.export_weights() if t is not None}
         if weights:  # rank 0
             out.mkdir(parents=True, exist_ok=True)
@@ -78,14 +113,21 @@ def main():
             )
         hold_after(step)
 
-    try:
-        result = train_rank(
+    def run(urls):
+        return train_rank(
             cfg,
-            list(cfg.rollout.servers),
+            urls,
             resume=cfg.checkpoint.resume or elastic_restart(cfg) > 0,  # what `train` does under torchrun
             stop_after=None if stop_after == "-" else int(stop_after),
             on_step_end=dump_weights,
         )
+
+    try:
+        if colocated:
+            with torchrun_colocated_servers(cfg) as urls:
+                result = run(urls)
+        else:
+            result = run(list(cfg.rollout.servers))
     except RunSetupError as e:
         print(f"RUN SETUP ERROR: {e}", flush=True)
         sys.exit(3)
