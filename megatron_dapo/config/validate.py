@@ -290,6 +290,12 @@ def _check_rollout_correction(cfg: DapoConfig, errors: list[str]) -> None:
         errors.append(
             f"algo.rollout_correction.geo_reject: need 0 < lower < 1 < upper, got lower={geo.lower}, upper={geo.upper}"
         )
+    if cfg.rollout.weight_format == "fp8_block" and rc.mode == "none":
+        errors.append(
+            "rollout.weight_format=fp8_block with algo.rollout_correction.mode=none: FP8 rollout samples from a "
+            "quantized policy the trainer does not hold, and nothing would correct the mismatch; use token_tis "
+            "(the default) or another mode (docs/fp8-rollout.md)"
+        )
     if rc.bypass and cfg.algo.staleness > 0 and rc.mode == "none" and not geo.enable:
         errors.append(
             f"algo.rollout_correction.bypass=true with algo.staleness={cfg.algo.staleness} and no correction "
