@@ -312,7 +312,9 @@ def _receive_and_load(st: ServerState, body: S.UpdateDistributedIn, pg, problem:
 
     def into(name, dtype, shape):
         # Receive straight into the parameter: nothing is generating now (paused, or drained
-        # by the update gate), and it saves a copy of every byte.
+        # by the update gate), and it saves a copy of every byte. Not FP8 scales: dequantized away.
+        if fp8.scale_base(name) is not None:
+            return None
         dst, _ = st.loader.target(name)
         ok = dst.dtype == dtype and dst.is_contiguous() and dst.device == eng.device
         return dst if ok else None
