@@ -97,7 +97,7 @@ def _ray_single_machine(on: bool):
 class _ServerActor:
     """Owns one rollout server process."""
 
-    def start(self, cfg_dict: dict, index: int, log_dir: str) -> str:
+    def start(self, cfg_dict: dict, index: int, log_dir: str, model_path: str) -> str:
         import torch
 
         from megatron_dapo.rollout import launcher
@@ -106,12 +106,12 @@ class _ServerActor:
         log_path = Path(log_dir) / f"server_{index}.log"
         if cfg.rollout.engine == "sglang":
             port = free_port(cfg.rollout.host)
-            args = launcher.SGLangServerArgs.from_config(cfg, cfg.model.hf_path, port, random_seed=index)
+            args = launcher.SGLangServerArgs.from_config(cfg, model_path, port, random_seed=index)
             self.proc = launcher.launch_sglang(args, log_path)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             options = launcher.embedded_options(cfg, device)
-            self.proc = launcher.launch_embedded(cfg.model.hf_path, log_path, seed=index, **options)
+            self.proc = launcher.launch_embedded(model_path, log_path, seed=index, **options)
         self.start_timeout_s = 1200.0 if cfg.rollout.engine == "sglang" else 300.0
         return self.proc.url
 
@@ -349,7 +349,10 @@ class _RayLayout:
             for i in range(self.n_servers)
         ]
         cfg_dict = config_to_dict(cfg)
-        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir)) for i, s in enumerate(servers)])
+        from megatron_dapo.rollout.launcher import rollout_model_path
+
+        model = rollout_model_path(cfg) if servers else cfg.model.hf_path  # an FP8 copy with fp8_block
+        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir), model) for i, s in enumerate(servers)])
         return servers, list(cfg.rollout.servers) + started
 
     def start_trainers(self, pg) -> list:
