@@ -593,10 +593,11 @@ def fp8_block(in_path: str, out_path: str) -> None:
       `mxfp8_block_convert.bf16_to_block_fp8_128` (the DeepSeek-V3 / Qwen3-FP8 contract), of each
       `bf16[name]`; `ue8m0[name]`: from `fp8_utils.per_block_cast_to_fp8` (DeepGEMM's power-of-two scales).
     - `layers[prefix]`: for each linear of `linears` ({prefix: {"kind": qkv|merged|row, "shapes": ...,
-      "shards": {shard_id: (weight, scale)}}}), SGLang's `Fp8Config.from_config(quantization_config)` builds the
-      layer (QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear, TP 1), its weight loaders take
-      each shard's weight and `weight_scale_inv`, `process_weights_after_loading` runs (the CUDA path with
-      DeepGEMM off: neither this machine's CPU engine nor DeepGEMM is selected), and SGLang's
+      "first": ..., "shards": {shard_id: (weight, scale)}}}), SGLang's `Fp8Config.from_config(quantization_config)`
+      builds the layer (QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear, TP 1), its weight
+      loaders take each shard's weight and `weight_scale_inv` of `first` (a server start), then of `shards` (an
+      online update: `restore_weights_before_loading`, the loaders), `process_weights_after_loading` runs after
+      each (the CUDA path with DeepGEMM off: neither this machine's CPU engine nor DeepGEMM is selected), and SGLang's
       `block_quant_dequant` gives the layer's dequantized weight (float32), beside its weight and scales.
     Not run: the layer's forward (`apply`: the w8a8 block GEMM is a Triton / CUDA kernel)."""
     import_sglang()
@@ -633,11 +634,16 @@ def fp8_block(in_path: str, out_path: str) -> None:
         else:  # in, out
             layer = RowParallelLinear(*shapes, **kw)
         assert isinstance(layer.quant_method, Fp8LinearMethod), type(layer.quant_method)
-        for shard_id, (w, s) in spec["shards"].items():
-            args = () if shard_id is None else (shard_id,)
-            layer.weight.weight_loader(layer.weight, w, *args)
-            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, *args)
-        layer.quant_method.process_weights_after_loading(layer)
+        # the server start (`first`: the checkpoint's weights), then an online update as SGLang's weight-update
+        # session runs it: begin (restore_weights_before_loading), the weight loaders, end (post-loading step)
+        for i, shards in enumerate((spec["first"], spec["shards"])):
+            if i:
+                layer.quant_method.restore_weights_before_loading(layer)
+            for shard_id, (w, s) in shards.items():
+                args = () if shard_id is None else (shard_id,)
+                layer.weight.weight_loader(layer.weight, w, *args)
+                layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, *args)
+            layer.quant_method.process_weights_after_loading(layer)
         w, s = layer.weight.data, layer.weight_scale_inv.data
         out["layers"][prefix] = {
             "weight": w.clone(),

@@ -160,7 +160,8 @@ def test_sglang_quantizer_and_fp8_linear_method_agree(tmp_path):
     """Byte for byte equal to SGLang's block quantizer (float32 scales; also for partial edge blocks), and
     SGLang's Fp8LinearMethod, built from the checkpoint's quantization_config, loads what the bridge sends
     for a merged QKV, a merged gate/up and a row-parallel down projection: its layer holds exactly our bytes
-    and scales, and SGLang's block_quant_dequant of it equals our dequantization of each HF tensor."""
+    and scales after an online update (restore, loaders, post-loading step) over other start weights, and
+    SGLang's block_quant_dequant of it equals our dequantization of each HF tensor."""
     hidden, head_dim, heads, kv_heads, inter = 256, 128, 2, 1, 384
     shapes = {
         "q_proj": (heads * head_dim, hidden),
@@ -174,6 +175,7 @@ def test_sglang_quantizer_and_fp8_linear_method_agree(tmp_path):
     }
     bf16 = {n: _weight(s, seed=i) for i, (n, s) in enumerate(shapes.items())}
     ours = {n: fp8.quantize_block(w) for n, w in bf16.items()}
+    start = {n: fp8.quantize_block(_weight(s, seed=100 + i)) for i, (n, s) in enumerate(shapes.items())}
     linears = {
         "model.layers.0.self_attn.qkv_proj": {
             "kind": "qkv",
@@ -187,6 +189,9 @@ def test_sglang_quantizer_and_fp8_linear_method_agree(tmp_path):
         },
         "model.layers.0.mlp.down_proj": {"kind": "row", "shapes": [inter, hidden], "shards": {None: ours["down_proj"]}},
     }
+    for spec in linears.values():  # the server started from other weights; the update brings ours
+        names = {"q": "q_proj", "k": "k_proj", "v": "v_proj", 0: "gate_proj", 1: "up_proj", None: "down_proj"}
+        spec["first"] = {k: start[names[k]] for k in spec["shards"]}
     theirs = _sglang_fp8({"bf16": bf16, "quantization_config": fp8.quantization_config(), "linears": linears}, tmp_path)
     for n, (q, s) in ours.items():
         tq, ts = theirs["quantized"][n]
