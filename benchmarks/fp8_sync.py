@@ -46,25 +46,22 @@ def _median_s(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _synced(device: str, fn, *args):
+    out = fn(*args)
+    if device.startswith("cuda"):  # the kernels' time, not their launch
+        torch.cuda.synchronize()
+    return out
+
+
 def quantization_cost(repeats: int, device: str) -> list[dict]:
     rows = []
     g = torch.Generator().manual_seed(0)
     for label, shape in QWEN3_8B_LINEARS.items():
         w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16).to(device)
         gb = w.numel() * 2 / 1e9
-        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-
-        def quant():
-            fp8.quantize_block(w)
-            sync()
-
         q, s = fp8.quantize_block(w)
-
-        def dequant():
-            fp8.dequantize_block(q, s, torch.bfloat16)
-            sync()
-
-        qs, ds = _median_s(quant, repeats), _median_s(dequant, repeats)
+        qs = _median_s(lambda w=w: _synced(device, fp8.quantize_block, w), repeats)
+        ds = _median_s(lambda q=q, s=s: _synced(device, fp8.dequantize_block, q, s, torch.bfloat16), repeats)
         rows.append({"shape": label, "bf16_gb": gb, "quantize_s_per_gb": qs / gb, "dequantize_s_per_gb": ds / gb})
     return rows
 
@@ -154,8 +151,8 @@ def main(argv=None) -> int:
         result["sync"] = res
         b, f = res["bf16"], res["fp8_block"]
         print(
-            f"\nweight sync: Qwen3-shaped {res['params'] / 1e6:.0f}M params (hidden {args.hidden}, {args.layers} layers, "
-            f"vocab {args.vocab}), bf16 trainer -> {args.servers} embedded bf16 server(s), gloo loopback, "
+            f"\nweight sync: Qwen3-shaped {res['params'] / 1e6:.0f}M params (hidden {args.hidden}, "
+            f"{args.layers} layers, vocab {args.vocab}), bf16 trainer -> {args.servers} embedded bf16 server(s), gloo loopback, "
             f"flattened buckets of {args.bucket_mb:g} MiB; median of {args.repeats}, interleaved:"
         )
         print("| format | bytes | tensors | buckets | s per sync | bytes vs bf16 | time vs bf16 |")
