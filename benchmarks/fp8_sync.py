@@ -152,7 +152,8 @@ def main(argv=None) -> int:
         b, f = res["bf16"], res["fp8_block"]
         print(
             f"\nweight sync: Qwen3-shaped {res['params'] / 1e6:.0f}M params (hidden {args.hidden}, "
-            f"{args.layers} layers, vocab {args.vocab}), bf16 trainer -> {args.servers} embedded bf16 server(s), gloo loopback, "
+            f"{args.layers} layers, vocab {args.vocab}), "
+            f"bf16 trainer -> {args.servers} embedded bf16 server(s), gloo loopback, "
             f"flattened buckets of {args.bucket_mb:g} MiB; median of {args.repeats}, interleaved:"
         )
         print("| format | bytes | tensors | buckets | s per sync | bytes vs bf16 | time vs bf16 |")
