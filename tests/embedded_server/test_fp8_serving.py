@@ -118,3 +118,20 @@ def test_fp8_sync_into_a_server_started_from_fp8(ckpts, tmp_path, mode):
         logits = plain(torch.tensor([probe])).logits[0].double()
     lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
     assert max(abs(x - y) for x, y in zip(lp.tolist(), res["servers"][0])) > 1e-3
+
+
+def test_servers_start_from_an_fp8_copy_written_once(ckpts, tmp_path):
+    from megatron_dapo.config import DapoConfig
+    from megatron_dapo.rollout.launcher import rollout_model_path
+
+    cfg = DapoConfig()
+    cfg.model.hf_path, cfg.logging.run_dir = str(ckpts["a"]), str(tmp_path / "run")
+    assert rollout_model_path(cfg) == str(ckpts["a"])  # bf16: the trainer's checkpoint
+    cfg.rollout.weight_format = "fp8_block"
+    path = rollout_model_path(cfg)
+    assert path == str(tmp_path / "run" / "rollout_fp8")
+    assert json.loads((Path(path) / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    stamp = (Path(path) / "config.json").stat().st_mtime_ns
+    assert rollout_model_path(cfg) == path and (Path(path) / "config.json").stat().st_mtime_ns == stamp  # reused
+    cfg.model.hf_path = str(ckpts["a_fp8"])  # FP8 already: used as it is
+    assert rollout_model_path(cfg) == str(ckpts["a_fp8"])
