@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# GPU check in one call: kernel correctness on CUDA, the loss-kernel benchmark, and (if present)
-# the Megatron train-step benchmark. Everything lands in $OUT (default benchmarks/gpu_out/).
+# GPU check in one call: kernel correctness on CUDA, the loss-kernel benchmark, (if present) the
+# Megatron train-step benchmark, and the FP8 block quantization's time per GB. Everything lands in $OUT (default benchmarks/gpu_out/).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh          # from the repository root, on a CUDA machine
 #
@@ -59,5 +59,8 @@ if [ -f benchmarks/train_step.py ]; then
 else
     echo "benchmarks/train_step.py not present: skipped" | tee "$OUT/train_step.md"
 fi
+echo "== 4. FP8 block quantization on the GPU (rollout.weight_format=fp8_block: its cost per GB per sync)"
+python benchmarks/fp8_sync.py --parts quantize --device cuda --repeats 10 \
+    --json "$OUT/fp8_quantize.json" 2>&1 | tee "$OUT/fp8_quantize.md" || status=1
 echo "gpu_check: status $status, results in $OUT"
 exit $status

@@ -606,6 +606,74 @@ def routed_experts(cases: list[dict]) -> list[dict]:
     return out
 
 
+# ---- SGLang's FP8 block path ----------------------------------------------------------------------
+def fp8_block(in_path: str, out_path: str) -> None:
+    """SGLang's own FP8 block code on the tensors in `in_path` (torch.save of a dict), written to `out_path`:
+
+    - `quantized[name]`: (weight, scale) from SGLang's block quantizer with float32 scales,
+      `mxfp8_block_convert.bf16_to_block_fp8_128` (the DeepSeek-V3 / Qwen3-FP8 contract), of each
+      `bf16[name]`; `ue8m0[name]`: from `fp8_utils.per_block_cast_to_fp8` (DeepGEMM's power-of-two scales).
+    - `layers[prefix]`: for each linear of `linears` ({prefix: {"kind": qkv|merged|row, "shapes": ...,
+      "first": ..., "shards": {shard_id: (weight, scale)}}}), SGLang's `Fp8Config.from_config(quantization_config)`
+      builds the layer (QKVParallelLinear / MergedColumnParallelLinear / RowParallelLinear, TP 1), its weight
+      loaders take each shard's weight and `weight_scale_inv` of `first` (a server start), then of `shards` (an
+      online update: `restore_weights_before_loading`, the loaders), `process_weights_after_loading` runs after
+      each (the CUDA path with DeepGEMM off: neither this machine's CPU engine nor DeepGEMM is selected), and SGLang's
+      `block_quant_dequant` gives the layer's dequantized weight (float32), beside its weight and scales.
+    Not run: the layer's forward (`apply`: the w8a8 block GEMM is a Triton / CUDA kernel)."""
+    import_sglang()
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{free_port()}", rank=0, world_size=1)
+    from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8LinearMethod
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant, per_block_cast_to_fp8
+    from sglang.srt.layers.quantization.mxfp8_block_convert import bf16_to_block_fp8_128
+    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.server_args import ServerArgs
+
+    get_context().set_server_args(ServerArgs(model_path="megatron-dapo/fp8", device="cpu", skip_tokenizer_init=True))
+    group = types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1, rank_in_group=0)
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, tp_group=group)
+
+    case = torch.load(in_path)
+    out: dict = {"quantized": {}, "ue8m0": {}, "layers": {}}
+    for name, w in case.get("bf16", {}).items():
+        out["quantized"][name] = bf16_to_block_fp8_128(w)
+        out["ue8m0"][name] = per_block_cast_to_fp8(w)
+    config = Fp8Config.from_config(case["quantization_config"])
+    for prefix, spec in case.get("linears", {}).items():
+        kind, shapes = spec["kind"], spec["shapes"]
+        kw = dict(bias=False, quant_config=config, prefix=prefix, params_dtype=torch.bfloat16)
+        if kind == "qkv":  # hidden, head_dim, heads, kv_heads
+            layer = QKVParallelLinear(*shapes, **kw)
+        elif kind == "merged":  # hidden, [gate, up]
+            layer = MergedColumnParallelLinear(shapes[0], shapes[1], **kw)
+        else:  # in, out
+            layer = RowParallelLinear(*shapes, **kw)
+        assert isinstance(layer.quant_method, Fp8LinearMethod), type(layer.quant_method)
+        # the server start (`first`: the checkpoint's weights), then an online update as SGLang's weight-update
+        # session runs it: begin (restore_weights_before_loading), the weight loaders, end (post-loading step)
+        for i, shards in enumerate((spec["first"], spec["shards"])):
+            if i:
+                layer.quant_method.restore_weights_before_loading(layer)
+            for shard_id, (w, s) in shards.items():
+                args = () if shard_id is None else (shard_id,)
+                layer.weight.weight_loader(layer.weight, w, *args)
+                layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, s, *args)
+            layer.quant_method.process_weights_after_loading(layer)
+        w, s = layer.weight.data, layer.weight_scale_inv.data
+        out["layers"][prefix] = {
+            "weight": w.clone(),
+            "scale": s.clone(),
+            "dequantized": block_quant_dequant(w, s, config.weight_block_size, torch.float32),
+        }
+    torch.save(out, out_path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -623,6 +691,9 @@ def main(argv=None) -> int:
         help="placeholder requests in the running batch (as generation in flight would leave)",
     )
     sub.add_parser("install")
+    f = sub.add_parser("fp8-block", help="SGLang's FP8 block quantizer and linear method on saved tensors")
+    f.add_argument("input")
+    f.add_argument("output")
     sub.add_parser("routed-experts", help="stdin: [case...]; stdout: SGLang's encoding and decoding (JSON)")
     sub.add_parser("stops", help="stdin: {finish: [case...], patterns: [...]}; stdout: SGLang's answers (JSON)")
     args = p.parse_args(argv)
@@ -630,6 +701,8 @@ def main(argv=None) -> int:
         print(ensure_installed())
     elif args.cmd == "routed-experts":
         print(json.dumps(routed_experts(json.load(sys.stdin))))
+    elif args.cmd == "fp8-block":
+        fp8_block(args.input, args.output)
     elif args.cmd == "stops":
         print(json.dumps(stops(json.load(sys.stdin))))
     else:

@@ -110,6 +110,7 @@ def _start_servers(cfg, model_dir: Path, log_dir: Path, stack: ExitStack) -> lis
 
 def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
     """Send the checkpoint's weights to the servers, as the trainer's weight sync does."""
+    from megatron_dapo.bridge.fp8 import quantize_stream
     from megatron_dapo.bridge.hf_io import HFCheckpointReader
     from megatron_dapo.sync.broadcast import BroadcastTransport
 
@@ -125,7 +126,10 @@ def _push_weights(cfg, urls: list[str], model_dir: Path, version: str) -> None:
     )
     bridge.connect()
     try:
-        bridge.sync(((name, reader.read(name)) for name in sorted(reader.names())), version=version)
+        named = ((name, reader.read(name)) for name in sorted(reader.names()))
+        if rollout.weight_format == "fp8_block":  # what the servers run, as the trainer's sync sends it
+            named = quantize_stream(named)
+        bridge.sync(named, version=version)
     finally:
         bridge.close()
 
@@ -141,11 +145,14 @@ def _serve_checkpoint(
     cfg, source: CheckpointSource, work: Path, layout: dict, log_dir: Path, stack: ExitStack
 ) -> list[str]:
     """Servers holding the checkpoint's weights; those started here are stopped when `stack` closes."""
-    # They start from model.hf_path while the checkpoint converts, then get its weights as a run's do.
+    # They start from model.hf_path (its FP8 copy with fp8_block) while the checkpoint converts, then get its
+    # weights as a run's do.
+    from megatron_dapo.rollout.launcher import rollout_model_path
+
     with ThreadPoolExecutor(1) as pool:
         converted = pool.submit(hf_weights, source, cfg, work, layout)
         try:
-            urls = list(cfg.rollout.servers) or _start_servers(cfg, Path(cfg.model.hf_path), log_dir, stack)
+            urls = list(cfg.rollout.servers) or _start_servers(cfg, Path(rollout_model_path(cfg)), log_dir, stack)
         finally:
             model_dir = converted.result()
     _push_weights(cfg, urls, model_dir, version=f"eval:{source.label}")

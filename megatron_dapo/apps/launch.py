@@ -99,8 +99,9 @@ def _ray_single_machine(on: bool):
 class _ServerActor:
     """Owns one rollout server process."""
 
-    def start(self, cfg_dict: dict, index: int, log_dir: str, cuda_devices: str | None = None) -> str:
-        """`cuda_devices`: the GPUs of a colocated TP > 1 server (its trainer ranks'), else Ray's assignment."""
+    def start(self, cfg_dict: dict, index: int, log_dir: str, model_path: str, cuda_devices: str | None = None) -> str:
+        """`model_path`: the checkpoint to serve (`rollout_model_path`); `cuda_devices`: the GPUs of a colocated
+        TP > 1 server (its trainer ranks'), else Ray's assignment."""
         import torch
 
         from megatron_dapo.rollout import launcher
@@ -109,13 +110,13 @@ class _ServerActor:
         log_path = Path(log_dir) / f"server_{index}.log"
         if cfg.rollout.engine == "sglang":
             port = free_port(cfg.rollout.host)
-            args = launcher.SGLangServerArgs.from_config(cfg, cfg.model.hf_path, port, random_seed=index)
+            args = launcher.SGLangServerArgs.from_config(cfg, model_path, port, random_seed=index)
             env = {"CUDA_VISIBLE_DEVICES": cuda_devices} if cuda_devices else None
             self.proc = launcher.launch_sglang(args, log_path, env=env)
         else:
             device = "cuda" if torch.cuda.is_available() else "cpu"
             options = launcher.embedded_options(cfg, device)
-            self.proc = launcher.launch_embedded(cfg.model.hf_path, log_path, seed=index, **options)
+            self.proc = launcher.launch_embedded(model_path, log_path, seed=index, **options)
         self.start_timeout_s = 1200.0 if cfg.rollout.engine == "sglang" else 300.0
         return self.proc.url
 
@@ -466,7 +467,10 @@ class _RayLayout:
             for i in range(self.n_servers)
         ]
         cfg_dict = config_to_dict(cfg)
-        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir), gpus[i]) for i, s in enumerate(servers)])
+        from megatron_dapo.rollout.launcher import rollout_model_path
+
+        model = rollout_model_path(cfg) if servers else cfg.model.hf_path  # an FP8 copy with fp8_block
+        started = ray.get([s.start.remote(cfg_dict, i, str(log_dir), model, gpus[i]) for i, s in enumerate(servers)])
         return servers, list(cfg.rollout.servers) + started
 
     def start_trainers(self, pg) -> list:
@@ -591,6 +595,16 @@ def torchrun_colocated_servers(cfg):
 
     info = init_distributed()
     tp = max(1, cfg.rollout.server_tp)
+    model = [None]  # what the servers start from: rank 0 writes an FP8 copy once with fp8_block
+    if info.rank == 0:
+        try:
+            model = [("path", launcher.rollout_model_path(cfg))]
+        except Exception as e:  # the others wait in the broadcast below: they must hear of it
+            model = [("error", f"rank 0: the servers' checkpoint could not be written ({e})")]
+    dist.broadcast_object_list(model, src=0)
+    if model[0][0] == "error":
+        raise LaunchError("trainer.placement=colocated: " + model[0][1])
+    model_path = model[0][1]
     proc, answer = None, None
     if info.local_rank % tp == 0:
         index = info.rank // tp
@@ -600,13 +614,13 @@ def torchrun_colocated_servers(cfg):
             if cfg.rollout.engine == "sglang":
                 port = free_port(cfg.rollout.host)
                 args = launcher.SGLangServerArgs.from_config(
-                    cfg, cfg.model.hf_path, port, random_seed=index, base_gpu_id=info.local_rank
+                    cfg, model_path, port, random_seed=index, base_gpu_id=info.local_rank
                 )
                 proc = launcher.launch_sglang(args, log_path)
             else:
                 device = "cuda" if torch.cuda.is_available() else "cpu"
                 proc = launcher.launch_embedded(
-                    cfg.model.hf_path, log_path, seed=index, **launcher.embedded_options(cfg, device)
+                    model_path, log_path, seed=index, **launcher.embedded_options(cfg, device)
                 )
             answer = ("url", proc.url)
         except Exception as e:  # every rank must reach the gather below, or the others wait forever

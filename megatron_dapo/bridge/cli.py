@@ -1,4 +1,5 @@
-"""`megatron-dapo convert {hf-to-megatron,megatron-to-hf}`: HF <-> megatron-core checkpoint conversion."""
+"""`megatron-dapo convert {hf-to-megatron,megatron-to-hf,hf-to-fp8}`: HF <-> megatron-core checkpoint conversion,
+and FP8 block-quantized HF checkpoints (the first start of servers run with rollout.weight_format=fp8_block)."""
 
 from __future__ import annotations
 
@@ -40,16 +41,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--out", required=True, help="output HF directory (must not exist)")
     b.add_argument("--max-shard-size-gb", type=_positive_gb, default=5.0, help="safetensors shard size")
+    b.add_argument(
+        "--weight-format",
+        choices=("bf16", "fp8_block"),
+        default="bf16",
+        help="fp8_block: linear weights float8_e4m3fn + weight_scale_inv per 128x128 block (Qwen3-FP8 layout)",
+    )
     layout(b, "used to read the checkpoint")
+
+    c = sub.add_parser("hf-to-fp8", help="HF bf16 safetensors -> FP8 block-quantized HF safetensors (Qwen3-FP8 layout)")
+    c.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors)")
+    c.add_argument("--out", required=True, help="output HF directory (must not exist)")
+    c.add_argument("--max-shard-size-gb", type=_positive_gb, default=5.0, help="safetensors shard size")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from megatron_dapo.bridge.convert import hf_to_megatron, megatron_to_hf
+    from megatron_dapo.bridge.convert import hf_to_fp8, hf_to_megatron, megatron_to_hf
 
     try:
-        if args.direction == "hf-to-megatron":
+        if args.direction == "hf-to-fp8":
+            out = hf_to_fp8(args.hf, args.out, max_shard_bytes=int(args.max_shard_size_gb * 1024**3))
+        elif args.direction == "hf-to-megatron":
             out = hf_to_megatron(args.hf, args.out, tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, dtype=args.dtype)
         else:
             out = megatron_to_hf(
@@ -62,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 etp=args.etp,
                 dtype=args.dtype,
                 max_shard_bytes=int(args.max_shard_size_gb * 1024**3),
+                weight_format=args.weight_format,
             )
     except (ValueError, OSError, RuntimeError) as e:
         print(f"megatron-dapo convert: error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ import traceback
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatron_dapo.bridge import fp8
 from megatron_dapo.bridge.dcp_metadata import check_dcp_metadata
 from megatron_dapo.bridge.manifest import MANIFEST, ManifestError, verify_manifest, write_manifest
 from megatron_dapo.models import build_gpt_model
@@ -45,6 +46,7 @@ class _Job:
     parallel: ModelParallel
     hf_config_dir: str
     max_shard_bytes: int = 5 * 1024**3
+    weight_format: str = "bf16"  # of the HF checkpoint written (megatron-to-hf): bf16 | fp8_block
 
 
 def world_size_for(par: ModelParallel) -> int:
@@ -180,8 +182,11 @@ def _megatron_to_hf_rank(job: _Job) -> None:
     rank0 = dist.get_rank() == 0
     writer = ShardedSafetensorsWriter(job.tmp_out, job.max_shard_bytes) if rank0 else None
     items = export_hf_weights(chunks)
+    names = hf_names(chunks[0].arch)
     if rank0:
-        items = tqdm(items, total=len(hf_names(chunks[0].arch)), desc="export HF tensors", unit="tensor")
+        items = tqdm(items, total=len(names), desc="export HF tensors", unit="tensor")
+    if job.weight_format == "fp8_block":
+        items = fp8.quantize_stream(items)
     for name, tensor in items:
         if rank0:
             writer.add(name, tensor)
@@ -189,7 +194,59 @@ def _megatron_to_hf_rank(job: _Job) -> None:
         writer.close()
         copy_hf_side_files(Path(job.hf_config_dir), Path(job.tmp_out))
         _set_config_dtype(Path(job.tmp_out) / "config.json", job.parallel.torch_dtype)
+        if job.weight_format == "fp8_block":
+            _set_quantization_config(Path(job.tmp_out) / "config.json", names)
     dist.barrier()
+
+
+def _set_quantization_config(path: Path, names) -> None:
+    """Mark the config.json at `path` as an FP8 block checkpoint (what SGLang's Fp8Config reads)."""
+    cfg = json.loads(path.read_text())
+    cfg["quantization_config"] = fp8.quantization_config(fp8.not_converted_modules(names))
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def _check_weight_format(weight_format: str) -> None:
+    if weight_format not in fp8.WEIGHT_FORMATS:
+        raise ConversionError(f"weight format {weight_format!r}: expected one of {fp8.WEIGHT_FORMATS}")
+
+
+def hf_to_fp8(hf_dir: str | Path, out: str | Path, max_shard_bytes: int = 5 * 1024**3) -> Path:
+    """An FP8 block-quantized copy of a bf16 / fp32 HF Qwen checkpoint (for the first start of servers run with
+    rollout.weight_format=fp8_block): linear weights float8_e4m3fn + `weight_scale_inv`, the rest as it is,
+    config.json with quantization_config. One tensor in memory at a time; written to a temporary sibling
+    directory renamed into place at the end."""
+    from megatron_dapo.bridge.hf_io import ShardedSafetensorsWriter
+    from megatron_dapo.bridge.load import check_hf_checkpoint
+    from megatron_dapo.bridge.mapping import hf_names
+
+    hf_dir, out = Path(hf_dir), Path(out)
+    if not (hf_dir / "config.json").is_file():
+        raise ConversionError(f"no config.json in {hf_dir}")
+    if json.loads((hf_dir / "config.json").read_text()).get("quantization_config"):
+        raise ConversionError(f"{hf_dir}/config.json has a quantization_config already: give the bf16 checkpoint")
+    arch = QwenArch.from_hf(hf_dir)
+    reader = check_hf_checkpoint(arch, hf_dir)  # names and shapes, before anything is written
+    if out.exists():
+        raise ConversionError(f"output directory {out} already exists; remove it or choose another --out")
+    tmp = _tmp_sibling(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        writer = ShardedSafetensorsWriter(tmp, max_shard_bytes)
+        names = [n for n in hf_names(arch) if n in reader.names()]
+        for name, t in fp8.quantize_stream((n, reader.read(n)) for n in names):
+            writer.add(name, t)
+        writer.close()
+        copy_hf_side_files(hf_dir, tmp)
+        _set_quantization_config(tmp / "config.json", names)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise ConversionError(f"cannot write {out}: {e}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 def _set_config_dtype(path: Path, dtype) -> None:
@@ -241,8 +298,11 @@ def megatron_to_hf(
     etp: int | None = None,
     dtype: str | None = None,
     max_shard_bytes: int = 5 * 1024**3,
+    weight_format: str = "bf16",
 ) -> Path:
-    """Convert a dist_checkpointing checkpoint of this package into HF safetensors (+ index, config, tokenizer).
+    """Convert a dist_checkpointing checkpoint of this package into HF safetensors (+ index, config, tokenizer);
+    with weight_format fp8_block, in the FP8 block layout (bridge.fp8; the dtype then applies to the tensors
+    left unquantized).
 
     The checkpoint is read at layout tp/pp/ep (default one rank; any layout works, larger ones need less
     memory per rank). `hf_config_dir` defaults to the checkpoint's `hf_config/` directory.
@@ -270,6 +330,9 @@ def megatron_to_hf(
         raise ConversionError(
             f"{hf_config_dir} describes another model than the checkpoint's {saved_config} ({'; '.join(diff[:4])})"
         )
+    _check_weight_format(weight_format)
     par = _layout(arch, tp, pp, ep, etp, dtype or _default_dtype(hf_config_dir))
-    job = _Job("megatron-to-hf", str(ckpt), str(_tmp_sibling(out)), par, str(hf_config_dir), max_shard_bytes)
+    job = _Job(
+        "megatron-to-hf", str(ckpt), str(_tmp_sibling(out)), par, str(hf_config_dir), max_shard_bytes, weight_format
+    )
     return _run(job, out)

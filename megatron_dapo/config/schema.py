@@ -319,6 +319,12 @@ class RolloutConfig:
     # mode) continues from its tokens and logprobs, same seed, max_new_tokens reduced; each token keeps
     # the weight version that made it. False = the aborted group is generated again from scratch.
     partial_rollout: bool = True
+    # The weights the servers run: bf16 (the trainer's export as is), or fp8_block: every linear weight
+    # float8_e4m3fn with a float32 `weight_scale_inv` per 128 x 128 block (the released Qwen3-FP8 layout;
+    # embeddings, norms, router gates and lm_head stay bf16), quantized on each sync; the servers start from
+    # an FP8 checkpoint (`megatron-dapo convert --weight-format fp8_block`). Needs a rollout correction
+    # (algo.rollout_correction.mode not none): the rollout then samples from a policy the trainer does not hold.
+    weight_format: Literal["bf16", "fp8_block"] = "bf16"
     sync: SyncConfig = field(default_factory=SyncConfig)
     migration: MigrationConfig = field(default_factory=MigrationConfig)
     retry: RetryConfig = field(default_factory=RetryConfig)

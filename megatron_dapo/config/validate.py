@@ -93,6 +93,8 @@ def _world_source(cfg: DapoConfig) -> str:
 
 def _check_model(cfg: DapoConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
     parallel = cfg.parallel
+    if cfg.rollout.weight_format == "fp8_block" and cfg.rollout.engine == "sglang":
+        _check_fp8_block_shapes(cfg, shape, source, errors)
     if parallel.tp >= 1 and shape.num_attention_heads % parallel.tp:
         errors.append(
             f"parallel.tp={parallel.tp} does not divide num_attention_heads={shape.num_attention_heads} ({source})"
@@ -266,6 +268,42 @@ def _check_policy_loss(cfg: DapoConfig, errors: list[str]) -> None:
         )
 
 
+FP8_BLOCK = 128
+
+
+def _sglang_ep_size(extra_args: list[str]) -> int:
+    """SGLang's expert parallel size as rollout.extra_args set it (--ep-size / --ep / --expert-parallel-size)."""
+    names = ("--ep-size", "--ep", "--expert-parallel-size")
+    for i, a in enumerate(extra_args):
+        name, eq, value = str(a).partition("=")
+        if name in names:
+            value = value if eq else (extra_args[i + 1] if i + 1 < len(extra_args) else "1")
+            return int(value) if str(value).isdigit() and int(value) > 0 else 1
+    return 1
+
+
+def _check_fp8_block_shapes(cfg: DapoConfig, shape: ModelShape, source: str, errors: list[str]) -> None:
+    """SGLang 0.5.23's Fp8LinearMethod (`validate_block_quant_shapes`) refuses, at server start, a merged linear
+    (qkv, gate_up) whose parts and a TP-split dimension that are not whole 128-row / 128-column blocks."""
+    tp = max(cfg.rollout.server_tp, 1)
+    parts = {
+        "q (num_attention_heads * head_dim)": shape.num_attention_heads * shape.head_dim // tp,
+        "k / v (num_key_value_heads * head_dim)": max(shape.num_kv_heads // tp, 1) * shape.head_dim,
+    }
+    ffn = shape.moe_ffn_hidden_size if shape.is_moe else shape.ffn_hidden_size
+    # experts are split over the MoE TP size, server_tp / --ep-size (SGLang's moe_tp_size)
+    parts["gate / up (intermediate size)"] = ffn // (
+        max(tp // _sglang_ep_size(cfg.rollout.extra_args), 1) if shape.is_moe else tp
+    )
+    bad = [f"{k} per server TP rank = {v}" for k, v in parts.items() if v % FP8_BLOCK]
+    if bad:
+        errors.append(
+            f"rollout.weight_format=fp8_block with rollout.engine=sglang: SGLang's FP8 block linears need each merged "
+            f"output part and TP-split dimension to be a multiple of {FP8_BLOCK}; not so: {'; '.join(bad)} "
+            f"(rollout.server_tp={tp}, {source}; for MoE experts, --ep-size in rollout.extra_args splits them whole)"
+        )
+
+
 def _check_rollout_correction(cfg: DapoConfig, errors: list[str]) -> None:
     rc = cfg.algo.rollout_correction
     masked = rc.mode in ("token_mis", "icepop", "seq_mis")
@@ -289,6 +327,23 @@ def _check_rollout_correction(cfg: DapoConfig, errors: list[str]) -> None:
     if geo.enable and not 0 < geo.lower < 1 < geo.upper:
         errors.append(
             f"algo.rollout_correction.geo_reject: need 0 < lower < 1 < upper, got lower={geo.lower}, upper={geo.upper}"
+        )
+    if cfg.rollout.weight_format == "fp8_block" and cfg.rollout.sync.verify:
+        errors.append(
+            "rollout.sync.verify=true with rollout.weight_format=fp8_block: the servers run the FP8-rounded weights, "
+            "so their logprobs differ from the trainer's by design; set rollout.sync.verify=false (the metrics "
+            "actor/mismatch_* show the gap)"
+        )
+    if cfg.rollout.weight_format == "fp8_block" and cfg.rollout.sync.transport == "ipc":
+        errors.append(
+            "rollout.weight_format=fp8_block with rollout.sync.transport=ipc: not built yet (the IPC transport's "
+            "shared-memory buckets are not tested with float8 tensors and their scales); use the broadcast transport"
+        )
+    if cfg.rollout.weight_format == "fp8_block" and rc.mode == "none":
+        errors.append(
+            "rollout.weight_format=fp8_block with algo.rollout_correction.mode=none: FP8 rollout samples from a "
+            "quantized policy the trainer does not hold, and nothing would correct the mismatch; use token_tis "
+            "(the default) or another mode (docs/fp8-rollout.md)"
         )
     if rc.bypass and cfg.algo.staleness > 0 and rc.mode == "none" and not geo.enable:
         errors.append(

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import faulthandler
+import json
 import logging
 import os
 import secrets
@@ -29,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from megatron_dapo.bridge import fp8
 from megatron_dapo.bridge.hf_loader import HFWeightLoader
 from megatron_dapo.embedded_server import schemas as S
 from megatron_dapo.embedded_server.engine import BATCHING, Engine, GenRequest
@@ -152,6 +154,36 @@ async def _auth(request: Request, call_next):
     return await call_next(request)
 
 
+def fp8_block_checkpoint(path: str) -> bool:
+    """Whether the HF checkpoint at `path` is FP8 block-quantized (its config.json's quantization_config)."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        return False
+    with open(cfg_file) as f:
+        qc = json.load(f).get("quantization_config")
+    try:
+        return fp8.is_fp8_block_config(qc)
+    except fp8.Fp8FormatError as e:
+        raise fp8.Fp8FormatError(f"{cfg_file}: {e}") from None
+
+
+def load_fp8_block_model(path: str, dtype: torch.dtype):
+    """An FP8 block checkpoint served in `dtype`: the model built from its config without the quantization
+    (transformers' FP8 path needs a GPU), each weight dequantized from its float8 values and block scales."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from megatron_dapo.bridge.hf_io import HFCheckpointReader
+
+    config = AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    reader = HFCheckpointReader(path)
+    stream = fp8.DequantizingStream(torch.float32)
+    HFWeightLoader(model).load(stream.feed((name, reader.read(name)) for name in sorted(reader.names())))
+    stream.finish()
+    return model
+
+
 def load_model(path: str, device: str = "auto", dtype: str = "auto"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,9 +191,11 @@ def load_model(path: str, device: str = "auto", dtype: str = "auto"):
         "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     )
     dt = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dt or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    )
+    dt = dt or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    if fp8_block_checkpoint(path):
+        model = load_fp8_block_model(path, dt)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dt)
     model.to(dev)
     tokenizer = None
     if any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):

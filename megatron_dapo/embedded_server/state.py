@@ -18,6 +18,7 @@ from typing import Annotated
 import torch
 from fastapi import Depends, Request
 
+from megatron_dapo.bridge.fp8 import DequantizingStream
 from megatron_dapo.bridge.hf_loader import HFWeightLoader
 from megatron_dapo.embedded_server.engine import Engine
 from megatron_dapo.embedded_server.limits import ServerLimits
@@ -72,6 +73,8 @@ class ServerState:
     update_session: str | None = None  # the selector of the open weight-update session
     recv_buffer: torch.Tensor | None = None  # CPU scratch for received bytes that will not be loaded
     homes: FlatBucketHomes = field(init=False)
+    # FP8 block weights of an update waiting for their scales (or the reverse), dequantized into the model
+    fp8: DequantizingStream = field(default_factory=lambda: DequantizingStream(torch.float32))
     gate: UpdateGate = field(default_factory=UpdateGate)
     update_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     admin_pool: ThreadPoolExecutor = field(

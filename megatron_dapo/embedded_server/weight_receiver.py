@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from megatron_dapo.bridge import fp8
 from megatron_dapo.rollout import weight_group as wgroup
 from megatron_dapo.rollout.weight_buckets import bucket_layout
 
@@ -118,6 +119,8 @@ class FlatBucketHomes:
         for old in [k for k in self._homes if any(n in names for n, _, _ in k)]:
             del self._homes[old]  # its parameters move here; the old buffer goes with its last view
         for name, view in named:
+            if fp8.scale_base(name) is not None:  # FP8 scales have no home: they are dequantized away
+                continue
             dst, mem_name = self.loader.target(name)
             param = self.loader.params[mem_name]
             if dst is param and (param.dtype, param.device, param.shape) == (view.dtype, view.device, view.shape):

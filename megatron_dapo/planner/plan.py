@@ -45,6 +45,7 @@ from megatron_dapo.planner.memory import (
     weight_store_bytes,
 )
 from megatron_dapo.planner.refit import IB_400G_GBPS, NVLINK_GBPS, RefitEstimate, crosses_nodes, refit_estimate
+from megatron_dapo.planner.refit_cost import format_refit_costs, refit_cost
 from megatron_dapo.planner.speed import (
     DEFAULT_MFU,
     H100_BF16_TFLOPS,
@@ -302,6 +303,8 @@ def format_plan(plan: Plan) -> str:
             out.append(_format_routing(plan, routing))
     if plan.refit is not None:
         out += _format_refit(plan)
+        costs = [refit_cost(plan.cfg, plan.shape, plan.refit, f) for f in ("bf16", "fp8_block")]
+        out += format_refit_costs(costs, len(plan.layout.servers) or len(plan.cfg.rollout.servers))
     return "\n".join(out)
 
 
@@ -365,7 +368,7 @@ def _format_refit(plan: Plan) -> list[str]:
     mark = {m: " <- rollout.sync.sources" if m == chosen else "" for m in ("rank0", "per_stage")}
     return [
         f"refit per step (estimate, {plan.refit_link}; {refit.model_bytes / gb:.2f} GB of weights in "
-        f"{plan.cfg.model.dtype}, export sources: {len(refit.source_bytes)}; TP gathers and HTTP not counted):",
+        f"{plan.cfg.model.dtype}, export sources: {len(refit.source_bytes)}; the wire only, the whole cost below):",
         f"  rank0:     {refit.rank0_bytes / gb:.2f} GB through rank 0 (other sources' shares in, the model out) "
         f"-> {refit.rank0_s:.2f} s{mark['rank0']}",
         f"  per_stage: busiest source {refit.per_stage_busiest_bytes / gb:.2f} GB; the sources take turns and every "

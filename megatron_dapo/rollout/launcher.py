@@ -301,6 +301,28 @@ def embedded_options(cfg, device: str) -> dict:
     )
 
 
+def rollout_model_path(cfg) -> str:
+    """The checkpoint the run's servers start from: `model.hf_path`, or with rollout.weight_format=fp8_block its
+    FP8 block copy (`<logging.run_dir>/rollout_fp8`, written by `convert hf-to-fp8` once and reused; a
+    model.hf_path that is FP8 already is used as it is). Call it in the driver, before servers start."""
+    import json
+
+    from megatron_dapo.bridge import fp8
+
+    src = Path(cfg.model.hf_path)
+    if cfg.rollout.weight_format != "fp8_block":
+        return str(src)
+    config = src / "config.json"
+    if config.is_file() and fp8.is_fp8_block_config(json.loads(config.read_text()).get("quantization_config")):
+        return str(src)
+    out = Path(cfg.logging.run_dir) / "rollout_fp8"
+    if not (out / "config.json").is_file():  # the conversion renames a complete directory into place
+        from megatron_dapo.bridge.convert import hf_to_fp8
+
+        hf_to_fp8(src, out)
+    return str(out)
+
+
 def launch_embedded(
     model_dir: str,
     log_path: str | Path,

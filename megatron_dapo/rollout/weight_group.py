@@ -70,5 +70,8 @@ def destroy_weight_update_group(pg: dist.ProcessGroup) -> None:
 
 
 def broadcast(tensor: torch.Tensor, pg: dist.ProcessGroup, async_op: bool = False):
-    """Broadcast from group rank 0 (the trainer) over the weight-update group."""
+    """Broadcast from group rank 0 (the trainer) over the weight-update group. A float8 tensor travels as its
+    bytes (gloo has no float8 type; the bytes are the same under NCCL)."""
+    if tensor.is_floating_point() and tensor.element_size() == 1:
+        tensor = tensor.view(torch.uint8)
     return dist.broadcast(tensor, group_src=0, group=pg, async_op=async_op)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_dapo.bridge import EACH_SOURCE
+from megatron_dapo.bridge.fp8 import quantize_stream
 from megatron_dapo.config import derived
 from megatron_dapo.coordinator.batch import probe_batch
 from megatron_dapo.sync.addresses import source_store_addresses
@@ -73,8 +74,11 @@ class WeightSync:
     def _probe_logprobs(self, version: int) -> torch.Tensor:
         return self.actor.compute_logprobs(probe_batch(self.probe, version))[0]
 
-    def _export(self):
-        return self.actor.export_weights(byte_budget=self.byte_budget)
+    def _export(self, dst_rank=0):
+        """The export stream, in the servers' weight format: with rollout.weight_format=fp8_block each linear
+        weight is block-quantized where it was rebuilt, before any transport (bridge.fp8.quantize_stream)."""
+        named = self.actor.export_weights(byte_budget=self.byte_budget, dst_rank=dst_rank)
+        return quantize_stream(named) if self.cfg.rollout.weight_format == "fp8_block" else named
 
 
 class AllAtOnceSync(WeightSync):
@@ -101,10 +105,8 @@ class AllAtOnceSync(WeightSync):
             )
         self.transport.connect()
 
-    def _export(self):
-        if not self.per_stage:
-            return super()._export()
-        return self.actor.export_weights(byte_budget=self.byte_budget, dst_rank=EACH_SOURCE)
+    def _export(self, dst_rank=0):
+        return super()._export(EACH_SOURCE if self.per_stage else dst_rank)
 
     def _sync_until_delivered(self, version: int):
         """The transport's sync; after it lost servers (and left them out, its group re-formed for the rest),

@@ -270,3 +270,41 @@ def test_corrupt_checkpoint_is_refused_by_megatron_to_hf(tmp_path, capsys, moe_c
     err = _convert_error(capsys, "megatron-to-hf", "--ckpt", str(bad), "--out", str(tmp_path / "o"))
     assert "latest_checkpointed_iteration.txt holds" in err and "not 'release' or an iteration number" in err
     assert not (tmp_path / "o").exists() and _no_partial(tmp_path) == []
+
+
+@pytest.mark.slow
+def test_megatron_to_fp8_hf_equals_hf_to_fp8_and_serves(tmp_path, moe_hf, moe_ckpt):
+    """A Megatron checkpoint written as an FP8 block HF checkpoint (`--weight-format fp8_block`) holds the same
+    bytes as `hf-to-fp8` of the HF original (every linear weight, experts included, quantized; router gates,
+    norms, embeddings kept), and the embedded server's model loaded from it holds the dequantized weights."""
+    from megatron_dapo.bridge import fp8
+    from megatron_dapo.bridge.convert import hf_to_fp8
+    from megatron_dapo.embedded_server.server import load_model
+
+    out = tmp_path / "fp8_from_megatron"
+    r = _cli("-m", "megatron_dapo.cli", "convert", "megatron-to-hf", "--ckpt", str(moe_ckpt), "--out", str(out),
+             "--weight-format", "fp8_block")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-4000:]
+    ref = hf_to_fp8(moe_hf, tmp_path / "fp8_from_hf")
+    from megatron_dapo.bridge.hf_io import HFCheckpointReader
+
+    ra, rb = HFCheckpointReader(out), HFCheckpointReader(ref)
+    a, b = ({n: r.read(n) for n in r.names()} for r in (ra, rb))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8))
+    experts = [n for n in a if ".mlp.experts." in n and n.endswith(".weight")]
+    assert experts and all(a[n].dtype == torch.float8_e4m3fn for n in experts)
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    gates = sorted(n.removesuffix(".weight") for n in a if n.endswith(".mlp.gate.weight"))
+    assert gates and qc == fp8.quantization_config(["lm_head", *gates])
+    assert json.loads((ref / "config.json").read_text())["quantization_config"] == qc
+
+    model, _ = load_model(str(out), "cpu", "float32")
+    from megatron_dapo.bridge.hf_loader import HFWeightLoader
+
+    loader = HFWeightLoader(model)
+    original = load_file(str(moe_hf / "model.safetensors"))
+    for name, w in original.items():
+        want = fp8.dequantize_block(*fp8.quantize_block(w), torch.float32) if fp8.is_quantized(name) else w
+        assert torch.equal(loader.target(name)[0], want), name

@@ -4,6 +4,8 @@ usage: sync_hf_trainer.py OUT_JSON CKPT_DIR URL [URL ...] [--flatten] [--bucket-
        [--first-ckpt DIR] [--api-key K] [--no-pause]
 --first-ckpt syncs that checkpoint first (version "first"), so the later syncs overwrite other weights.
 --bad-name-first first tries a sync with one extra tensor no server has; its error goes to OUT_JSON.
+--fp8 sends the FP8 block layout (bridge.fp8.quantize_stream in front of the transport); the reference model then
+holds the checkpoint's weights as the quantization rounds them (each block dequantized, in float64 first).
 Reads the checkpoint's tensors (HF on-disk names, per-expert for MoE) as the named-tensor stream,
 syncs them, then writes its own logprobs of a probe (from transformers' model of the same checkpoint,
 the independent reference) and the servers' to OUT_JSON.
@@ -35,13 +37,22 @@ def main():
     p.add_argument("--bad-name-first", action="store_true")
     p.add_argument("--api-key")
     p.add_argument("--no-pause", action="store_true")
+    p.add_argument("--fp8", action="store_true")
     p.add_argument("--ready-file", help="touched once the group is formed")
     p.add_argument("--go-file", help="sync only once this file exists")
     a = p.parse_args()
 
     from transformers import AutoModelForCausalLM
 
+    from megatron_dapo.bridge import fp8
+
     model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32).eval()
+    if a.fp8:  # the reference holds what the servers should: each linear weight's blocks, rounded to e4m3
+        with torch.no_grad():
+            for n, w in model.named_parameters():
+                if fp8.is_quantized(n):
+                    q, s = fp8.quantize_block(w)
+                    w.copy_(fp8.dequantize_block(q, s, torch.float64))
     probe = [
         int(x) for x in torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))
     ]
@@ -49,12 +60,15 @@ def main():
         logits = model(torch.tensor([probe])).logits[0].double()
     ref = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
 
-    def named(ckpt=a.ckpt):
+    def read(ckpt):
         files = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
         for f in files:
             with safe_open(os.path.join(ckpt, f), "pt") as s:
                 for k in s.keys():
                     yield k, s.get_tensor(k)
+
+    def named(ckpt=a.ckpt):
+        return fp8.quantize_stream(read(ckpt)) if a.fp8 else read(ckpt)
 
     cfg = SyncConfig(bucket_mb=a.bucket_mb, flatten_bucket=a.flatten, pause_generation=not a.no_pause)
     bridge = BroadcastTransport(a.urls, cfg, api_key=a.api_key)

@@ -25,6 +25,7 @@ import torch
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from megatron_dapo.bridge import fp8
 from megatron_dapo.bridge.hf_loader import WeightLoadError
 from megatron_dapo.embedded_server import schemas as S
 from megatron_dapo.embedded_server.state import ServerState, StateDep
@@ -315,7 +316,9 @@ def _receive_and_load(st: ServerState, body: S.UpdateDistributedIn, pg, problem:
 
     def into(name, dtype, shape):
         # Receive straight into the parameter: nothing is generating now (paused, or drained
-        # by the update gate), and it saves a copy of every byte.
+        # by the update gate), and it saves a copy of every byte. Not FP8 scales: dequantized away.
+        if fp8.scale_base(name) is not None:
+            return None
         dst, _ = st.loader.target(name)
         ok = dst.dtype == dtype and dst.is_contiguous() and dst.device == eng.device
         return dst if ok else None
@@ -365,7 +368,13 @@ def _load(st: ServerState, named, weight_version, home=None, flush_cache: bool =
     with st.engine.step_lock:
         if home is not None:
             st.homes.adopt(*home, named)
-        st.loader.load(named)
+        try:  # FP8 block weights are dequantized as each one's scales arrive (bridge.fp8)
+            st.loader.load(st.fp8.feed(named))
+            if weight_version is not None:  # the update's last bucket: no weight may wait for its scales
+                st.fp8.finish()
+        except Exception:
+            st.fp8.reset()
+            raise
         if weight_version is not None:
             st.engine.set_weight_version(weight_version)
         return not flush_cache or st.engine.is_idle()
@@ -389,10 +398,12 @@ def _loaded(flushed: bool, message: str) -> dict | JSONResponse:
 
 def _check_known(st: ServerState, names, shapes) -> str | None:
     for name, shape in zip(names, shapes):
+        base = fp8.scale_base(name)  # an FP8 block weight's scales: a block per 128 x 128 of the weight
         try:
-            dst, _ = st.loader.target(name)
+            dst, _ = st.loader.target(base or name)
         except WeightLoadError as e:
             return str(e)
-        if list(dst.shape) != list(shape):
-            return f"{name}: shape {list(shape)} != expected {list(dst.shape)}"
+        want = fp8.scale_shape(dst.shape) if base else list(dst.shape)
+        if list(want) != list(shape):
+            return f"{name}: shape {list(shape)} != expected {list(want)}"
     return None
