@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # GPU check in one call: kernel correctness on CUDA, the loss-kernel benchmark, (if present) the
-# Megatron train-step benchmark, and the FP8 block quantization's time per GB. Everything lands in $OUT (default benchmarks/gpu_out/).
+# Megatron train-step benchmark, the FP8 block quantization's time per GB, and a one-GPU colocated loop. Everything lands in $OUT (default benchmarks/gpu_out/).
 #
 #   OUT=/tmp/out bash benchmarks/gpu_check.sh          # from the repository root, on a CUDA machine
 #
 # Needs torch with CUDA and triton; pytest for step 1; megatron-core for the megatron variant of
-# step 2 and for step 3 (without it those parts are skipped and say so). Copy the tables into
+# step 2 and for steps 3 and 5 (without it those parts are skipped and say so; benchmarks/gpu_wheels.sh
+# fetches the wheels a machine without a package registry needs). Copy the tables into
 # benchmarks/RESULTS.md. Exit status: non-zero if any step that ran failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,5 +63,22 @@ fi
 echo "== 4. FP8 block quantization on the GPU (rollout.weight_format=fp8_block: its cost per GB per sync)"
 python benchmarks/fp8_sync.py --parts quantize --device cuda --repeats 10 \
     --json "$OUT/fp8_quantize.json" 2>&1 | tee "$OUT/fp8_quantize.md" || status=1
+echo "== 5. one-GPU colocated loop (trainer.placement=colocated, ~0.5B random Qwen3, 3 steps, rollout.sync.transport=ipc)"
+# a megatron-core trainer (TP=1, local spec) and the embedded server it launches on the same GPU: offload frees
+# >= 90 % of the trainer's allocated GPU memory during rollout, the IPC update's logprob check passes, the
+# colocate/* and time/* metrics per step (docs/placement.md). Needs megatron-core and the server's web stack
+# (fastapi, uvicorn, ...): benchmarks/gpu_wheels.sh downloads them as wheels for a machine without a registry.
+missing=$(python - <<'PY'
+import importlib.util
+print(" ".join(m for m in ("megatron.core", "fastapi", "uvicorn", "re2") if importlib.util.find_spec(m.split(".")[0]) is None
+               or importlib.util.find_spec(m) is None))
+PY
+)
+if [ -z "$missing" ]; then
+    python benchmarks/colocated_gpu_check.py --device cuda --timeout-s 300 --json "$OUT/colocated.json" 2>&1 \
+        | tee "$OUT/colocated.md" || status=1
+else
+    echo "missing $missing (benchmarks/gpu_wheels.sh): colocated loop skipped" | tee "$OUT/colocated.md"
+fi
 echo "gpu_check: status $status, results in $OUT"
 exit $status
