@@ -12,6 +12,7 @@ from benchmarks import colocated_gpu_check as gc
 ARGS = argparse.Namespace(dtype="fp32", steps=3, response_length=32, verify_tolerance=1e-3)
 
 
+@pytest.mark.slow  # writes a 20 M-parameter model (a few seconds)
 def test_its_configuration_is_a_valid_one_gpu_colocated_ipc_run(tmp_path):
     from transformers import AutoTokenizer
 
@@ -29,6 +30,7 @@ def test_its_configuration_is_a_valid_one_gpu_colocated_ipc_run(tmp_path):
     assert tok.encode("1+2=3") == [21, 15, 22, 33, 23]
 
 
+@pytest.mark.slow
 def test_the_gpu_shape_is_a_half_billion_qwen3_the_config_accepts(tmp_path):
     """The 0.5b shape's layout, checked from its config alone (its weights are 2 GB: written on the GPU machine)."""
     from megatron_dapo.config import load_config
