@@ -29,14 +29,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.abc
-import importlib.machinery
 import json
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
+
+from tests import peer_packages
+from tests.peer_packages import StubFinder
 
 SGLANG = "sglang==0.5.23"
 # What the HTTP layer, the request classes and the weight-update code import, beyond this project's
@@ -92,55 +92,7 @@ STUBBED = (
 
 def ensure_installed(cache: Path = CACHE) -> Path:
     """The cache directory with SGLang installed; raises (never skips) when PyPI cannot provide it."""
-    done = cache / ".complete"
-    if done.exists():
-        return cache
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp), *PACKAGES]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"could not install {SGLANG} into {tmp} (pip install --no-deps from PyPI failed); "
-            f"the SGLang peer tests need it: {proc.stderr.strip()[-2000:]}"
-        )
-    (tmp / ".complete").write_text(" ".join(PACKAGES) + "\n")
-    if cache.exists():  # a concurrent install won; use it
-        return cache
-    tmp.rename(cache)
-    return cache
-
-
-class _Stub(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _Stub(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(cls, name, value)
-        return value
-
-
-class _StubModule(types.ModuleType):
-    __path__: list = []
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _Stub(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(self, name, value)
-        return value
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in STUBBED:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _StubModule(spec.name)
-
-    def exec_module(self, module):
-        pass
+    return peer_packages.ensure_installed(cache, PACKAGES, "the SGLang peer tests")
 
 
 def import_sglang(cache: Path = CACHE) -> None:
@@ -154,7 +106,7 @@ def import_sglang(cache: Path = CACHE) -> None:
     import_utils.is_torchvision_available()
     import_utils.is_torchvision_greater_or_equal("0")
     sys.path.insert(0, str(cache))
-    sys.meta_path.insert(0, _StubFinder())
+    sys.meta_path.insert(0, StubFinder(STUBBED.__contains__))
 
 
 # ---- the peer server -------------------------------------------------------------------------------

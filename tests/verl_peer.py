@@ -15,10 +15,11 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
-import subprocess
 import sys
-import types
 from pathlib import Path
+
+from tests import peer_packages
+from tests.peer_packages import StubFinder, StubModule
 
 VERL = "verl==0.9.1"
 PACKAGES = (VERL, "omegaconf==2.3.0", "antlr4-python3-runtime==4.9.3")
@@ -52,57 +53,7 @@ STUBBED = (
 
 def ensure_installed(cache: Path = CACHE) -> Path:
     """The cache directory with verl installed; raises (never skips) when PyPI cannot provide it."""
-    if (cache / ".complete").exists():
-        return cache
-    tmp = cache.with_name(cache.name + f".tmp{os.getpid()}")
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(tmp), *PACKAGES]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"could not install {VERL} into {tmp} (pip install --no-deps from PyPI failed); the verl-judged "
-            f"tests need it: {proc.stderr.strip()[-2000:]}"
-        )
-    (tmp / ".complete").write_text(" ".join(PACKAGES) + "\n")
-    if cache.exists():  # a concurrent install won; use it
-        return cache
-    tmp.rename(cache)
-    return cache
-
-
-class _Stub(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _Stub(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(cls, name, value)
-        return value
-
-
-class _StubModule(types.ModuleType):
-    __path__: list = []
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        value = _Stub(name, (), {"__init__": lambda self, *a, **k: None})
-        setattr(self, name, value)
-        return value
-
-
-class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in self.names:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
-
-    def create_module(self, spec):
-        return _StubModule(spec.name)
-
-    def exec_module(self, module):
-        pass
+    return peer_packages.ensure_installed(cache, PACKAGES, "the verl-judged tests")
 
 
 def import_verl(cache: Path = CACHE):
@@ -113,7 +64,7 @@ def import_verl(cache: Path = CACHE):
     if str(cache) not in sys.path:
         sys.path.append(str(cache))  # after the environment's own packages: verl adds, never shadows
     missing = {name for name in STUBBED if importlib.util.find_spec(name) is None}
-    finder = _StubFinder(missing)
+    finder = StubFinder(missing.__contains__)
     before = set(sys.modules)
     sys.meta_path.insert(0, finder)
     try:
@@ -122,6 +73,6 @@ def import_verl(cache: Path = CACHE):
     finally:
         sys.meta_path.remove(finder)
         for name in set(sys.modules) - before:
-            if isinstance(sys.modules[name], _StubModule):
+            if isinstance(sys.modules[name], StubModule):
                 del sys.modules[name]
     return core_algos, rollout_corr

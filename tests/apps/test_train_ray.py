@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_train_command_with_ray(tmp_path):
+def _train_command(tmp_path: Path, *overrides: str) -> tuple[list[str], Path, Path]:
+    """`megatron-dapo train` of the tiny config on a fresh tiny model and arithmetic data under `tmp_path`,
+    2 prompts a step, with `overrides` after the common ones: (command, model dir, run dir)."""
     from transformers import AutoTokenizer
 
     from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
@@ -34,27 +36,31 @@ def test_train_command_with_ray(tmp_path):
     train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
     run_dir = tmp_path / "run"
     cmd = [
-        sys.executable,
-        "-m",
-        "megatron_dapo.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml"),
+        *(sys.executable, "-m", "megatron_dapo.cli", "train"),
+        *("--config", str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml")),
         f"model.hf_path={model}",
         f"data.train_files=[{train}]",
         "data.val_files=[]",
-        # 4 steps: step 3's batch is generated (its rewards held) only after the kill, whatever the timing
-        "trainer.total_steps=4",
         "trainer.val_every=0",
         "data.max_response_length=8",
         "algo.overlong_buffer.len=2",
         "algo.train_batch_size=2",
         "algo.ppo_mini_batch_size=2",
-        "reward.name=tests.workers.loop_rewards:held_parity_reward",
-        "reward.timeout_s=600",  # a held reward call is no failure
         "logging.progress_bar=false",
         f"logging.run_dir={run_dir}",
+        *overrides,
     ]
+    return cmd, model, run_dir
+
+
+def test_train_command_with_ray(tmp_path):
+    cmd, model, run_dir = _train_command(
+        tmp_path,
+        # 4 steps: step 3's batch is generated (its rewards held) only after the kill, whatever the timing
+        "trainer.total_steps=4",
+        "reward.name=tests.workers.loop_rewards:held_parity_reward",
+        "reward.timeout_s=600",  # a held reward call is no failure
+    )
     hold = tmp_path / "hold"
     hold.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
@@ -141,37 +147,17 @@ def test_a_killed_trainer_rank_is_restarted_by_the_ray_driver(tmp_path):
     a collective), aborts the servers' requests, starts both ranks again from the latest checkpoint with the
     servers kept, and the run ends after its 3 steps with one metrics row per step."""
     import psutil
-    from transformers import AutoTokenizer
 
-    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
-    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
-    from megatron_dapo.models.tiny import save_tiny_hf_model
-
-    model = build_char_tokenizer(tmp_path / "model")
-    tok = AutoTokenizer.from_pretrained(model)
-    save_tiny_hf_model("qwen3", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
-    run_dir, hold = tmp_path / "run", tmp_path / "hold"
-    hold.mkdir()
-    cmd = [
-        *(sys.executable, "-m", "megatron_dapo.cli", "train"),
-        *("--config", str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml")),
-        f"model.hf_path={model}",
-        f"data.train_files=[{train}]",
-        "data.val_files=[]",
+    cmd, model, run_dir = _train_command(
+        tmp_path,
         "trainer.total_steps=3",
-        "trainer.val_every=0",
         "trainer.max_restarts=1",
         "checkpoint.save_every=1",
-        "data.max_response_length=8",
-        "algo.overlong_buffer.len=2",
-        "algo.train_batch_size=2",
-        "algo.ppo_mini_batch_size=2",
         "reward.name=tests.workers.loop_rewards:held_parity_reward",
         "reward.timeout_s=600",
-        "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}",
-    ]
+    )
+    hold = tmp_path / "hold"
+    hold.mkdir()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "LOOP_REWARD_HOLD": str(hold)}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
     killed = []
@@ -214,43 +200,18 @@ def test_train_command_colocated_with_ray(tmp_path):
     """`megatron-dapo train` with trainer.placement=colocated on Ray: one bundle per trainer rank holding the rank
     and its server (no bundle of the servers' own), three synchronous steps through the step cycle, each
     server's access log showing the cycle's memory calls in order, the transitions in the step metrics."""
-    from transformers import AutoTokenizer
-
-    from megatron_dapo.data.arithmetic import ArithmeticTask, write_task
-    from megatron_dapo.data.char_tokenizer import build_char_tokenizer
-    from megatron_dapo.models.tiny import save_tiny_hf_model
     from tests.trainer.test_loop_colocated import MEMORY_CALLS, _calls
 
-    model = build_char_tokenizer(tmp_path / "model")
-    tok = AutoTokenizer.from_pretrained(model)
-    save_tiny_hf_model("qwen3", model, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    train, _ = write_task(tmp_path / "data", ArithmeticTask(max_operand=4, ops="+"), num_test=5)
-    run_dir = tmp_path / "run"
-    cmd = [
-        sys.executable,
-        "-m",
-        "megatron_dapo.cli",
-        "train",
-        "--config",
-        str(ROOT / "configs/qwen3/tiny_qwen3_cpu.yaml"),
-        f"model.hf_path={model}",
-        f"data.train_files=[{train}]",
-        "data.val_files=[]",
+    cmd, model, run_dir = _train_command(
+        tmp_path,
         "trainer.total_steps=3",
-        "trainer.val_every=0",
         "trainer.placement=colocated",
         "algo.staleness=0",
         "rollout.sync.pause_mode=abort",
         "rollout.extra_args=[--log-level,info]",  # the servers' access log
-        "data.max_response_length=8",
-        "algo.overlong_buffer.len=2",
-        "algo.train_batch_size=2",
-        "algo.ppo_mini_batch_size=2",
         "reward.name=tests.workers.loop_rewards:parity_reward",
         "checkpoint.save_every=0",
-        "logging.progress_bar=false",
-        f"logging.run_dir={run_dir}",
-    ]
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "RAY_DEDUP_LOGS": "0"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
     out = proc.stdout + proc.stderr
