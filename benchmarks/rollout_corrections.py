@@ -64,6 +64,7 @@ MISMATCH = [
     ("chi2 tok", "actor/mismatch_chi2_token"),
     ("tok rej", "actor/mismatch_token_rejected_frac"),
     ("seq rej", "actor/mismatch_seq_rejected_frac"),
+    ("w mean", "actor/rollout_corr_weight_mean"),
     ("train acc", "reward/accuracy"),
 ]
 
@@ -154,7 +155,7 @@ def table(root: Path) -> str:
         ]
         for col, _ in MISMATCH:
             xs = [r[col] for r in runs.values() if r[col] is not None]
-            cols.append(_ms(xs, ".3f" if col in ("tok rej", "seq rej", "train acc") else ".2e"))
+            cols.append(_ms(xs, ".3f" if col in ("tok rej", "seq rej", "w mean", "train acc") else ".2e"))
         cols.append(_ms([r["wall_s"] for r in runs.values()], ".0f"))
         lines.append("| " + " | ".join(cols) + " |")
         per_seed.append(
