@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -116,8 +117,12 @@ def read_run(path: Path) -> dict | None:
         vals = [r[key] for r in train if key in r]
         out[col] = statistics.fmean(vals) if vals else None
     bench = path / "bench.json"
-    out["wall_s"] = json.loads(bench.read_text())["wall_s"] if bench.exists() else None
-    out["rc"] = json.loads(bench.read_text())["rc"] if bench.exists() else None
+    if bench.exists():
+        out.update({k: json.loads(bench.read_text())[k] for k in ("rc", "wall_s")})
+    else:  # the sweep was stopped while this run went on: the demo prints its wall time when it completes
+        log = path / "demo.log"
+        walls = re.findall(r"^wall time (\d+)s", log.read_text(), re.M) if log.exists() else []
+        out.update({"rc": 0 if walls else None, "wall_s": float(walls[-1]) if walls else None})
     return out
 
 
@@ -129,7 +134,8 @@ def _ms(xs: list[float], fmt: str) -> str:
     return f"{format(statistics.fmean(xs), fmt)}±{format(statistics.stdev(xs), fmt)}"
 
 
-def table(root: Path) -> str:
+def table(root: Path, seeds: list[int] | None = None) -> str:
+    """One row per variant over its completed runs (of `seeds`, default all), then end mean@4 per seed."""
     names = [n for n in [*VARIANTS, *BASELINE] if (root / n).is_dir()]
     head = ["variant", "seeds", "steps", "mean@4 start", "mid", "end", *[c for c, _ in MISMATCH], "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -137,6 +143,8 @@ def table(root: Path) -> str:
     for name in names:
         runs = {}
         for d in sorted((root / name).glob("seed*")):
+            if seeds is not None and int(d.name.removeprefix("seed")) not in seeds:
+                continue
             r = read_run(d)
             if r is not None and r["rc"] == 0:
                 runs[d.name] = r
@@ -221,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--warm-steps", type=int, default=1000)
     t = sub.add_parser("table")
     t.add_argument("--root", default="runs/rollout_corrections")
+    t.add_argument("--seeds", type=int, nargs="+", default=None, help="only these seeds (default: every seed run)")
     m = sub.add_parser("moe")
     m.add_argument("--root", default="runs/rollout_corrections")
     m.add_argument("--steps", type=int, default=4)
@@ -230,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         print(moe(root, args.steps))
         return 0
     if args.cmd == "table":
-        print(table(root))
+        print(table(root, args.seeds))
         return 0
     prepared = root / "prepared"
     if not (prepared / "model" / "config.json").exists():  # the shared warm start, once
