@@ -98,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--steps", type=int, default=30, help="DAPO steps")
     p.add_argument("--warm-steps", type=int, default=1000, help="supervised warm-start steps")
+    p.add_argument(
+        "--prepared-dir",
+        default=None,
+        help="take the tiny model, tokenizer and data from this directory, preparing them there only if "
+        "absent (default: the run dir); several runs then share one warm start (benchmarks/rollout_corrections.py)",
+    )
     p.add_argument("overrides", nargs="*", help="extra key.sub=value config overrides")
     args = p.parse_intermixed_args(argv)  # overrides before, between or after the flags
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -110,7 +116,9 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.time()
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    paths = prepare(run_dir, args.warm_steps)
+    prepared_dir = Path(args.prepared_dir).resolve() if args.prepared_dir else run_dir
+    prepared_dir.mkdir(parents=True, exist_ok=True)
+    paths = prepare(prepared_dir, args.warm_steps)
     overrides = [
         f"model.hf_path={paths['model']}",
         f"data.train_files=[{paths['train']}]",

@@ -37,3 +37,31 @@ def test_warm_start_lowers_the_loss(tmp_path):
     losses = supervised_warm_start(d, ex, steps=30, batch_size=8, progress=False)
     assert losses[-1] < 0.3 * losses[0]
     assert (d / "model.safetensors").exists() and (d / "tokenizer.json").exists() and not (tmp_path / "m.tmp").exists()
+
+
+def test_runs_share_a_prepared_dir(tmp_path, monkeypatch):
+    """`--prepared-dir`: the model, data and warm start are made there once; each run trains on them and logs
+    to its own run dir (the DAPO loop itself is replaced by a recorder of the config it would get)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from megatron_dapo.apps import demo
+
+    configs = []
+    monkeypatch.setattr(demo, "run_with_ray", lambda cfg: configs.append(cfg) or SimpleNamespace(val={"all": []}))
+    monkeypatch.setattr(demo, "plot_run", lambda run_dir: [run_dir / "plots" / "curves.png"])
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # demo.main sets 1 for its own process
+    shared = tmp_path / "prepared"
+    weights = shared / "model" / "model.safetensors"
+    stamps = []
+    for name in ("a", "b"):
+        args = ["--run-dir", str(tmp_path / name), "--prepared-dir", str(shared), "--steps", "2", "--warm-steps", "2"]
+        assert demo.main(args) == 0
+        stamps.append(weights.stat().st_mtime_ns)
+    assert stamps[0] == stamps[1]  # the second run reused the warm start
+    for name, cfg in zip(("a", "b"), configs):
+        assert cfg.model.hf_path == str(shared / "model")
+        assert cfg.data.train_files == [str(shared / "data" / "train.jsonl")]
+        assert cfg.logging.run_dir == str(tmp_path / name)
+        assert not (tmp_path / name / "model").exists()
