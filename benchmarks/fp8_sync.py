@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.weight_sync import model_config  # noqa: E402
 from megatron_dapo.bridge import fp8  # noqa: E402
 from megatron_dapo.config.schema import SyncConfig  # noqa: E402
 from megatron_dapo.rollout.launcher import launch_embedded_servers  # noqa: E402
@@ -69,18 +70,7 @@ def quantization_cost(repeats: int, device: str) -> list[dict]:
 def model_dir(args, out: Path) -> Path:
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.models.tiny import tiny_hf_config
-
-    cfg = tiny_hf_config(
-        "qwen3",
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        vocab_size=args.vocab,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 8,
-    )
+    cfg = model_config(args)  # the weight-sync benchmark's Qwen3 shape
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
     return out

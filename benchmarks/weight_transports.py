@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.weight_sync import model_config  # noqa: E402
 from megatron_dapo.config.schema import SyncConfig  # noqa: E402
 from megatron_dapo.rollout.launcher import launch_embedded_servers  # noqa: E402
 from megatron_dapo.sync.broadcast import BroadcastTransport  # noqa: E402
@@ -44,18 +45,7 @@ PROBE = [(7 * i) % 900 + 3 for i in range(24)]
 def build(args, out_dir: Path):
     from transformers import AutoModelForCausalLM
 
-    from megatron_dapo.models.tiny import tiny_hf_config
-
-    cfg = tiny_hf_config(
-        "qwen3",
-        hidden_size=args.hidden,
-        intermediate_size=3 * args.hidden,
-        num_hidden_layers=args.layers,
-        vocab_size=args.vocab,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 8,
-    )
+    cfg = model_config(args)  # the weight-sync benchmark's Qwen3 shape
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(out_dir)
     torch.manual_seed(1)
