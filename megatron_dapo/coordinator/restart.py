@@ -185,7 +185,7 @@ class RestartingCoordinator:
                     self.max_restarts,
                 )
                 try:
-                    self._client = self._started_again()
+                    self._client = self._replacement_coordinator()
                 except CoordinatorGone as e:  # the new one died too: another restart, within the budget
                     cause = e
                     continue
@@ -201,7 +201,7 @@ class RestartingCoordinator:
             f"(trainer.max_coordinator_restarts={self.max_restarts}); the run can resume from {self._resume_hint()}"
         ) from cause
 
-    def _started_again(self) -> CoordinatorClient:
+    def _replacement_coordinator(self) -> CoordinatorClient:
         try:
             self._client.close()  # a process: terminated and reaped (it may be half alive)
         except Exception as e:

@@ -487,7 +487,7 @@ class Engine:
             torch.cat([running.last_tokens, joined.last_tokens]),
         )
 
-    def _prefill_each(self, reqs: list[GenRequest]) -> _Batch | None:
+    def _prefill_one_request_at_a_time(self, reqs: list[GenRequest]) -> _Batch | None:
         from transformers import DynamicCache
 
         caches, lasts = [], []
@@ -511,7 +511,7 @@ class Engine:
         from transformers import DynamicCache
 
         if self.batch_invariant:
-            return self._prefill_each(reqs)
+            return self._prefill_one_request_at_a_time(reqs)
         seqs = [tuple(r.prompt + r.output) for r in reqs]
         uniq = list(dict.fromkeys(seqs))
         row_of = {s: i for i, s in enumerate(uniq)}

@@ -119,13 +119,13 @@ class AllAtOnceSync(WeightSync):
                 stats = self.transport.sync(self._export(), version=version)
             except ServersLost as e:  # raised on rank 0 only (on every rank with several sources)
                 lost = e
-            if not self._export_again(lost is not None):
+            if not self._rank0_lost_servers(lost is not None):
                 return stats
             if lost is not None:
                 log.warning("weight sync of version %d lost %s; again with the other servers", version, lost.urls)
 
     @staticmethod
-    def _export_again(lost: bool) -> bool:
+    def _rank0_lost_servers(lost: bool) -> bool:
         """Whether rank 0 lost servers, on every trainer rank: then all export again for another try."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return lost
@@ -160,11 +160,11 @@ class AllAtOnceSync(WeightSync):
             out["sync/verify_max_abs_diff"] = self._verify(ref.tolist())
             out["sync/probe_logprob_mean"] = float(ref.double().mean())
         if self.rank == 0:
-            self._route_again(back, version)
+            self._route_to_synced_servers(back, version)
             self.coord.registry.publish_all(version, out["time/sync_s"])
         return out
 
-    def _route_again(self, back: list[str], version: int) -> None:
+    def _route_to_synced_servers(self, back: list[str], version: int) -> None:
         """The re-admitted servers still live after this sync (and its check) hold `version`: route to them.
         So does any other live server routing still holds down: the router saw it restarted, and the sync
         (its retry re-formed the group with it) gave it `version` before the transport noticed."""

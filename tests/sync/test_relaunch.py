@@ -132,7 +132,7 @@ def test_a_live_server_routing_holds_down_is_routed_again_after_the_sync():
     registry.mark_down(urls[2], "weight sync: unreachable")
     bridge, coord = types.SimpleNamespace(live=urls[:2]), types.SimpleNamespace(registry=registry)
     sync = types.SimpleNamespace(transport=bridge, coord=coord)
-    AllAtOnceSync._route_again(sync, [], 3)
+    AllAtOnceSync._route_to_synced_servers(sync, [], 3)
     assert registry.records[urls[1]].down is None and registry.records[urls[1]].version == 3
     assert registry.records[urls[2]].down is not None
     assert [s.url for s in registry.statuses()] == urls[:2]
