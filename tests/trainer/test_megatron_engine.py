@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-LOGPROB_CHECKS = ["logprobs_tp2", "logprobs_pp2", "moe_ep2", "moe_replay_pp2", "moe_replay_sp", "moe_replay_vpp"]
+LOGPROB_CHECKS = [
+    "logprobs_tp2",
+    "logprobs_pp2",
+    "moe_ep2",
+    "moe_replay_pp2",
+    "moe_replay_sp",
+    "moe_replay_vpp",
+    "variants_moe",
+]
 UPDATE_CHECKS = ["train_dp2", "shards", "warmup", "sum_norm", "variants"]
 
 
@@ -14,7 +22,8 @@ UPDATE_CHECKS = ["train_dp2", "shards", "warmup", "sum_norm", "variants"]
 def test_actor_logprobs_match_hf_at_tp2_pp2_and_moe_ep2(torchrun_checks):
     """Packed and unpacked logprobs equal HF's (dense TP=2, PP=2; Qwen3-MoE EP=2, whose DP=2 update
     is also checked against one process); routing replay's update equals HF forced to the same routing
-    under EP=2, PP=2, TP=2 + sequence parallel + EP=2, and PP=2 x VPP=2, with full recompute."""
+    under EP=2, PP=2, TP=2 + sequence parallel + EP=2, and PP=2 x VPP=2, with full recompute; so do GSPO
+    (TP=2 + SP + EP=2, fused LM head) and CISPO + IcePop (EP=2) with replay."""
     torchrun_checks()
 
 

@@ -490,6 +490,32 @@ def check_moe_replay_vpp(hf_dir, tmpdir):
     check_exact_update(tiny_moe_dir(tmpdir), pp=2, seed=8, replay_seed=7, recompute=True, parallel=dict(vpp=2))
 
 
+def check_variants_moe(hf_dir, tmpdir):
+    """GSPO, the MoE users' loss, with routing replay under TP=2 + sequence parallel + EP=2, full recompute and
+    the fused LM head (on by default for this engine); CISPO with IcePop and replay at EP=2: each equals HF forced
+    to the same routing, on one process, as DAPO does."""
+    moe_dir = tiny_moe_dir(tmpdir)
+    check_exact_update(
+        moe_dir,
+        ep=2,
+        seed=8,
+        replay_seed=11,
+        recompute=True,
+        parallel=dict(tp=2, etp=1, sp=True),
+        policy_loss="gspo",
+        loss_agg_mode="seq-mean-token-mean",
+        rollout_correction=RolloutCorrectionConfig(mode="token_tis", upper=2.0),
+    )
+    check_exact_update(
+        moe_dir,
+        ep=2,
+        seed=8,
+        replay_seed=12,
+        policy_loss="cispo",
+        rollout_correction=RolloutCorrectionConfig(mode="icepop", lower=0.5, upper=1.5),
+    )
+
+
 CHECKS = {
     "logprobs_tp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=2, pp=1),
     "logprobs_pp2": lambda hf_dir, tmpdir: check_logprobs(hf_dir, tp=1, pp=2),
@@ -502,6 +528,7 @@ CHECKS = {
     "warmup": lambda hf_dir, tmpdir: check_warmup(hf_dir),
     "sum_norm": lambda hf_dir, tmpdir: check_exact_update(hf_dir, loss_agg_mode="seq-mean-token-sum-norm"),
     "variants": lambda hf_dir, tmpdir: check_variants(hf_dir),
+    "variants_moe": check_variants_moe,
 }
 
 
