@@ -3,14 +3,17 @@
 1. Quantization (trainer side, `bridge.fp8.quantize_block`) and dequantization (the embedded server's load) of
    Qwen3-8B's linear weight shapes in bf16: seconds per GB of bf16 input, median of `--repeats`.
 2. A weight sync of a Qwen3-shaped bf16 model (`--hidden`, `--layers`, `--vocab`) into `--servers` embedded
-   servers (bf16) over gloo on loopback, through `BroadcastTransport` (flattened buckets, the default), of the
+   servers (bf16) on this host, through each of `--transports`: `BroadcastTransport` (gloo on loopback) and
+   `IpcTransport` (shared-memory handles through /update_weights_from_tensor, colocated placement's transport),
+   per-tensor buckets (`rollout.sync.flatten_bucket` false, the default; `--flatten` for flattened), of the
    trainer's tensors as they are (bf16) and through `quantize_stream` (fp8_block, the stage the weight sync puts in
-   front of the transport): bytes sent, buckets, wall time per sync (median of `--repeats`, the formats
-   interleaved so both see the same machine load), each against bf16 measured in the same run. The fp8 time
-   includes its quantization and the servers' dequantization; on a GPU the quantization is a memory-bound kernel
-   (benchmarks/gpu_check.sh times it when a GPU is lent), on CPU it is a large share.
+   front of the transport): bytes, buckets, wall time per sync (median of `--repeats`, transports and formats
+   interleaved so all see the same machine load), each against bf16 over broadcast measured in the same run. The
+   fp8 time includes its quantization and the servers' dequantization; on a GPU the quantization is a
+   memory-bound kernel (benchmarks/gpu_check.sh times it when a GPU is lent), on CPU it is a large share.
 
     python benchmarks/fp8_sync.py [--hidden 1024 --layers 4 --vocab 32000] [--servers 1] [--repeats 3]
+                                  [--transports broadcast ipc] [--flatten]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from megatron_dapo.bridge import fp8  # noqa: E402
 from megatron_dapo.config.schema import SyncConfig  # noqa: E402
 from megatron_dapo.rollout.launcher import launch_embedded_servers  # noqa: E402
 from megatron_dapo.sync.broadcast import BroadcastTransport  # noqa: E402
+from megatron_dapo.sync.ipc import IpcTransport  # noqa: E402
 
 QWEN3_8B_LINEARS = {"q/o 4096x4096": (4096, 4096), "k/v 1024x4096": (1024, 4096), "gate/up 12288x4096": (12288, 4096)}
 
@@ -87,30 +91,38 @@ def sync_cost(args, tmp: Path) -> dict:
         str(path), args.servers, tmp / "logs", timeout_s=600, extra_args=["--dtype", "bfloat16"]
     )
     streams = {"bf16": lambda: iter(named), "fp8_block": lambda: fp8.quantize_stream(named)}
-    out = {f: {"seconds": []} for f in streams}
+    rows = {(t, f): {"seconds": []} for t in args.transports for f in streams}
     try:
-        cfg = SyncConfig(bucket_mb=args.bucket_mb, pause_generation=True)
-        bridge = BroadcastTransport([s.url for s in servers], cfg, group_name="bench_fp8")
-        bridge.connect()
+        urls = [s.url for s in servers]
+        cfg = SyncConfig(bucket_mb=int(args.bucket_mb), pause_generation=True, flatten_bucket=args.flatten)
+        makers = {
+            "broadcast": lambda: BroadcastTransport(urls, cfg, group_name="bench_fp8"),
+            "ipc": lambda: IpcTransport(urls, cfg),
+        }
+        bridges = {t: makers[t]() for t in args.transports}
         try:
-            for f, stream in streams.items():
-                bridge.sync(stream(), version=f"{f}-warmup")
-            for i in range(args.repeats):  # interleaved: both formats see the same machine load
-                for f, stream in streams.items():
-                    st = bridge.sync(stream(), version=f"{f}-{i}")
-                    out[f]["seconds"].append(st.seconds)
-                    out[f].update(bytes=st.nbytes, tensors=st.num_tensors, buckets=st.num_buckets)
+            for bridge in bridges.values():
+                bridge.connect()
+            for i in range(-1, args.repeats):  # round -1 warms every path up, untimed; then interleaved
+                for (t, f), row in rows.items():
+                    st = bridges[t].sync(streams[f](), version=f"{t}-{f}-{i}")
+                    if i >= 0:
+                        row["seconds"].append(st.seconds)
+                    row.update(bytes=st.nbytes, tensors=st.num_tensors, buckets=st.num_buckets)
+                    row["sent"] = st.payload_bytes if st.payload_bytes is not None else st.nbytes * len(urls)
         finally:
-            bridge.close()
+            for bridge in bridges.values():
+                bridge.close()
     finally:
         for s in servers:
             s.stop()
-    quant_s = _median_s(lambda: list(fp8.quantize_stream(named)), args.repeats)
-    for f in out:
-        out[f]["median_s"] = statistics.median(out[f]["seconds"])
-    out["fp8_block"]["quantize_s"] = quant_s
-    out["params"] = sum(t.numel() for _, t in named)
-    return out
+    for row in rows.values():
+        row["median_s"] = statistics.median(row["seconds"])
+    return {
+        "rows": [{"transport": t, "format": f, **row} for (t, f), row in rows.items()],
+        "quantize_s": _median_s(lambda: list(fp8.quantize_stream(named)), args.repeats),
+        "params": sum(t.numel() for _, t in named),
+    }
 
 
 def main(argv=None) -> int:
@@ -119,7 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--servers", type=int, default=1)
-    p.add_argument("--bucket-mb", type=float, default=64)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--flatten", action="store_true", help="flattened buckets (rollout.sync.flatten_bucket)")
+    p.add_argument("--transports", nargs="+", default=["broadcast", "ipc"], choices=["broadcast", "ipc"])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="cpu", help="device of the quantization-cost part (cuda on a GPU)")
     p.add_argument("--parts", nargs="+", default=["quantize", "sync"], choices=["quantize", "sync"])
@@ -139,24 +153,23 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="fp8-sync-") as tmp:
             res = sync_cost(args, Path(tmp))
         result["sync"] = res
-        b, f = res["bf16"], res["fp8_block"]
+        rows = res["rows"]
+        base = next(r for r in rows if r["format"] == "bf16" and r["transport"] == args.transports[0])
         print(
             f"\nweight sync: Qwen3-shaped {res['params'] / 1e6:.0f}M params (hidden {args.hidden}, "
-            f"{args.layers} layers, vocab {args.vocab}), "
-            f"bf16 trainer -> {args.servers} embedded bf16 server(s), gloo loopback, "
-            f"flattened buckets of {args.bucket_mb:g} MiB; median of {args.repeats}, interleaved:"
+            f"{args.layers} layers, vocab {args.vocab}), bf16 trainer -> {args.servers} embedded bf16 server(s) "
+            f"on this host, {'flattened' if args.flatten else 'per-tensor'} buckets of {args.bucket_mb} MiB; "
+            f"median of {args.repeats}, interleaved; vs bf16 over {base['transport']}:"
         )
-        print("| format | bytes | tensors | buckets | s per sync | bytes vs bf16 | time vs bf16 |")
-        print("|---|---|---|---|---|---|---|")
-        for name, r in (("bf16", b), ("fp8_block", f)):
+        print("| transport | format | bytes | sent | tensors | buckets | s per sync | bytes vs bf16 | time vs bf16 |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
             print(
-                f"| {name} | {r['bytes'] / 2**20:.1f} MiB | {r['tensors']} | {r['buckets']} | {r['median_s']:.3f} | "
-                f"{r['bytes'] / b['bytes']:.3f} | {r['median_s'] / b['median_s']:.2f} |"
+                f"| {r['transport']} | {r['format']} | {r['bytes'] / 2**20:.1f} MiB | {r['sent'] / 2**20:.3f} MiB | "
+                f"{r['tensors']} | {r['buckets']} | {r['median_s']:.3f} | {r['bytes'] / base['bytes']:.3f} | "
+                f"{r['median_s'] / base['median_s']:.2f} |"
             )
-        print(
-            f"fp8_block's quantization alone (the stage, no transport): {f['quantize_s']:.3f} s per sync "
-            f"({f['quantize_s'] / f['median_s']:.0%} of its sync on this CPU)"
-        )
+        print(f"fp8_block's quantization alone (the stage, no transport): {res['quantize_s']:.3f} s per sync")
     print(f"load average {os.getloadavg()[0]:.2f} (1 min) at the end")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")

@@ -149,6 +149,10 @@ class DequantizingStream:
         self._scales: dict[str, torch.Tensor] = {}
 
     def feed(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """One bucket's tensors. A half still waiting for its other half when the bucket ends is copied out of
+        it: the memory it arrived in may hold the next bucket by then (over IPC, the sender's shared-memory
+        staging buffer, reused as soon as this bucket is answered; a freed CUDA IPC block)."""
+        held: list[tuple[dict[str, torch.Tensor], str]] = []
         for name, t in named_tensors:
             base = scale_base(name)
             if base is not None:
@@ -156,6 +160,7 @@ class DequantizingStream:
                     yield base, self._pair(base, self._weights.pop(base), t)
                 else:
                     self._scales[base] = t
+                    held.append((self._scales, base))
             elif t.dtype == FP8:
                 if not is_quantized(name):
                     raise Fp8FormatError(f"{name}: float8 weight of a tensor the FP8 block layout keeps in bf16")
@@ -163,8 +168,12 @@ class DequantizingStream:
                     yield name, self._pair(name, t, self._scales.pop(name))
                 else:
                     self._weights[name] = t
+                    held.append((self._weights, name))
             else:
                 yield name, t
+        for waiting, name in held:
+            if name in waiting:
+                waiting[name] = waiting[name].clone()
 
     def _pair(self, name: str, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         try:

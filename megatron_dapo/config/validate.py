@@ -334,11 +334,6 @@ def _check_rollout_correction(cfg: DapoConfig, errors: list[str]) -> None:
             "so their logprobs differ from the trainer's by design; set rollout.sync.verify=false (the metrics "
             "actor/mismatch_* show the gap)"
         )
-    if cfg.rollout.weight_format == "fp8_block" and cfg.rollout.sync.transport == "ipc":
-        errors.append(
-            "rollout.weight_format=fp8_block with rollout.sync.transport=ipc: not built yet (the IPC transport's "
-            "shared-memory buckets are not tested with float8 tensors and their scales); use the broadcast transport"
-        )
     if cfg.rollout.weight_format == "fp8_block" and rc.mode == "none":
         errors.append(
             "rollout.weight_format=fp8_block with algo.rollout_correction.mode=none: FP8 rollout samples from a "

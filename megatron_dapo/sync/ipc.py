@@ -11,7 +11,10 @@ on its own, so each consumer of a CUDA IPC handle has its own producer-side refe
 `flatten_bucket`, a bucket is one uint8 buffer plus SGLang's `FlattenedTensorMetadata` list
 (`load_format="flattened_bucket"`). On the CPU every bucket is first copied into one shared-memory buffer,
 allocated once and reused (pickling a CPU storage moves it into shared memory: the trainer's own
-parameters must not move), so the handles name slices of it.
+parameters must not move), so the handles name slices of it. The FP8 block stream (`rollout.weight_format:
+fp8_block`) travels like any other: float8 weights and float32 scales in one bucket, each tensor aligned to its
+dtype in the flat bytes (SGLang's multi-dtype FlattenedTensorBucket); a receiver that holds one half of a pair
+past its bucket must copy it (the next bucket overwrites the staging buffer: bridge.fp8.DequantizingStream).
 
 Trainer rank 0 talks to the servers (the export gathers every tensor there; the other ranks drain the
 iterator for its collectives). The session (pause, begin ... end, continue), the membership (lost,

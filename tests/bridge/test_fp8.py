@@ -110,6 +110,28 @@ def test_dequantizing_stream_pairs_across_buckets_in_either_order():
     assert set(out) == {n1, n2, "a.norm.weight"}
 
 
+def test_dequantizing_stream_copies_a_half_that_waits_past_its_bucket():
+    """A bucket's memory is reused by the next one (the IPC transport's shared-memory staging buffer): a weight
+    or scale whose other half comes in a later bucket is copied when its bucket ends, not read from there later."""
+    (n1, q1), (s1n, s1), (n2, q2), (s2n, s2) = fp8.quantize_stream(
+        [("a.mlp.down_proj.weight", _weight((130, 200))), ("a.mlp.up_proj.weight", _weight((200, 130)))]
+    )
+    want = {n1: fp8.dequantize_block(q1, s1, torch.float32), n2: fp8.dequantize_block(q2, s2, torch.float32)}
+    staging = torch.empty(q1.numel(), dtype=torch.uint8)  # one buffer, each bucket written over the last
+    d = fp8.DequantizingStream(torch.float32)
+    staging.copy_(q1.view(torch.uint8).reshape(-1))
+    assert list(d.feed([(n1, staging.view(fp8.FP8).view(q1.shape))])) == []
+    staging.fill_(0x7F)  # the next bucket's bytes (0x7F is NaN in e4m3)
+    got = dict(d.feed([(s1n, s1)]))
+    staging_f32 = torch.empty(s2.numel(), dtype=torch.float32)
+    staging_f32.copy_(s2.reshape(-1))
+    got |= dict(d.feed([(s2n, staging_f32.view(s2.shape))]))  # a scale before its weight, likewise
+    staging_f32.fill_(float("nan"))
+    got |= dict(d.feed([(n2, q2)]))
+    d.finish()
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
 def test_dequantizing_stream_errors_name_the_tensor():
     q, s = fp8.quantize_block(_weight((128, 128)))
     d = fp8.DequantizingStream()

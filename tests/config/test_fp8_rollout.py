@@ -39,9 +39,13 @@ def test_fp8_block_refuses_the_exact_sync_check():
         load_config(TINY, ["rollout.weight_format=fp8_block", "rollout.sync.verify=true"])
 
 
-def test_fp8_block_over_the_ipc_transport_is_refused_until_built():
-    with pytest.raises(ConfigError, match=r"rollout.weight_format=fp8_block with rollout.sync.transport=ipc"):
-        load_config(TINY, [*FP8, "rollout.sync.transport=ipc"])
+def test_fp8_block_over_the_ipc_transport_is_accepted_under_the_ipc_checks():
+    """Colocated placement's transport carries the FP8 block stream (tests/sync/test_sglang_peer.py,
+    tests/embedded_server/test_fp8_serving.py, tests/trainer/test_loop_colocated.py); its own checks still apply."""
+    cfg = load_config(TINY, [*FP8, "rollout.sync.transport=ipc"])
+    assert (cfg.rollout.weight_format, cfg.rollout.sync.transport) == ("fp8_block", "ipc")
+    with pytest.raises(ConfigError, match=r"rollout.sync.transport=ipc needs rollout.sync.policy=all_at_once"):
+        load_config(TINY, [*FP8, "rollout.sync.transport=ipc", "rollout.sync.policy=greedy"])
 
 
 def test_sglang_needs_whole_128_blocks_per_merged_part_and_tp_rank():

@@ -1,5 +1,6 @@
 """The embedded server serves FP8 block weights: started from a checkpoint `convert hf-to-fp8` wrote, and updated
-with the FP8 block stream (weights and scales in separate tensors, across buckets) over a real gloo group."""
+with the FP8 block stream (weights and scales in separate tensors, across buckets) over a real gloo group or as
+shared-memory handles (the IPC transport)."""
 
 from __future__ import annotations
 
@@ -118,6 +119,45 @@ def test_fp8_sync_into_a_server_started_from_fp8(ckpts, tmp_path, mode):
         logits = plain(torch.tensor([probe])).logits[0].double()
     lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1)
     assert max(abs(x - y) for x, y in zip(lp.tolist(), res["servers"][0])) > 1e-3
+
+
+def _sync_worker(tmp_path, name: str, server, ckpt, *extra) -> dict:
+    out = tmp_path / f"{name}.json"
+    cmd = [sys.executable, str(WORKER), str(out), str(ckpt), server.url, "--api-key", KEY, "--fp8", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_fp8_over_ipc_serves_what_fp8_over_broadcast_serves(ckpts, tmp_path):
+    """rollout.weight_format=fp8_block over rollout.sync.transport=ipc: a server started from model a's FP8
+    checkpoint gets model b's FP8 block stream as shared-memory handles (/update_weights_from_tensor, per
+    tensor and flattened; buckets small enough that weights and their scales fall in different buckets, so the
+    server holds one half while the sender reuses its staging buffer for the next bucket). It then serves b's
+    weights as the quantization rounds them (a float32 model holding those), bit for bit what the same server
+    serves after the same stream over the broadcast transport."""
+    from megatron_dapo.rollout.launcher import launch_embedded
+
+    server = launch_embedded(str(ckpts["a_fp8"]), tmp_path / "server.log", api_key=KEY, timeout_s=180)
+    try:
+        small = ["--bucket-mb", "0.004"]  # 4 KiB: an MLP weight (8 KiB of float8) has a bucket alone
+        ipc = _sync_worker(tmp_path, "ipc", server, ckpts["b"], "--transport", "ipc", *small)
+        # model a again, then b: each sync must replace what the server held
+        ipc_flat, bcast = (
+            _sync_worker(tmp_path, name, server, ckpts["b"], "--first-ckpt", str(ckpts["a"]), *small, *extra)
+            for name, extra in (("ipc_flat", ["--transport", "ipc", "--flatten"]), ("broadcast", []))
+        )
+    finally:
+        server.stop()
+    for res in (ipc, ipc_flat, bcast):
+        assert res["max_diff"] < 1e-4
+        (st,) = res["stats"]
+        assert st["tensors"] == 47 + 28 and st["buckets"] > 10
+    for res in (ipc_flat, bcast):  # model a's FP8 weights were loaded in between: not vacuous
+        assert max(abs(x - y) for x, y in zip(res["after_first"][0], res["servers"][0])) > 1e-3
+    assert ipc["servers"] == ipc_flat["servers"] == bcast["servers"]
 
 
 def test_servers_start_from_an_fp8_copy_written_once(ckpts, tmp_path):

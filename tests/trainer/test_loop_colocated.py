@@ -9,7 +9,13 @@ taking turns with them every step (trainer/colocation.py).
      update only its parameters;
   D  O's configuration with server 1 SIGKILLed mid-cycle (once step 0's weights are pushed, before the
      servers resume their KV cache): as in split placement (test_loop_degrade) the run finishes every step
-     on the other server, the failed calls counted.
+     on the other server, the failed calls counted;
+  F  colocated with rollout.weight_format=fp8_block over rollout.sync.transport=ipc (staleness 0, 3 steps): the
+     servers start from the run's FP8 copy and every sync hands them the FP8 block stream as shared-memory
+     handles; every rollout logprob equals an HF forward with the dequantized FP8 of the weights of its version
+     (the servers hold exactly those), not the trainer's own, and the mismatch metrics show the gap at lag 0.
+     (The tiny model fits one bucket of rollout.sync.bucket_mb, whole MiB; weights whose scales come in the next
+     bucket: tests/embedded_server/test_fp8_serving.py.)
 """
 
 import contextlib
@@ -22,6 +28,8 @@ import pytest
 import torch
 
 from tests.trainer.test_loop import SYNC_RUN, _run, env, run_u  # noqa: F401  (module fixtures)
+from tests.trainer.test_loop_per_server_sync import _hf_model, _logprobs
+from tests.trainer.test_loop_per_server_sync import _weights as _version_weights
 
 pytestmark = pytest.mark.slow
 
@@ -166,3 +174,55 @@ def test_a_server_killed_mid_cycle_degrades_as_in_split_placement(env):  # noqa:
     for r in rows:
         assert set(r["sample_versions"]) == {r["step"]}
         assert r["sync/verify_max_abs_diff"] < 1e-4
+
+
+def _fp8_rounded(weights: dict) -> dict:
+    """What a server holds after an FP8 block sync of `weights`: each linear weight dequantized from its float8
+    values and block scales (in float32, the embedded server's compute dtype), the rest as they are."""
+    from megatron_dapo.bridge import fp8
+
+    return {
+        n: fp8.dequantize_block(*fp8.quantize_block(w), torch.float32) if fp8.is_quantized(n) else w
+        for n, w in weights.items()
+    }
+
+
+def test_colocated_fp8_block_over_ipc_serves_the_dequantized_trainer_weights(env):  # noqa: F811
+    steps = 3
+    run_dir, rows = _run(
+        env,
+        "f",
+        f"trainer.total_steps={steps}",
+        "algo.staleness=0",
+        "checkpoint.save_every=0",
+        "checkpoint.keep_last=0",
+        *COLOCATED,
+        "rollout.sync.transport=ipc",
+        "rollout.weight_format=fp8_block",
+        "rollout.sync.verify=false",  # refused with fp8_block: the servers' logprobs differ by design
+    )
+    assert [r["step"] for r in rows] == list(range(steps))
+    assert (run_dir / "rollout_fp8" / "config.json").exists()  # the servers started from the run's FP8 copy
+    for r in rows:
+        assert set(r["sample_versions"]) == {r["step"]}  # lag 0: the mismatch is FP8's alone
+        assert 0 < r["sync/payload_bytes"] < r["sync/bytes"]  # ipc: handles were posted, not the bytes
+        assert r["colocate/server_call_failures"] == 0
+        assert r["actor/mismatch_k3_lag0"] > 1e-7 and r["actor/mismatch_k3"] > 1e-7, r  # bf16 at lag 0: ~1e-13
+    # version v's rollout logprobs: an HF forward with the dequantized FP8 of v's weights (v = 0: the
+    # checkpoint the run started from; v >= 1: the trainer's after step v - 1, pushed over IPC)
+    out, model = run_dir / "out", _hf_model(env)
+    checked, fp8_gap = 0, 0.0
+    for step in range(steps):
+        b = torch.load(out / f"batch_step{step}.pt")
+        weights = _version_weights(env, out, step)
+        refs = {}
+        for name, held in (("fp8", _fp8_rounded(weights)), ("trainer", weights)):
+            model.load_state_dict(held)
+            refs[name] = [_logprobs(model, ids, b["temperature"]) for ids in b["input_ids"]]
+        for i, (p, n, lps) in enumerate(zip(b["prompt_lengths"], b["response_lengths"], b["rollout_logprobs"])):
+            for j in range(n):
+                want, unquantized = float(refs["fp8"][i][p - 1 + j]), float(refs["trainer"][i][p - 1 + j])
+                assert abs(lps[j] - want) < 1e-4, (step, i, j, lps[j], want)
+                fp8_gap = max(fp8_gap, abs(lps[j] - unquantized))
+                checked += 1
+    assert checked > 0 and fp8_gap > 1e-3, (checked, fp8_gap)  # the servers did not hold the trainer's weights

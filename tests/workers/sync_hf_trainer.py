@@ -6,6 +6,8 @@ usage: sync_hf_trainer.py OUT_JSON CKPT_DIR URL [URL ...] [--flatten] [--bucket-
 --bad-name-first first tries a sync with one extra tensor no server has; its error goes to OUT_JSON.
 --fp8 sends the FP8 block layout (bridge.fp8.quantize_stream in front of the transport); the reference model then
 holds the checkpoint's weights as the quantization rounds them (each block dequantized, in float64 first).
+--transport ipc syncs with IpcTransport (shared-memory handles through /update_weights_from_tensor) instead of
+the broadcast transport's gloo group; OUT_JSON's "after_first" holds the servers' logprobs after --first-ckpt.
 Reads the checkpoint's tensors (HF on-disk names, per-expert for MoE) as the named-tensor stream,
 syncs them, then writes its own logprobs of a probe (from transformers' model of the same checkpoint,
 the independent reference) and the servers' to OUT_JSON.
@@ -38,6 +40,7 @@ def main():
     p.add_argument("--api-key")
     p.add_argument("--no-pause", action="store_true")
     p.add_argument("--fp8", action="store_true")
+    p.add_argument("--transport", choices=["broadcast", "ipc"], default="broadcast")
     p.add_argument("--ready-file", help="touched once the group is formed")
     p.add_argument("--go-file", help="sync only once this file exists")
     a = p.parse_args()
@@ -71,7 +74,12 @@ def main():
         return fp8.quantize_stream(read(ckpt)) if a.fp8 else read(ckpt)
 
     cfg = SyncConfig(bucket_mb=a.bucket_mb, flatten_bucket=a.flatten, pause_generation=not a.no_pause)
-    bridge = BroadcastTransport(a.urls, cfg, api_key=a.api_key)
+    if a.transport == "ipc":
+        from megatron_dapo.sync.ipc import IpcTransport
+
+        bridge = IpcTransport(a.urls, cfg, api_key=a.api_key)
+    else:
+        bridge = BroadcastTransport(a.urls, cfg, api_key=a.api_key)
     bridge.connect()
     if a.ready_file:
         open(a.ready_file, "w").close()
@@ -88,8 +96,10 @@ def main():
             bridge.sync([*named(), bogus], version="bogus")
         except WeightSyncError as e:
             bad_name_error = str(e)
+    after_first = None
     if a.first_ckpt:
         bridge.sync(named(a.first_ckpt), version="first")
+        after_first = served(bridge, probe)
     for v in a.versions.split(","):
         s = bridge.sync(named(), version=v)
         stats.append(
@@ -102,7 +112,7 @@ def main():
             }
         )
     diff = bridge.verify(probe, ref.tolist(), tolerance=1e-4)
-    server_lps = bridge.server_logprobs(probe)
+    server_lps = served(bridge, probe)
     bridge.close()
     with open(a.out, "w") as f:
         json.dump(
@@ -113,11 +123,17 @@ def main():
                 "probe": probe,
                 "trainer": ref.tolist(),
                 "servers": server_lps,
+                "after_first": after_first,
             },
             f,
         )
     print("sync worker done", stats, diff)
     return 0
+
+
+def served(bridge, probe):
+    """Each live server's logprobs of the probe (either transport)."""
+    return bridge.calls.ask_all("prompt_logprobs", list(probe))
 
 
 if __name__ == "__main__":
