@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "k3": "{k3:.2e}",
         "k3 lag 0, after a sync": "{k3_lag0_synced:.2e}",
         "k3 lag 0, step 0": "{k3_lag0_start:.2e}",
-        "abs logprob diff": "{abs_diff:.4f}",
+        "abs logprob diff": "{abs_diff:.2e}",
         "TIS weight": "{tis_weight:.4f}",
         "routing agreement": "{routing_agreement:.3f}",
         "bytes per sync": "{sync_bytes:.0f}",
