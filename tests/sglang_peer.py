@@ -21,6 +21,8 @@ cannot be installed beside torch 2.13 on CPU: see STUBBED.
 `POST /peer/parse` (a list of /generate bodies) answers what SGLang's
 `GenerateReqInput.normalize_batch_and_arguments` and `SamplingParams(...).normalize/verify` make of each.
 `python -m tests.sglang_peer stops` answers where SGLang's own stop checks end a given token sequence.
+`python -m tests.sglang_peer fp8-block` and `fp8-moe` run SGLang's FP8 block quantizer, linear method and MoE method
+on saved tensors.
 `python -m tests.sglang_peer routed-experts` encodes routed experts through SGLang's capturer and decodes
 an answer's `meta_info["routed_experts"]` with SGLang's function.
 """
@@ -626,6 +628,111 @@ def fp8_block(in_path: str, out_path: str) -> None:
     torch.save(out, out_path)
 
 
+def _moe_holder(prefix: str, num_experts: int, layer):
+    """A module tree that puts `layer` at `prefix` (e.g. model.layers.1.mlp.experts), so that
+    `Qwen3MoeForCausalLM.load_weights` finds it by the parameter names it maps checkpoint names to."""
+    import torch
+
+    holder = torch.nn.Module()
+    holder.config = types.SimpleNamespace(num_experts=num_experts)
+    parent = holder
+    *path, leaf = prefix.split(".")
+    for part in path:
+        if not hasattr(parent, part):
+            parent.add_module(part, torch.nn.Module())
+        parent = getattr(parent, part)
+    parent.add_module(leaf, layer)
+    return holder
+
+
+def fp8_moe(in_path: str, out_path: str) -> None:
+    """SGLang's own FP8 MoE path on the tensors in `in_path` (torch.save of a dict), written to `out_path`.
+
+    For each `moe[prefix]` ({"shapes": [num_experts, hidden, moe_intermediate, top_k], "ep": [size, rank],
+    "first": [(name, tensor)...], "update": [(name, tensor)...]}, names as an HF checkpoint spells them:
+    `{prefix}.{e}.gate_proj.weight`, `...weight_scale_inv`), SGLang's `Fp8Config.from_config(quantization_config)`
+    picks `Fp8MoEMethod` for SGLang's `FusedMoE` layer (TP 1, expert parallel `ep`), whose `create_weights`
+    makes the stacked w13 / w2 weights and block scales; `Qwen3MoeForCausalLM.load_weights` maps the names
+    (`FusedMoE.make_expert_params_mapping`) and calls the layer's `weight_loader` per expert and shard, first for
+    a server start (`first`, then `DefaultModelLoader.postprocess_weights`), then for an online update as the
+    weight updater runs one (`DefaultModelLoader.restore_weights_before_loading`, `load_weights`,
+    `postprocess_weights`: `Fp8MoEMethod.process_weights_after_loading`, the CUDA path with DeepGEMM off).
+    Out: `moe[prefix]` = {w13_weight, w13_weight_scale_inv, w2_weight, w2_weight_scale_inv, w13_dequantized,
+    w2_dequantized (SGLang's `block_quant_dequant` per local expert, float32)} or {"error": str} when SGLang
+    refuses the shapes. Not run: the forward (`apply`: the Triton fused-MoE kernel, `fused_experts`)."""
+    import_sglang()
+    import torch
+    import torch.distributed as dist
+
+    from megatron_dapo.runtime.net import LOOPBACK, free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://{LOOPBACK}:{free_port()}", rank=0, world_size=1)
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.layers.quantization.fp8 import Fp8Config, Fp8MoEMethod
+    from sglang.srt.layers.quantization.fp8_utils import block_quant_dequant
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
+    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.server_args import ServerArgs
+
+    get_context().set_server_args(ServerArgs(model_path="megatron-dapo/fp8", device="cpu", skip_tokenizer_init=True))
+    group = types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=1, rank_in_group=0)
+    get_parallel().override_permanently(tp_rank=0, tp_size=1, tp_group=group, moe_tp_size=1, moe_tp_rank=0)
+
+    case = torch.load(in_path)
+    config = Fp8Config.from_config(case["quantization_config"])
+    cpu = torch.device("cpu")
+    out: dict = {"moe": {}}
+    for prefix, spec in case["moe"].items():
+        num_experts, hidden, inter, top_k = spec["shapes"]
+        ep_size, ep_rank = spec.get("ep", (1, 0))
+        # a rank of a server with TP = EP = ep_size (SGLang's MoE layers are expert parallel within the TP group)
+        # (no collective runs on the loading path: the group only has to say its size)
+        rank_group = types.SimpleNamespace(cpu_group=dist.group.WORLD, world_size=ep_size, rank_in_group=ep_rank)
+        get_parallel().override_permanently(
+            tp_size=ep_size,
+            tp_rank=ep_rank,
+            tp_group=rank_group,
+            attn_tp_size=ep_size,
+            attn_tp_rank=ep_rank,
+            moe_ep_size=ep_size,
+            moe_ep_rank=ep_rank,
+        )
+        layer_id = int(prefix.split(".")[2])
+        try:
+            layer = FusedMoE(
+                num_experts=num_experts,
+                hidden_size=hidden,
+                intermediate_size=inter,
+                layer_id=layer_id,
+                top_k=top_k,
+                quant_config=config,
+                prefix=prefix,
+                params_dtype=torch.bfloat16,
+            )
+        except ValueError as e:  # SGLang refuses these shapes for block FP8
+            out["moe"][prefix] = {"error": str(e)}
+            continue
+        assert isinstance(layer.quant_method, Fp8MoEMethod), type(layer.quant_method)
+        model = _moe_holder(prefix, num_experts, layer)
+        Qwen3MoeForCausalLM.load_weights(model, iter(spec["first"]))
+        DefaultModelLoader.postprocess_weights(model, cpu)
+        # the online update, as WeightUpdater.begin_weight_update / end_weight_update run it
+        DefaultModelLoader.restore_weights_before_loading(model, cpu)
+        Qwen3MoeForCausalLM.load_weights(model, iter(spec["update"]))
+        DefaultModelLoader.postprocess_weights(model, cpu)
+        stored = ("w13_weight", "w13_weight_scale_inv", "w2_weight", "w2_weight_scale_inv")
+        got = {n: getattr(layer, n).data.clone() for n in stored}
+        for w in ("w13", "w2"):
+            q, s = got[f"{w}_weight"], got[f"{w}_weight_scale_inv"]
+            got[f"{w}_dequantized"] = torch.stack(
+                [block_quant_dequant(q[e], s[e], config.weight_block_size, torch.float32) for e in range(q.shape[0])]
+            )
+        got["num_local_experts"] = layer.num_local_experts
+        out["moe"][prefix] = got
+    torch.save(out, out_path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -646,6 +753,9 @@ def main(argv=None) -> int:
     f = sub.add_parser("fp8-block", help="SGLang's FP8 block quantizer and linear method on saved tensors")
     f.add_argument("input")
     f.add_argument("output")
+    m = sub.add_parser("fp8-moe", help="SGLang's FP8 MoE method and FusedMoE loaders on saved tensors")
+    m.add_argument("input")
+    m.add_argument("output")
     sub.add_parser("routed-experts", help="stdin: [case...]; stdout: SGLang's encoding and decoding (JSON)")
     sub.add_parser("stops", help="stdin: {finish: [case...], patterns: [...]}; stdout: SGLang's answers (JSON)")
     args = p.parse_args(argv)
@@ -655,6 +765,8 @@ def main(argv=None) -> int:
         print(json.dumps(routed_experts(json.load(sys.stdin))))
     elif args.cmd == "fp8-block":
         fp8_block(args.input, args.output)
+    elif args.cmd == "fp8-moe":
+        fp8_moe(args.input, args.output)
     elif args.cmd == "stops":
         print(json.dumps(stops(json.load(sys.stdin))))
     else:

@@ -160,14 +160,14 @@ def test_quantization_config_is_what_the_released_checkpoints_carry():
 
 
 # ---- SGLang 0.5.23's own code as the judge ----------------------------------------------------------
-def _sglang_fp8(case: dict, tmp_path) -> dict:
+def _sglang_fp8(case: dict, tmp_path, cmd: str = "fp8-block") -> dict:
     from tests import sglang_peer
 
     sglang_peer.ensure_installed()
     src, dst = tmp_path / "in.pt", tmp_path / "out.pt"
     torch.save(case, src)
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.sglang_peer", "fp8-block", str(src), str(dst)],
+        [sys.executable, "-m", "tests.sglang_peer", cmd, str(src), str(dst)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -229,3 +229,55 @@ def test_sglang_quantizer_and_fp8_linear_method_agree(tmp_path):
         assert torch.equal(layer["scale"], torch.cat([s for _, s in parts]))
         mine = torch.cat([fp8.dequantize_block(q, s, torch.float32) for q, s in parts])
         assert torch.equal(layer["dequantized"], mine), prefix
+
+
+def _experts(prefix: str, num_experts: int, hidden: int, inter: int, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Per-expert bf16 projections under the HF names the bridge exports (Qwen3-MoE)."""
+    shapes = {"gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
+    return [
+        (f"{prefix}.{e}.{proj}.weight", _weight(shape, seed=seed + 3 * e + i))
+        for e in range(num_experts)
+        for i, (proj, shape) in enumerate(shapes.items())
+    ]
+
+
+@pytest.mark.slow
+def test_sglang_fp8_moe_method_loads_our_experts(tmp_path):
+    """SGLang's FusedMoE with the Fp8MoEMethod its Fp8Config picks from our quantization_config, loaded through
+    Qwen3MoeForCausalLM.load_weights from what quantize_stream sends (per-expert gate/up/down weights and
+    weight_scale_inv under the HF names), a server start then an online update with its post-loading step:
+    its stacked w13 (gate then up) and w2 weights and block scales are our bytes, for every local expert, also
+    on an expert-parallel rank (EP 2, rank 1: experts 2 and 3) and with partial blocks along hidden (200);
+    SGLang's block_quant_dequant of them equals our dequantization. SGLang refuses the tiny MoE config's expert
+    width (moe_intermediate_size 32: gate/up rows must fill 128-row blocks), which only the embedded server serves."""
+    num_experts, hidden, inter = 4, 200, 256
+    full, ep_rank, tiny = "model.layers.1.mlp.experts", "model.layers.3.mlp.experts", "model.layers.2.mlp.experts"
+    moe, sent = {}, {}
+    for prefix, ep in ((full, (1, 0)), (ep_rank, (2, 1))):
+        first = list(fp8.quantize_stream(_experts(prefix, num_experts, hidden, inter, seed=100)))
+        sent[prefix] = dict(fp8.quantize_stream(_experts(prefix, num_experts, hidden, inter, seed=0)))
+        update = list(sent[prefix].items())
+        moe[prefix] = {"shapes": [num_experts, hidden, inter, 2], "ep": list(ep), "first": first, "update": update}
+    moe[tiny] = {"shapes": [4, 64, 32, 2], "first": [], "update": []}  # configs/qwen3/tiny_qwen3_moe_cpu.yaml
+    theirs = _sglang_fp8({"quantization_config": fp8.quantization_config(), "moe": moe}, tmp_path, "fp8-moe")["moe"]
+
+    assert (
+        "output_size of gate's and up's weight = 32 is not divisible by weight quantization block_n = 128"
+        in (theirs[tiny]["error"])
+    )
+    for prefix, experts in ((full, range(4)), (ep_rank, (2, 3))):
+        layer, ours = theirs[prefix], sent[prefix]
+        assert layer["num_local_experts"] == len(experts)
+
+        def pair(e, proj, ours=ours, prefix=prefix):
+            name = f"{prefix}.{e}.{proj}.weight"
+            return ours[name], ours[fp8.scale_name(name)]
+
+        for local, e in enumerate(experts):
+            for w, projs in (("w13", ("gate_proj", "up_proj")), ("w2", ("down_proj",))):
+                parts = [pair(e, p) for p in projs]
+                q, s = layer[f"{w}_weight"][local], layer[f"{w}_weight_scale_inv"][local]
+                assert torch.equal(q.view(torch.uint8), torch.cat([q for q, _ in parts]).view(torch.uint8)), (e, w)
+                assert torch.equal(s, torch.cat([s for _, s in parts])), (e, w)
+                mine = torch.cat([fp8.dequantize_block(q, s, torch.float32) for q, s in parts])
+                assert torch.equal(layer[f"{w}_dequantized"][local], mine), (e, w)

@@ -175,3 +175,55 @@ def test_servers_start_from_an_fp8_copy_written_once(ckpts, tmp_path):
     assert rollout_model_path(cfg) == path and (Path(path) / "config.json").stat().st_mtime_ns == stamp  # reused
     cfg.model.hf_path = str(ckpts["a_fp8"])  # FP8 already: used as it is
     assert rollout_model_path(cfg) == str(ckpts["a_fp8"])
+
+
+def _worker_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sync_hf_trainer", WORKER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _hf_logprobs(ckpt, probe: list[int]) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([probe])).logits[0].double()
+    return torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(probe[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+@pytest.mark.slow
+def test_fp8_sync_of_a_moe_rounds_every_expert_on_the_server(tmp_path):
+    """The tiny Qwen3-MoE: a server started from model a's FP8 checkpoint gets model b in the FP8 block stream
+    (per-expert gate/up/down weights and scales, which the server pairs and fuses into its experts): its logprobs
+    equal a float32 model holding b's weights as the quantization rounds them, experts included; with b's experts
+    left unrounded (everything else rounded) the reference visibly differs, so the experts the server runs are
+    the rounded ones."""
+    from megatron_dapo.models.tiny import save_tiny_hf_model
+    from megatron_dapo.rollout.launcher import launch_embedded
+
+    a, b = save_tiny_hf_model("qwen3_moe", tmp_path / "a", seed=0), save_tiny_hf_model("qwen3_moe", tmp_path / "b", 1)
+    a_fp8 = hf_to_fp8(a, tmp_path / "a_fp8")
+    names = HFCheckpointReader(b).names()
+    experts = {n for n in names if ".mlp.experts." in n}
+    assert experts and all(fp8.is_quantized(n) for n in experts)
+    server = launch_embedded(str(a_fp8), tmp_path / "server.log", api_key=KEY, timeout_s=180)
+    try:
+        out = tmp_path / "out.json"
+        cmd = [sys.executable, str(WORKER), str(out), str(b), server.url, "--api-key", KEY, "--fp8"]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        res = json.loads(out.read_text())
+    finally:
+        server.stop()
+    assert res["max_diff"] < 1e-4
+    (st,) = res["stats"]
+    assert st["tensors"] == len(names) + sum(fp8.is_quantized(n) for n in names)
+    (tmp_path / "experts_unrounded").mkdir()
+    unrounded = _worker_module().rounded_copy(str(b), str(tmp_path / "experts_unrounded"), keep=experts.__contains__)
+    lp = _hf_logprobs(unrounded, res["probe"])
+    assert max(abs(x - y) for x, y in zip(lp, res["servers"][0])) > 1e-3  # 0.026 when measured

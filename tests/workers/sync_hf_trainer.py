@@ -16,7 +16,9 @@ the independent reference) and the servers' to OUT_JSON.
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 import torch
@@ -25,6 +27,27 @@ from safetensors import safe_open
 from megatron_dapo.config.schema import SyncConfig
 from megatron_dapo.sync.broadcast import BroadcastTransport
 from megatron_dapo.sync.errors import WeightSyncError
+
+
+def rounded_copy(ckpt: str, out: str, keep=lambda name: False) -> str:
+    """`ckpt` with every FP8-quantized weight (`bridge.fp8.is_quantized`, except those `keep` names) replaced by
+    its blocks rounded to e4m3 (dequantized in float64 first), under the checkpoint's own names (per expert for
+    MoE, before transformers fuses them), written to `out` with its config."""
+    from safetensors.torch import save_file
+
+    from megatron_dapo.bridge import fp8
+
+    tensors = {}
+    for f in sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors")):
+        with safe_open(os.path.join(ckpt, f), "pt") as s:
+            for n in s.keys():
+                w = s.get_tensor(n)
+                if fp8.is_quantized(n) and not keep(n):
+                    w = fp8.dequantize_block(*fp8.quantize_block(w), torch.float64).to(w.dtype)
+                tensors[n] = w
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    shutil.copy(os.path.join(ckpt, "config.json"), out)
+    return out
 
 
 def main():
@@ -49,13 +72,10 @@ def main():
 
     from megatron_dapo.bridge import fp8
 
-    model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32).eval()
+    reference = a.ckpt
     if a.fp8:  # the reference holds what the servers should: each linear weight's blocks, rounded to e4m3
-        with torch.no_grad():
-            for n, w in model.named_parameters():
-                if fp8.is_quantized(n):
-                    q, s = fp8.quantize_block(w)
-                    w.copy_(fp8.dequantize_block(q, s, torch.float64))
+        reference = rounded_copy(a.ckpt, tempfile.mkdtemp(prefix="fp8_reference_"))
+    model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     probe = [
         int(x) for x in torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))
     ]
