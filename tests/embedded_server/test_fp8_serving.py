@@ -99,12 +99,7 @@ def test_fp8_sync_into_a_server_started_from_fp8(ckpts, tmp_path, mode):
     server = launch_embedded(str(ckpts["a_fp8"]), tmp_path / "server.log", api_key=KEY, timeout_s=180)
     try:
         extra = ["--flatten"] if mode == "flattened" else []
-        out = tmp_path / "out.json"
-        cmd = [sys.executable, str(WORKER), str(out), str(ckpts["b"]), server.url, "--api-key", KEY, "--fp8", *extra]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        res = json.loads(out.read_text())
+        res = _sync_worker(tmp_path, "out", server, ckpts["b"], *extra)
     finally:
         server.stop()
     assert res["max_diff"] < 1e-4
@@ -212,12 +207,7 @@ def test_fp8_sync_of_a_moe_rounds_every_expert_on_the_server(tmp_path):
     assert experts and all(fp8.is_quantized(n) for n in experts)
     server = launch_embedded(str(a_fp8), tmp_path / "server.log", api_key=KEY, timeout_s=180)
     try:
-        out = tmp_path / "out.json"
-        cmd = [sys.executable, str(WORKER), str(out), str(b), server.url, "--api-key", KEY, "--fp8"]
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        res = json.loads(out.read_text())
+        res = _sync_worker(tmp_path, "out", server, b)
     finally:
         server.stop()
     assert res["max_diff"] < 1e-4

@@ -361,21 +361,9 @@ def test_ipc_transport_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatt
     its TpModelWorker.deserialize_own_rank (MultiprocessingSerializer, SafeUnpickler) and its WeightUpdater
     (FlattenedTensorBucket for flattened_bucket) rebuild every tensor from our shared-memory handles with its
     dtype, shape and bits, over several buckets bounded by the bucket size."""
-    from megatron_dapo.sync.ipc import IpcTransport
 
     version = f"ipc-{int(flatten)}"
-    cfg = SyncConfig(flatten_bucket=flatten, pause_mode="retract")
-    with _http(sglang_peer) as http:
-        http.post("/peer/reset", params={"running": 1}).raise_for_status()
-        transport = IpcTransport([sglang_peer.url], cfg, api_key=KEY)
-        transport.bucket_bytes = 4096
-        transport.connect()
-        try:
-            stats = transport.sync(iter(_weights()), version=version)
-        finally:
-            transport.close()
-        state = http.get("/peer/state").json()
-        got = load(http.get("/peer/received").content)
+    stats, state, got = _ipc_sync_into_sglang(sglang_peer, _weights(), version, flatten)
     want = _weights()
     assert stats.num_buckets >= 3 and stats.num_tensors == len(want)
     assert stats.payload_bytes < stats.nbytes  # handles, not the tensors' bytes
@@ -384,6 +372,26 @@ def test_ipc_transport_syncs_every_tensor_exactly_into_sglang(sglang_peer, flatt
         assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
     assert state["weight_version"] == version and not state["session_open"]
     assert (state["running"], state["waiting"], state["flushes"]) == (0, 1, 1)  # retract: flushed once, at the end
+
+
+def _ipc_sync_into_sglang(sglang_peer, weights, version: str, flatten: bool):
+    """One IpcTransport sync of `weights` into the SGLang peer (4 KiB buckets, retract pausing with one request
+    running): the sync's stats, the peer's state and the tensors SGLang rebuilt."""
+    from megatron_dapo.sync.ipc import IpcTransport
+
+    cfg = SyncConfig(flatten_bucket=flatten, pause_mode="retract")
+    with _http(sglang_peer) as http:
+        http.post("/peer/reset", params={"running": 1}).raise_for_status()
+        transport = IpcTransport([sglang_peer.url], cfg, api_key=KEY)
+        transport.bucket_bytes = 4096
+        transport.connect()
+        try:
+            stats = transport.sync(iter(weights), version=version)
+        finally:
+            transport.close()
+        state = http.get("/peer/state").json()
+        got = load(http.get("/peer/received").content)
+    return stats, state, got
 
 
 def _fp8_weights() -> list[tuple[str, torch.Tensor]]:
@@ -405,23 +413,11 @@ def test_ipc_transport_syncs_the_fp8_block_stream_exactly_into_sglang(sglang_pee
     FlattenedTensorBucket): every float8 weight and float32 scale arrives with its dtype, shape and bytes,
     mixed with bf16 tensors in the same buckets (shared-memory handles to float8 storages)."""
     from megatron_dapo.bridge import fp8
-    from megatron_dapo.sync.ipc import IpcTransport
 
     want = _fp8_weights()
     assert {t.dtype for _, t in want} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
     version = f"ipc-fp8-{int(flatten)}"
-    cfg = SyncConfig(flatten_bucket=flatten, pause_mode="retract")
-    with _http(sglang_peer) as http:
-        http.post("/peer/reset", params={"running": 1}).raise_for_status()
-        transport = IpcTransport([sglang_peer.url], cfg, api_key=KEY)
-        transport.bucket_bytes = 4096
-        transport.connect()
-        try:
-            stats = transport.sync(iter(want), version=version)
-        finally:
-            transport.close()
-        state = http.get("/peer/state").json()
-        got = load(http.get("/peer/received").content)
+    stats, state, got = _ipc_sync_into_sglang(sglang_peer, want, version, flatten)
     assert stats.num_buckets >= 3 and stats.num_tensors == len(want)
     assert state["names"] == [n for n, _ in want]  # each weight, then its scales, in the order sent
     for name, t in want:
