@@ -99,6 +99,10 @@ def test_profile_engine_measures_the_server_and_writes_a_cost_model(server, tmp_
             "8,40",
             "--new-tokens",
             "6",
+            # the fit's quality is the machine's load, not this test's subject (a fit refused for its error:
+            # tests/apps/test_profile_engine.py); at load ~130 one point measured 10x its neighbour
+            "--max-fit-error",
+            "1000",
         ]
     )
     printed = capsys.readouterr().out
