@@ -13,7 +13,13 @@ from staleness alone). Variants:
     icepop      DAPO loss, IcePop mask [0.5, 5] (Ring-1T's alpha, beta)
     gspo        GSPO loss (seq-mean-token-mean) + token TIS
     cispo       CISPO loss + token TIS
+    seq_tis     DAPO loss, sequence-level truncated IS (upper 2: verl's decoupled_seq_is preset)
+    seq_mis     DAPO loss, sequence-level masked IS in [0.5, 2] (the bounds of verl's decoupled_seq_is_rs)
+    geo_wide    token TIS + geometric rejection at 0.99 / 1.01 (10x verl's preset width; see GEO_WIDE)
+    bypass_tis  token TIS with bypass: rollout logprobs as the old policy, no old-logprob forward
     fp32        token_tis with fp32 servers (the unperturbed engine), with --baseline
+
+The first six are the issue's; `run` does them by default, `--variants` picks others.
 
 Each run's metrics.jsonl (and a `bench.json` with its wall time and exit status) stays under
 `--root/<variant>/seed<k>`; `table` reads them, so a partial sweep can be tabulated. Runs are done
@@ -56,7 +62,23 @@ VARIANTS: dict[str, list[str]] = {
     "gspo": [*BF16, *GSPO],
     "cispo": [*BF16, "algo.policy_loss=cispo", "algo.rollout_correction.mode=token_tis"],
 }
+# verl's geometric presets (decoupled_geo_rs and the rest, verl 0.9.1) all use 0.999 / 1.001, which rejected
+# 93 % of the responses at staleness 3 here; +-1 % (0.99_1.01 in verl's rollout_rs_threshold syntax) is the
+# next decade out. Symmetric, so verl's inverted ratio (docs/algorithm.md) gives the same bounds within 1e-4.
+GEO_WIDE = ["algo.rollout_correction.geo_reject.lower=0.99", "algo.rollout_correction.geo_reject.upper=1.01"]
+EXTRA_VARIANTS: dict[str, list[str]] = {
+    "seq_tis": [*BF16, "algo.rollout_correction.mode=seq_tis"],
+    "seq_mis": [*BF16, "algo.rollout_correction.mode=seq_mis", "algo.rollout_correction.lower=0.5"],
+    "geo_wide": [
+        *BF16,
+        "algo.rollout_correction.mode=token_tis",
+        "algo.rollout_correction.geo_reject.enable=true",
+        *GEO_WIDE,
+    ],
+    "bypass_tis": [*BF16, "algo.rollout_correction.mode=token_tis", "algo.rollout_correction.bypass=true"],
+}
 BASELINE = {"fp32": ["algo.rollout_correction.mode=token_tis"]}
+ALL_VARIANTS = {**VARIANTS, **EXTRA_VARIANTS, **BASELINE}
 VAL = "val/math_dapo/acc/mean@4"
 # (column, metrics.jsonl key): averaged over the training steps of a run, then over seeds
 MISMATCH = [
@@ -70,7 +92,18 @@ MISMATCH = [
 ]
 
 
-def run_one(root: Path, prepared: Path, name: str, overrides: list[str], seed: int, steps: int, staleness: int):
+def run_overrides(name: str, seed: int, steps: int, staleness: int) -> list[str]:
+    """The config overrides one run passes to `megatron-dapo demo`, after the demo's own."""
+    return [
+        f"algo.staleness={staleness}",
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+        f"trainer.val_every={max(1, steps // 2)}",  # held-out at the start, mid-way and the end
+        *ALL_VARIANTS[name],
+    ]
+
+
+def run_one(root: Path, prepared: Path, name: str, seed: int, steps: int, staleness: int):
     out = root / name / f"seed{seed}"
     done = out / "bench.json"
     if done.exists() and json.loads(done.read_text())["rc"] == 0:
@@ -87,11 +120,7 @@ def run_one(root: Path, prepared: Path, name: str, overrides: list[str], seed: i
         str(prepared),
         "--steps",
         str(steps),
-        f"algo.staleness={staleness}",
-        f"trainer.seed={seed}",
-        f"data.seed={seed}",
-        f"trainer.val_every={max(1, steps // 2)}",  # held-out at the start, mid-way and the end
-        *overrides,
+        *run_overrides(name, seed, steps, staleness),
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)  # a failed earlier attempt: start over
@@ -136,7 +165,7 @@ def _ms(xs: list[float], fmt: str) -> str:
 
 def table(root: Path, seeds: list[int] | None = None) -> str:
     """One row per variant over its completed runs (of `seeds`, default all), then end mean@4 per seed."""
-    names = [n for n in [*VARIANTS, *BASELINE] if (root / n).is_dir()]
+    names = [n for n in ALL_VARIANTS if (root / n).is_dir()]
     head = ["variant", "seeds", "steps", "mean@4 start", "mid", "end", *[c for c, _ in MISMATCH], "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_seed = []
@@ -224,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=12)
     r.add_argument("--staleness", type=int, default=3)
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=[*VARIANTS, *BASELINE])
+    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(ALL_VARIANTS))
     r.add_argument("--baseline", action="store_true", help="also the fp32-engine token_tis run, after each seed")
     r.add_argument("--warm-steps", type=int, default=1000)
     t = sub.add_parser("table")
@@ -243,14 +272,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     prepared = root / "prepared"
     if not (prepared / "model" / "config.json").exists():  # the shared warm start, once
+        import torch
+
         from megatron_dapo.apps.demo import prepare
 
+        # One thread, as `megatron-dapo demo` sets for its own warm start: on a shared small machine torch's
+        # spinning intra-op threads slowed this warm start from ~23 to ~1 step/s.
+        torch.set_num_threads(1)
         prepare(prepared, args.warm_steps)
-    everything = {**VARIANTS, **BASELINE}
     for seed in args.seeds:
         names = list(args.variants) + (list(BASELINE) if args.baseline else [])
         for name in names:
-            run_one(root, prepared, name, everything[name], seed, args.steps, args.staleness)
+            run_one(root, prepared, name, seed, args.steps, args.staleness)
     print(table(root))
     return 0
 
