@@ -22,8 +22,9 @@ from staleness alone). Variants:
 The first six are the issue's; `run` does them by default, `--variants` picks others.
 
 Each run's metrics.jsonl (and a `bench.json` with its wall time and exit status) stays under
-`--root/<variant>/seed<k>`; `table` reads them, so a partial sweep can be tabulated. Runs are done
-seed by seed (all variants of seed 0 first), and a run whose bench.json says it finished is skipped.
+`--root/<variant>/seed<k>`; `table` reads them, so a partial sweep can be tabulated (step-averaged
+columns, then some of them over each third of the steps). Runs are done seed by seed (all variants of
+seed 0 first), and a run whose bench.json says it finished is skipped.
 
     python benchmarks/rollout_corrections.py run --root runs/rc --steps 12 --seeds 0 1 2 [--baseline]
     python benchmarks/rollout_corrections.py table --root runs/rc
@@ -90,6 +91,8 @@ MISMATCH = [
     ("w mean", "actor/rollout_corr_weight_mean"),
     ("train acc", "reward/accuracy"),
 ]
+WINDOWS = 3  # the second table: these columns averaged over each third of the steps, then over seeds
+OVER_STEPS = ["k3", "chi2 tok", "seq rej", "train acc"]
 
 
 def run_overrides(name: str, seed: int, steps: int, staleness: int) -> list[str]:
@@ -145,6 +148,7 @@ def read_run(path: Path) -> dict | None:
     for col, key in MISMATCH:
         vals = [r[key] for r in train if key in r]
         out[col] = statistics.fmean(vals) if vals else None
+    out["windows"] = {col: _window_means(train, dict(MISMATCH)[col]) for col in OVER_STEPS}
     bench = path / "bench.json"
     if bench.exists():
         out.update({k: json.loads(bench.read_text())[k] for k in ("rc", "wall_s")})
@@ -153,6 +157,15 @@ def read_run(path: Path) -> dict | None:
         walls = re.findall(r"^wall time (\d+)s", log.read_text(), re.M) if log.exists() else []
         out.update({"rc": 0 if walls else None, "wall_s": float(walls[-1]) if walls else None})
     return out
+
+
+def _window_means(train: list[dict], key: str) -> list[float | None]:
+    """The mean of `key` over each of WINDOWS consecutive, equal shares of the training steps."""
+    windows: list[list[float]] = [[] for _ in range(WINDOWS)]
+    for i, r in enumerate(train):
+        if key in r:
+            windows[i * WINDOWS // len(train)].append(r[key])
+    return [statistics.fmean(w) if w else None for w in windows]
 
 
 def _ms(xs: list[float], fmt: str) -> str:
@@ -169,6 +182,7 @@ def table(root: Path, seeds: list[int] | None = None) -> str:
     head = ["variant", "seeds", "steps", "mean@4 start", "mid", "end", *[c for c, _ in MISMATCH], "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_seed = []
+    over_steps = {}
     for name in names:
         runs = {}
         for d in sorted((root / name).glob("seed*")):
@@ -195,11 +209,19 @@ def table(root: Path, seeds: list[int] | None = None) -> str:
             cols.append(_ms(xs, ".3f" if col in ("tok rej", "seq rej", "w mean", "train acc") else ".2e"))
         cols.append(_ms([r["wall_s"] for r in runs.values()], ".0f"))
         lines.append("| " + " | ".join(cols) + " |")
+        over_steps[name] = [
+            _ms([r["windows"][col][w] for r in runs.values() if r["windows"][col][w] is not None], ".3g")
+            for col in OVER_STEPS
+            for w in range(WINDOWS)
+        ]
         per_seed.append(
             f"{name}: end mean@4 per seed "
             + ", ".join(f"{s}={r['val'].get(last, float('nan')):.3f}" for s, r in sorted(runs.items()))
         )
-    return "\n".join([*lines, "", *per_seed])
+    head = ["variant", *[f"{col} {w + 1}/{WINDOWS}" for col in OVER_STEPS for w in range(WINDOWS)]]
+    windows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    windows += ["| " + " | ".join([name, *cells]) + " |" for name, cells in over_steps.items()]
+    return "\n".join([*lines, "", *per_seed, "", "Over the steps (each third of a run's steps):", "", *windows])
 
 
 MOE_COLUMNS = [

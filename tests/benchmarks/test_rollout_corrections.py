@@ -1,9 +1,11 @@
 """benchmarks/rollout_corrections.py: every variant's overrides pass the project's config loader (with the
 validation) on the demo's config at the sweep's staleness, and set what the variant's name says."""
 
+import json
+
 import pytest
 
-from benchmarks.rollout_corrections import ALL_VARIANTS, EXTRA_VARIANTS, VARIANTS, run_overrides
+from benchmarks.rollout_corrections import ALL_VARIANTS, EXTRA_VARIANTS, VAL, VARIANTS, run_overrides, table
 from megatron_dapo.apps.demo import DEFAULT_CONFIG
 from megatron_dapo.config import ConfigError, load_config
 
@@ -46,3 +48,20 @@ def test_bypass_without_its_correction_is_refused_at_the_sweeps_staleness():
     overrides = [*run_overrides("bypass_tis", seed=0, steps=30, staleness=3), "algo.rollout_correction.mode=none"]
     with pytest.raises(ConfigError, match="bypass=true with algo.staleness=3"):
         load_config(DEFAULT_CONFIG, overrides)
+
+
+def _write_run(path, k3_by_step, val):
+    path.mkdir(parents=True)
+    rows = [{"step": s, "actor/pg_loss": 0.1, "actor/mismatch_k3": k3} for s, k3 in enumerate(k3_by_step)]
+    rows += [{"step": s, VAL: v} for s, v in val.items()]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (path / "bench.json").write_text(json.dumps({"rc": 0, "wall_s": 100.0}))
+
+
+def test_table_averages_each_third_of_the_steps_then_the_seeds(tmp_path):
+    _write_run(tmp_path / "gspo" / "seed0", [1, 1, 2, 2, 3, 3], {0: 0.0, 3: 0.2, 6: 0.4})
+    _write_run(tmp_path / "gspo" / "seed1", [3, 3, 4, 4, 5, 5], {0: 0.0, 3: 0.2, 6: 0.2})
+    text = table(tmp_path)
+    assert "| gspo | 2 | 6 | 0.000±0.000 | 0.200±0.000 | 0.300±0.141 | 3.00e+00±1.41e+00 |" in text
+    windows = next(line for line in text.splitlines()[4:] if line.startswith("| gspo"))
+    assert windows.split(" | ")[1:4] == ["2±1.41", "3±1.41", "4±1.41"]  # k3 over steps 0-1, 2-3, 4-5
