@@ -13,11 +13,18 @@ from staleness alone). Variants:
     icepop      DAPO loss, IcePop mask [0.5, 5] (Ring-1T's alpha, beta)
     gspo        GSPO loss (seq-mean-token-mean) + token TIS
     cispo       CISPO loss + token TIS
+    seq_tis     DAPO loss, sequence-level truncated IS (upper 2: verl's decoupled_seq_is preset)
+    seq_mis     DAPO loss, sequence-level masked IS in [0.5, 2] (the bounds of verl's decoupled_seq_is_rs)
+    geo_wide    token TIS + geometric rejection at 0.99 / 1.01 (10x verl's preset width; see GEO_WIDE)
+    bypass_tis  token TIS with bypass: rollout logprobs as the old policy, no old-logprob forward
     fp32        token_tis with fp32 servers (the unperturbed engine), with --baseline
 
+The first six are the issue's; `run` does them by default, `--variants` picks others.
+
 Each run's metrics.jsonl (and a `bench.json` with its wall time and exit status) stays under
-`--root/<variant>/seed<k>`; `table` reads them, so a partial sweep can be tabulated. Runs are done
-seed by seed (all variants of seed 0 first), and a run whose bench.json says it finished is skipped.
+`--root/<variant>/seed<k>`; `table` reads them, so a partial sweep can be tabulated (step-averaged
+columns, then some of them over each third of the steps). Runs are done seed by seed (all variants of
+seed 0 first), and a run whose bench.json says it finished is skipped.
 
     python benchmarks/rollout_corrections.py run --root runs/rc --steps 12 --seeds 0 1 2 [--baseline]
     python benchmarks/rollout_corrections.py table --root runs/rc
@@ -56,7 +63,23 @@ VARIANTS: dict[str, list[str]] = {
     "gspo": [*BF16, *GSPO],
     "cispo": [*BF16, "algo.policy_loss=cispo", "algo.rollout_correction.mode=token_tis"],
 }
+# verl's geometric presets (decoupled_geo_rs and the rest, verl 0.9.1) all use 0.999 / 1.001, which rejected
+# 93 % of the responses at staleness 3 here; +-1 % (0.99_1.01 in verl's rollout_rs_threshold syntax) is the
+# next decade out. Symmetric, so verl's inverted ratio (docs/algorithm.md) gives the same bounds within 1e-4.
+GEO_WIDE = ["algo.rollout_correction.geo_reject.lower=0.99", "algo.rollout_correction.geo_reject.upper=1.01"]
+EXTRA_VARIANTS: dict[str, list[str]] = {
+    "seq_tis": [*BF16, "algo.rollout_correction.mode=seq_tis"],
+    "seq_mis": [*BF16, "algo.rollout_correction.mode=seq_mis", "algo.rollout_correction.lower=0.5"],
+    "geo_wide": [
+        *BF16,
+        "algo.rollout_correction.mode=token_tis",
+        "algo.rollout_correction.geo_reject.enable=true",
+        *GEO_WIDE,
+    ],
+    "bypass_tis": [*BF16, "algo.rollout_correction.mode=token_tis", "algo.rollout_correction.bypass=true"],
+}
 BASELINE = {"fp32": ["algo.rollout_correction.mode=token_tis"]}
+ALL_VARIANTS = {**VARIANTS, **EXTRA_VARIANTS, **BASELINE}
 VAL = "val/math_dapo/acc/mean@4"
 # (column, metrics.jsonl key): averaged over the training steps of a run, then over seeds
 MISMATCH = [
@@ -68,9 +91,22 @@ MISMATCH = [
     ("w mean", "actor/rollout_corr_weight_mean"),
     ("train acc", "reward/accuracy"),
 ]
+WINDOWS = 3  # the second table: these columns averaged over each third of the steps, then over seeds
+OVER_STEPS = ["k3", "chi2 tok", "seq rej", "train acc"]
 
 
-def run_one(root: Path, prepared: Path, name: str, overrides: list[str], seed: int, steps: int, staleness: int):
+def run_overrides(name: str, seed: int, steps: int, staleness: int) -> list[str]:
+    """The config overrides one run passes to `megatron-dapo demo`, after the demo's own."""
+    return [
+        f"algo.staleness={staleness}",
+        f"trainer.seed={seed}",
+        f"data.seed={seed}",
+        f"trainer.val_every={max(1, steps // 2)}",  # held-out at the start, mid-way and the end
+        *ALL_VARIANTS[name],
+    ]
+
+
+def run_one(root: Path, prepared: Path, name: str, seed: int, steps: int, staleness: int):
     out = root / name / f"seed{seed}"
     done = out / "bench.json"
     if done.exists() and json.loads(done.read_text())["rc"] == 0:
@@ -87,11 +123,7 @@ def run_one(root: Path, prepared: Path, name: str, overrides: list[str], seed: i
         str(prepared),
         "--steps",
         str(steps),
-        f"algo.staleness={staleness}",
-        f"trainer.seed={seed}",
-        f"data.seed={seed}",
-        f"trainer.val_every={max(1, steps // 2)}",  # held-out at the start, mid-way and the end
-        *overrides,
+        *run_overrides(name, seed, steps, staleness),
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)  # a failed earlier attempt: start over
@@ -116,6 +148,7 @@ def read_run(path: Path) -> dict | None:
     for col, key in MISMATCH:
         vals = [r[key] for r in train if key in r]
         out[col] = statistics.fmean(vals) if vals else None
+    out["windows"] = {col: _window_means(train, dict(MISMATCH)[col]) for col in OVER_STEPS}
     bench = path / "bench.json"
     if bench.exists():
         out.update({k: json.loads(bench.read_text())[k] for k in ("rc", "wall_s")})
@@ -124,6 +157,15 @@ def read_run(path: Path) -> dict | None:
         walls = re.findall(r"^wall time (\d+)s", log.read_text(), re.M) if log.exists() else []
         out.update({"rc": 0 if walls else None, "wall_s": float(walls[-1]) if walls else None})
     return out
+
+
+def _window_means(train: list[dict], key: str) -> list[float | None]:
+    """The mean of `key` over each of WINDOWS consecutive, equal shares of the training steps."""
+    windows: list[list[float]] = [[] for _ in range(WINDOWS)]
+    for i, r in enumerate(train):
+        if key in r:
+            windows[i * WINDOWS // len(train)].append(r[key])
+    return [statistics.fmean(w) if w else None for w in windows]
 
 
 def _ms(xs: list[float], fmt: str) -> str:
@@ -136,10 +178,11 @@ def _ms(xs: list[float], fmt: str) -> str:
 
 def table(root: Path, seeds: list[int] | None = None) -> str:
     """One row per variant over its completed runs (of `seeds`, default all), then end mean@4 per seed."""
-    names = [n for n in [*VARIANTS, *BASELINE] if (root / n).is_dir()]
+    names = [n for n in ALL_VARIANTS if (root / n).is_dir()]
     head = ["variant", "seeds", "steps", "mean@4 start", "mid", "end", *[c for c, _ in MISMATCH], "wall s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     per_seed = []
+    over_steps = {}
     for name in names:
         runs = {}
         for d in sorted((root / name).glob("seed*")):
@@ -166,11 +209,19 @@ def table(root: Path, seeds: list[int] | None = None) -> str:
             cols.append(_ms(xs, ".3f" if col in ("tok rej", "seq rej", "w mean", "train acc") else ".2e"))
         cols.append(_ms([r["wall_s"] for r in runs.values()], ".0f"))
         lines.append("| " + " | ".join(cols) + " |")
+        over_steps[name] = [
+            _ms([r["windows"][col][w] for r in runs.values() if r["windows"][col][w] is not None], ".3g")
+            for col in OVER_STEPS
+            for w in range(WINDOWS)
+        ]
         per_seed.append(
             f"{name}: end mean@4 per seed "
             + ", ".join(f"{s}={r['val'].get(last, float('nan')):.3f}" for s, r in sorted(runs.items()))
         )
-    return "\n".join([*lines, "", *per_seed])
+    head = ["variant", *[f"{col} {w + 1}/{WINDOWS}" for col in OVER_STEPS for w in range(WINDOWS)]]
+    windows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    windows += ["| " + " | ".join([name, *cells]) + " |" for name, cells in over_steps.items()]
+    return "\n".join([*lines, "", *per_seed, "", "Over the steps (each third of a run's steps):", "", *windows])
 
 
 MOE_COLUMNS = [
@@ -224,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--steps", type=int, default=12)
     r.add_argument("--staleness", type=int, default=3)
     r.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=[*VARIANTS, *BASELINE])
+    r.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(ALL_VARIANTS))
     r.add_argument("--baseline", action="store_true", help="also the fp32-engine token_tis run, after each seed")
     r.add_argument("--warm-steps", type=int, default=1000)
     t = sub.add_parser("table")
@@ -243,14 +294,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     prepared = root / "prepared"
     if not (prepared / "model" / "config.json").exists():  # the shared warm start, once
+        import torch
+
         from megatron_dapo.apps.demo import prepare
 
+        # One thread, as `megatron-dapo demo` sets for its own warm start: on a shared small machine torch's
+        # spinning intra-op threads slowed this warm start from ~23 to ~1 step/s.
+        torch.set_num_threads(1)
         prepare(prepared, args.warm_steps)
-    everything = {**VARIANTS, **BASELINE}
     for seed in args.seeds:
         names = list(args.variants) + (list(BASELINE) if args.baseline else [])
         for name in names:
-            run_one(root, prepared, name, everything[name], seed, args.steps, args.staleness)
+            run_one(root, prepared, name, seed, args.steps, args.staleness)
     print(table(root))
     return 0
 
