@@ -235,25 +235,68 @@ class TrainerRankLost(LaunchError):
 PLACE_TIMEOUT_S = 300.0  # for the trainer actors of a (re)start to be placed and answer
 
 
-def _rank_results(futures: list, layout: "_RayLayout") -> list:
-    """Every rank's result; the first rank whose actor is lost (its process or its node gone) raises
-    TrainerRankLost at once, naming the rank and its node, instead of the others waiting on it."""
-    import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, WorkerCrashedError
+# After a rank raises, how long the driver waits for another rank to be found lost before it reports the raise:
+# a rank whose peer was SIGKILLed often fails first (its collective's connection is reset) while Ray is still
+# noticing the death (at once for a process, a node heartbeat timeout of 30 s for a whole node; longer on a
+# loaded machine), and the lost rank, not the reset, is what the operator must be told and what a restart is for.
+LOST_PEER_GRACE_S = 40.0
 
-    lost = (ActorDiedError, ActorUnavailableError, NodeDiedError, WorkerCrashedError)
+
+def _rank_results(futures: list, layout: "_RayLayout", grace_s: float = LOST_PEER_GRACE_S) -> list:
+    """Every rank's result; the first rank whose actor is lost (its process or its node gone) raises
+    TrainerRankLost at once, naming the rank and its node, instead of the others waiting on it. A rank that
+    raises is reported as itself only when no other rank is found lost within `grace_s`."""
+    import ray
+
     pending = list(futures)
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         try:
             ray.get(done[0])
-        except lost as e:
-            rank = futures.index(done[0])
-            raise TrainerRankLost(
-                f"trainer rank {rank} lost ({layout.where(rank)}): {type(e).__name__}: {str(e).splitlines()[0]}; "
-                f"the run stops (resume from the latest checkpoint with checkpoint.resume=true)"
-            ) from e
+        except _lost_actor_errors() as e:
+            raise _rank_lost(futures.index(done[0]), layout, e) from e
+        except Exception as raised:
+            found = _lost_rank_within(pending, grace_s)
+            if found is None:
+                raise
+            ref, e = found
+            rank = futures.index(ref)
+            raise _rank_lost(rank, layout, e, after=f"rank {futures.index(done[0])} failed first: {raised!r}") from e
     return ray.get(futures)
+
+
+def _lost_actor_errors() -> tuple:
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, WorkerCrashedError
+
+    return (ActorDiedError, ActorUnavailableError, NodeDiedError, WorkerCrashedError)
+
+
+def _lost_rank_within(pending: list, grace_s: float):
+    """(ref, error) of the first of `pending` found lost within grace_s, else None (ranks that raise or return
+    meanwhile are passed over: they are the first failure's consequences or bystanders)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + grace_s
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except _lost_actor_errors() as e:
+                return ref, e
+            except Exception:
+                pass
+    return None
+
+
+def _rank_lost(rank: int, layout: "_RayLayout", e: BaseException, after: str = "") -> "TrainerRankLost":
+    also = f" ({str(after).splitlines()[0][:300]})" if after else ""
+    return TrainerRankLost(
+        f"trainer rank {rank} lost ({layout.where(rank)}): {type(e).__name__}: {str(e).splitlines()[0]}{also}; "
+        f"the run stops (resume from the latest checkpoint with checkpoint.resume=true)"
+    )
 
 
 def _train_ranks(cfg, layout, trainers, urls, tp_sizes, resume: bool):
