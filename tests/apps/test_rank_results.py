@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_dapo.apps.launch import TrainerRankLost, _rank_results
+from tests.local_ray import init_local_ray
 
 pytestmark = pytest.mark.slow
 LAYOUT = SimpleNamespace(where=lambda rank: f"test node {rank}")
@@ -19,15 +20,7 @@ LAYOUT = SimpleNamespace(where=lambda rank: f"test node {rank}")
 @pytest.fixture(scope="module")
 def ray():
     ray = pytest.importorskip("ray")
-    ray.init(
-        address="local",
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
-        num_cpus=3,
-        object_store_memory=100 << 20,
-        log_to_driver=False,
-        configure_logging=False,
-    )
+    init_local_ray(ray, num_cpus=3)
     yield ray
     ray.shutdown()
 

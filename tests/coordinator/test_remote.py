@@ -19,6 +19,7 @@ from megatron_dapo.coordinator.servers import ServerRegistry
 from megatron_dapo.coordinator.service import COORDINATOR_CALLS, REGISTRY_CALLS, REMOTE_CALLS, CoordinatorService
 from megatron_dapo.data.dataset import DatasetError
 from megatron_dapo.errors import CheckpointError, RemoteError
+from tests.local_ray import init_local_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,14 +74,9 @@ def test_the_host_answers_declared_calls_only():
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    ray.init(
-        address="local",  # never another test's (or a `ray start`) cluster
-        _node_ip_address="127.0.0.1",
-        include_dashboard=False,
+    init_local_ray(
+        ray,
         num_cpus=1,
-        object_store_memory=100 << 20,
-        log_to_driver=False,
-        configure_logging=False,
         runtime_env={"env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}},
     )
     yield
