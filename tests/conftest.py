@@ -5,6 +5,8 @@ import pytest
 # Keep CPU tests from oversubscribing the 2-core CI machine (each torchrun rank is a process).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# A test that runs a Ray driver in this process would otherwise replace builtins.print for every later test.
+os.environ.setdefault("RAY_TQDM_PATCH_PRINT", "0")
 
 
 def pytest_collection_modifyitems(config, items):

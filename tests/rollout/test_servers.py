@@ -314,7 +314,7 @@ def test_update_weights_from_tensor_loads_sglang_payloads_and_refuses_code(model
                 errors = []
                 async with c.weight_update_session():
                     for bad in (
-                        pickle.dumps(print),
+                        b"cbuiltins\nprint\n.",  # spelled out: an in-process Ray driver may have replaced print
                         b"cos\nsystem\n(S'true'\ntR.",
                         pickle.dumps([("model.norm.weight", torch.load)]),
                     ):
