@@ -17,6 +17,7 @@ import contextlib
 import copy
 import math
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -544,9 +545,10 @@ def run_checks(argv, checks: dict) -> None:
         save_tiny_hf_model("qwen3", hf_dir, seed=0)
     dist.barrier()
     for name in names:
+        started = time.perf_counter()
         checks[name](hf_dir, tmpdir)
         dist.barrier()
-        log(f"CHECK PASSED {name}")
+        log(f"CHECK PASSED {name} in {time.perf_counter() - started:.1f} s")  # where a launch's time goes
     destroy_distributed()
 
 
