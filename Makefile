@@ -23,8 +23,9 @@ demo: $(STAMP)
 smoke: $(STAMP)
 	$(VENV)/bin/megatron-dapo smoke
 
+# --durations: every CI log says where the time went (benchmarks/RESULTS.md "The test suite in CI").
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
@@ -52,7 +53,7 @@ $(STAMP_LATEST): pyproject.toml
 
 test-megatron-latest: $(STAMP_LATEST)
 	$(PY_LATEST) -c "from importlib.metadata import version as v; assert v('megatron-core') == '$(MCORE_LATEST)', v('megatron-core'); print('megatron-core', v('megatron-core'), 'transformers', v('transformers'))"
-	$(PY_LATEST) -m pytest -q $(MEGATRON_TESTS)
+	$(PY_LATEST) -m pytest -q --durations=15 $(MEGATRON_TESTS)
 
 # The GPU install (pyproject's `gpu` extra + constraints/gpu.txt) against SGLang 0.5.23's pins, and resolved
 # for Python 3.11 and 3.12 from package metadata only (tools/check_gpu_install.py; needs PyPI).
