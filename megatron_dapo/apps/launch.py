@@ -292,7 +292,7 @@ def _lost_rank_within(pending: list, grace_s: float):
 
 
 def _rank_lost(rank: int, layout: "_RayLayout", e: BaseException, after: str = "") -> "TrainerRankLost":
-    also = f" ({str(after).splitlines()[0][:300]})" if after else ""
+    also = f" ({after.splitlines()[0][:300]})" if after else ""
     return TrainerRankLost(
         f"trainer rank {rank} lost ({layout.where(rank)}): {type(e).__name__}: {str(e).splitlines()[0]}{also}; "
         f"the run stops (resume from the latest checkpoint with checkpoint.resume=true)"

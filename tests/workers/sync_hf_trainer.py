@@ -72,11 +72,10 @@ def main():
 
     from megatron_dapo.bridge import fp8
 
-    if a.fp8:  # the reference holds what the servers should: each linear weight's blocks, rounded to e4m3
-        with tempfile.TemporaryDirectory(prefix="fp8_reference_") as out:
-            model = AutoModelForCausalLM.from_pretrained(rounded_copy(a.ckpt, out), dtype=torch.float32).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(a.ckpt, dtype=torch.float32).eval()
+    with tempfile.TemporaryDirectory(prefix="fp8_reference_") as out:
+        # with --fp8 the reference holds what the servers should: each linear weight's blocks, rounded to e4m3
+        reference = rounded_copy(a.ckpt, out) if a.fp8 else a.ckpt
+        model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
     probe = [
         int(x) for x in torch.randint(0, model.config.vocab_size, (24,), generator=torch.Generator().manual_seed(7))
     ]
